@@ -1,0 +1,113 @@
+"""Resolve ``base`` and ``data.path`` to something loadable, creating demo assets on first use.
+
+``ladle://tiny-llama`` and ``ladle://demo-alpaca`` name assets that ladle makes
+itself (see ``ladle.demo``); they live under ``$LADLE_HOME`` (default
+``~/.cache/ladle``). Any other base is a Hugging Face model folder, local or
+behind an fsspec URL (copied into the cache once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from ladle import storage
+from ladle.errors import LadleError
+
+BUILTIN_SCHEME = "ladle://"
+ASSET_VERSION = "v1"
+
+
+def ladle_home() -> Path:
+    return Path(os.environ.get("LADLE_HOME", Path.home() / ".cache" / "ladle")).expanduser()
+
+
+def demo_data_file() -> Path:
+    """The generated demo dataset, written on first use."""
+    from ladle.demo import write_demo_data
+
+    path = ladle_home() / "assets" / f"demo-alpaca-{ASSET_VERSION}.jsonl"
+    if not path.exists():
+        write_demo_data(path)
+    return path
+
+
+def tiny_model_dir() -> Path:
+    """The tiny Llama model + tokenizer, created on first use."""
+    path = ladle_home() / "assets" / f"tiny-llama-{ASSET_VERSION}"
+    if not (path / "config.json").exists():
+        from ladle.demo import write_tiny_model
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            write_tiny_model(path, demo_data_file())
+        except OSError:
+            # Another process created it first; theirs is complete (atomic rename).
+            if not (path / "config.json").exists():
+                raise
+    return path
+
+
+BUILTINS = {"tiny-llama": tiny_model_dir, "demo-alpaca": demo_data_file}
+
+
+def resolve_builtin(url: str, field: str) -> str:
+    """Map ``ladle://NAME`` to its local path; leave other URLs unchanged."""
+    if not url.startswith(BUILTIN_SCHEME):
+        return url
+    name = url.removeprefix(BUILTIN_SCHEME)
+    if name not in BUILTINS:
+        known = ", ".join(BUILTIN_SCHEME + k for k in BUILTINS)
+        raise LadleError(f"{field} = {url!r}: unknown built-in asset. Use one of {known}.")
+    return str(BUILTINS[name]())
+
+
+def resolve_base(base: str) -> Path:
+    """Return a local folder holding the base model, checking it holds one.
+
+    Raises:
+        LadleError: the folder does not exist or has no ``config.json``.
+    """
+    url = storage.normalise(resolve_builtin(base, "base"))
+    if not storage.is_local(url):
+        url = str(_cache_remote_model(url))
+    path = Path(url.removeprefix("file://"))
+    if not path.is_dir():
+        raise LadleError(
+            f"base = {base!r}: no such folder. Point base at a Hugging Face model folder "
+            f"or use {BUILTIN_SCHEME}tiny-llama."
+        )
+    if not (path / "config.json").is_file():
+        raise LadleError(
+            f"base = {base!r}: the folder holds no model (no config.json). Point base at a folder "
+            "written by save_pretrained."
+        )
+    return path
+
+
+def _cache_remote_model(url: str) -> Path:
+    key = hashlib.sha256(url.encode()).hexdigest()[:16]
+    target = ladle_home() / "models" / key
+    if (target / "config.json").exists():
+        return target
+    if not storage.exists(storage.join(url, "config.json")):
+        raise LadleError(f"base = {url!r}: the folder holds no model (no config.json). Check the URL.")
+    storage.download_dir(url, target.with_name(key + ".tmp")).replace(target)
+    return target
+
+
+def resolve_data(path: str, field: str = "data.path") -> str:
+    """Return an fsspec URL for a data file, checking it exists.
+
+    Raises:
+        LadleError: nothing exists at that URL.
+    """
+    url = storage.normalise(resolve_builtin(path, field))
+    try:
+        found = storage.exists(url)
+    except Exception as exc:  # noqa: BLE001 - any backend error means "cannot read it"
+        raise LadleError(f"{field} = {path!r}: cannot be read ({exc.__class__.__name__}: {exc}).") from None
+    if not found:
+        raise LadleError(f"{field} = {path!r}: no such file. Check the path, or use {BUILTIN_SCHEME}demo-alpaca.")
+    return url

@@ -1,0 +1,307 @@
+"""Config schema v1: one validated tree, loaded from YAML plus dotted overrides.
+
+Every field carries a description (units, what 0/-1/auto mean); unknown keys
+are rejected. Rules that need the machine (world size, CUDA) live in the
+planner, which reports every problem at once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ladle.errors import ConfigError, LadleError
+
+SCHEMA_VERSION = 1
+MAX_GPU_COUNT = 128
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    path: str = Field(
+        description="Training data: a local path or fsspec URL (s3://, memory://) of a JSONL file, "
+        "or `ladle://demo-alpaca` for the bundled generated demo set."
+    )
+    format: Literal["auto", "alpaca", "messages"] = Field(
+        "auto",
+        description="Row format. `alpaca`: instruction/input/output; `messages`: a list of "
+        "{role, content} turns. `auto` detects it from the first row.",
+    )
+    eval_path: str | None = Field(
+        None, description="Separate evaluation file (same format). null: split `eval_ratio` off the training data."
+    )
+    eval_ratio: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Fraction of rows held out for evaluation when `eval_path` is null."
+    )
+    seq_len: int = Field(256, ge=16, le=131072, description="Tokens per packed training row.")
+    pack: bool = Field(True, description="Pack several examples into each `seq_len` row (first-fit-decreasing).")
+    train_on: Literal["response", "all"] = Field(
+        "response", description="Which tokens carry a loss: only assistant responses, or all tokens."
+    )
+    seed: int = Field(0, description="Seed of the train/eval split shuffle.")
+    max_bad_fraction: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="Largest fraction of unusable rows tolerated; they are skipped and reported by line. "
+        "Above it the prepare stage fails with the report.",
+    )
+
+
+class LoraConfig(Section):
+    enabled: bool = Field(True, description="Train LoRA adapters (true) or all weights (false).")
+    r: int = Field(8, ge=1, le=1024, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names (suffix match, as peft does) that receive adapters, or `all-linear`.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("must name at least one module, e.g. [q_proj, v_proj], or be 'all-linear'")
+        return value
+
+
+class QuantizationConfig(Section):
+    mode: Literal["none", "nf4"] = Field(
+        "none", description="`nf4` loads the base in 4-bit for QLoRA (needs CUDA and bitsandbytes)."
+    )
+
+
+class TrainingConfig(Section):
+    max_steps: int = Field(
+        -1, ge=-1, description="Optimizer steps to run. -1: derive from `epochs` and the dataset size."
+    )
+    epochs: float = Field(1.0, gt=0, description="Passes over the training data when `max_steps` is -1.")
+    lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    micro_batch_size: int = Field(4, ge=1, description="Packed rows per process per forward pass.")
+    global_batch_size: int = Field(
+        0,
+        ge=0,
+        description="Packed rows per optimizer step across all processes. 0: micro_batch_size x world size "
+        "(no gradient accumulation). Must be a multiple of micro_batch_size x world size.",
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Learning-rate schedule.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0.0, description="Gradient clipping norm. 0: no clipping.")
+    seed: int = Field(42, description="Seed for initialisation, data order and dropout.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Training dtype. auto: float32 on CPU, bfloat16 on GPUs that support it."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    checkpoint_every: int = Field(
+        0, ge=0, description="Write a resumable checkpoint every N optimizer steps. 0: only at the end."
+    )
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps. 0: only before and after training.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter settings.")
+    quantization: QuantizationConfig = Field(
+        default_factory=QuantizationConfig, description="Base-model quantization (QLoRA)."
+    )
+
+
+GpuCount = Annotated[int, Field(ge=1, le=MAX_GPU_COUNT)]
+
+
+class DDPOptions(Section):
+    bucket_cap_mb: int = Field(25, ge=1, description="DDP gradient bucket size in MiB.")
+    find_unused_parameters: bool = Field(False, description="Let DDP tolerate parameters without gradients.")
+
+
+class ParallelismConfig(Section):
+    gpus: Literal["auto"] | GpuCount = Field(
+        "auto",
+        description=f"GPUs to train on: `auto` (all visible; a CPU run when there are none) or 1..{MAX_GPU_COUNT}.",
+    )
+    strategy: Literal["auto", "ddp"] = Field(
+        "auto", description="Distribution strategy. auto: the planner chooses and says why."
+    )
+    cpu_processes: int = Field(
+        2, ge=1, le=64, description="Processes for a CPU (gloo) run, used when no GPU is present."
+    )
+    ddp: DDPOptions = Field(default_factory=DDPOptions, description="DDP options.")
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _parse_gpus(cls, value: Any) -> Any:
+        return parse_gpus(value)
+
+
+class ServeConfig(Section):
+    backend: Literal["transformers", "mii"] = Field(
+        "transformers", description="Inference backend. `mii` (DeepSpeed-MII) needs CUDA GPUs."
+    )
+    host: str = Field("127.0.0.1", description="Address the server binds.")
+    port: int = Field(0, ge=0, le=65535, description="Port. 0: pick a free one.")
+    max_new_tokens: int = Field(32, ge=1, le=8192, description="Default completion length, in tokens.")
+    health_timeout_s: float = Field(180.0, gt=0, description="Seconds to wait for /health before failing.")
+    smoke_prompt: str = Field(
+        "Reverse the word: ladle", description="Chat message sent as the deploy stage's smoke request."
+    )
+    keep_running: bool = Field(
+        False,
+        description="Leave the server running after the smoke request (its PID is reported). "
+        "false: stop it when the pipeline ends.",
+    )
+
+
+class TrackingConfig(Section):
+    uri: str | None = Field(
+        None,
+        description="MLflow tracking URI. null: sqlite in the output folder (in $LADLE_HOME/mlflow when "
+        "output is remote).",
+    )
+    experiment: str = Field("ladle", description="MLflow experiment name.")
+    registered_model: str | None = Field(
+        None, description="Registered-model name for the merged model. null: the config's `name`."
+    )
+    ui_url: str = Field("http://127.0.0.1:5000", description="Base URL of the MLflow UI, for links.")
+
+
+class LadleConfig(Section):
+    schema_version: Literal[1] = Field(SCHEMA_VERSION, description="Config schema version.")
+    name: str = Field(
+        "ladle-run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", description="Run name (letters, digits, . _ -)."
+    )
+    base: str = Field(
+        description="Base model: a Hugging Face model folder (local path or fsspec URL), or "
+        "`ladle://tiny-llama` for the bundled tiny model created on first use."
+    )
+    task: Literal["sft"] = Field("sft", description="Training task: supervised fine-tuning.")
+    data: DataConfig = Field(description="Dataset and preparation.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation.")
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig, description="GPUs and strategy.")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="Inference server.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    output: str = Field(
+        "./runs", description="Artifact store root: a local folder or any fsspec URL (s3://bucket/prefix)."
+    )
+
+
+def parse_gpus(value: Any) -> Literal["auto"] | int:
+    """Parse a ``--gpus`` / ``parallelism.gpus`` value.
+
+    Raises:
+        ValueError: for booleans, non-integers, and counts outside 1..MAX_GPU_COUNT.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"must be 'auto' or an integer 1..{MAX_GPU_COUNT}, not a boolean")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if not text.isdigit():
+            raise ValueError(f"must be 'auto' or an integer 1..{MAX_GPU_COUNT}")
+        value = int(text)
+    if not isinstance(value, int) or not 1 <= value <= MAX_GPU_COUNT:
+        raise ValueError(f"must be 'auto' or an integer 1..{MAX_GPU_COUNT}")
+    return value
+
+
+def format_validation_error(err: ValidationError, source: str) -> list[str]:
+    """Turn pydantic errors into ``field = value: problem. fix.`` lines."""
+    lines = []
+    for item in err.errors():
+        path = ".".join(str(p) for p in item["loc"]) or "(root)"
+        value = item.get("input")
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key in {source}. Remove it or check its spelling (see `ladle schema`).")
+        elif item["type"] == "missing":
+            lines.append(f"{path}: required but missing in {source}. Add it (see `ladle schema`).")
+        else:
+            msg = item["msg"].removeprefix("Value error, ")
+            lines.append(f"{path} = {_short(value)}: {msg}. Fix it in {source} or with --set {path}=...")
+    return lines
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, gpus: str | None = None) -> LadleConfig:
+    """Load a YAML config, apply ``--set`` overrides and ``--gpus``, validate.
+
+    Raises:
+        LadleError: the file is missing or not YAML.
+        ConfigError: the tree does not validate (every problem listed).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise LadleError(f"config = {str(path)!r}: no such file. Pass the path of a YAML config (see recipes/).")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise LadleError(f"config = {str(path)!r}: not valid YAML ({exc.__class__.__name__}). Fix the syntax.") from None
+    if not isinstance(raw, dict):
+        raise LadleError(f"config = {str(path)!r}: the top level must be a mapping of sections.")
+    return build_config(raw, overrides or [], gpus, source=str(path))
+
+
+def build_config(raw: dict, overrides: list[str], gpus: str | None = None, source: str = "config") -> LadleConfig:
+    """Validate a raw dict after applying dotted overrides (``a.b=yaml``)."""
+    tree = json.loads(json.dumps(raw, default=str))
+    for item in overrides:
+        apply_override(tree, item)
+    if gpus is not None:
+        tree.setdefault("parallelism", {})["gpus"] = gpus
+    try:
+        return LadleConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def apply_override(tree: dict, item: str) -> None:
+    """Set ``tree[a][b] = yaml(value)`` for ``item = 'a.b=value'``.
+
+    Raises:
+        LadleError: the override is not ``dotted.path=value``.
+    """
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise LadleError(f"--set {item!r}: expected dotted.path=value, e.g. --set training.lr=1e-4.")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise LadleError(f"--set {item!r}: {part!r} is a value, not a section.")
+        node = child
+    node[parts[-1]] = value
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
+    """Flatten a nested dict into ``{"a.b": "value"}`` (for MLflow params)."""
+    if isinstance(tree, BaseModel):
+        tree = tree.model_dump(mode="json")
+    out: dict[str, str] = {}
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    out[prefix.rstrip(".")] = json.dumps(tree) if isinstance(tree, list) else str(tree)
+    return out
+
+
+def json_schema() -> dict:
+    """The JSON schema of the config, for editors."""
+    schema = LadleConfig.model_json_schema()
+    schema["$id"] = f"https://ladle.dev/schema/v{SCHEMA_VERSION}.json"
+    schema["title"] = "ladle config"
+    return schema

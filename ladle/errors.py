@@ -1,0 +1,34 @@
+"""User-facing errors.
+
+A ``LadleError`` is an expected failure caused by input (config, data, machine):
+it is shown as one line naming the field, the value and the fix, never as a
+traceback. Anything else that escapes is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class LadleError(Exception):
+    """An input or environment problem the user can fix.
+
+    The message follows ``<field.path> = <value>: <what is wrong>. <how to fix>.``
+    """
+
+
+class ConfigError(LadleError):
+    """The configuration is invalid; ``problems`` lists every problem found."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems) if len(problems) == 1 else "\n  ".join(["invalid config:", *problems]))
+
+
+def find_ladle_error(exc: BaseException | None) -> LadleError | None:
+    """Return the first ``LadleError`` in ``exc``'s cause/context chain, if any."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, LadleError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None

@@ -1,0 +1,202 @@
+"""Validate the config against the machine and decide how to train.
+
+Every problem is collected and reported in one error before any process starts.
+The plan carries its reasons: each derived value says where it came from, and
+each explicit setting that won over a derived one is listed as an override.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from ladle import strategies
+from ladle.config import LadleConfig
+from ladle.errors import ConfigError
+from ladle.topology import Topology
+
+DEFAULT_PORT = 29500
+
+
+class Plan(BaseModel):
+    strategy: str
+    strategy_options: dict[str, Any] = Field(default_factory=dict)
+    device: Literal["cpu", "cuda"]
+    backend: Literal["gloo", "nccl"]
+    world_size: int = Field(description="Training processes in all.")
+    num_machines: int = 1
+    processes_per_machine: int
+    micro_batch_size: int
+    gradient_accumulation: int
+    global_batch_size: int = Field(description="Packed rows per optimizer step across all ranks.")
+    dtype: Literal["float32", "bfloat16", "float16"]
+    reasons: list[str] = Field(default_factory=list, description="Why each decision was made.")
+    overrides: list[str] = Field(default_factory=list, description="Explicit settings that won.")
+    warnings: list[str] = Field(default_factory=list)
+
+    def launcher_argv(self, worker_args: list[str], port: int = DEFAULT_PORT, python: str | None = None) -> list[str]:
+        """The ``accelerate launch`` argv that starts the training worker (a list, never a shell string)."""
+        strategy = strategies.get(self.strategy)
+        mixed = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[self.dtype]
+        return [
+            python or sys.executable, "-m", "accelerate.commands.launch",
+            *strategy.launcher_args(self),
+            "--num_processes", str(self.world_size),
+            "--num_machines", str(self.num_machines),
+            "--machine_rank", "0",
+            "--main_process_ip", "127.0.0.1",
+            "--main_process_port", str(port),
+            "--mixed_precision", mixed,
+            "--dynamo_backend", "no",
+            "-m", "ladle.train.worker", *worker_args,
+        ]  # fmt: skip
+
+    def launch_command(self, worker_args: list[str], port: int = DEFAULT_PORT) -> str:
+        """The launch argv as a command a user can paste."""
+        argv = self.launcher_argv(worker_args, port)
+        return shlex.join(["accelerate", "launch", *argv[3:]])
+
+    def to_markdown(self) -> str:
+        rows = [
+            ("strategy", self.strategy), ("device", f"{self.device} ({self.backend})"),
+            ("world size", f"{self.world_size} = {self.num_machines} machine(s) x {self.processes_per_machine}"),
+            ("batch", f"{self.global_batch_size} rows/step = {self.micro_batch_size} micro x "
+                      f"{self.world_size} ranks x {self.gradient_accumulation} accumulation"),
+            ("dtype", self.dtype),
+        ]  # fmt: skip
+        lines = ["# Training plan", "", "| decision | value |", "| --- | --- |"]
+        lines += [f"| {k} | {v} |" for k, v in rows]
+        for title, items in (("Reasons", self.reasons), ("Overrides", self.overrides), ("Warnings", self.warnings)):
+            if items:
+                lines += ["", f"## {title}", *[f"- {item}" for item in items]]
+        return "\n".join(lines) + "\n"
+
+
+def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG") -> Plan:
+    """Decide world size, strategy, batch layout and dtype for ``cfg`` on ``topo``.
+
+    Raises:
+        ConfigError: every problem found, each with its field, value and fix.
+    """
+    problems: list[str] = []
+    reasons: list[str] = []
+    overrides: list[str] = []
+    warnings = list(topo.warnings)
+    device, world, per_machine = choose_world(cfg, topo, config_ref, problems, reasons, warnings)
+    strategy = choose_strategy(cfg, reasons, overrides)
+    problems += strategies.get(strategy).validate(cfg, topo, world)
+    micro, accum, global_batch = choose_batch(cfg, world, problems, reasons)
+    dtype = choose_dtype(cfg, topo, device, problems, reasons)
+    problems += check_device_features(cfg, device)
+    if problems:
+        raise ConfigError(problems)
+    return Plan(
+        strategy=strategy,
+        strategy_options=cfg.parallelism.ddp.model_dump(),
+        device=device,
+        backend="nccl" if device == "cuda" else "gloo",
+        world_size=world,
+        num_machines=topo.nodes,
+        processes_per_machine=per_machine,
+        micro_batch_size=micro,
+        gradient_accumulation=accum,
+        global_batch_size=global_batch,
+        dtype=dtype,
+        reasons=reasons,
+        overrides=overrides,
+        warnings=warnings,
+    )
+
+
+def choose_world(cfg, topo, config_ref, problems, reasons, warnings) -> tuple[str, int, int]:
+    gpus = cfg.parallelism.gpus
+    if topo.gpu_count == 0:
+        procs = cfg.parallelism.cpu_processes
+        if gpus != "auto":
+            fixed = shlex.join(["ladle", "run", config_ref, "--gpus", "auto"])
+            problems.append(
+                f"parallelism.gpus = {gpus}: this host has no CUDA GPU (nvidia-smi found none). "
+                f"Run on a GPU host, or train on CPU with: {fixed}"
+            )
+        warnings.append(f"--gpus auto found no GPU: planning a CPU run of {procs} gloo process(es) (parallelism.cpu_processes)")
+        reasons.append(f"world size {procs}: CPU host, parallelism.cpu_processes={procs}")
+        return "cpu", procs, procs
+    if gpus == "auto":
+        reasons.append(f"world size {topo.gpu_count * topo.nodes}: --gpus auto uses all {topo.gpu_count} visible GPU(s) x {topo.nodes} node(s)")
+        return "cuda", topo.gpu_count * topo.nodes, topo.gpu_count
+    if gpus > topo.gpu_count:
+        fixed = shlex.join(["ladle", "run", config_ref, "--gpus", str(topo.gpu_count)])
+        problems.append(
+            f"parallelism.gpus = {gpus}: this host has {topo.gpu_count} visible GPU(s). "
+            f"Ask for at most {topo.gpu_count}, e.g.: {fixed} (or --gpus auto)"
+        )
+    reasons.append(f"world size {gpus}: --gpus {gpus} (of {topo.gpu_count} visible)")
+    return "cuda", gpus, gpus
+
+
+def choose_strategy(cfg, reasons, overrides) -> str:
+    if cfg.parallelism.strategy != "auto":
+        overrides.append(f"parallelism.strategy = {cfg.parallelism.strategy} (explicit)")
+        return cfg.parallelism.strategy
+    what = "LoRA adapters" if cfg.training.lora.enabled else "all weights"
+    reasons.append(
+        f"strategy ddp: training {what}; a full replica per rank needs no parameter gathering, so "
+        "DDP's single gradient all-reduce per step is the least communication"
+    )
+    return "ddp"
+
+
+def choose_batch(cfg, world, problems, reasons) -> tuple[int, int, int]:
+    micro = cfg.training.micro_batch_size
+    per_step = micro * world
+    wanted = cfg.training.global_batch_size or per_step
+    if wanted % per_step:
+        lower, upper = max(per_step, wanted // per_step * per_step), (wanted // per_step + 1) * per_step
+        problems.append(
+            f"training.global_batch_size = {wanted}: not a multiple of micro_batch_size x world size "
+            f"({micro} x {world} = {per_step}). Use {lower} or {upper}."
+        )
+        return micro, 1, wanted
+    accum = wanted // per_step
+    reasons.append(f"gradient accumulation {accum}: global batch {wanted} / ({micro} micro x {world} ranks)")
+    return micro, accum, wanted
+
+
+def choose_dtype(cfg, topo, device, problems, reasons) -> str:
+    asked = cfg.training.dtype
+    if device == "cpu":
+        if asked == "float16":
+            problems.append("training.dtype = float16: float16 training needs CUDA. Use float32 or bfloat16 on CPU.")
+        dtype = "float32" if asked == "auto" else asked
+        reasons.append(f"dtype {dtype}: CPU run" + (" (auto)" if asked == "auto" else " (explicit)"))
+        return dtype
+    if asked != "auto":
+        return asked
+    caps = [float(g.compute_capability or 0) for g in topo.gpus]
+    dtype = "bfloat16" if caps and min(caps) >= 8.0 else "float16"
+    reasons.append(f"dtype {dtype}: lowest compute capability {min(caps) if caps else 'unknown'} (bf16 needs >= 8.0)")
+    return dtype
+
+
+def check_device_features(cfg: LadleConfig, device: str) -> list[str]:
+    """Features that need CUDA, checked before anything starts."""
+    problems = []
+    if device == "cpu" and cfg.training.quantization.mode != "none":
+        problems.append(
+            f"training.quantization.mode = {cfg.training.quantization.mode}: 4-bit QLoRA needs CUDA and "
+            "bitsandbytes; this host has no GPU. Set training.quantization.mode=none or run on a GPU host."
+        )
+    if device == "cpu" and cfg.serve.backend == "mii":
+        problems.append(
+            "serve.backend = mii: DeepSpeed-MII has no CPU path and this host has no CUDA GPU. "
+            "Use serve.backend=transformers or deploy on a GPU host."
+        )
+    if cfg.training.quantization.mode != "none" and not cfg.training.lora.enabled:
+        problems.append(
+            f"training.quantization.mode = {cfg.training.quantization.mode}: a 4-bit base cannot be trained "
+            "directly. Set training.lora.enabled=true (QLoRA) or quantization.mode=none."
+        )
+    return problems

@@ -1,0 +1,129 @@
+"""The artifact store: every stage output goes through fsspec URLs.
+
+A folder artifact (dataset, checkpoint, adapter, merged model) is complete only
+when its ``_COMPLETE`` marker exists; the marker is written last, so a crash
+mid-write never leaves something that looks complete, on local disk or on S3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+COMPLETE_MARKER = "_COMPLETE"
+
+
+def join(url: str, *parts: str) -> str:
+    """Join URL path parts with ``/`` (works for local paths and URLs)."""
+    out = url.rstrip("/")
+    for part in parts:
+        out = f"{out}/{part.strip('/')}"
+    return out
+
+
+def is_local(url: str) -> bool:
+    """True for plain paths and ``file://`` URLs."""
+    return "://" not in url or url.startswith("file://")
+
+
+def normalise(url: str) -> str:
+    """Make local paths absolute (subprocesses may run elsewhere); leave URLs alone."""
+    if "://" not in url:
+        return str(Path(url).expanduser().resolve())
+    return url
+
+
+def filesystem(url: str):
+    """Return ``(fs, path)`` for a URL."""
+    return url_to_fs(url)
+
+
+def exists(url: str) -> bool:
+    fs, path = filesystem(url)
+    return fs.exists(path)
+
+
+def read_bytes(url: str) -> bytes:
+    with fsspec.open(url, "rb") as fh:
+        return fh.read()
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Write a file; local writes go through a temp file and an atomic rename."""
+    if is_local(url):
+        path = Path(url.removeprefix("file://"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+        return
+    fs, path = filesystem(url)
+    fs.pipe_file(path, data)
+
+
+def write_json(url: str, obj: Any) -> None:
+    write_bytes(url, json.dumps(obj, indent=2, default=str).encode())
+
+
+def read_json(url: str) -> Any:
+    return json.loads(read_bytes(url))
+
+
+def upload_dir(local: str | Path, url: str) -> None:
+    """Copy a local folder's files to ``url`` and then mark it complete."""
+    local = Path(local)
+    fs, root = filesystem(url)
+    for file in sorted(p for p in local.rglob("*") if p.is_file()):
+        rel = file.relative_to(local).as_posix()
+        target = f"{root.rstrip('/')}/{rel}"
+        if is_local(url):
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(file, target)
+        else:
+            fs.put_file(str(file), target)
+    mark_complete(url)
+
+
+def download_dir(url: str, local: str | Path) -> Path:
+    """Copy a complete folder artifact at ``url`` into ``local``."""
+    local = Path(local)
+    fs, root = filesystem(url)
+    root = root.rstrip("/")
+    for path in fs.find(root):
+        rel = path[len(root) :].lstrip("/")
+        if rel == COMPLETE_MARKER:
+            continue
+        dest = local / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(path, str(dest))
+    return local
+
+
+def mark_complete(url: str) -> None:
+    write_bytes(join(url, COMPLETE_MARKER), b"ok\n")
+
+
+def is_complete(url: str) -> bool:
+    return exists(join(url, COMPLETE_MARKER))
+
+
+def remove(url: str) -> None:
+    fs, path = filesystem(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def list_dirs(url: str) -> list[str]:
+    """Names of the immediate sub-folders of ``url`` (empty if it does not exist)."""
+    fs, path = filesystem(url)
+    if not fs.exists(path):
+        return []
+    return sorted(Path(p.rstrip("/")).name for p in fs.ls(path, detail=False) if fs.isdir(p))

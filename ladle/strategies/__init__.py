@@ -1,0 +1,17 @@
+"""Registry of strategies: the only place strategy names map to code."""
+
+from __future__ import annotations
+
+from ladle.strategies.base import Strategy
+from ladle.strategies.ddp import DDP
+
+REGISTRY: dict[str, Strategy] = {s.name: s for s in (DDP(),)}
+
+
+def get(name: str) -> Strategy:
+    """The registered strategy called ``name``.
+
+    Raises:
+        KeyError: no such strategy (the planner validates names before this).
+    """
+    return REGISTRY[name]

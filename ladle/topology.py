@@ -1,0 +1,114 @@
+"""Probe the machine: GPUs, their memory, and the launcher's node layout.
+
+Imports neither torch nor NVML bindings at module load, so ``ladle probe`` and
+``ladle plan`` start fast. GPUs are read from ``nvidia-smi``'s CSV query; a
+host without it (or with no GPU) is a CPU host, reported with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from ladle.errors import LadleError
+
+NVIDIA_SMI_QUERY = ["--query-gpu=index,name,memory.total,compute_cap", "--format=csv,noheader,nounits"]
+
+
+class GPU(BaseModel):
+    index: int
+    name: str
+    memory_mib: int = Field(description="Total memory in MiB.")
+    compute_capability: str | None = None
+
+
+class Topology(BaseModel):
+    gpu_count: int = Field(description="GPUs visible to this process (after CUDA_VISIBLE_DEVICES).")
+    gpus: list[GPU] = Field(default_factory=list)
+    cuda_available: bool
+    interconnect: Literal["nvswitch", "partial-nvlink", "pcie", "none", "unknown"] = Field(
+        description="GPU-to-GPU links; `none` without GPUs, `unknown` when not probed."
+    )
+    nodes: int = Field(1, description="Machines taking part (from the launcher environment).")
+    node_rank: int = Field(0, description="This machine's rank among the nodes.")
+    cpu_count: int = Field(description="CPU cores usable by this process.")
+    source: str = Field(description="Where the facts came from: nvidia-smi, none.")
+    warnings: list[str] = Field(default_factory=list)
+
+
+def parse_gpu_query(text: str) -> list[GPU]:
+    """Parse ``nvidia-smi --query-gpu=index,name,memory.total,compute_cap --format=csv,noheader,nounits``.
+
+    Raises:
+        LadleError: a line does not have the expected four fields.
+    """
+    gpus = []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 3 or not parts[0].isdigit():
+            raise LadleError(f"nvidia-smi output line {line!r}: expected 'index, name, memory, compute_cap'.")
+        memory = int(float(parts[2])) if parts[2].replace(".", "", 1).isdigit() else 0
+        cap = parts[3] if len(parts) > 3 and parts[3] not in ("", "[N/A]") else None
+        gpus.append(GPU(index=int(parts[0]), name=parts[1], memory_mib=memory, compute_capability=cap))
+    return gpus
+
+
+def visible(gpus: list[GPU], env: dict[str, str]) -> list[GPU]:
+    """Keep the GPUs that ``CUDA_VISIBLE_DEVICES`` exposes, in its order (by index)."""
+    spec = env.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return gpus
+    by_index = {str(g.index): g for g in gpus}
+    picked = []
+    for item in (s.strip() for s in spec.split(",")):
+        if item not in by_index:
+            break  # CUDA stops at the first invalid entry
+        picked.append(by_index[item])
+    return picked
+
+
+def node_layout(env: dict[str, str]) -> tuple[int, int]:
+    """Nodes and this node's rank from the launcher environment (torchrun / accelerate / SLURM)."""
+    nodes = env.get("NNODES") or env.get("SLURM_NNODES") or "1"
+    rank = env.get("NODE_RANK") or env.get("GROUP_RANK") or env.get("SLURM_NODEID") or "0"
+    return (int(nodes) if nodes.isdigit() else 1), (int(rank) if rank.isdigit() else 0)
+
+
+def run_nvidia_smi() -> str | None:
+    """The GPU query output, or None when nvidia-smi is missing or finds no GPU."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 and done.stdout.strip() else None
+
+
+def probe(env: dict[str, str] | None = None, query_output: str | None = None) -> Topology:
+    """Describe this machine (or one whose ``nvidia-smi`` output is given).
+
+    Args:
+        env: environment to read (default: ``os.environ``).
+        query_output: recorded ``nvidia-smi`` query output; default runs it.
+    """
+    env = dict(os.environ if env is None else env)
+    text = query_output if query_output is not None else run_nvidia_smi()
+    nodes, node_rank = node_layout(env)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    gpus = visible(parse_gpu_query(text), env) if text else []
+    if not gpus:
+        warning = "no CUDA GPU found: this is a CPU host; training runs as CPU processes on gloo"
+        return Topology(
+            gpu_count=0, cuda_available=False, interconnect="none", nodes=nodes, node_rank=node_rank,
+            cpu_count=cpus, source="none", warnings=[warning],
+        )
+    return Topology(
+        gpu_count=len(gpus), gpus=gpus, cuda_available=True, interconnect="unknown" if len(gpus) > 1 else "none",
+        nodes=nodes, node_rank=node_rank, cpu_count=cpus, source="nvidia-smi",
+    )

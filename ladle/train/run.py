@@ -1,0 +1,69 @@
+"""Train stage: launch the worker with ``accelerate launch`` and relay its progress."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from ladle import storage
+from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
+
+ProgressFn = Callable[[dict], None]
+
+
+class TrainingFailed(RuntimeError):
+    """The training processes exited non-zero; the message carries the tail of their output."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env(spec: TrainSpec) -> dict[str, str]:
+    """The launch environment: the user's settings win over ladle's hints."""
+    env = dict(os.environ)
+    if spec.plan.device == "cpu":
+        # Each rank gets its share of the cores instead of all of them (oversubscription halves throughput).
+        cores = os.cpu_count() or 1
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // spec.plan.processes_per_machine)))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def launch(spec: TrainSpec, on_progress: ProgressFn | None = None, on_line: Callable[[str], None] | None = None) -> TrainResult:
+    """Run the planned training to completion and return what it reports.
+
+    The result is read back from the artifact store, where rank 0 wrote it.
+
+    Raises:
+        TrainingFailed: a process exited non-zero (its last output lines are included).
+    """
+    with tempfile.TemporaryDirectory(prefix="ladle-train-") as tmp:
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(spec.model_dump_json(), encoding="utf-8")
+        argv = spec.plan.launcher_argv([str(spec_file)], port=free_port())
+        tail = collections.deque(maxlen=40)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(spec))
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith(PROGRESS_PREFIX):
+                if on_progress:
+                    on_progress(json.loads(line[len(PROGRESS_PREFIX) :]))
+                continue
+            tail.append(line)
+            if on_line:
+                on_line(line)
+        code = proc.wait()
+    if code != 0:
+        raise TrainingFailed(f"training exited with code {code}; last output:\n" + "\n".join(tail))
+    return TrainResult.model_validate(storage.read_json(storage.join(spec.run_url, "train_result.json")))

@@ -1,0 +1,39 @@
+"""What the launcher hands the worker, and what the worker hands back."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from ladle.config import LadleConfig
+from ladle.data.prepare import PreparedDataset
+from ladle.plan import Plan
+
+PROGRESS_PREFIX = "LADLE_PROGRESS "
+
+
+class TrainSpec(BaseModel):
+    config: LadleConfig
+    plan: Plan
+    dataset: PreparedDataset
+    base_dir: str = Field(description="Local folder of the base model and tokenizer.")
+    run_url: str = Field(description="Artifact-store folder of this pipeline run.")
+    tracking_uri: str | None = None
+    mlflow_run_id: str | None = None
+
+
+class TrainResult(BaseModel):
+    strategy: str = Field(description="Strategy that actually ran.")
+    world_size: int = Field(description="Processes the worker actually saw.")
+    backend: str = Field(description="torch.distributed backend that actually ran.")
+    steps: int
+    resumed_from_step: int = 0
+    train_losses: list[float]
+    train_loss_first: float
+    train_loss_last: float
+    eval_loss_before: float
+    eval_loss_after: float
+    real_tokens: int = Field(description="Non-padding tokens processed by this run's steps (all ranks).")
+    tokens_per_s: float = Field(description="Real tokens per second over the training steps.")
+    train_seconds: float
+    adapter_url: str | None = Field(description="Saved LoRA adapter folder (null for full fine-tunes).")
+    model_url: str | None = Field(description="Saved full model folder (full fine-tunes).")

@@ -1,0 +1,257 @@
+"""The per-rank training program that ``accelerate launch`` starts.
+
+    accelerate launch ... -m ladle.train.worker SPEC.json
+
+It loads the base through the ordinary Hugging Face path, applies LoRA with
+peft, wraps the model with the planned strategy, reads the packed dataset from
+the artifact store and trains. Loss is the token-weighted mean over the whole
+global batch, so it is the same whatever the world size or accumulation. Rank 0
+alone writes progress lines, MLflow metrics, checkpoints and outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import nullcontext
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+from ladle import storage, strategies
+from ladle.data.packing import read_rows
+from ladle.train import checkpoint, schedule
+from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
+
+IGNORE = -100
+
+
+def emit(accelerator: Accelerator, event: str, **fields) -> None:
+    """Print one JSON progress line from rank 0 (the launcher relays it)."""
+    if accelerator.is_main_process:
+        print(PROGRESS_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+
+
+def load_model(spec: TrainSpec):
+    """Base model through ``from_pretrained``, then LoRA via peft when enabled."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, plan = spec.config, spec.plan
+    dtype = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
+    kwargs = {"dtype": dtype}
+    if cfg.training.quantization.mode == "nf4":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+        )
+    model = AutoModelForCausalLM.from_pretrained(spec.base_dir, **kwargs)
+    model.config.use_cache = False
+    if cfg.training.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    if not cfg.training.lora.enabled:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = cfg.training.lora
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+            target_modules=lora.target_modules, task_type="CAUSAL_LM",
+        ),
+    )  # fmt: skip
+
+
+def load_split(spec: TrainSpec, name: str) -> dict[str, torch.Tensor]:
+    """A packed split as tensors: input_ids, labels, position_ids, real_tokens."""
+    cols = read_rows(storage.read_bytes(storage.join(spec.dataset.url, f"{name}.parquet")))
+    return {key: torch.tensor(value, dtype=torch.long) for key, value in cols.items()}
+
+
+def token_loss(model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over trained tokens of ``rows``, and their count."""
+    index = torch.tensor(rows, dtype=torch.long)
+    ids = data["input_ids"][index].to(device)
+    labels = data["labels"][index].to(device)
+    positions = data["position_ids"][index].to(device)
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    targets = labels[:, 1:]
+    # Upcast: the loss over the vocabulary is computed in float32 whatever the model dtype.
+    loss = F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
+    return loss, int((targets != IGNORE).sum())
+
+
+def trained_tokens(data: dict[str, torch.Tensor], rows: list[int]) -> int:
+    return int((data["labels"][torch.tensor(rows)][:, 1:] != IGNORE).sum())
+
+
+@torch.no_grad()
+def evaluate(accelerator: Accelerator, model, data: dict[str, torch.Tensor], micro: int) -> float:
+    """Token-weighted eval loss over all eval rows, shared across ranks."""
+    model.eval()
+    mine = list(range(accelerator.process_index, len(data["input_ids"]), accelerator.num_processes))
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    for start in range(0, len(mine), micro):
+        loss, count = token_loss(model, data, mine[start : start + micro], accelerator.device)
+        total += torch.tensor([loss.item(), count], dtype=torch.float64, device=accelerator.device)
+    total = accelerator.reduce(total, reduction="sum")
+    model.train()
+    return float(total[0] / max(total[1], 1))
+
+
+def build_optimizer(model, cfg, steps: int):
+    from transformers import get_scheduler
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+    name = "constant_with_warmup" if cfg.training.scheduler == "constant" else cfg.training.scheduler
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=cfg.training.warmup_steps, num_training_steps=steps)
+    return optimizer, scheduler
+
+
+def train_step(accelerator, model, optimizer, scheduler, data, step: int, spec: TrainSpec) -> float:
+    """One optimizer step over the global batch; returns its token-weighted loss."""
+    plan, cfg = spec.plan, spec.config
+    rows = len(data["input_ids"])
+    batch = schedule.global_batch_rows(step, rows, plan.global_batch_size, cfg.training.seed)
+    denominator = max(trained_tokens(data, batch), 1)
+    micros = schedule.micro_batches(batch, accelerator.process_index, accelerator.num_processes, plan.micro_batch_size)
+    local_sum = 0.0
+    for m, rows_m in enumerate(micros):
+        sync = m == len(micros) - 1
+        with accelerator.no_sync(model) if not sync else nullcontext():
+            loss, _ = token_loss(model, data, rows_m, accelerator.device)
+            # DDP averages gradients over ranks; scale so the result is the global token mean.
+            accelerator.backward(loss * accelerator.num_processes / denominator)
+        local_sum += loss.item()
+    if cfg.training.max_grad_norm > 0:
+        accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.training.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    total = accelerator.reduce(torch.tensor([local_sum], dtype=torch.float64, device=accelerator.device), "sum")
+    return float(total[0]) / denominator
+
+
+def mlflow_logger(spec: TrainSpec, accelerator: Accelerator):
+    """A ``log(metrics, step)`` callable for rank 0; a no-op elsewhere or without a run."""
+    if not (accelerator.is_main_process and spec.mlflow_run_id and spec.tracking_uri):
+        return lambda metrics, step: None
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(spec.tracking_uri)
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        client.log_batch(spec.mlflow_run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    return log
+
+
+def save_outputs(accelerator, model, spec: TrainSpec) -> tuple[str | None, str | None]:
+    """Rank 0 writes the adapter (LoRA) or the full model, with the tokenizer, then marks it complete."""
+    from transformers import AutoTokenizer
+
+    unwrapped = accelerator.unwrap_model(model)
+    kind = "adapter" if spec.config.training.lora.enabled else "model"
+    url = storage.join(spec.run_url, kind)
+    if accelerator.is_main_process:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            unwrapped.save_pretrained(tmp, safe_serialization=True)
+            AutoTokenizer.from_pretrained(spec.base_dir).save_pretrained(tmp)
+            storage.remove(url)
+            storage.upload_dir(tmp, url)
+    accelerator.wait_for_everyone()
+    return (url, None) if kind == "adapter" else (None, url)
+
+
+def run(spec: TrainSpec) -> TrainResult | None:
+    plan, cfg = spec.plan, spec.config
+    strategy = strategies.get(plan.strategy)
+    accelerator = Accelerator(cpu=plan.device == "cpu", **strategy.accelerator_kwargs(plan))
+    if accelerator.num_processes != plan.world_size:
+        raise RuntimeError(
+            f"planned world size {plan.world_size} but the launcher started {accelerator.num_processes} process(es)"
+        )
+    torch.manual_seed(cfg.training.seed)
+    train, evals = load_split(spec, "train"), load_split(spec, "eval")
+    rows = len(train["input_ids"])
+    if rows < plan.global_batch_size:
+        raise RuntimeError(f"{rows} packed training rows cannot fill one global batch of {plan.global_batch_size}")
+    steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
+    model = load_model(spec)
+    optimizer, scheduler = build_optimizer(model, cfg, steps)
+    ckpt_root = storage.join(spec.run_url, "checkpoints")
+    state = checkpoint.load_latest(ckpt_root, model, optimizer, scheduler, accelerator.process_index)
+    model, optimizer = strategy.wrap(accelerator, model, optimizer)
+    strategy.check_applied(accelerator, model, plan)
+    log = mlflow_logger(spec, accelerator)
+    start = state.step if state else 0
+    losses = list(state.losses) if state else []
+    eval_before = state.eval_before if state else evaluate(accelerator, model, evals, plan.micro_batch_size)
+    if not state:
+        log({"eval_loss": eval_before}, 0)
+    emit(accelerator, "start", steps=steps, world_size=accelerator.num_processes, resumed_from=start,
+         strategy=plan.strategy, backend=str(accelerator.state.distributed_type), eval_loss=eval_before)  # fmt: skip
+    model.train()
+    tokens, train_seconds = 0, 0.0
+    for step in range(start, steps):
+        began = time.perf_counter()
+        loss = train_step(accelerator, model, optimizer, scheduler, train, step, spec)
+        elapsed = time.perf_counter() - began
+        batch = schedule.global_batch_rows(step, rows, plan.global_batch_size, cfg.training.seed)
+        step_tokens = int(train["real_tokens"][torch.tensor(batch)].sum())
+        tokens, train_seconds = tokens + step_tokens, train_seconds + elapsed
+        losses.append(loss)
+        lr = scheduler.get_last_lr()[0]
+        log({"train_loss": loss, "lr": lr, "tokens_per_s": step_tokens / elapsed}, step + 1)
+        emit(accelerator, "step", step=step + 1, steps=steps, loss=round(loss, 6), lr=lr,
+             tokens_per_s=round(step_tokens / elapsed, 1), elapsed_s=round(train_seconds, 3))  # fmt: skip
+        if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < steps:
+            log({"eval_loss": evaluate(accelerator, model, evals, plan.micro_batch_size)}, step + 1)
+        if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
+            checkpoint.save(accelerator, ckpt_root, step + 1, model, optimizer, scheduler, losses, eval_before)
+    eval_after = evaluate(accelerator, model, evals, plan.micro_batch_size)
+    log({"eval_loss": eval_after}, steps)
+    adapter_url, model_url = save_outputs(accelerator, model, spec)
+    result = TrainResult(
+        strategy=plan.strategy, world_size=accelerator.num_processes,
+        backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else "none",
+        steps=steps, resumed_from_step=start, train_losses=losses,
+        train_loss_first=losses[0] if losses else float("nan"), train_loss_last=losses[-1] if losses else float("nan"),
+        eval_loss_before=eval_before, eval_loss_after=eval_after, real_tokens=tokens,
+        tokens_per_s=tokens / train_seconds if train_seconds else 0.0, train_seconds=train_seconds,
+        adapter_url=adapter_url, model_url=model_url,
+    )  # fmt: skip
+    if accelerator.is_main_process:
+        storage.write_json(storage.join(spec.run_url, "train_result.json"), result.model_dump())
+    emit(accelerator, "done", **result.model_dump(exclude={"train_losses"}))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m ladle.train.worker SPEC.json", file=sys.stderr)
+        return 2
+    spec = TrainSpec.model_validate_json(Path(args[0]).read_text(encoding="utf-8"))
+    run(spec)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
