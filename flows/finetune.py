@@ -1,0 +1,106 @@
+"""The fine-tune pipeline: probe -> plan -> prepare -> train -> merge -> deploy."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from prefect import flow, runtime
+from prefect.artifacts import create_link_artifact
+
+from ladle import storage, tracking
+from ladle.config import LadleConfig
+from ladle.errors import find_ladle_error
+from ladle.tasks.deploy import deploy_task
+from ladle.tasks.merge import merge_task
+from ladle.tasks.plan import plan_task
+from ladle.tasks.prepare import prepare_task, publish_report
+from ladle.tasks.probe import probe_task
+from ladle.tasks.train import train_task
+
+
+class Stopwatch:
+    """Wall time per stage, reported in the run summary (and read by bench/)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = round(now - self._last, 3)
+        self._last = now
+
+
+@flow(name="finetune", description="Fine-tune a base model on a dataset and serve it.")
+def finetune(config: LadleConfig, config_ref: str = "CONFIG") -> dict:
+    """Run the whole pipeline for ``config``; returns the run summary.
+
+    Args:
+        config: the validated config (``--gpus`` and ``--set`` already applied).
+        config_ref: how the user named the config, for printed commands.
+    """
+    flow_run_id = str(runtime.flow_run.id or uuid.uuid4())
+    run_name = f"{config.name}-{flow_run_id[:8]}"
+    run_url = storage.join(storage.normalise(config.output), "runs", run_name)
+    track = tracking.start_run(config, flow_run_id, run_name)
+    create_link_artifact(key="mlflow-run", link=track.ui_link, description=f"MLflow run {track.run_id} ({track.uri})")
+    clock = Stopwatch()
+    ok = False
+    try:
+        topo = probe_task()
+        clock.lap("probe")
+        plan = plan_task(config, topo, track, config_ref)
+        clock.lap("plan")
+        prepared = prepare_task(config)
+        publish_report(prepared, track)
+        clock.lap("prepare")
+        result = train_task(config, plan, prepared, run_url, track)
+        clock.lap("train")
+        merged = merge_task(config, result, run_url, track)
+        clock.lap("merge")
+        endpoint = deploy_task(config, merged)
+        clock.lap("deploy")
+        ok = True
+    finally:
+        tracking.end_run(track, ok)
+    summary = {
+        "status": "ok", "endpoint": endpoint.url, "endpoint_running": endpoint.running, "server_pid": endpoint.pid,
+        "prompt": endpoint.prompt, "answer": endpoint.answer,
+        "mlflow_run_id": track.run_id, "mlflow_tracking_uri": track.uri, "flow_run_id": flow_run_id,
+        "strategy": result.strategy, "world_size": result.world_size, "backend": result.backend,
+        "train_loss_first": result.train_loss_first, "train_loss_last": result.train_loss_last,
+        "eval_loss_before": result.eval_loss_before, "eval_loss_after": result.eval_loss_after,
+        "tokens_per_s": result.tokens_per_s, "steps": result.steps,
+        "output_url": run_url, "merged_model_url": merged.url, "dataset_fingerprint": prepared.fingerprint,
+        "stage_seconds": clock.seconds,
+    }  # fmt: skip
+    storage.write_json(storage.join(run_url, "summary.json"), summary)
+    return summary
+
+
+class HideUserErrorTracebacks(logging.Filter):
+    """Show expected input errors (LadleError) as one line in Prefect's console log.
+
+    Prefect logs every task and flow failure with its traceback. For a
+    ``LadleError`` the message already names the field and the fix, so the
+    traceback is noise; any other exception keeps it.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and find_ladle_error(record.exc_info[1]) is not None:
+            err = find_ladle_error(record.exc_info[1])
+            record.msg, record.args, record.exc_info, record.exc_text = f"{err.__class__.__name__}: {err}", (), None, None
+        return True
+
+
+def install_log_filter() -> None:
+    """Attach the filter to every handler of Prefect's loggers."""
+    from prefect.logging.configuration import setup_logging
+
+    setup_logging()
+    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs", ""):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, HideUserErrorTracebacks) for f in handler.filters):
+                handler.addFilter(HideUserErrorTracebacks())

@@ -1,0 +1,25 @@
+"""Shared CLI plumbing: one error path, one JSON path."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import NoReturn
+
+from rich.console import Console
+
+console = Console(stderr=True)
+
+
+def exit_with_error(message: str, as_json: bool = False, code: int = 2) -> NoReturn:
+    """Print ``error: message`` (or a failed JSON object) and exit non-zero, without a traceback."""
+    if as_json:
+        print(json.dumps({"status": "failed", "error": message}), flush=True)
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise SystemExit(code)
+
+
+def print_json(obj) -> None:
+    """The last line on stdout: one JSON object."""
+    sys.stdout.flush()
+    print(json.dumps(obj, default=str), flush=True)

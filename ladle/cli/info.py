@@ -1,0 +1,89 @@
+"""``ladle schema``, ``ladle env``, ``ladle plan``, ``ladle serve``: small commands."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from importlib import metadata
+from typing import Optional
+
+import typer
+
+from ladle.cli.common import console, exit_with_error, print_json
+from ladle.errors import LadleError
+
+PACKAGES = ("ladle", "torch", "transformers", "peft", "accelerate", "deepspeed", "prefect", "mlflow", "fsspec", "s3fs", "pydantic", "fastapi", "uvicorn")
+
+
+def schema() -> None:
+    """Print the config's JSON schema (for editors)."""
+    from ladle.config import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+
+
+def env(as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
+    """What a bug report needs: versions, Python, GPUs."""
+    from ladle.topology import probe
+
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    topo = probe()
+    info = {"python": sys.version.split()[0], "platform": platform.platform(), "packages": versions, "topology": topo.model_dump()}
+    if as_json:
+        print_json(info)
+        return
+    console.print(f"python {info['python']} on {info['platform']}")
+    for name, version in versions.items():
+        console.print(f"  {name:<13} {version or 'not installed'}")
+    console.print(f"GPUs: {topo.gpu_count} ({topo.source}); CPU cores: {topo.cpu_count}")
+    for warning in topo.warnings:
+        console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
+
+
+def plan(
+    config: str = typer.Argument(..., help="YAML config file."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="'auto' or 1..128."),
+    set_: list[str] = typer.Option([], "--set", help="Override a field (dotted.path=value)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+) -> None:
+    """Validate the config against this machine and show the plan, with the launch command."""
+    from ladle.config import load_config
+    from ladle.plan import make_plan
+    from ladle.topology import probe
+
+    try:
+        made = make_plan(load_config(config, set_, gpus), probe(), config)
+    except LadleError as err:
+        exit_with_error(str(err), as_json)
+    command = made.launch_command(["SPEC.json"])
+    if as_json:
+        print_json({**made.model_dump(mode="json"), "launch_command": command})
+        return
+    console.print(made.to_markdown(), highlight=False)
+    console.print(f"launch: {command}", highlight=False, soft_wrap=True)
+
+
+def serve(
+    model: str = typer.Argument(..., help="Merged model folder (local path or fsspec URL)."),
+    backend: str = typer.Option("transformers", "--backend", help="transformers | mii"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+) -> None:
+    """Serve a model folder over the OpenAI-compatible API until interrupted."""
+    from ladle.serve.__main__ import main
+
+    if backend not in ("transformers", "mii"):
+        exit_with_error(f"--backend = {backend!r}: unknown backend. Use transformers or mii.")
+    try:
+        from ladle.assets import resolve_base
+
+        folder = resolve_base(model)
+    except LadleError as err:
+        exit_with_error(str(err).replace("base =", "MODEL ="))
+    raise SystemExit(main(["--model", str(folder), "--backend", backend, "--host", host, "--port", str(port)]))

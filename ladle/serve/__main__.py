@@ -1,0 +1,35 @@
+"""``python -m ladle.serve --model DIR [--backend transformers|mii] [--host H] [--port P]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ladle.errors import LadleError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ladle.serve", description="Serve a model folder over an OpenAI-compatible API.")
+    parser.add_argument("--model", required=True, help="Local Hugging Face model folder.")
+    parser.add_argument("--name", default=None, help="Model id reported by the API (default: the folder name).")
+    parser.add_argument("--backend", default="transformers", choices=["transformers", "mii"])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    import uvicorn
+
+    from ladle.serve.backends import BACKENDS
+    from ladle.serve.server import create_app
+
+    try:
+        backend = BACKENDS[args.backend](args.model)
+    except LadleError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    name = args.name or args.model.rstrip("/").rsplit("/", 1)[-1]
+    uvicorn.run(create_app(backend, name), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

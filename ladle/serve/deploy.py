@@ -1,0 +1,113 @@
+"""Deploy stage: start the server as a subprocess, wait for health, send a smoke request."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, Field
+
+from ladle import storage
+from ladle.assets import ladle_home
+from ladle.config import ServeConfig
+from ladle.errors import LadleError
+from ladle.merge import MergedModel
+from ladle.serve.backends import check_mii_host
+from ladle.train.run import free_port
+
+
+class Endpoint(BaseModel):
+    url: str = Field(description="Base URL of the OpenAI-compatible API.")
+    model: str
+    backend: str
+    pid: int | None = Field(description="Server process id while it runs; null once stopped.")
+    prompt: str
+    answer: str = Field(description="The smoke request's reply.")
+    running: bool
+
+
+class DeployFailed(RuntimeError):
+    """The server did not become healthy or did not answer."""
+
+
+def local_model_dir(merged: MergedModel) -> Path:
+    """The merged model on local disk (copied once from a remote store, keyed by its hash)."""
+    if storage.is_local(merged.url):
+        return Path(merged.url.removeprefix("file://"))
+    target = ladle_home() / "served" / merged.sha256[:16]
+    if not (target / "config.json").exists():
+        storage.download_dir(merged.url, target.with_name(target.name + ".tmp")).replace(target)
+    return target
+
+
+def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int) -> list[str]:
+    return [sys.executable, "-m", "ladle.serve", "--model", str(model_dir), "--name", name,
+            "--backend", cfg.backend, "--host", cfg.host, "--port", str(port)]  # fmt: skip
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise DeployFailed(f"server exited with code {proc.returncode} before it was healthy:\n{out[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise DeployFailed(f"server at {url} not healthy within serve.health_timeout_s={timeout}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def deploy(merged: MergedModel, cfg: ServeConfig, name: str) -> Endpoint:
+    """Serve ``merged``, check it answers, and stop it unless ``cfg.keep_running``.
+
+    Raises:
+        LadleError: the backend cannot run on this host.
+        DeployFailed: the server did not become healthy or the smoke request failed.
+    """
+    if cfg.backend == "mii":
+        check_mii_host()
+    model_dir = local_model_dir(merged)
+    port = cfg.port or free_port()
+    url = f"http://{cfg.host}:{port}"
+    proc = subprocess.Popen(
+        server_argv(model_dir, name, cfg, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, start_new_session=cfg.keep_running,
+    )  # fmt: skip
+    try:
+        wait_healthy(proc, url, cfg.health_timeout_s)
+        answer = smoke(url, name, cfg)
+    except BaseException:
+        stop(proc)
+        raise
+    if not cfg.keep_running:
+        stop(proc)
+    return Endpoint(url=url, model=name, backend=cfg.backend, pid=proc.pid if cfg.keep_running else None,
+                    prompt=cfg.smoke_prompt, answer=answer, running=cfg.keep_running)  # fmt: skip
+
+
+def smoke(url: str, name: str, cfg: ServeConfig) -> str:
+    """One greedy chat completion; returns the reply text."""
+    body = {"model": name, "messages": [{"role": "user", "content": cfg.smoke_prompt}],
+            "max_tokens": cfg.max_new_tokens, "temperature": 0}  # fmt: skip
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    if response.status_code != 200:
+        raise DeployFailed(f"smoke request got HTTP {response.status_code}: {response.text[:500]}")
+    return response.json()["choices"][0]["message"]["content"]

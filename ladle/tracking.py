@@ -1,0 +1,117 @@
+"""MLflow tracking: one run per pipeline run, on SQLite by default.
+
+Default store: ``sqlite:///<output>/mlflow.db`` with artifacts beside it when
+the output is a local folder; ``$LADLE_HOME/mlflow`` when the output is remote
+(SQLite cannot live in an object store).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from ladle import storage
+from ladle.assets import ladle_home
+from ladle.config import LadleConfig, flatten
+
+PARAM_MAX = 6000
+
+
+class Tracking(BaseModel):
+    uri: str
+    run_id: str
+    experiment_id: str
+    ui_link: str
+
+
+def default_location(cfg: LadleConfig) -> Path:
+    if storage.is_local(cfg.output):
+        return Path(storage.normalise(cfg.output).removeprefix("file://"))
+    return ladle_home() / "mlflow"
+
+
+def tracking_uri(cfg: LadleConfig) -> tuple[str, str | None]:
+    """``(tracking URI, artifact location for a new experiment or None)``."""
+    if cfg.tracking.uri:
+        return cfg.tracking.uri, None
+    folder = default_location(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'mlflow.db'}", (folder / "mlartifacts").as_uri()
+
+
+def client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def start_run(cfg: LadleConfig, flow_run_id: str | None, run_name: str) -> Tracking:
+    """Create the MLflow run, tagged with the Prefect flow-run id, with the config as params."""
+    uri, artifacts = tracking_uri(cfg)
+    mlflow = client(uri)
+    experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
+    exp_id = experiment.experiment_id if experiment else mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+    tags = {"ladle.config_name": cfg.name, "mlflow.runName": run_name}
+    if flow_run_id:
+        tags["prefect.flow_run_id"] = flow_run_id
+    run = mlflow.create_run(exp_id, tags=tags, run_name=run_name)
+    link = f"{cfg.tracking.ui_url.rstrip('/')}/#/experiments/{exp_id}/runs/{run.info.run_id}"
+    tracking = Tracking(uri=uri, run_id=run.info.run_id, experiment_id=exp_id, ui_link=link)
+    log_params(tracking, flatten(cfg.model_dump(mode="json")), prefix="config.")
+    return tracking
+
+
+def log_params(tracking: Tracking, params: dict[str, str], prefix: str = "") -> None:
+    from mlflow.entities import Param
+
+    items = [Param(f"{prefix}{k}"[:250], str(v)[:PARAM_MAX]) for k, v in params.items()]
+    mlflow = client(tracking.uri)
+    for start in range(0, len(items), 100):
+        mlflow.log_batch(tracking.run_id, params=items[start : start + 100])
+
+
+def log_text(tracking: Tracking, name: str, text: str) -> None:
+    client(tracking.uri).log_text(tracking.run_id, text, name)
+
+
+def log_json(tracking: Tracking, name: str, obj) -> None:
+    log_text(tracking, name, json.dumps(obj, indent=2, default=str))
+
+
+def log_loss_curve(tracking: Tracking, losses: list[float], eval_before: float, eval_after: float) -> None:
+    """Plot per-step train loss with the eval loss before and after, as ``loss_curve.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(range(1, len(losses) + 1), losses, label="train loss")
+    ax.scatter([0, len(losses)], [eval_before, eval_after], color="tab:red", zorder=3, label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "loss_curve.png"
+        fig.savefig(path)
+        plt.close(fig)
+        client(tracking.uri).log_artifact(tracking.run_id, str(path))
+
+
+def register_model(tracking: Tracking, name: str, source: str) -> str:
+    """Register ``source`` (the merged model's folder) as a new version of ``name``; returns the version."""
+    mlflow = client(tracking.uri)
+    try:
+        mlflow.get_registered_model(name)
+    except Exception:  # noqa: BLE001 - MLflow raises RestException subclasses for "not found"
+        mlflow.create_registered_model(name)
+    version = mlflow.create_model_version(name, source=source, run_id=tracking.run_id)
+    return str(version.version)
+
+
+def end_run(tracking: Tracking, ok: bool) -> None:
+    client(tracking.uri).set_terminated(tracking.run_id, status="FINISHED" if ok else "FAILED")

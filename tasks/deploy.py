@@ -1,0 +1,23 @@
+"""Prefect task: start the inference server and check it answers."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact
+
+from ladle.config import LadleConfig
+from ladle.merge import MergedModel
+from ladle.serve.deploy import Endpoint, deploy
+
+
+@task(name="deploy-server", retries=1, retry_delay_seconds=2)
+def deploy_task(cfg: LadleConfig, merged: MergedModel) -> Endpoint:
+    endpoint = deploy(merged, cfg.serve, cfg.name)
+    logger = get_run_logger()
+    logger.info("smoke request %r answered %r", endpoint.prompt, endpoint.answer)
+    if endpoint.running:
+        create_link_artifact(key="endpoint", link=endpoint.url, description=f"{endpoint.backend} server, pid {endpoint.pid}")
+        logger.info("server running at %s (pid %s)", endpoint.url, endpoint.pid)
+    else:
+        logger.info("server stopped after the smoke request (serve.keep_running=false)")
+    return endpoint

@@ -1,0 +1,30 @@
+"""Prefect task: validate the config against the machine and plan the run."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from ladle.assets import resolve_base, resolve_data
+from ladle.config import LadleConfig, flatten
+from ladle.plan import Plan, make_plan
+from ladle.topology import Topology
+from ladle.tracking import Tracking, log_json, log_params
+
+
+@task(name="validate-and-plan", timeout_seconds=600)
+def plan_task(cfg: LadleConfig, topo: Topology, tracking: Tracking, config_ref: str) -> Plan:
+    resolve_base(cfg.base)
+    resolve_data(cfg.data.path)
+    if cfg.data.eval_path:
+        resolve_data(cfg.data.eval_path, "data.eval_path")
+    plan = make_plan(cfg, topo, config_ref)
+    logger = get_run_logger()
+    for line in plan.reasons + plan.overrides:
+        logger.info("plan: %s", line)
+    for line in plan.warnings:
+        logger.warning("plan: %s", line)
+    log_params(tracking, flatten(plan.model_dump(mode="json", exclude={"reasons", "overrides", "warnings"})), prefix="plan.")
+    log_json(tracking, "plan.json", plan.model_dump(mode="json"))
+    create_markdown_artifact(key="plan", markdown=plan.to_markdown(), description="Training plan and its reasons")
+    return plan

@@ -1,0 +1,48 @@
+"""Prefect task: distributed training, with progress relayed to the run log."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from ladle import storage
+from ladle.assets import resolve_base
+from ladle.config import LadleConfig
+from ladle.data.prepare import PreparedDataset
+from ladle.plan import Plan
+from ladle.tracking import Tracking, log_loss_curve
+from ladle.train.run import launch
+from ladle.train.spec import TrainResult, TrainSpec
+
+
+def progress_relay(logger):
+    """A callback that logs each worker progress line and advances a progress artifact."""
+    artifact_id = create_progress_artifact(progress=0.0, key="train-progress", description="Training progress")
+
+    def relay(event: dict) -> None:
+        if event["event"] == "step":
+            logger.info(
+                "step %d/%d loss %.4f lr %.2e %.0f tok/s elapsed %.1fs", event["step"], event["steps"],
+                event["loss"], event["lr"], event["tokens_per_s"], event["elapsed_s"],
+            )  # fmt: skip
+            update_progress_artifact(artifact_id, progress=100.0 * event["step"] / event["steps"])
+        elif event["event"] == "start":
+            logger.info("training started: %s", {k: v for k, v in event.items() if k != "event"})
+        elif event["event"] == "done":
+            update_progress_artifact(artifact_id, progress=100.0)
+
+    return relay
+
+
+# A retry resumes from the last complete checkpoint of the same run folder.
+@task(name="train", retries=1, retry_delay_seconds=5)
+def train_task(cfg: LadleConfig, plan: Plan, prepared: PreparedDataset, run_url: str, tracking: Tracking) -> TrainResult:
+    logger = get_run_logger()
+    spec = TrainSpec(
+        config=cfg, plan=plan, dataset=prepared, base_dir=str(resolve_base(cfg.base)),
+        run_url=run_url, tracking_uri=tracking.uri, mlflow_run_id=tracking.run_id,
+    )  # fmt: skip
+    logger.info("launch: %s", plan.launch_command([storage.join(run_url, "spec.json")]))
+    result = launch(spec, on_progress=progress_relay(logger), on_line=logger.debug)
+    log_loss_curve(tracking, result.train_losses, result.eval_loss_before, result.eval_loss_after)
+    return result
