@@ -65,6 +65,12 @@ class LoraConfig(Section):
         description="Module names (suffix match, as peft does) that receive adapters, or `all-linear`.",
     )
 
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="Modules trained in full next to the adapters and saved with them (e.g. [lm_head, "
+        "embed_tokens] when the base's head or embeddings must adapt).",
+    )
+
     @field_validator("target_modules")
     @classmethod
     def _non_empty(cls, value: list[str] | str) -> list[str] | str:

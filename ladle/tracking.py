@@ -11,6 +11,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import yaml
 from pydantic import BaseModel
 
 from ladle import storage
@@ -61,6 +62,7 @@ def start_run(cfg: LadleConfig, flow_run_id: str | None, run_name: str) -> Track
     link = f"{cfg.tracking.ui_url.rstrip('/')}/#/experiments/{exp_id}/runs/{run.info.run_id}"
     tracking = Tracking(uri=uri, run_id=run.info.run_id, experiment_id=exp_id, ui_link=link)
     log_params(tracking, flatten(cfg.model_dump(mode="json")), prefix="config.")
+    log_text(tracking, "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return tracking
 
 

@@ -62,7 +62,8 @@ def load_model(spec: TrainSpec):
         model,
         LoraConfig(
             r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-            target_modules=lora.target_modules, task_type="CAUSAL_LM",
+            target_modules=lora.target_modules, modules_to_save=lora.modules_to_save or None,
+            task_type="CAUSAL_LM",
         ),
     )  # fmt: skip
 
