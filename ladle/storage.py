@@ -41,8 +41,14 @@ def normalise(url: str) -> str:
 
 
 def filesystem(url: str):
-    """Return ``(fs, path)`` for a URL."""
-    return url_to_fs(url)
+    """Return ``(fs, path)`` for a URL.
+
+    Listings are not trusted across calls: another process (a training rank)
+    may have written since, so the listing cache is dropped first.
+    """
+    fs, path = url_to_fs(url)
+    fs.invalidate_cache()
+    return fs, path
 
 
 def exists(url: str) -> bool:

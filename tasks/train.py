@@ -5,7 +5,6 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from ladle import storage
 from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
@@ -42,7 +41,9 @@ def train_task(cfg: LadleConfig, plan: Plan, prepared: PreparedDataset, run_url:
         config=cfg, plan=plan, dataset=prepared, base_dir=str(resolve_base(cfg.base)),
         run_url=run_url, tracking_uri=tracking.uri, mlflow_run_id=tracking.run_id,
     )  # fmt: skip
-    logger.info("launch: %s", plan.launch_command([storage.join(run_url, "spec.json")]))
-    result = launch(spec, on_progress=progress_relay(logger), on_line=logger.debug)
+    result = launch(
+        spec, on_progress=progress_relay(logger), on_line=logger.debug,
+        on_command=lambda command: logger.info("launch: %s", command),
+    )  # fmt: skip
     log_loss_curve(tracking, result.train_losses, result.eval_loss_before, result.eval_loss_after)
     return result

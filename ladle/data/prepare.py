@@ -102,6 +102,18 @@ def iter_rows(url: str) -> Iterator[tuple[int, dict | RowError]]:
             yield line_no, row if isinstance(row, dict) else RowError("a row must be a JSON object")
 
 
+def check_not_empty(path: str, field: str = "data.path") -> None:
+    """Fail fast when a data source holds no non-blank line (reads only up to the first one).
+
+    Raises:
+        LadleError: the source is empty.
+    """
+    with fsspec.open(resolve_data(path, field), "rb") as fh:
+        if any(line.strip() for line in fh):
+            return
+    raise LadleError(f"{field} = {path!r}: the dataset is empty (0 rows). Point it at a JSONL file with rows.")
+
+
 def render_example(tokenizer, messages: list[dict], train_on: str, seq_len: int) -> tuple[Example, bool]:
     """Tokenize one conversation with the chat template and mask its labels.
 

@@ -39,18 +39,36 @@ def worker_env(spec: TrainSpec) -> dict[str, str]:
     return env
 
 
-def launch(spec: TrainSpec, on_progress: ProgressFn | None = None, on_line: Callable[[str], None] | None = None) -> TrainResult:
+def spec_location(spec: TrainSpec, tmp: str) -> Path:
+    """Where the worker reads its spec: the run folder when it is local (so the logged
+    command can be re-run as is), else a temporary file."""
+    if storage.is_local(spec.run_url):
+        return Path(spec.run_url.removeprefix("file://")) / "spec.json"
+    return Path(tmp) / "spec.json"
+
+
+def launch(
+    spec: TrainSpec,
+    on_progress: ProgressFn | None = None,
+    on_line: Callable[[str], None] | None = None,
+    on_command: Callable[[str], None] | None = None,
+) -> TrainResult:
     """Run the planned training to completion and return what it reports.
 
     The result is read back from the artifact store, where rank 0 wrote it.
+    ``on_command`` receives the launch command as a pasteable string.
 
     Raises:
         TrainingFailed: a process exited non-zero (its last output lines are included).
     """
     with tempfile.TemporaryDirectory(prefix="ladle-train-") as tmp:
-        spec_file = Path(tmp) / "spec.json"
-        spec_file.write_text(spec.model_dump_json(), encoding="utf-8")
-        argv = spec.plan.launcher_argv([str(spec_file)], port=free_port())
+        spec_file = spec_location(spec, tmp)
+        spec_file.parent.mkdir(parents=True, exist_ok=True)
+        spec_file.write_text(spec.model_dump_json(indent=1), encoding="utf-8")
+        port = free_port()
+        argv = spec.plan.launcher_argv([str(spec_file)], port=port)
+        if on_command:
+            on_command(spec.plan.launch_command([str(spec_file)], port=port))
         tail = collections.deque(maxlen=40)
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(spec))
         assert proc.stdout is not None

@@ -1,0 +1,94 @@
+"""Shared fixtures. Real components throughout: gloo processes, SQLite MLflow,
+a moto S3 server on 127.0.0.1, Prefect's test harness or its ephemeral server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_SESSION = Path(tempfile.mkdtemp(prefix="ladle-tests-"))
+# Set before anything imports prefect, and inherited by every subprocess.
+os.environ["LADLE_HOME"] = str(_SESSION / "ladle-home")
+os.environ["PREFECT_HOME"] = str(_SESSION / "prefect-home")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["MPLBACKEND"] = "Agg"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_SESSION, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from ladle.assets import tiny_model_dir
+
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def demo_data() -> Path:
+    from ladle.assets import demo_data_file
+
+    return demo_data_file()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server bound to 127.0.0.1; yields the env that points boto/s3fs at it."""
+    port = free_port()
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.create_bucket(Bucket="ladle")
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.3)
+    yield env
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 900, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the installed ``ladle`` command in a subprocess."""
+    exe = Path(sys.executable).with_name("ladle")
+    return subprocess.run(
+        [str(exe), *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})}, cwd=cwd or ROOT,
+    )  # fmt: skip

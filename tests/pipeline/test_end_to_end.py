@@ -1,0 +1,92 @@
+"""The whole flow, for real: probe -> plan -> prepare -> train (2 gloo processes) -> merge -> deploy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ladle import storage
+from ladle.train.checkpoint import complete_steps
+from tests.conftest import ROOT, run_cli
+from tests.pipeline import checks
+
+pytestmark = pytest.mark.pipeline
+STEPS = 30
+RECIPE = str(ROOT / "recipes" / "tiny-cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, tiny_model):
+    out = tmp_path_factory.mktemp("e2e-local")
+    done = run_cli(
+        "run", RECIPE, "--json", "--set", f"output={out}", "--set", f"training.max_steps={STEPS}",
+        "--set", "training.checkpoint_every=10",
+    )  # fmt: skip
+    return done
+
+
+def test_cli_run_succeeds_with_json_last_line(local_run):
+    assert local_run.returncode == 0, local_run.stderr[-4000:]
+    summary = json.loads(local_run.stdout.strip().splitlines()[-1])
+    checks.check_summary(summary, STEPS)
+    assert "Traceback" not in local_run.stdout + local_run.stderr
+
+
+def test_cli_run_warns_about_cpu_host(local_run):
+    assert "--gpus auto found no GPU" in local_run.stderr
+
+
+def test_progress_relayed_to_prefect_log(local_run):
+    assert f"step {STEPS}/{STEPS} loss" in local_run.stderr
+    assert "launch: accelerate launch --multi_gpu --num_processes 2" in local_run.stderr
+
+
+def test_served_answer_is_offline_greedy(local_run):
+    summary = json.loads(local_run.stdout.strip().splitlines()[-1])
+    checks.check_served_answer_is_offline_greedy(summary, max_new_tokens=16)
+
+
+def test_merged_equals_base_plus_adapter(local_run, tiny_model):
+    checks.check_merged_equals_base_plus_adapter(json.loads(local_run.stdout.strip().splitlines()[-1]), tiny_model)
+
+
+def test_mlflow_run_has_params_metrics_artifacts_and_model_version(local_run):
+    checks.check_mlflow(json.loads(local_run.stdout.strip().splitlines()[-1]), STEPS, "tiny-cpu")
+
+
+def test_checkpoints_are_complete(local_run):
+    summary = json.loads(local_run.stdout.strip().splitlines()[-1])
+    assert complete_steps(storage.join(summary["output_url"], "checkpoints")) == [20, 30]
+
+
+def test_flow_on_s3(prefect_harness, s3_server, monkeypatch, tiny_model):
+    """The same flow with every artifact on S3 (moto server on 127.0.0.1), run in-process."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from ladle.config import load_config
+    from ladle.flows.finetune import finetune
+
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    cfg = load_config(RECIPE, [f"output=s3://ladle/e2e", "training.max_steps=20", "name=tiny-s3"])
+    summary = finetune(cfg)
+    checks.check_summary(summary, 20)
+    assert summary["output_url"].startswith("s3://ladle/e2e/runs/tiny-s3-")
+    assert storage.is_complete(summary["merged_model_url"])
+    assert storage.exists(storage.join(summary["output_url"], "summary.json"))
+    checks.check_served_answer_is_offline_greedy(summary, max_new_tokens=16)
+    checks.check_mlflow(summary, 20, "tiny-s3")
+
+    import asyncio
+
+    async def artifact_keys():
+        async with get_client() as client:
+            flt = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[summary["flow_run_id"]]))
+            return {a.key: a for a in await client.read_artifacts(artifact_filter=flt)}
+
+    artifacts = asyncio.run(artifact_keys())
+    assert {"plan", "data-report", "mlflow-run", "topology", "train-progress"} <= set(artifacts)
+    assert "strategy | ddp" in artifacts["plan"].data
+    assert summary["mlflow_run_id"] in artifacts["mlflow-run"].data

@@ -1,0 +1,47 @@
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from ladle.serve.backends import TransformersBackend
+from ladle.serve.server import create_app
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model):
+    return TestClient(create_app(TransformersBackend(str(tiny_model)), "tiny"))
+
+
+def offline_greedy(model_dir, messages, max_new_tokens):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_health_and_models(client):
+    assert client.get("/health").json() == {"status": "ok", "model": "tiny", "backend": "transformers"}
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_chat_is_offline_greedy(client, tiny_model):
+    messages = [{"role": "user", "content": "Add 2 and 3."}]
+    body = client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 8}).json()
+    assert body["choices"][0]["message"]["content"] == offline_greedy(tiny_model, messages, 8)
+    assert body["usage"]["completion_tokens"] <= 8
+
+
+def test_completion(client):
+    body = client.post("/v1/completions", json={"prompt": "Add", "max_tokens": 4}).json()
+    assert body["object"] == "text_completion" and isinstance(body["choices"][0]["text"], str)
+
+
+def test_bad_requests(client):
+    assert client.post("/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "x"}]}).status_code == 404
+    assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 422
+    assert client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}).status_code == 422
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}).status_code == 422

@@ -1,0 +1,100 @@
+import json
+
+import pytest
+
+from ladle.config import MAX_GPU_COUNT, LadleConfig, build_config, json_schema, load_config, parse_gpus
+from ladle.errors import ConfigError, LadleError
+from tests.conftest import ROOT
+
+MINIMAL = {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}}
+
+
+def test_demo_recipe_validates():
+    cfg = load_config(ROOT / "recipes" / "tiny-cpu.yaml")
+    assert cfg.schema_version == 1
+    assert cfg.parallelism.gpus == "auto"
+    assert cfg.training.lora.target_modules == "all-linear"
+
+
+def test_set_parses_values_as_yaml():
+    cfg = build_config(
+        MINIMAL,
+        ["training.lr=1e-4", "training.lora.target_modules=[q_proj,v_proj]", "training.max_steps=7", "data.pack=false"],
+    )
+    assert cfg.training.lr == 1e-4
+    assert cfg.training.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.training.max_steps == 7
+    assert cfg.data.pack is False
+
+
+def test_unknown_key_names_the_path():
+    with pytest.raises(ConfigError) as info:
+        build_config(MINIMAL, ["training.learning_rate=1e-4"])
+    assert "training.learning_rate: unknown key" in str(info.value)
+    assert "ladle schema" in str(info.value)
+
+
+def test_wrong_type_names_field_value_and_fix():
+    with pytest.raises(ConfigError) as info:
+        build_config(MINIMAL, ["training.max_steps=many"])
+    message = str(info.value)
+    assert message.startswith('training.max_steps = "many":')
+    assert "--set training.max_steps=" in message
+
+
+def test_every_problem_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        build_config(MINIMAL, ["training.lr=-1", "data.seq_len=3", "bogus=1"])
+    assert len(info.value.problems) == 3
+
+
+def test_missing_required_field():
+    with pytest.raises(ConfigError, match=r"base: required but missing"):
+        build_config({"data": {"path": "x.jsonl"}}, [])
+
+
+def test_malformed_override():
+    with pytest.raises(LadleError, match="expected dotted.path=value"):
+        build_config(MINIMAL, ["training.lr"])
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("AUTO", "auto"), ("1", 1), (8, 8), (str(MAX_GPU_COUNT), MAX_GPU_COUNT)])
+def test_gpus_accepted(value, expected):
+    assert parse_gpus(value) == expected
+
+
+@pytest.mark.parametrize("value", [True, False, 0, -1, "0", "-2", "two", "1.5", 129, "129", None, 2.0])
+def test_gpus_rejected(value):
+    with pytest.raises(ValueError, match="auto' or an integer 1..128"):
+        parse_gpus(value)
+
+
+def test_gpus_error_through_config():
+    with pytest.raises(ConfigError, match=r"parallelism.gpus = \"0\": .*1..128"):
+        build_config(MINIMAL, [], gpus="0")
+
+
+def test_schema_describes_every_field():
+    schema = json_schema()
+    missing = []
+
+    def walk(node, path):
+        for name, prop in node.get("properties", {}).items():
+            if "description" not in prop:
+                missing.append(f"{path}{name}")
+    walk(schema, "")
+    for name, definition in schema.get("$defs", {}).items():
+        walk(definition, f"{name}.")
+    assert missing == []
+    json.dumps(schema)
+
+
+def test_extra_forbidden_everywhere():
+    for section in ("data", "training", "parallelism", "serve", "tracking"):
+        with pytest.raises(ConfigError, match=f"{section}.nope: unknown key"):
+            build_config(MINIMAL, [f"{section}.nope=1"])
+
+
+def test_model_roundtrip():
+    cfg = build_config(MINIMAL, [])
+    assert LadleConfig.model_validate(cfg.model_dump()) == cfg
