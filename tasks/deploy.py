@@ -8,9 +8,10 @@ from prefect.artifacts import create_link_artifact
 from ladle.config import LadleConfig
 from ladle.merge import MergedModel
 from ladle.serve.deploy import Endpoint, deploy
+from ladle.tasks.policy import retry_unless_user_error
 
 
-@task(name="deploy-server", retries=1, retry_delay_seconds=2)
+@task(name="deploy-server", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
 def deploy_task(cfg: LadleConfig, merged: MergedModel) -> Endpoint:
     endpoint = deploy(merged, cfg.serve, cfg.name)
     logger = get_run_logger()

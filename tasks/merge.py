@@ -9,9 +9,10 @@ from ladle.config import LadleConfig
 from ladle.merge import MergedModel, merge
 from ladle.tracking import Tracking, register_model
 from ladle.train.spec import TrainResult
+from ladle.tasks.policy import retry_unless_user_error
 
 
-@task(name="merge-lora", retries=1, retry_delay_seconds=2)
+@task(name="merge-lora", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
 def merge_task(cfg: LadleConfig, result: TrainResult, run_url: str, tracking: Tracking) -> MergedModel:
     merged = merge(resolve_base(cfg.base), result, run_url)
     version = register_model(tracking, cfg.tracking.registered_model or cfg.name, merged.url)

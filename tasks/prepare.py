@@ -12,6 +12,7 @@ from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset, fingerprint, prepare
 from ladle.tracking import Tracking, log_json
+from ladle.tasks.policy import retry_unless_user_error
 
 
 def prepare_cache_key(context, parameters) -> str:
@@ -27,6 +28,7 @@ def prepare_cache_key(context, parameters) -> str:
     persist_result=True,
     retries=1,
     retry_delay_seconds=2,
+    retry_condition_fn=retry_unless_user_error,
 )
 def prepare_task(cfg: LadleConfig) -> PreparedDataset:
     prepared = prepare(cfg.data, resolve_base(cfg.base), storage.normalise(cfg.output))

@@ -6,9 +6,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from ladle.topology import Topology, probe
+from ladle.tasks.policy import retry_unless_user_error
 
 
-@task(name="probe-topology", retries=1, retry_delay_seconds=2, timeout_seconds=120)
+@task(name="probe-topology", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error, timeout_seconds=120)
 def probe_task() -> Topology:
     topo = probe()
     logger = get_run_logger()

@@ -12,6 +12,7 @@ from ladle.plan import Plan
 from ladle.tracking import Tracking, log_loss_curve
 from ladle.train.run import launch
 from ladle.train.spec import TrainResult, TrainSpec
+from ladle.tasks.policy import retry_unless_user_error
 
 
 def progress_relay(logger):
@@ -34,7 +35,7 @@ def progress_relay(logger):
 
 
 # A retry resumes from the last complete checkpoint of the same run folder.
-@task(name="train", retries=1, retry_delay_seconds=5)
+@task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
 def train_task(cfg: LadleConfig, plan: Plan, prepared: PreparedDataset, run_url: str, tracking: Tracking) -> TrainResult:
     logger = get_run_logger()
     spec = TrainSpec(

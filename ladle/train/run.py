@@ -34,6 +34,7 @@ def worker_env(spec: TrainSpec) -> dict[str, str]:
         # Each rank gets its share of the cores instead of all of them (oversubscription halves throughput).
         cores = os.cpu_count() or 1
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // spec.plan.processes_per_machine)))
+        env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise guess, and say so on stdout
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env

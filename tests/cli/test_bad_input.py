@@ -1,0 +1,83 @@
+"""Bad input: one clear line naming the field or path and the fix, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+RECIPE = str(ROOT / "recipes" / "tiny-cpu.yaml")
+
+
+def assert_clean_error(done, *fragments: str) -> str:
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (["training.learnin_rate=1"], ["training.learnin_rate: unknown key", "ladle schema"]),
+        (["training.max_steps=lots"], ['training.max_steps = "lots"', "--set training.max_steps="]),
+        (["data.path=/nonexistent/rows.jsonl"], ["data.path = '/nonexistent/rows.jsonl': no such file"]),
+        (["base=/tmp"], ["base = '/tmp': the folder holds no model (no config.json)"]),
+        (["base=/nonexistent/model"], ["base = '/nonexistent/model': no such folder"]),
+        (["serve.backend=mii"], ["serve.backend = mii: DeepSpeed-MII has no CPU path", "serve.backend=transformers"]),
+    ],
+)
+def test_bad_config_values(overrides, fragments):
+    args = [arg for item in overrides for arg in ("--set", item)]
+    assert_clean_error(run_cli("run", RECIPE, *args, timeout=120), *fragments)
+
+
+def test_empty_dataset(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert_clean_error(run_cli("run", RECIPE, "--set", f"data.path={empty}", timeout=120), "the dataset is empty (0 rows)")
+
+
+@pytest.mark.parametrize("gpus", ["0", "-1", "true", "two", "129"])
+def test_bad_gpus_flag(gpus):
+    assert_clean_error(run_cli("run", RECIPE, "--gpus", gpus, timeout=120), "parallelism.gpus", "1..128")
+
+
+def test_gpus_on_cpu_host_prints_the_corrected_command():
+    assert_clean_error(run_cli("run", RECIPE, "--gpus", "2", timeout=120), f"ladle run {RECIPE} --gpus auto")
+
+
+def test_missing_config_file():
+    assert_clean_error(run_cli("run", "nope.yaml", timeout=60), "config = 'nope.yaml': no such file")
+
+
+def test_json_mode_reports_failure_as_last_line():
+    done = run_cli("run", RECIPE, "--json", "--set", "training.nope=1", timeout=60)
+    assert done.returncode == 2
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert last["status"] == "failed" and "training.nope" in last["error"]
+
+
+def test_error_inside_the_flow_is_one_line(tmp_path):
+    """Found by the prepare stage, inside Prefect: still one line, no traceback."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join("{broken\n" for _ in range(5)))
+    line = assert_clean_error(
+        run_cli("run", RECIPE, "--set", f"data.path={bad}", "--set", f"output={tmp_path / 'out'}", timeout=300),
+        "no usable training rows (read 5, dropped 5; line 1: malformed JSON",
+    )
+    assert line.startswith(f"error: data.path = '{bad}'")
+
+
+def test_schema_and_env_commands():
+    schema = json.loads(run_cli("schema", timeout=60).stdout)
+    assert schema["properties"]["schema_version"]["const"] == 1 or "schema_version" in schema["properties"]
+    env = run_cli("env", "--json", timeout=60)
+    info = json.loads(env.stdout.strip().splitlines()[-1])
+    assert info["packages"]["torch"].startswith("2.") and info["topology"]["gpu_count"] == 0
