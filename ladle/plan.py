@@ -194,6 +194,11 @@ def check_device_features(cfg: LadleConfig, device: str) -> list[str]:
             "serve.backend = mii: DeepSpeed-MII has no CPU path and this host has no CUDA GPU. "
             "Use serve.backend=transformers or deploy on a GPU host."
         )
+    if cfg.output.startswith("memory://"):
+        problems.append(
+            f"output = {cfg.output}: training runs in separate processes, which cannot see this process's "
+            "in-memory filesystem. Use a local folder or an object store URL (s3://...)."
+        )
     if cfg.training.quantization.mode != "none" and not cfg.training.lora.enabled:
         problems.append(
             f"training.quantization.mode = {cfg.training.quantization.mode}: a 4-bit base cannot be trained "

@@ -16,11 +16,11 @@ from ladle.errors import LadleError
 PACKAGES = ("ladle", "torch", "transformers", "peft", "accelerate", "deepspeed", "prefect", "mlflow", "fsspec", "s3fs", "pydantic", "fastapi", "uvicorn")
 
 
-def schema() -> None:
-    """Print the config's JSON schema (for editors)."""
-    from ladle.config import json_schema
+def schema(markdown: bool = typer.Option(False, "--markdown", help="A reference table instead of JSON schema.")) -> None:
+    """Print the config's JSON schema (for editors), or its markdown reference."""
+    from ladle.config import json_schema, markdown_reference
 
-    print(json.dumps(json_schema(), indent=2))
+    print(markdown_reference() if markdown else json.dumps(json_schema(), indent=2), end="" if markdown else "\n")
 
 
 def env(as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:

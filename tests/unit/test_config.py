@@ -98,3 +98,9 @@ def test_extra_forbidden_everywhere():
 def test_model_roundtrip():
     cfg = build_config(MINIMAL, [])
     assert LadleConfig.model_validate(cfg.model_dump()) == cfg
+
+
+def test_generated_reference_is_current():
+    from ladle.config import markdown_reference
+
+    assert (ROOT / "docs" / "config.md").read_text() == markdown_reference(), "run: ladle schema --markdown > docs/config.md"

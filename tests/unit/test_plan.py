@@ -72,3 +72,8 @@ def test_launch_argv_is_a_list_and_keeps_metacharacters_verbatim():
     assert argv[argv.index("--num_processes") + 1] == "2"
     assert "--multi_gpu" in argv  # two CPU processes need torchrun, not --cpu
     assert shlex.split(plan.launch_command([nasty], port=1234))[-1] == nasty
+
+
+def test_memory_output_rejected():
+    with pytest.raises(ConfigError, match=r"output = memory://x: training runs in separate processes"):
+        plan_for(CPU, "output=memory://x")
