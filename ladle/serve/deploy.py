@@ -15,7 +15,6 @@ from pydantic import BaseModel, Field
 from ladle import storage
 from ladle.assets import ladle_home
 from ladle.config import ServeConfig
-from ladle.errors import LadleError
 from ladle.merge import MergedModel
 from ladle.serve.backends import check_mii_host
 from ladle.train.run import free_port
@@ -29,6 +28,7 @@ class Endpoint(BaseModel):
     prompt: str
     answer: str = Field(description="The smoke request's reply.")
     running: bool
+    log: str = Field(description="Server log file.")
 
 
 class DeployFailed(RuntimeError):
@@ -50,11 +50,11 @@ def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int) -> list
             "--backend", cfg.backend, "--host", cfg.host, "--port", str(port)]  # fmt: skip
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
+            out = log_path.read_text(errors="replace")
             raise DeployFailed(f"server exited with code {proc.returncode} before it was healthy:\n{out[-3000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -87,12 +87,16 @@ def deploy(merged: MergedModel, cfg: ServeConfig, name: str) -> Endpoint:
     model_dir = local_model_dir(merged)
     port = cfg.port or free_port()
     url = f"http://{cfg.host}:{port}"
-    proc = subprocess.Popen(
-        server_argv(model_dir, name, cfg, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, start_new_session=cfg.keep_running,
-    )  # fmt: skip
+    # A server that outlives this process must not write into a pipe nobody reads.
+    log_path = ladle_home() / "served" / f"{name}-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            server_argv(model_dir, name, cfg, port), stdout=log, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, start_new_session=cfg.keep_running,
+        )  # fmt: skip
     try:
-        wait_healthy(proc, url, cfg.health_timeout_s)
+        wait_healthy(proc, url, cfg.health_timeout_s, log_path)
         answer = smoke(url, name, cfg)
     except BaseException:
         stop(proc)
@@ -100,7 +104,8 @@ def deploy(merged: MergedModel, cfg: ServeConfig, name: str) -> Endpoint:
     if not cfg.keep_running:
         stop(proc)
     return Endpoint(url=url, model=name, backend=cfg.backend, pid=proc.pid if cfg.keep_running else None,
-                    prompt=cfg.smoke_prompt, answer=answer, running=cfg.keep_running)  # fmt: skip
+                    prompt=cfg.smoke_prompt, answer=answer, running=cfg.keep_running,
+                    log=str(log_path))  # fmt: skip
 
 
 def smoke(url: str, name: str, cfg: ServeConfig) -> str:

@@ -1,0 +1,89 @@
+"""A deployment run through a real Prefect server and a process worker.
+
+    prefect server start  ->  prefect deploy (deployments/prefect.yaml)  ->  prefect worker start
+    ->  prefect deployment run 'finetune-recipe/tiny-cpu'  ->  flow run COMPLETED, model served
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, free_port
+
+pytestmark = pytest.mark.pipeline
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+
+
+def prefect(*args: str, env: dict, timeout: int = 180) -> subprocess.CompletedProcess:
+    done = subprocess.run([PREFECT, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    assert done.returncode == 0, f"prefect {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "LADLE_REPO": str(ROOT)}  # fmt: skip
+    log = open(home / "server.log", "w")
+    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield env
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def flow_run_state(env: dict, flow_run_id: str) -> str:
+    response = httpx.get(f"{env['PREFECT_API_URL']}/flow_runs/{flow_run_id}", timeout=10)
+    return response.json()["state"]["type"]
+
+
+def test_deployment_runs_through_server_and_worker(prefect_server, tmp_path, tiny_model):
+    env = prefect_server
+    prefect("work-pool", "create", "ladle-local", "--type", "process", env=env)
+    prefect("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml", env=env)
+    params = {"overrides": ["training.max_steps=10", f"output={tmp_path}", "name=deployed"]}
+    started = prefect("deployment", "run", "finetune-recipe/tiny-cpu", "--params", json.dumps(params), env=env)
+    flow_run_id = next(line.split()[-1] for line in started.stdout.splitlines() if "UUID" in line)
+
+    worker_log = open(tmp_path / "worker.log", "w")
+    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "ladle-local"], env=env, cwd=ROOT, stdout=worker_log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while (state := flow_run_state(env, flow_run_id)) not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            assert time.monotonic() < deadline, "flow run did not finish in 10 minutes"
+            time.sleep(2)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    assert state == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
+
+    summaries = list(tmp_path.glob("runs/deployed-*/summary.json"))
+    assert len(summaries) == 1
+    summary = json.loads(summaries[0].read_text())
+    assert summary["flow_run_id"] != flow_run_id  # the pipeline runs as a subflow of the deployment's flow run
+    assert summary["steps"] == 10 and summary["world_size"] == 2
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]
+
+    schedules = httpx.post(f"{env['PREFECT_API_URL']}/deployments/filter", json={}, timeout=10).json()
+    nightly = next(d for d in schedules if d["name"] == "tiny-cpu-nightly")
+    assert nightly["schedules"][0]["schedule"]["cron"] == "30 2 * * *"
