@@ -44,7 +44,8 @@ def finetune(config: LadleConfig, config_ref: str = "CONFIG") -> dict:
     flow_run_id = str(runtime.flow_run.id or uuid.uuid4())
     run_name = f"{config.name}-{flow_run_id[:8]}"
     run_url = storage.join(storage.normalise(config.output), "runs", run_name)
-    track = tracking.start_run(config, flow_run_id, run_name)
+    parent = runtime.flow_run.parent_flow_run_id
+    track = tracking.start_run(config, flow_run_id, run_name, parent_flow_run_id=str(parent) if parent else None)
     create_link_artifact(key="mlflow-run", link=track.ui_link, description=f"MLflow run {track.run_id} ({track.uri})")
     clock = Stopwatch()
     ok = False

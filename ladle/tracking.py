@@ -49,8 +49,8 @@ def client(uri: str):
     return MlflowClient(uri)
 
 
-def start_run(cfg: LadleConfig, flow_run_id: str | None, run_name: str) -> Tracking:
-    """Create the MLflow run, tagged with the Prefect flow-run id, with the config as params."""
+def start_run(cfg: LadleConfig, flow_run_id: str | None, run_name: str, parent_flow_run_id: str | None = None) -> Tracking:
+    """Create the MLflow run, tagged with the Prefect flow-run id(s), with the config as params."""
     uri, artifacts = tracking_uri(cfg)
     mlflow = client(uri)
     experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
@@ -58,6 +58,8 @@ def start_run(cfg: LadleConfig, flow_run_id: str | None, run_name: str) -> Track
     tags = {"ladle.config_name": cfg.name, "mlflow.runName": run_name}
     if flow_run_id:
         tags["prefect.flow_run_id"] = flow_run_id
+    if parent_flow_run_id:  # a deployment's flow run that started this pipeline as a subflow
+        tags["prefect.parent_flow_run_id"] = parent_flow_run_id
     run = mlflow.create_run(exp_id, tags=tags, run_name=run_name)
     link = f"{cfg.tracking.ui_url.rstrip('/')}/#/experiments/{exp_id}/runs/{run.info.run_id}"
     tracking = Tracking(uri=uri, run_id=run.info.run_id, experiment_id=exp_id, ui_link=link)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
@@ -15,12 +17,22 @@ from ladle.train.spec import TrainResult, TrainSpec
 from ladle.tasks.policy import retry_unless_user_error
 
 
-def progress_relay(logger):
-    """A callback that logs each worker progress line and advances a progress artifact."""
+def progress_relay(logger, min_interval_s: float = 2.0):
+    """A callback that logs worker progress and advances a progress artifact.
+
+    Every step is in MLflow already; the Prefect log and artifact get a line at
+    most every ``min_interval_s`` (and the first and last step), because each
+    one is an API call that competes with the training processes for the cores.
+    """
     artifact_id = create_progress_artifact(progress=0.0, key="train-progress", description="Training progress")
+    last = {"time": float("-inf")}
 
     def relay(event: dict) -> None:
         if event["event"] == "step":
+            now = time.monotonic()
+            if now - last["time"] < min_interval_s and event["step"] not in (1, event["steps"]):
+                return
+            last["time"] = now
             logger.info(
                 "step %d/%d loss %.4f lr %.2e %.0f tok/s elapsed %.1fs", event["step"], event["steps"],
                 event["loss"], event["lr"], event["tokens_per_s"], event["elapsed_s"],

@@ -83,6 +83,10 @@ def test_deployment_runs_through_server_and_worker(prefect_server, tmp_path, tin
     assert summary["flow_run_id"] != flow_run_id  # the pipeline runs as a subflow of the deployment's flow run
     assert summary["steps"] == 10 and summary["world_size"] == 2
     assert summary["eval_loss_after"] < summary["eval_loss_before"]
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(summary["mlflow_tracking_uri"]).get_run(summary["mlflow_run_id"]).data.tags
+    assert tags["prefect.parent_flow_run_id"] == flow_run_id
 
     schedules = httpx.post(f"{env['PREFECT_API_URL']}/deployments/filter", json={}, timeout=10).json()
     nightly = next(d for d in schedules if d["name"] == "tiny-cpu-nightly")
