@@ -26,13 +26,15 @@ class Section(BaseModel):
 
 class DataConfig(Section):
     path: str = Field(
-        description="Training data: a local path or fsspec URL (s3://, memory://) of a JSONL file, "
-        "or `ladle://demo-alpaca` for the bundled generated demo set."
+        description="Training data: a local path or fsspec URL (s3://, memory://), globs allowed, of JSONL, "
+        "JSON, Parquet or CSV files (by suffix; .gz etc. decompressed), or `ladle://demo-alpaca` for the "
+        "bundled generated demo set."
     )
-    format: Literal["auto", "alpaca", "messages"] = Field(
+    format: Literal["auto", "alpaca", "sharegpt", "messages", "chatml", "text", "tokenized"] = Field(
         "auto",
-        description="Row format. `alpaca`: instruction/input/output; `messages`: a list of "
-        "{role, content} turns. `auto` detects it from the first row.",
+        description="Record format. `alpaca`: instruction/input/output; `sharegpt`: conversations of "
+        "{from, value}; `messages`/`chatml`: messages of {role, content}; `text`: a `text` field; "
+        "`tokenized`: `input_ids` (and optional `labels`). `auto` detects it from the first record.",
     )
     eval_path: str | None = Field(
         None, description="Separate evaluation file (same format). null: split `eval_ratio` off the training data."
@@ -42,6 +44,12 @@ class DataConfig(Section):
     )
     seq_len: int = Field(256, ge=16, le=131072, description="Tokens per packed training row.")
     pack: bool = Field(True, description="Pack several examples into each `seq_len` row (first-fit-decreasing).")
+    truncation: Literal["right", "drop"] = Field(
+        "right",
+        description="Examples longer than seq_len: `right` cuts the end (counted in the report), `drop` "
+        "skips them (listed in the report, not counted as bad rows).",
+    )
+    dedup: bool = Field(False, description="Skip exact duplicate records (same conversation/text/ids).")
     train_on: Literal["response", "all"] = Field(
         "response", description="Which tokens carry a loss: only assistant responses, or all tokens."
     )

@@ -85,6 +85,14 @@ def log_json(tracking: Tracking, name: str, obj) -> None:
     log_text(tracking, name, json.dumps(obj, indent=2, default=str))
 
 
+def log_bytes(tracking: Tracking, name: str, data: bytes) -> None:
+    """Log a file's bytes as a run artifact called ``name``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        path.write_bytes(data)
+        client(tracking.uri).log_artifact(tracking.run_id, str(path))
+
+
 def log_loss_curve(tracking: Tracking, losses: list[float], eval_before: float, eval_after: float) -> None:
     """Plot per-step train loss with the eval loss before and after, as ``loss_curve.png``."""
     import matplotlib

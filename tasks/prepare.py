@@ -11,7 +11,7 @@ from ladle import storage
 from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset, fingerprint, prepare
-from ladle.tracking import Tracking, log_json
+from ladle.tracking import Tracking, log_bytes, log_json
 from ladle.tasks.policy import retry_unless_user_error
 
 
@@ -42,8 +42,13 @@ def prepare_task(cfg: LadleConfig) -> PreparedDataset:
 
 
 def publish_report(prepared: PreparedDataset, tracking: Tracking) -> None:
-    """Data report as a Prefect table artifact and an MLflow artifact (every run, cached or not)."""
+    """Data report as Prefect table artifacts and MLflow artifacts (every run, cached or not)."""
     report = prepared.report.model_dump()
-    table = [{"metric": k, "value": v if k != "dropped" else len(v)} for k, v in report.items()]
+    skip = ("dropped", "length_histogram", "sources")
+    table = [{"metric": k, "value": v} for k, v in report.items() if k not in skip]
+    table.append({"metric": "dropped", "value": len(report["dropped"])})
     create_table_artifact(key="data-report", table=table, description=f"Data report, fingerprint {prepared.fingerprint}")
+    if report["dropped"]:
+        create_table_artifact(key="data-dropped-rows", table=report["dropped"][:1000], description="Rows not used, by line")
     log_json(tracking, "data_report.json", report)
+    log_bytes(tracking, "length_histogram.png", storage.read_bytes(storage.join(prepared.url, "length_histogram.png")))

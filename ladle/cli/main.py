@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ladle.cli import info
+from ladle.cli import data, info
 from ladle.cli.run import run
 
 app = typer.Typer(
@@ -19,6 +19,7 @@ app.command("plan")(info.plan)
 app.command("schema")(info.schema)
 app.command("env")(info.env)
 app.command("serve")(info.serve)
+app.add_typer(data.app, name="data")
 
 if __name__ == "__main__":
     app()

@@ -84,3 +84,53 @@ def pack_examples(examples, seq_len: int, pad_id: int, pack: bool = True) -> Pac
 def read_rows(data: bytes) -> dict[str, list]:
     """Read a packed parquet shard back into column lists."""
     return pq.read_table(io.BytesIO(data)).to_pydict()
+
+
+class SplitWriter:
+    """Packs a stream of examples window by window and writes Parquet shards.
+
+    Memory stays bounded: at most ``window`` examples and one shard of rows
+    are held at a time. Packing is first-fit-decreasing within each window.
+    """
+
+    def __init__(self, url: str, name: str, seq_len: int, pad_id: int, pack: bool, window: int = 20000):
+        from ladle import storage
+
+        self.storage = storage
+        self.url, self.name, self.seq_len, self.pad_id, self.pack, self.window = url, name, seq_len, pad_id, pack, window
+        self.shard_rows = max(256, (32 << 20) // (seq_len * 12))  # about 32 MiB of int32 per shard
+        self.pending: list = []
+        self.rows = PackedRows()
+        self.shards: list[str] = []
+        self.total_rows = 0
+        self.real_tokens = 0
+        self.examples = 0
+
+    def add(self, example) -> None:
+        self.pending.append(example)
+        self.examples += 1
+        if len(self.pending) >= self.window:
+            self._pack()
+
+    def _pack(self) -> None:
+        packed = pack_examples(self.pending, self.seq_len, self.pad_id, self.pack)
+        self.pending = []
+        for field_name in ("input_ids", "labels", "position_ids", "real_tokens_per_row"):
+            getattr(self.rows, field_name).extend(getattr(packed, field_name))
+        while len(self.rows) >= self.shard_rows:
+            self._flush(self.shard_rows)
+
+    def _flush(self, count: int) -> None:
+        head = PackedRows(*(getattr(self.rows, f)[:count] for f in ("input_ids", "labels", "position_ids", "real_tokens_per_row")))
+        self.rows = PackedRows(*(getattr(self.rows, f)[count:] for f in ("input_ids", "labels", "position_ids", "real_tokens_per_row")))
+        name = f"{self.name}-{len(self.shards):05d}.parquet"
+        self.storage.write_bytes(self.storage.join(self.url, name), head.to_parquet_bytes())
+        self.shards.append(name)
+        self.total_rows += len(head)
+        self.real_tokens += head.real_tokens
+
+    def close(self) -> None:
+        if self.pending:
+            self._pack()
+        if len(self.rows) or not self.shards:
+            self._flush(len(self.rows))

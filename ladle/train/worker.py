@@ -69,9 +69,9 @@ def load_model(spec: TrainSpec):
 
 
 def load_split(spec: TrainSpec, name: str) -> dict[str, torch.Tensor]:
-    """A packed split as tensors: input_ids, labels, position_ids, real_tokens."""
-    cols = read_rows(storage.read_bytes(storage.join(spec.dataset.url, f"{name}.parquet")))
-    return {key: torch.tensor(value, dtype=torch.long) for key, value in cols.items()}
+    """A packed split (all its shards, in order) as tensors: input_ids, labels, position_ids, real_tokens."""
+    parts = [read_rows(storage.read_bytes(storage.join(spec.dataset.url, shard))) for shard in spec.dataset.shards[name]]
+    return {key: torch.tensor([v for part in parts for v in part[key]], dtype=torch.long) for key in parts[0]}
 
 
 def token_loss(model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, int]:

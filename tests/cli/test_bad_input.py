@@ -81,3 +81,20 @@ def test_schema_and_env_commands():
     env = run_cli("env", "--json", timeout=60)
     info = json.loads(env.stdout.strip().splitlines()[-1])
     assert info["packages"]["torch"].startswith("2.") and info["topology"]["gpu_count"] == 0
+
+
+def test_data_commands(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"instruction": "Add 1 and 2.", "output": "3"}\n{oops\n' + '{"instruction": "Add 2 and 2.", "output": "4"}\n' * 200)
+    overrides = ["--set", f"data.path={rows}", "--set", f"output={tmp_path / 'out'}"]
+    prepared = run_cli("data", "prepare", RECIPE, *overrides, "--json", timeout=120)
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    report = json.loads(prepared.stdout.strip().splitlines()[-1])
+    assert (report["rows_read"], report["rows_used"], report["dropped"][0]["line"]) == (202, 201, 2)
+    inspected = json.loads(run_cli("data", "inspect", RECIPE, *overrides, "--json", timeout=120).stdout.strip().splitlines()[-1])
+    assert (inspected["format"], inspected["records"], inspected["invalid"]) == ("alpaca", 202, 1)
+    masked = run_cli("data", "show-mask", RECIPE, *overrides, "-n", "1", "--json", timeout=120)
+    row = json.loads(masked.stdout.strip().splitlines()[-1])["rows"][0]
+    assert "".join(piece for piece, trained in row["tokens"] if trained) == "3<|end|>"
+    bad = run_cli("data", "prepare", RECIPE, "--set", f"data.path={rows}", "--set", "data.max_bad_fraction=0", timeout=120)
+    assert_clean_error(bad, "1 of 202 rows unusable", "line 2: malformed JSON")

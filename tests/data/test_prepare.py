@@ -6,7 +6,16 @@ import torch
 from ladle import storage
 from ladle.config import DataConfig
 from ladle.data.packing import first_fit_decreasing, pack_examples, read_rows
-from ladle.data.prepare import IGNORE, check_not_empty, fingerprint, prepare, render_example
+from ladle.data.formats import Chat
+from ladle.data.prepare import IGNORE, check_not_empty, fingerprint, prepare
+from ladle.data.tokenize import tokenize_batch
+
+
+def render_example(tokenizer, messages, train_on, seq_len, truncation="right"):
+    (result, truncated), = tokenize_batch(tokenizer, [Chat(messages)], train_on, seq_len, truncation)
+    if isinstance(result, Exception):
+        raise result
+    return result, truncated
 from ladle.errors import LadleError
 
 
@@ -92,9 +101,10 @@ def test_prepare_writes_shards_manifest_and_report(tiny_model, tmp_path):
     prepared = prepare(cfg, tiny_model, str(tmp_path / "out"))
     assert storage.is_complete(prepared.url)
     report = prepared.report
-    assert (report.rows_read, report.rows_used, report.train_examples, report.eval_examples) == (50, 50, 40, 10)
+    assert (report.rows_read, report.rows_used) == (50, 50)
+    assert report.train_examples + report.eval_examples == 50 and 4 <= report.eval_examples <= 18  # seeded hash split
     assert report.dropped == [] and report.format == "alpaca"
-    rows = read_rows(storage.read_bytes(storage.join(prepared.url, "train.parquet")))
+    rows = read_rows(storage.read_bytes(storage.join(prepared.url, prepared.shards["train"][0])))
     assert len(rows["input_ids"]) == prepared.train_rows and all(len(r) == 64 for r in rows["input_ids"])
     assert 0 < report.packing_efficiency <= 1
     assert prepare(cfg, tiny_model, str(tmp_path / "out")) == prepared  # found, not redone
@@ -107,7 +117,7 @@ def test_bad_rows_reported_with_line_numbers(tiny_model, tmp_path):
     data.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe\n")
     cfg = DataConfig(path=str(data), eval_ratio=0.0, seq_len=64, max_bad_fraction=0.5)
     report = prepare(cfg, tiny_model, str(tmp_path / "out")).report
-    assert [(d["line"], d["reason"].split(" (")[0]) for d in report.dropped] == [
+    assert [(d["line"], d["reason"].split(" (")[0]) for d in report.dropped] == [  # noqa: E501
         (3, "malformed JSON"),
         (7, "missing field 'output'"),
         (12, "field 'instruction' must be a string, got int"),
@@ -141,3 +151,20 @@ def test_fingerprint_follows_content_and_options(tiny_model, tmp_path):
     assert fingerprint(DataConfig(path=str(data), seq_len=128), tiny_model) != base
     write_jsonl(data, [{"instruction": "a", "output": "c"}])
     assert fingerprint(DataConfig(path=str(data)), tiny_model) != base
+
+
+def test_split_writer_packs_window_by_window_into_shards(tmp_path):
+    from ladle.data.packing import SplitWriter
+    from ladle.data.prepare import Example
+
+    writer = SplitWriter(str(tmp_path), "train", seq_len=16, pad_id=0, pack=True, window=5)
+    writer.shard_rows = 3
+    examples = [Example([1] + [7] * (i % 6 + 2), [IGNORE] + [7] * (i % 6 + 2)) for i in range(23)]
+    for example in examples:
+        writer.add(example)
+        assert len(writer.pending) < 5  # never more than one window held
+    writer.close()
+    rows = [read_rows(storage.read_bytes(storage.join(str(tmp_path), s))) for s in writer.shards]
+    assert len(writer.shards) > 1 and all(len(r["input_ids"]) <= 3 for r in rows)
+    assert sum(sum(r["real_tokens"]) for r in rows) == sum(len(e.input_ids) for e in examples) == writer.real_tokens
+    assert writer.total_rows == sum(len(r["input_ids"]) for r in rows)

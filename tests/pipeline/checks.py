@@ -64,7 +64,7 @@ def check_mlflow(summary: dict, steps: int, model_name: str) -> None:
     evals = client.get_metric_history(run.info.run_id, "eval_loss")
     assert [m.step for m in evals] == [0, steps]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "plan.json", "data_report.json", "loss_curve.png"} <= artifacts
+    assert {"config.yaml", "plan.json", "data_report.json", "loss_curve.png", "length_histogram.png"} <= artifacts
     versions = client.search_model_versions(f"name='{model_name}'")
     mine = [v for v in versions if v.run_id == run.info.run_id]
     assert len(mine) == 1 and mine[0].source == summary["merged_model_url"]

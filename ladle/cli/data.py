@@ -1,0 +1,103 @@
+"""``ladle data prepare|inspect|show-mask CONFIG``: the prepare stage on its own."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from ladle.cli.common import console, exit_with_error, print_json
+from ladle.errors import LadleError
+
+app = typer.Typer(help="Prepare and look at training data.", no_args_is_help=True)
+CONFIG = typer.Argument(..., help="YAML config file.")
+SET = typer.Option([], "--set", help="Override a field (dotted.path=value).")
+JSON = typer.Option(False, "--json", help="One JSON object as the last line.")
+
+
+def _config(config: str, overrides: list[str], as_json: bool):
+    from ladle.config import load_config
+
+    try:
+        return load_config(config, overrides)
+    except LadleError as err:
+        exit_with_error(str(err), as_json)
+
+
+@app.command("prepare")
+def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSON) -> None:
+    """Prepare the dataset into the artifact store and print its report."""
+    from ladle import storage
+    from ladle.assets import resolve_base
+    from ladle.data.prepare import prepare
+
+    cfg = _config(config, set_, as_json)
+    columns = (SpinnerColumn(), TextColumn("preparing: {task.fields[rows]:,} records read"), TimeElapsedColumn())
+    try:
+        with Progress(*columns, console=console, transient=True) as progress:
+            task = progress.add_task("prepare", rows=0)
+            prepared = prepare(cfg.data, resolve_base(cfg.base), storage.normalise(cfg.output),
+                               on_progress=lambda rows: progress.update(task, rows=rows))  # fmt: skip
+    except LadleError as err:
+        exit_with_error(str(err), as_json)
+    report = prepared.report.model_dump()
+    if as_json:
+        print_json({**report, "url": prepared.url, "fingerprint": prepared.fingerprint})
+        return
+    table = Table(title=f"data report ({prepared.url})", show_header=False)
+    for key, value in report.items():
+        if key not in ("dropped", "length_histogram", "sources"):
+            table.add_row(key, str(value))
+    table.add_row("dropped", str(len(report["dropped"])))
+    console.print(table)
+    for item in report["dropped"][:20]:
+        console.print(f"  line {item['line']} of {item['source']}: {item['reason']}", highlight=False)
+
+
+@app.command("inspect")
+def inspect_cmd(config: str = CONFIG, n: int = typer.Option(3, "-n", help="Samples to show."), set_: list[str] = SET, as_json: bool = JSON) -> None:
+    """Files, detected format, record counts, the commonest problems, and a few parsed samples."""
+    from ladle.data.inspect import inspect
+
+    cfg = _config(config, set_, as_json)
+    try:
+        info = inspect(cfg.data, n)
+    except LadleError as err:
+        exit_with_error(str(err), as_json)
+    if as_json:
+        print_json(info)
+        return
+    for file in info["files"]:
+        console.print(f"{file['url']}  ({file['kind']}, {file['bytes']:,} bytes)", highlight=False)
+    console.print(f"format: {info['format']}   records: {info['records']:,}   invalid: {info['invalid']:,}")
+    for problem in info["top_problems"]:
+        console.print(f"  {problem['count']:>6} x {problem['reason']}", highlight=False)
+    for sample in info["samples"]:
+        console.print(f"[bold]line {sample['line']}[/]: {sample['sample']}", highlight=False)
+
+
+@app.command("show-mask")
+def show_mask_cmd(config: str = CONFIG, n: int = typer.Option(3, "-n", help="Rows to show."), set_: list[str] = SET, as_json: bool = JSON) -> None:
+    """Render sample rows with the trained tokens highlighted (the trainer's own tokenization)."""
+    from ladle.assets import resolve_base
+    from ladle.data.inspect import mask_rows
+
+    cfg = _config(config, set_, as_json)
+    try:
+        rows = mask_rows(cfg.data, resolve_base(cfg.base), n)
+    except LadleError as err:
+        exit_with_error(str(err), as_json)
+    if as_json:
+        print_json({"rows": rows})
+        return
+    for row in rows:
+        console.print(f"[bold]line {row['line']}[/] of {row['source']}: {row['trained']}/{row['total']} tokens trained"
+                      + (" (truncated)" if row["truncated"] else ""), highlight=False)  # fmt: skip
+        text = Text()
+        for piece, trained in row["tokens"]:
+            text.append(piece, style="bold black on green" if trained else "dim")
+        console.print(text)
+        console.print()
