@@ -33,8 +33,11 @@ test: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q
 
 bench: setup
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
 	$(BIN)/python bench/demo_stages.py
 	$(BIN)/python bench/train_overhead.py
+	$(BIN)/python bench/prepare_vs_trl.py
+	$(BIN)/python bench/prepare_memory.py
 
 clean:
 	rm -rf runs bench/out

@@ -49,7 +49,8 @@ def chat_text(tokenizer, messages: list[dict], train_on: str) -> tuple[str, list
         if message["role"] != "assistant":
             continue
         before = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True) if k else ""
-        through = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+        last = k == len(messages) - 1
+        through = text if last else tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
         if not text.startswith(through) or not through.startswith(before):
             raise RowError("chat template output is not prefix-stable; cannot locate the response")
         cut = through.rfind(eos, len(before)) if eos else -1
