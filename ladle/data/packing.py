@@ -12,6 +12,7 @@ import io
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - registers pa.compute
 import pyarrow.parquet as pq
 
 IGNORE = -100
@@ -31,8 +32,8 @@ class PackedRows:
     def real_tokens(self) -> int:
         return sum(self.real_tokens_per_row)
 
-    def to_parquet_bytes(self) -> bytes:
-        table = pa.table(
+    def to_table(self) -> pa.Table:
+        return pa.table(
             {
                 "input_ids": pa.array(self.input_ids, type=pa.list_(pa.int32())),
                 "labels": pa.array(self.labels, type=pa.list_(pa.int32())),
@@ -40,9 +41,15 @@ class PackedRows:
                 "real_tokens": pa.array(self.real_tokens_per_row, type=pa.int32()),
             }
         )
-        sink = io.BytesIO()
-        pq.write_table(table, sink)
-        return sink.getvalue()
+
+    def to_parquet_bytes(self) -> bytes:
+        return table_bytes(self.to_table())
+
+
+def table_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return sink.getvalue()
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -89,8 +96,9 @@ def read_rows(data: bytes) -> dict[str, list]:
 class SplitWriter:
     """Packs a stream of examples window by window and writes Parquet shards.
 
-    Memory stays bounded: at most ``window`` examples and one shard of rows
-    are held at a time. Packing is first-fit-decreasing within each window.
+    Memory stays bounded: at most ``window`` examples (as Python lists) and
+    one shard of packed rows (as Arrow int32 columns) are held at a time.
+    Packing is first-fit-decreasing within each window.
     """
 
     def __init__(self, url: str, name: str, seq_len: int, pad_id: int, pack: bool, window: int = 20000):
@@ -100,7 +108,8 @@ class SplitWriter:
         self.url, self.name, self.seq_len, self.pad_id, self.pack, self.window = url, name, seq_len, pad_id, pack, window
         self.shard_rows = max(256, (32 << 20) // (seq_len * 12))  # about 32 MiB of int32 per shard
         self.pending: list = []
-        self.rows = PackedRows()
+        self.buffer: list[pa.Table] = []
+        self.buffered = 0
         self.shards: list[str] = []
         self.total_rows = 0
         self.real_tokens = 0
@@ -113,24 +122,27 @@ class SplitWriter:
             self._pack()
 
     def _pack(self) -> None:
-        packed = pack_examples(self.pending, self.seq_len, self.pad_id, self.pack)
+        table = pack_examples(self.pending, self.seq_len, self.pad_id, self.pack).to_table()
         self.pending = []
-        for field_name in ("input_ids", "labels", "position_ids", "real_tokens_per_row"):
-            getattr(self.rows, field_name).extend(getattr(packed, field_name))
-        while len(self.rows) >= self.shard_rows:
+        self.buffer.append(table)
+        self.buffered += table.num_rows
+        while self.buffered >= self.shard_rows:
             self._flush(self.shard_rows)
 
     def _flush(self, count: int) -> None:
-        head = PackedRows(*(getattr(self.rows, f)[:count] for f in ("input_ids", "labels", "position_ids", "real_tokens_per_row")))
-        self.rows = PackedRows(*(getattr(self.rows, f)[count:] for f in ("input_ids", "labels", "position_ids", "real_tokens_per_row")))
+        table = pa.concat_tables(self.buffer) if len(self.buffer) > 1 else self.buffer[0]
+        head, rest = table.slice(0, count), table.slice(count)
+        self.buffer, self.buffered = ([rest] if rest.num_rows else []), rest.num_rows
         name = f"{self.name}-{len(self.shards):05d}.parquet"
-        self.storage.write_bytes(self.storage.join(self.url, name), head.to_parquet_bytes())
+        self.storage.write_bytes(self.storage.join(self.url, name), table_bytes(head))
         self.shards.append(name)
-        self.total_rows += len(head)
-        self.real_tokens += head.real_tokens
+        self.total_rows += head.num_rows
+        self.real_tokens += int(pa.compute.sum(head["real_tokens"]).as_py() or 0)
 
     def close(self) -> None:
         if self.pending:
             self._pack()
-        if len(self.rows) or not self.shards:
-            self._flush(len(self.rows))
+        if self.buffered or not self.shards:
+            if not self.buffer:
+                self.buffer = [PackedRows().to_table()]
+            self._flush(self.buffered)

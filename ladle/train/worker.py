@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import nullcontext
+from dataclasses import dataclass
 import time
 from pathlib import Path
 
@@ -176,14 +177,31 @@ def save_outputs(accelerator, model, spec: TrainSpec) -> tuple[str | None, str |
     return (url, None) if kind == "adapter" else (None, url)
 
 
-def run(spec: TrainSpec) -> TrainResult | None:
+@dataclass
+class Session:
+    """Everything one rank trains with, set up in order before the first step."""
+
+    spec: TrainSpec
+    accelerator: Accelerator
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    train: dict[str, torch.Tensor]
+    evals: dict[str, torch.Tensor]
+    steps: int
+    start: int
+    losses: list[float]
+    eval_before: float
+    log: object
+
+
+def setup(spec: TrainSpec) -> Session:
+    """Accelerator -> data -> model (+LoRA) -> optimizer -> resume -> strategy wrap -> first eval."""
     plan, cfg = spec.plan, spec.config
     strategy = strategies.get(plan.strategy)
     accelerator = Accelerator(cpu=plan.device == "cpu", **strategy.accelerator_kwargs(plan))
     if accelerator.num_processes != plan.world_size:
-        raise RuntimeError(
-            f"planned world size {plan.world_size} but the launcher started {accelerator.num_processes} process(es)"
-        )
+        raise RuntimeError(f"planned world size {plan.world_size} but the launcher started {accelerator.num_processes} process(es)")
     torch.manual_seed(cfg.training.seed)
     train, evals = load_split(spec, "train"), load_split(spec, "eval")
     rows = len(train["input_ids"])
@@ -192,54 +210,79 @@ def run(spec: TrainSpec) -> TrainResult | None:
     steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
     model = load_model(spec)
     optimizer, scheduler = build_optimizer(model, cfg, steps)
-    ckpt_root = storage.join(spec.run_url, "checkpoints")
-    state = checkpoint.load_latest(ckpt_root, model, optimizer, scheduler, accelerator.process_index)
+    state = checkpoint.load_latest(storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, accelerator.process_index)
     model, optimizer = strategy.wrap(accelerator, model, optimizer)
     strategy.check_applied(accelerator, model, plan)
     log = mlflow_logger(spec, accelerator)
-    start = state.step if state else 0
-    losses = list(state.losses) if state else []
-    eval_before = state.eval_before if state else evaluate(accelerator, model, evals, plan.micro_batch_size)
-    if not state:
+    if state:
+        eval_before = state.eval_before
+    else:
+        eval_before = evaluate(accelerator, model, evals, plan.micro_batch_size)
         log({"eval_loss": eval_before}, 0)
-    emit(accelerator, "start", steps=steps, world_size=accelerator.num_processes, resumed_from=start,
-         strategy=plan.strategy, backend=str(accelerator.state.distributed_type), eval_loss=eval_before)  # fmt: skip
-    model.train()
-    tokens, train_seconds = 0, 0.0
-    for step in range(start, steps):
+    return Session(spec, accelerator, model, optimizer, scheduler, train, evals, steps,
+                   state.step if state else 0, list(state.losses) if state else [], eval_before, log)  # fmt: skip
+
+
+def train_loop(s: Session) -> tuple[int, float]:
+    """Steps from ``s.start`` to ``s.steps`` with progress, metrics, periodic eval and checkpoints.
+
+    Returns:
+        real tokens processed and seconds spent in the steps.
+    """
+    plan, cfg, acc = s.spec.plan, s.spec.config, s.accelerator
+    ckpt_root = storage.join(s.spec.run_url, "checkpoints")
+    rows = len(s.train["input_ids"])
+    emit(acc, "start", steps=s.steps, world_size=acc.num_processes, resumed_from=s.start,
+         strategy=plan.strategy, backend=str(acc.state.distributed_type), eval_loss=s.eval_before)  # fmt: skip
+    s.model.train()
+    tokens, seconds = 0, 0.0
+    for step in range(s.start, s.steps):
         began = time.perf_counter()
-        loss = train_step(accelerator, model, optimizer, scheduler, train, step, spec)
+        loss = train_step(acc, s.model, s.optimizer, s.scheduler, s.train, step, s.spec)
         elapsed = time.perf_counter() - began
         batch = schedule.global_batch_rows(step, rows, plan.global_batch_size, cfg.training.seed)
-        step_tokens = int(train["real_tokens"][torch.tensor(batch)].sum())
-        tokens, train_seconds = tokens + step_tokens, train_seconds + elapsed
-        losses.append(loss)
-        lr = scheduler.get_last_lr()[0]
-        log({"train_loss": loss, "lr": lr, "tokens_per_s": step_tokens / elapsed}, step + 1)
-        emit(accelerator, "step", step=step + 1, steps=steps, loss=round(loss, 6), lr=lr,
-             tokens_per_s=round(step_tokens / elapsed, 1), elapsed_s=round(train_seconds, 3))  # fmt: skip
-        if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < steps:
-            log({"eval_loss": evaluate(accelerator, model, evals, plan.micro_batch_size)}, step + 1)
+        step_tokens = int(s.train["real_tokens"][torch.tensor(batch)].sum())
+        tokens, seconds = tokens + step_tokens, seconds + elapsed
+        s.losses.append(loss)
+        lr = s.scheduler.get_last_lr()[0]
+        s.log({"train_loss": loss, "lr": lr, "tokens_per_s": step_tokens / elapsed}, step + 1)
+        emit(acc, "step", step=step + 1, steps=s.steps, loss=round(loss, 6), lr=lr,
+             tokens_per_s=round(step_tokens / elapsed, 1), elapsed_s=round(seconds, 3))  # fmt: skip
+        if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < s.steps:
+            s.log({"eval_loss": evaluate(acc, s.model, s.evals, plan.micro_batch_size)}, step + 1)
         if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
-            checkpoint.save(accelerator, ckpt_root, step + 1, model, optimizer, scheduler, losses, eval_before)
-    eval_after = evaluate(accelerator, model, evals, plan.micro_batch_size)
-    log({"eval_loss": eval_after}, steps)
-    adapter_url, model_url = save_outputs(accelerator, model, spec)
+            checkpoint.save(acc, ckpt_root, step + 1, s.model, s.optimizer, s.scheduler, s.losses, s.eval_before)
+    return tokens, seconds
+
+
+def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
+    """Final eval, outputs, and the result rank 0 writes for the launcher."""
+    acc = s.accelerator
+    eval_after = evaluate(acc, s.model, s.evals, s.spec.plan.micro_batch_size)
+    s.log({"eval_loss": eval_after}, s.steps)
+    adapter_url, model_url = save_outputs(acc, s.model, s.spec)
+    losses = s.losses
     result = TrainResult(
-        strategy=plan.strategy, world_size=accelerator.num_processes,
+        strategy=s.spec.plan.strategy, world_size=acc.num_processes,
         backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else "none",
-        steps=steps, resumed_from_step=start, train_losses=losses,
+        steps=s.steps, resumed_from_step=s.start, train_losses=losses,
         train_loss_first=losses[0] if losses else float("nan"), train_loss_last=losses[-1] if losses else float("nan"),
-        eval_loss_before=eval_before, eval_loss_after=eval_after, real_tokens=tokens,
-        tokens_per_s=tokens / train_seconds if train_seconds else 0.0, train_seconds=train_seconds,
+        eval_loss_before=s.eval_before, eval_loss_after=eval_after, real_tokens=tokens,
+        tokens_per_s=tokens / seconds if seconds else 0.0, train_seconds=seconds,
         adapter_url=adapter_url, model_url=model_url,
     )  # fmt: skip
-    if accelerator.is_main_process:
-        storage.write_json(storage.join(spec.run_url, "train_result.json"), result.model_dump())
-    emit(accelerator, "done", **result.model_dump(exclude={"train_losses"}))
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    if acc.is_main_process:
+        storage.write_json(storage.join(s.spec.run_url, "train_result.json"), result.model_dump())
+    emit(acc, "done", **result.model_dump(exclude={"train_losses"}))
+    acc.wait_for_everyone()
+    acc.end_training()
     return result
+
+
+def run(spec: TrainSpec) -> TrainResult:
+    session = setup(spec)
+    tokens, seconds = train_loop(session)
+    return finish(session, tokens, seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
