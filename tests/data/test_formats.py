@@ -184,3 +184,18 @@ def test_s3_input(tmp_path, tiny_model, s3_server, monkeypatch):
     prepared = prepare(DataConfig(path="s3://ladle/input/part-*.jsonl", eval_ratio=0.2), tiny_model, "s3://ladle/prep")
     assert prepared.report.rows_used == 10 and prepared.report.sources[0].startswith("s3://ladle/input/part-0")
     assert storage.is_complete(prepared.url)
+
+
+def test_doubled_bos_is_reported(tmp_path, tiny_model):
+    data = write(tmp_path / "d.jsonl", "jsonl", [{"text": "ka lo"}, {"text": "<s>ka lo"}])
+    report = prepare(DataConfig(path=str(data), eval_ratio=0, max_bad_fraction=0.5), tiny_model, str(tmp_path / "o")).report
+    assert report.dropped == [{"line": 2, "reason": "BOS token doubled (the text or template adds it twice)", "source": str(data)}]
+
+
+def test_separate_eval_file(tmp_path, tiny_model):
+    train = write(tmp_path / "train.jsonl", "jsonl", [{**ALPACA, "output": str(i)} for i in range(6)])
+    evals = write(tmp_path / "eval.jsonl", "jsonl", [ALPACA, {"oops": 1}])
+    cfg = DataConfig(path=str(train), eval_path=str(evals), max_bad_fraction=0.2)
+    report = prepare(cfg, tiny_model, str(tmp_path / "o")).report
+    assert (report.train_examples, report.eval_examples, report.rows_read) == (6, 1, 8)
+    assert report.dropped[0]["line"] == 2 and report.dropped[0]["source"] == str(evals)
