@@ -133,18 +133,28 @@ class DDPOptions(Section):
     find_unused_parameters: bool = Field(False, description="Let DDP tolerate parameters without gradients.")
 
 
+class FSDP2Options(Section):
+    reshard_after_forward: bool = Field(
+        True, description="Free each layer's gathered parameters after its forward (less memory, one more all-gather)."
+    )
+    cpu_offload: bool = Field(False, description="Keep parameters and optimizer state in CPU memory (CUDA runs only).")
+
+
 class ParallelismConfig(Section):
     gpus: Literal["auto"] | GpuCount = Field(
         "auto",
         description=f"GPUs to train on: `auto` (all visible; a CPU run when there are none) or 1..{MAX_GPU_COUNT}.",
     )
-    strategy: Literal["auto", "ddp"] = Field(
-        "auto", description="Distribution strategy. auto: the planner chooses and says why."
+    strategy: Literal["auto", "ddp", "fsdp2"] = Field(
+        "auto",
+        description="Distribution strategy. auto: the planner chooses and says why. ddp: full replica per rank; "
+        "fsdp2: parameters, gradients and optimizer state sharded (torch fully_shard per decoder layer).",
     )
     cpu_processes: int = Field(
         2, ge=1, le=64, description="Processes for a CPU (gloo) run, used when no GPU is present."
     )
     ddp: DDPOptions = Field(default_factory=DDPOptions, description="DDP options.")
+    fsdp2: FSDP2Options = Field(default_factory=FSDP2Options, description="FSDP2 options.")
 
     @field_validator("gpus", mode="before")
     @classmethod

@@ -95,7 +95,7 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG") -> P
         raise ConfigError(problems)
     return Plan(
         strategy=strategy,
-        strategy_options=cfg.parallelism.ddp.model_dump(),
+        strategy_options=getattr(cfg.parallelism, strategy).model_dump(),
         device=device,
         backend="nccl" if device == "cuda" else "gloo",
         world_size=world,

@@ -29,6 +29,15 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture(scope="session")
+def prefect_harness():
+    """A real Prefect API (temporary server + database) for in-process flows, shared by the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
 def tiny_model() -> Path:
     from ladle.assets import tiny_model_dir
 

@@ -9,7 +9,7 @@ class and registering it in ``ladle.strategies``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from ladle.config import LadleConfig
@@ -34,9 +34,14 @@ class Strategy(ABC):
         """Keyword arguments for ``accelerate.Accelerator`` in the worker."""
 
     @abstractmethod
-    def wrap(self, accelerator, model, optimizer):
-        """Distribute ``model`` and ``optimizer``; returns both, wrapped."""
+    def wrap(self, accelerator, model, make_optimizer: Callable, plan: Plan):
+        """Distribute ``model``, then build its optimizer with ``make_optimizer(model)``
+        (after sharding, so the optimizer holds shards); returns both."""
 
     @abstractmethod
-    def check_applied(self, accelerator, model, plan: Plan) -> None:
-        """Raise if what runs is not what was planned (no silent fallback)."""
+    def check_applied(self, accelerator, model, plan: Plan) -> dict:
+        """Raise if what runs is not what was planned (no silent fallback); return what was verified."""
+
+    def no_sync(self, accelerator, model):
+        """Context that skips gradient synchronisation on accumulation micro-steps."""
+        return accelerator.no_sync(model)

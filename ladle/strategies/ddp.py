@@ -31,11 +31,12 @@ class DDP(Strategy):
         )
         return {"kwargs_handlers": [ddp]}
 
-    def wrap(self, accelerator, model, optimizer):
-        return accelerator.prepare(model, optimizer)
+    def wrap(self, accelerator, model, make_optimizer, plan):
+        return accelerator.prepare(model, make_optimizer(model))
 
-    def check_applied(self, accelerator, model, plan) -> None:
+    def check_applied(self, accelerator, model, plan) -> dict:
         from torch.nn.parallel import DistributedDataParallel
 
         if plan.world_size > 1 and not isinstance(model, DistributedDataParallel):
             raise RuntimeError(f"strategy ddp planned for {plan.world_size} ranks but the model is {type(model).__name__}")
+        return {"wrapper": type(model).__name__, "parameter_share": 1.0}

@@ -39,8 +39,17 @@ def complete_steps(root: str) -> list[int]:
     return sorted(steps)
 
 
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu() for k, v in model.named_parameters() if v.requires_grad}
+def state_options(trainable_only: bool = True, **extra):
+    """Full (unsharded) state, gathered to CPU on rank 0: the same checkpoint layout
+    whatever the strategy (DDP replica or FSDP2 shards)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only, **extra)
+
+
+def inner(optimizer):
+    """The torch optimizer under accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def rng_state() -> dict:
@@ -58,15 +67,17 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses, eval_before) -> None:
-    """Gather every rank's RNG, then rank 0 writes the checkpoint and its marker."""
+    """Gather the full trainable state and every rank's RNG (collectives), then rank 0 writes."""
     from accelerate.utils import gather_object
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rngs = gather_object([rng_state()])
+    model_state, optim_state = get_state_dict(model, inner(optimizer), options=state_options())
     if accelerator.is_main_process:
         payload = {
             "step": step,
-            "model": trainable_state(accelerator.unwrap_model(model)),
-            "optimizer": optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "scheduler": scheduler.state_dict(),
             "rng": rngs,
             "losses": losses,
@@ -84,16 +95,15 @@ def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses,
 
 
 def load_latest(root: str, model, optimizer, scheduler, rank: int) -> ResumeState | None:
-    """Restore the newest complete checkpoint into the (unwrapped) model, optimizer and scheduler."""
+    """Restore the newest complete checkpoint into the wrapped model, optimizer and scheduler (all ranks)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     steps = complete_steps(root)
     if not steps:
         return None
     payload = torch.load(io.BytesIO(storage.read_bytes(storage.join(step_dir(root, steps[-1]), "state.pt"))), weights_only=False)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in payload["model"].items():
-            params[name].copy_(value)
-    optimizer.load_state_dict(payload["optimizer"])
+    set_state_dict(model, inner(optimizer), model_state_dict=payload["model"], optim_state_dict=payload["optimizer"],
+                   options=state_options(strict=False))  # fmt: skip
     scheduler.load_state_dict(payload["scheduler"])
     set_rng_state(payload["rng"][rank])
     return ResumeState(step=payload["step"], losses=payload["losses"], eval_before=payload["eval_before"])

@@ -37,3 +37,4 @@ class TrainResult(BaseModel):
     train_seconds: float
     adapter_url: str | None = Field(description="Saved LoRA adapter folder (null for full fine-tunes).")
     model_url: str | None = Field(description="Saved full model folder (full fine-tunes).")
+    sharding: dict = Field(default_factory=dict, description="What the strategy verified in the worker (e.g. per-rank parameter share).")

@@ -108,14 +108,17 @@ def evaluate(accelerator: Accelerator, model, data: dict[str, torch.Tensor], mic
     return float(total[0] / max(total[1], 1))
 
 
-def build_optimizer(model, cfg, steps: int):
+def build_optimizer(model, cfg) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (after any sharding, so it holds shards)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+
+
+def build_scheduler(optimizer, cfg, steps: int):
     from transformers import get_scheduler
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
     name = "constant_with_warmup" if cfg.training.scheduler == "constant" else cfg.training.scheduler
-    scheduler = get_scheduler(name, optimizer, num_warmup_steps=cfg.training.warmup_steps, num_training_steps=steps)
-    return optimizer, scheduler
+    return get_scheduler(name, checkpoint.inner(optimizer), num_warmup_steps=cfg.training.warmup_steps, num_training_steps=steps)
 
 
 def train_step(accelerator, model, optimizer, scheduler, data, step: int, spec: TrainSpec) -> float:
@@ -128,7 +131,7 @@ def train_step(accelerator, model, optimizer, scheduler, data, step: int, spec: 
     local_sum = 0.0
     for m, rows_m in enumerate(micros):
         sync = m == len(micros) - 1
-        with accelerator.no_sync(model) if not sync else nullcontext():
+        with strategies.get(plan.strategy).no_sync(accelerator, model) if not sync else nullcontext():
             loss, _ = token_loss(model, data, rows_m, accelerator.device)
             # DDP averages gradients over ranks; scale so the result is the global token mean.
             accelerator.backward(loss * accelerator.num_processes / denominator)
@@ -162,14 +165,19 @@ def save_outputs(accelerator, model, spec: TrainSpec) -> tuple[str | None, str |
     """Rank 0 writes the adapter (LoRA) or the full model, with the tokenizer, then marks it complete."""
     from transformers import AutoTokenizer
 
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     unwrapped = accelerator.unwrap_model(model)
     kind = "adapter" if spec.config.training.lora.enabled else "model"
     url = storage.join(spec.run_url, kind)
+    # Collective: every rank takes part in gathering sharded parameters; rank 0 receives the full tensors.
+    full = get_model_state_dict(model, options=checkpoint.state_options(trainable_only=kind == "adapter"))
     if accelerator.is_main_process:
         import tempfile
 
+        full = {k.removeprefix("module.").replace("._orig_mod", "").removeprefix("_orig_mod."): v for k, v in full.items()}
         with tempfile.TemporaryDirectory() as tmp:
-            unwrapped.save_pretrained(tmp, safe_serialization=True)
+            unwrapped.save_pretrained(tmp, state_dict=full, safe_serialization=True)
             AutoTokenizer.from_pretrained(spec.base_dir).save_pretrained(tmp)
             storage.remove(url)
             storage.upload_dir(tmp, url)
@@ -193,6 +201,7 @@ class Session:
     losses: list[float]
     eval_before: float
     log: object
+    sharding: dict
 
 
 def setup(spec: TrainSpec) -> Session:
@@ -208,11 +217,10 @@ def setup(spec: TrainSpec) -> Session:
     if rows < plan.global_batch_size:
         raise RuntimeError(f"{rows} packed training rows cannot fill one global batch of {plan.global_batch_size}")
     steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
-    model = load_model(spec)
-    optimizer, scheduler = build_optimizer(model, cfg, steps)
+    model, optimizer = strategy.wrap(accelerator, load_model(spec), lambda m: build_optimizer(m, cfg), plan)
+    sharding = strategy.check_applied(accelerator, model, plan)
+    scheduler = build_scheduler(optimizer, cfg, steps)
     state = checkpoint.load_latest(storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, accelerator.process_index)
-    model, optimizer = strategy.wrap(accelerator, model, optimizer)
-    strategy.check_applied(accelerator, model, plan)
     log = mlflow_logger(spec, accelerator)
     if state:
         eval_before = state.eval_before
@@ -220,7 +228,7 @@ def setup(spec: TrainSpec) -> Session:
         eval_before = evaluate(accelerator, model, evals, plan.micro_batch_size)
         log({"eval_loss": eval_before}, 0)
     return Session(spec, accelerator, model, optimizer, scheduler, train, evals, steps,
-                   state.step if state else 0, list(state.losses) if state else [], eval_before, log)  # fmt: skip
+                   state.step if state else 0, list(state.losses) if state else [], eval_before, log, sharding)  # fmt: skip
 
 
 def train_loop(s: Session) -> tuple[int, float]:
@@ -269,7 +277,7 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
         train_loss_first=losses[0] if losses else float("nan"), train_loss_last=losses[-1] if losses else float("nan"),
         eval_loss_before=s.eval_before, eval_loss_after=eval_after, real_tokens=tokens,
         tokens_per_s=tokens / seconds if seconds else 0.0, train_seconds=seconds,
-        adapter_url=adapter_url, model_url=model_url,
+        adapter_url=adapter_url, model_url=model_url, sharding=s.sharding,
     )  # fmt: skip
     if acc.is_main_process:
         storage.write_json(storage.join(s.spec.run_url, "train_result.json"), result.model_dump())

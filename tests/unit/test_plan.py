@@ -77,3 +77,20 @@ def test_launch_argv_is_a_list_and_keeps_metacharacters_verbatim():
 def test_memory_output_rejected():
     with pytest.raises(ConfigError, match=r"output = memory://x: training runs in separate processes"):
         plan_for(CPU, "output=memory://x")
+
+
+def test_fsdp2_is_selectable_and_carries_its_options():
+    plan = plan_for(CPU, "parallelism.strategy=fsdp2", "parallelism.fsdp2.reshard_after_forward=false")
+    assert plan.strategy == "fsdp2"
+    assert plan.strategy_options == {"reshard_after_forward": False, "cpu_offload": False}
+    assert "--multi_gpu" in plan.launcher_argv(["spec.json"])  # fully_shard is applied by ladle, not accelerate's plugin
+
+
+def test_fsdp2_cpu_offload_needs_cuda():
+    with pytest.raises(ConfigError, match=r"parallelism.fsdp2.cpu_offload = true: .*Set parallelism.fsdp2.cpu_offload=false"):
+        plan_for(CPU, "parallelism.strategy=fsdp2", "parallelism.fsdp2.cpu_offload=true")
+
+
+def test_unknown_strategy_lists_the_choices():
+    with pytest.raises(ConfigError, match=r"parallelism.strategy = \"zero9\": Input should be 'auto', 'ddp' or 'fsdp2'"):
+        plan_for(CPU, "parallelism.strategy=zero9")

@@ -1,0 +1,89 @@
+"""FSDP2: torch's ``fully_shard`` per decoder layer and at the root.
+
+Parameters, gradients and optimizer state are sharded on dim 0 across ranks
+(DTensor ``Shard(0)``); each layer's parameters are all-gathered for its
+forward and backward only. ladle applies ``fully_shard`` itself in the worker
+rather than handing accelerate an FSDP plugin, because accelerate silently
+runs DDP instead when that plugin meets a CPU run; ``check_applied`` then
+verifies that every parameter really is sharded.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+from ladle.strategies.base import Strategy
+
+
+def decoder_layers(model) -> list:
+    """The transformer blocks to shard one by one (``*DecoderLayer`` modules of HF causal LMs)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+class FSDP2(Strategy):
+    name = "fsdp2"
+    summary = "fully sharded data parallel (fully_shard): parameters, gradients and optimizer state sharded"
+
+    def validate(self, cfg, topo, world_size: int) -> list[str]:
+        problems = []
+        if cfg.parallelism.fsdp2.cpu_offload and topo.gpu_count == 0:
+            problems.append(
+                "parallelism.fsdp2.cpu_offload = true: offloading to CPU needs CUDA devices to offload from; "
+                "this host has none. Set parallelism.fsdp2.cpu_offload=false."
+            )
+        return problems
+
+    def launcher_args(self, plan) -> list[str]:
+        if plan.world_size == 1:
+            return ["--cpu"] if plan.device == "cpu" else []
+        return ["--multi_gpu"]
+
+    def accelerator_kwargs(self, plan) -> dict[str, Any]:
+        return {}
+
+    def wrap(self, accelerator, model, make_optimizer, plan):
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        model.to(accelerator.device)
+        mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+        compute = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
+        options = {
+            "mesh": mesh,
+            "reshard_after_forward": plan.strategy_options.get("reshard_after_forward", True),
+            "mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
+        }
+        if plan.strategy_options.get("cpu_offload"):
+            options["offload_policy"] = CPUOffloadPolicy()
+        layers = decoder_layers(model)
+        if not layers:
+            raise RuntimeError("fsdp2: found no *DecoderLayer modules to shard in this model")
+        for layer in layers:
+            fully_shard(layer, **options)
+        fully_shard(model, **options)
+        return model, make_optimizer(model)
+
+    def check_applied(self, accelerator, model, plan) -> dict:
+        from torch.distributed.tensor import DTensor, Shard
+
+        params = list(model.parameters())
+        plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        if plain:
+            raise RuntimeError(f"fsdp2 planned but {len(plain)} parameter(s) are not sharded, e.g. {plain[0]}")
+        wrong = [p.placements for p in params if any(not isinstance(pl, Shard) or pl.dim != 0 for pl in p.placements)]
+        if wrong and accelerator.num_processes > 1:
+            raise RuntimeError(f"fsdp2 planned but parameters are placed {wrong[0]}, not Shard(0)")
+        local = sum(p.to_local().numel() for p in params)
+        total = sum(p.numel() for p in params)
+        return {"wrapper": "FSDP2", "parameter_share": local / total, "local_numel": local, "total_numel": total,
+                "sharded_parameters": len(params), "decoder_layers_sharded": len(decoder_layers(model))}  # fmt: skip
+
+    @contextmanager
+    def no_sync(self, accelerator, model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
