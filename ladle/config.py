@@ -151,7 +151,17 @@ class ParallelismConfig(Section):
         "fsdp2: parameters, gradients and optimizer state sharded (torch fully_shard per decoder layer).",
     )
     cpu_processes: int = Field(
-        2, ge=1, le=64, description="Processes for a CPU (gloo) run, used when no GPU is present."
+        2, ge=1, le=64, description="Processes per machine for a CPU (gloo) run, used when no GPU is present."
+    )
+    nodes: int = Field(
+        1, ge=1, le=1024, description="Machines taking part. 1: this machine only. >1: every other machine joins with "
+        "`ladle launch SPEC --node-rank R` (printed by the train stage)."
+    )
+    main_address: str = Field(
+        "127.0.0.1", description="Address of the machine with node rank 0, where the rendezvous store listens."
+    )
+    main_port: int = Field(
+        0, ge=0, le=65535, description="Rendezvous port on the main machine. 0: a free port (single machine only)."
     )
     ddp: DDPOptions = Field(default_factory=DDPOptions, description="DDP options.")
     fsdp2: FSDP2Options = Field(default_factory=FSDP2Options, description="FSDP2 options.")

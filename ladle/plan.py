@@ -29,6 +29,8 @@ class Plan(BaseModel):
     world_size: int = Field(description="Training processes in all.")
     num_machines: int = 1
     processes_per_machine: int
+    main_address: str = "127.0.0.1"
+    main_port: int = Field(0, description="Rendezvous port; 0: pick a free one at launch (single machine).")
     micro_batch_size: int
     gradient_accumulation: int
     global_batch_size: int = Field(description="Packed rows per optimizer step across all ranks.")
@@ -37,8 +39,14 @@ class Plan(BaseModel):
     overrides: list[str] = Field(default_factory=list, description="Explicit settings that won.")
     warnings: list[str] = Field(default_factory=list)
 
-    def launcher_argv(self, worker_args: list[str], port: int = DEFAULT_PORT, python: str | None = None) -> list[str]:
-        """The ``accelerate launch`` argv that starts the training worker (a list, never a shell string)."""
+    def launcher_argv(self, worker_args: list[str], port: int = DEFAULT_PORT, python: str | None = None,
+                      machine_rank: int = 0) -> list[str]:  # fmt: skip
+        """The ``accelerate launch`` argv that starts this machine's training processes (a list, never a shell string).
+
+        Across machines, torchrun's static rendezvous meets at ``main_address:main_port`` (a c10d TCP
+        store on node 0) and ``machine_rank`` fixes each node's ranks, so global rank 0, which logs
+        and writes, is always on node 0 where the pipeline relays its progress.
+        """
         strategy = strategies.get(self.strategy)
         mixed = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[self.dtype]
         return [
@@ -46,9 +54,9 @@ class Plan(BaseModel):
             *strategy.launcher_args(self),
             "--num_processes", str(self.world_size),
             "--num_machines", str(self.num_machines),
-            "--machine_rank", "0",
-            "--main_process_ip", "127.0.0.1",
-            "--main_process_port", str(port),
+            "--machine_rank", str(machine_rank),
+            "--main_process_ip", self.main_address,
+            "--main_process_port", str(self.main_port or port),
             "--mixed_precision", mixed,
             "--dynamo_backend", "no",
             "-m", "ladle.train.worker", *worker_args,
@@ -85,7 +93,9 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG") -> P
     reasons: list[str] = []
     overrides: list[str] = []
     warnings = list(topo.warnings)
-    device, world, per_machine = choose_world(cfg, topo, config_ref, problems, reasons, warnings)
+    device, per_machine = choose_world(cfg, topo, config_ref, problems, reasons, warnings)
+    nodes = choose_nodes(cfg, topo, problems, reasons)
+    world = per_machine * nodes
     strategy = choose_strategy(cfg, reasons, overrides)
     problems += strategies.get(strategy).validate(cfg, topo, world)
     micro, accum, global_batch = choose_batch(cfg, world, problems, reasons)
@@ -99,8 +109,10 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG") -> P
         device=device,
         backend="nccl" if device == "cuda" else "gloo",
         world_size=world,
-        num_machines=topo.nodes,
+        num_machines=nodes,
         processes_per_machine=per_machine,
+        main_address=cfg.parallelism.main_address,
+        main_port=cfg.parallelism.main_port,
         micro_batch_size=micro,
         gradient_accumulation=accum,
         global_batch_size=global_batch,
@@ -111,7 +123,21 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG") -> P
     )
 
 
-def choose_world(cfg, topo, config_ref, problems, reasons, warnings) -> tuple[str, int, int]:
+def choose_nodes(cfg, topo, problems, reasons) -> int:
+    """Machines taking part: the config's ``parallelism.nodes``, else the launcher environment's."""
+    nodes = cfg.parallelism.nodes if cfg.parallelism.nodes > 1 else topo.nodes
+    if nodes > 1:
+        if cfg.parallelism.main_port == 0:
+            problems.append(
+                f"parallelism.main_port = 0: a {nodes}-node run needs a fixed rendezvous port that every node "
+                "can reach. Set parallelism.main_port (e.g. 29500) and parallelism.main_address."
+            )
+        reasons.append(f"{nodes} nodes: rendezvous at {cfg.parallelism.main_address}:{cfg.parallelism.main_port}")
+    return nodes
+
+
+def choose_world(cfg, topo, config_ref, problems, reasons, warnings) -> tuple[str, int]:
+    """Device and processes per machine."""
     gpus = cfg.parallelism.gpus
     if topo.gpu_count == 0:
         procs = cfg.parallelism.cpu_processes
@@ -122,19 +148,19 @@ def choose_world(cfg, topo, config_ref, problems, reasons, warnings) -> tuple[st
                 f"Run on a GPU host, or train on CPU with: {fixed}"
             )
         warnings.append(f"--gpus auto found no GPU: planning a CPU run of {procs} gloo process(es) (parallelism.cpu_processes)")
-        reasons.append(f"world size {procs}: CPU host, parallelism.cpu_processes={procs}")
-        return "cpu", procs, procs
+        reasons.append(f"{procs} process(es) per machine: CPU host, parallelism.cpu_processes={procs}")
+        return "cpu", procs
     if gpus == "auto":
-        reasons.append(f"world size {topo.gpu_count * topo.nodes}: --gpus auto uses all {topo.gpu_count} visible GPU(s) x {topo.nodes} node(s)")
-        return "cuda", topo.gpu_count * topo.nodes, topo.gpu_count
+        reasons.append(f"{topo.gpu_count} process(es) per machine: --gpus auto uses all {topo.gpu_count} visible GPU(s)")
+        return "cuda", topo.gpu_count
     if gpus > topo.gpu_count:
         fixed = shlex.join(["ladle", "run", config_ref, "--gpus", str(topo.gpu_count)])
         problems.append(
             f"parallelism.gpus = {gpus}: this host has {topo.gpu_count} visible GPU(s). "
             f"Ask for at most {topo.gpu_count}, e.g.: {fixed} (or --gpus auto)"
         )
-    reasons.append(f"world size {gpus}: --gpus {gpus} (of {topo.gpu_count} visible)")
-    return "cuda", gpus, gpus
+    reasons.append(f"{gpus} process(es) per machine: --gpus {gpus} (of {topo.gpu_count} visible)")
+    return "cuda", gpus
 
 
 def choose_strategy(cfg, reasons, overrides) -> str:

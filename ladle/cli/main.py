@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from ladle.cli import data, info
+from ladle.cli.launch import launch
 from ladle.cli.run import run
 
 app = typer.Typer(
@@ -16,6 +17,7 @@ app = typer.Typer(
 )
 app.command("run")(run)
 app.command("plan")(info.plan)
+app.command("launch")(launch)
 app.command("schema")(info.schema)
 app.command("env")(info.env)
 app.command("serve")(info.serve)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shlex
 import socket
 import subprocess
 import tempfile
@@ -48,6 +49,25 @@ def spec_location(spec: TrainSpec, tmp: str) -> Path:
     return Path(tmp) / "spec.json"
 
 
+def join_command(spec: TrainSpec, node_rank: int) -> str:
+    """What another machine runs to join this training run."""
+    return shlex.join(["ladle", "launch", storage.join(spec.run_url, "spec.json"), "--node-rank", str(node_rank)])
+
+
+def run_node(spec_url: str, node_rank: int, on_line: Callable[[str], None] = print) -> int:
+    """Start this machine's share of a multi-node run from its spec; returns the launcher's exit code."""
+    spec = TrainSpec.model_validate_json(storage.read_bytes(spec_url))
+    with tempfile.TemporaryDirectory(prefix="ladle-node-") as tmp:
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(spec.model_dump_json(), encoding="utf-8")
+        argv = spec.plan.launcher_argv([str(spec_file)], machine_rank=node_rank)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(spec))
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            on_line(line.rstrip("\n"))
+        return proc.wait()
+
+
 def launch(
     spec: TrainSpec,
     on_progress: ProgressFn | None = None,
@@ -66,10 +86,14 @@ def launch(
         spec_file = spec_location(spec, tmp)
         spec_file.parent.mkdir(parents=True, exist_ok=True)
         spec_file.write_text(spec.model_dump_json(indent=1), encoding="utf-8")
+        if not storage.is_local(spec.run_url):  # other nodes read it from the store
+            storage.write_bytes(storage.join(spec.run_url, "spec.json"), spec_file.read_bytes())
         port = free_port()
         argv = spec.plan.launcher_argv([str(spec_file)], port=port)
         if on_command:
             on_command(spec.plan.launch_command([str(spec_file)], port=port))
+            for rank in range(1, spec.plan.num_machines):
+                on_command(f"waiting for node {rank} to join; on it run: " + join_command(spec, rank))
         tail = collections.deque(maxlen=40)
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(spec))
         assert proc.stdout is not None

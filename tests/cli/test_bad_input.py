@@ -98,3 +98,10 @@ def test_data_commands(tmp_path):
     assert "".join(piece for piece, trained in row["tokens"] if trained) == "3<|end|>"
     bad = run_cli("data", "prepare", RECIPE, "--set", f"data.path={rows}", "--set", "data.max_bad_fraction=0", timeout=120)
     assert_clean_error(bad, "1 of 202 rows unusable", "line 2: malformed JSON")
+
+
+def test_launch_bad_input(tmp_path):
+    assert_clean_error(run_cli("launch", str(tmp_path / "nope.json"), "--node-rank", "1", timeout=60), "no such file")
+    junk = tmp_path / "spec.json"
+    junk.write_text("{}")
+    assert_clean_error(run_cli("launch", str(junk), "--node-rank", "1", timeout=60), "not a ladle training spec")

@@ -1,0 +1,64 @@
+"""Two machines x one process each, rendezvous on 127.0.0.1: node 0 through the train stage, node 1 through `ladle launch`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ladle.assets import resolve_base
+from ladle.config import build_config
+from ladle.data.prepare import prepare
+from ladle.errors import ConfigError
+from ladle.plan import make_plan
+from ladle.topology import probe
+from ladle.train.run import launch
+from ladle.train.spec import TrainSpec
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.pipeline
+CPU = probe(env={}, query_output="")
+
+
+def config(**parallelism):
+    return build_config(
+        {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
+         "parallelism": parallelism, "training": {"max_steps": 4, "lr": 3e-3, "micro_batch_size": 2}},
+        [],
+    )  # fmt: skip
+
+
+def test_two_nodes_on_loopback_match_one_node_with_two_processes(tmp_path, tiny_model):
+    multi = config(nodes=2, cpu_processes=1, main_port=free_port())
+    plan = make_plan(multi, CPU)
+    assert (plan.world_size, plan.num_machines, plan.processes_per_machine) == (2, 2, 1)
+    dataset = prepare(multi.data, resolve_base(multi.base), str(tmp_path))
+    spec = TrainSpec(config=multi, plan=plan, dataset=dataset, base_dir=str(tiny_model), run_url=str(tmp_path / "multi"))
+
+    commands: list[str] = []
+    node1 = None
+
+    def start_node1(command: str) -> None:
+        nonlocal node1
+        commands.append(command)
+        if command.startswith("waiting for node 1"):
+            ladle = str(Path(sys.executable).with_name("ladle"))
+            node1 = subprocess.Popen([ladle, "launch", str(tmp_path / "multi" / "spec.json"), "--node-rank", "1"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    result = launch(spec, on_command=start_node1)
+    assert node1 is not None and node1.wait(timeout=120) == 0, node1.stdout.read()[-3000:]
+    assert any(f"ladle launch {tmp_path / 'multi' / 'spec.json'} --node-rank 1" in c for c in commands)
+    assert (result.world_size, result.backend) == (2, "gloo")
+
+    single = config(cpu_processes=2)
+    reference = launch(TrainSpec(config=single, plan=make_plan(single, CPU), dataset=dataset,
+                                 base_dir=str(tiny_model), run_url=str(tmp_path / "single")))  # fmt: skip
+    assert result.train_losses == pytest.approx(reference.train_losses, abs=1e-5)
+
+
+def test_multinode_needs_a_fixed_port():
+    with pytest.raises(ConfigError, match=r"parallelism.main_port = 0: a 2-node run needs a fixed rendezvous port"):
+        make_plan(config(nodes=2), CPU)
