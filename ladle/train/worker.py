@@ -263,6 +263,18 @@ def train_loop(s: Session) -> tuple[int, float]:
     return tokens, seconds
 
 
+def peak_memory_mib(accelerator: Accelerator) -> float:
+    """Largest per-rank peak: CUDA allocator peak on GPUs, resident set size on CPU."""
+    if accelerator.device.type == "cuda":
+        mine = torch.cuda.max_memory_allocated(accelerator.device) / 2**20
+    else:
+        import resource
+
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    value = torch.tensor([mine], dtype=torch.float64, device=accelerator.device)
+    return float(accelerator.reduce(value, reduction="max")[0]) if accelerator.num_processes > 1 else mine
+
+
 def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
     """Final eval, outputs, and the result rank 0 writes for the launcher."""
     acc = s.accelerator
@@ -277,7 +289,7 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
         train_loss_first=losses[0] if losses else float("nan"), train_loss_last=losses[-1] if losses else float("nan"),
         eval_loss_before=s.eval_before, eval_loss_after=eval_after, real_tokens=tokens,
         tokens_per_s=tokens / seconds if seconds else 0.0, train_seconds=seconds,
-        adapter_url=adapter_url, model_url=model_url, sharding=s.sharding,
+        adapter_url=adapter_url, model_url=model_url, sharding=s.sharding, peak_memory_mib=peak_memory_mib(acc),
     )  # fmt: skip
     if acc.is_main_process:
         storage.write_json(storage.join(s.spec.run_url, "train_result.json"), result.model_dump())
