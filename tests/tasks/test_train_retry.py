@@ -1,0 +1,66 @@
+"""A rank killed mid-run: the Prefect train task retries and resumes exactly from the last complete checkpoint."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from prefect import flow
+
+from ladle import storage
+from ladle.assets import resolve_base
+from ladle.config import build_config
+from ladle.data.prepare import prepare
+from ladle.plan import make_plan
+from ladle.tasks.train import train_task
+from ladle.topology import probe
+from ladle.tracking import start_run
+from ladle.train.checkpoint import complete_steps
+from ladle.train.run import launch
+from ladle.train.spec import TrainSpec
+
+pytestmark = pytest.mark.pipeline
+
+
+@flow
+def train_only(cfg, plan, dataset, run_url, track):
+    return train_task(cfg, plan, dataset, run_url, track)
+
+
+def kill_a_rank_after_checkpoint(run_url: str, step: int, killed: list) -> None:
+    """Wait for checkpoint ``step`` to complete, then SIGKILL one training process."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if step in complete_steps(storage.join(run_url, "checkpoints")):
+            workers = [p for p in psutil.Process().children(recursive=True) if "ladle.train.worker" in " ".join(p.cmdline())]
+            if workers:
+                workers[-1].send_signal(signal.SIGKILL)
+                killed.append(workers[-1].pid)
+                return
+        time.sleep(0.05)
+
+
+def test_killed_rank_is_retried_and_resumes_exactly(prefect_harness, tmp_path, tiny_model):
+    cfg = build_config(
+        {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca", "seq_len": 128}, "output": str(tmp_path),
+         "training": {"max_steps": 40, "lr": 3e-3, "micro_batch_size": 2, "checkpoint_every": 4, "lora": {"dropout": 0.1}}},
+        [],
+    )  # fmt: skip
+    plan = make_plan(cfg, probe(env={}, query_output=""))
+    dataset = prepare(cfg.data, resolve_base(cfg.base), str(tmp_path))
+    track = start_run(cfg, None, "retry-test")
+    run_url = str(tmp_path / "runs" / "killed")
+
+    killed: list = []
+    killer = threading.Thread(target=kill_a_rank_after_checkpoint, args=(run_url, 4, killed), daemon=True)
+    killer.start()
+    result = train_only(cfg, plan, dataset, run_url, track)
+    killer.join(timeout=1)
+
+    assert killed, "no training process was killed"
+    assert result.resumed_from_step >= 4  # the retry found a complete checkpoint
+    reference = launch(TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(tiny_model), run_url=str(tmp_path / "runs" / "clean")))
+    assert result.train_losses == pytest.approx(reference.train_losses, abs=1e-5)
