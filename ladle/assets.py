@@ -95,19 +95,3 @@ def _cache_remote_model(url: str) -> Path:
         raise LadleError(f"base = {url!r}: the folder holds no model (no config.json). Check the URL.")
     storage.download_dir(url, target.with_name(key + ".tmp")).replace(target)
     return target
-
-
-def resolve_data(path: str, field: str = "data.path") -> str:
-    """Return an fsspec URL for a data file, checking it exists.
-
-    Raises:
-        LadleError: nothing exists at that URL.
-    """
-    url = storage.normalise(resolve_builtin(path, field))
-    try:
-        found = storage.exists(url)
-    except Exception as exc:  # noqa: BLE001 - any backend error means "cannot read it"
-        raise LadleError(f"{field} = {path!r}: cannot be read ({exc.__class__.__name__}: {exc}).") from None
-    if not found:
-        raise LadleError(f"{field} = {path!r}: no such file. Check the path, or use {BUILTIN_SCHEME}demo-alpaca.")
-    return url

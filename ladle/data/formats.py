@@ -77,34 +77,29 @@ def _turns(row: dict, key: str) -> list:
     return turns
 
 
+def _parse_turns(row: dict, key: str, role_key: str, text_key: str, roles: dict[str, str]) -> Chat:
+    """A list of turns under ``key``, each ``{role_key: <one of roles>, text_key: str}``."""
+    out: Messages = []
+    for i, turn in enumerate(_turns(row, key)):
+        if not isinstance(turn, dict):
+            raise RowError(f"{key}[{i}] must be an object with {role_key} and {text_key}")
+        role, text = turn.get(role_key), turn.get(text_key)
+        if role not in roles:
+            raise RowError(f"{key}[{i}].{role_key} = {role!r}: unknown role (known: {', '.join(roles)})")
+        if not isinstance(text, str):
+            raise RowError(f"{key}[{i}].{text_key} must be a string")
+        out.append({"role": roles[role], "content": text})
+    return Chat(_check_turns(out))
+
+
 def parse_messages(row: dict) -> Chat:
     """{"messages": [{role, content}, ...]} with known roles, ending on an assistant turn."""
-    out: Messages = []
-    for i, turn in enumerate(_turns(row, "messages")):
-        if not isinstance(turn, dict):
-            raise RowError(f"messages[{i}] must be an object with role and content")
-        role, content = turn.get("role"), turn.get("content")
-        if role not in KNOWN_ROLES:
-            raise RowError(f"messages[{i}].role = {role!r}: unknown role (known: {', '.join(KNOWN_ROLES)})")
-        if not isinstance(content, str):
-            raise RowError(f"messages[{i}].content must be a string")
-        out.append({"role": role, "content": content})
-    return Chat(_check_turns(out))
+    return _parse_turns(row, "messages", "role", "content", {r: r for r in KNOWN_ROLES})
 
 
 def parse_sharegpt(row: dict) -> Chat:
     """{"conversations": [{from: human|gpt|system, value}, ...]}."""
-    out: Messages = []
-    for i, turn in enumerate(_turns(row, "conversations")):
-        if not isinstance(turn, dict):
-            raise RowError(f"conversations[{i}] must be an object with from and value")
-        speaker, value = turn.get("from"), turn.get("value")
-        if speaker not in SHAREGPT_ROLES:
-            raise RowError(f"conversations[{i}].from = {speaker!r}: unknown role (known: {', '.join(SHAREGPT_ROLES)})")
-        if not isinstance(value, str):
-            raise RowError(f"conversations[{i}].value must be a string")
-        out.append({"role": SHAREGPT_ROLES[speaker], "content": value})
-    return Chat(_check_turns(out))
+    return _parse_turns(row, "conversations", "from", "value", SHAREGPT_ROLES)
 
 
 def parse_text(row: dict) -> Text:
