@@ -46,10 +46,27 @@ def env(as_json: bool = typer.Option(False, "--json", help="One JSON object.")) 
         console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
 
 
+def model_size(cfg, model_config: Optional[str]) -> dict:
+    """Parameter counts from ``--model-config`` or the base folder's config.json (empty when neither is at hand)."""
+    from pathlib import Path
+
+    from ladle.params import count_params, lora_params, read_config
+
+    source = model_config or (cfg.base if Path(cfg.base, "config.json").is_file() else None)
+    if source is None:
+        return {}
+    config = read_config(source)
+    params, how = count_params(config)
+    lora = cfg.training.lora
+    trainable = lora_params(config, lora.r, lora.target_modules) if lora.enabled else params
+    return {"params": params, "trainable_params": trainable, "params_counted_by": how, "model_type": config.get("model_type")}
+
+
 def plan(
     config: str = typer.Argument(..., help="YAML config file."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="'auto' or 1..128."),
     set_: list[str] = typer.Option([], "--set", help="Override a field (dotted.path=value)."),
+    model_config: Optional[str] = typer.Option(None, "--model-config", help="config.json (or its folder) to size the model from."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:
     """Validate the config against this machine and show the plan, with the launch command."""
@@ -58,14 +75,19 @@ def plan(
     from ladle.topology import probe
 
     try:
-        made = make_plan(load_config(config, set_, gpus), probe(), config)
+        cfg = load_config(config, set_, gpus)
+        made = make_plan(cfg, probe(), config)
+        size = model_size(cfg, model_config)
     except LadleError as err:
         exit_with_error(str(err), as_json)
     command = made.launch_command(["SPEC.json"])
     if as_json:
-        print_json({**made.model_dump(mode="json"), "launch_command": command})
+        print_json({**made.model_dump(mode="json"), **size, "launch_command": command})
         return
     console.print(made.to_markdown(), highlight=False)
+    if size:
+        console.print(f"model: {size['model_type']}, {size['params']:,} parameters ({size['params_counted_by']}), "
+                      f"{size['trainable_params']:,} trainable", highlight=False)  # fmt: skip
     console.print(f"launch: {command}", highlight=False, soft_wrap=True)
 
 

@@ -1,0 +1,243 @@
+"""Parameter counts from a model's ``config.json``, offline and without torch.
+
+Each supported family is described as the tensors its Hugging Face model class
+instantiates (parameters, not buffers): ``nn.Linear`` layers, which LoRA can
+target by name, and other weights (embeddings, norms, fused MoE experts,
+routers). Totals and LoRA counts both derive from that one description, so
+they cannot disagree. Other architectures fall back to instantiating the model
+on the meta device (needs torch and transformers; no memory is allocated).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ladle.errors import LadleError
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str  # module name, the last dotted component (what peft's target_modules match)
+    fan_in: int
+    fan_out: int
+    count: int  # how many such modules in the model
+    bias: bool = False
+
+    @property
+    def params(self) -> int:
+        return self.count * (self.fan_in * self.fan_out + (self.fan_out if self.bias else 0))
+
+
+@dataclass(frozen=True)
+class Weight:
+    name: str
+    numel: int
+    count: int = 1
+
+    @property
+    def params(self) -> int:
+        return self.count * self.numel
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Fused expert weights, one (experts, fan_out, fan_in) parameter per layer.
+
+    ``pair`` marks gate_up_proj, which holds two projections side by side.
+    """
+
+    name: str
+    experts: int
+    fan_in: int
+    fan_out: int
+    count: int
+    pair: bool = False
+
+    @property
+    def params(self) -> int:
+        return self.count * self.experts * self.fan_in * self.fan_out
+
+
+Layout = list[Linear | Weight | Experts]
+
+
+def _head_dim(c: dict) -> int:
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
+def _embeddings(c: dict) -> Layout:
+    h, v = c["hidden_size"], c["vocab_size"]
+    out: Layout = [Weight("embed_tokens", v * h), Weight("norm", h)]
+    if not c.get("tie_word_embeddings", False):
+        out.append(Linear("lm_head", h, v, 1))
+    return out
+
+
+def _attention(c: dict, layers: int, bias: bool, qk_norm: bool = False) -> Layout:
+    h, hd = c["hidden_size"], _head_dim(c)
+    nh, nkv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+    out: Layout = [
+        Linear("q_proj", h, nh * hd, layers, bias), Linear("k_proj", h, nkv * hd, layers, bias),
+        Linear("v_proj", h, nkv * hd, layers, bias), Linear("o_proj", nh * hd, h, layers, c.get("attention_bias", False) and bias),
+    ]  # fmt: skip
+    if qk_norm:
+        out += [Weight("q_norm", hd, layers), Weight("k_norm", hd, layers)]
+    return out
+
+
+def _mlp(h: int, inter: int, layers: int) -> Layout:
+    return [Linear("gate_proj", h, inter, layers), Linear("up_proj", h, inter, layers), Linear("down_proj", inter, h, layers)]
+
+
+def _experts(h: int, inter: int, experts: int, layers: int) -> Layout:
+    """Fused expert weights (gate_up_proj and down_proj parameters) and the router (a bias-free H -> E map)."""
+    return [Experts("gate_up_proj", experts, h, 2 * inter, layers, pair=True), Experts("down_proj", experts, inter, h, layers),
+            Linear("gate", h, experts, layers)]  # fmt: skip
+
+
+def dense(c: dict, qkv_bias: bool = False, qk_norm: bool = False) -> Layout:
+    """Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norms)."""
+    n, h = c["num_hidden_layers"], c["hidden_size"]
+    bias = qkv_bias or c.get("attention_bias", False)
+    return [*_embeddings(c), *_attention(c, n, bias, qk_norm), *_mlp(h, c["intermediate_size"], n), Weight("layernorms", 2 * h, n)]
+
+
+def mixtral(c: dict) -> Layout:
+    n, h = c["num_hidden_layers"], c["hidden_size"]
+    return [*_embeddings(c), *_attention(c, n, False), *_experts(h, c["intermediate_size"], c["num_local_experts"], n),
+            Weight("layernorms", 2 * h, n)]  # fmt: skip
+
+
+def qwen_moe(c: dict, qkv_bias: bool, qk_norm: bool) -> Layout:
+    """Qwen2-MoE (shared expert + gate, q/k/v bias) and Qwen3-MoE (q/k norms); dense layers where configured."""
+    n, h = c["num_hidden_layers"], c["hidden_size"]
+    step, dense_only = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
+    sparse = sum(1 for i in range(n) if i not in dense_only and c.get("num_experts", 0) > 0 and (i + 1) % step == 0)
+    out = [*_embeddings(c), *_attention(c, n, qkv_bias, qk_norm), Weight("layernorms", 2 * h, n)]
+    out += _experts(h, c["moe_intermediate_size"], c["num_experts"], sparse) + _mlp(h, c["intermediate_size"], n - sparse)
+    if c.get("shared_expert_intermediate_size"):
+        out += [Linear("gate_proj", h, c["shared_expert_intermediate_size"], sparse),
+                Linear("up_proj", h, c["shared_expert_intermediate_size"], sparse),
+                Linear("down_proj", c["shared_expert_intermediate_size"], h, sparse),
+                Linear("shared_expert_gate", h, 1, sparse)]  # fmt: skip
+    return out
+
+
+def gemma2(c: dict) -> Layout:
+    n, h = c["num_hidden_layers"], c["hidden_size"]
+    return [*_embeddings({**c, "tie_word_embeddings": c.get("tie_word_embeddings", True)}),
+            *_attention(c, n, c.get("attention_bias", False)), *_mlp(h, c["intermediate_size"], n), Weight("layernorms", 4 * h, n)]  # fmt: skip
+
+
+def phi3(c: dict) -> Layout:
+    n, h, hd = c["num_hidden_layers"], c["hidden_size"], _head_dim(c)
+    nh, nkv, inter = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"], c["intermediate_size"]
+    return [*_embeddings(c), Linear("qkv_proj", h, (nh + 2 * nkv) * hd, n), Linear("o_proj", nh * hd, h, n),
+            Linear("gate_up_proj", h, 2 * inter, n), Linear("down_proj", inter, h, n), Weight("layernorms", 2 * h, n)]  # fmt: skip
+
+
+def deepseek_v3(c: dict) -> Layout:
+    """Multi-head latent attention; MoE after ``first_k_dense_replace`` dense layers; the MTP layer is not instantiated."""
+    n, h, nh = c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"]
+    rope, nope, vdim, kv_rank = c["qk_rope_head_dim"], c["qk_nope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    q_rank, dense_n = c.get("q_lora_rank"), min(c.get("first_k_dense_replace", 0), n)
+    attn: Layout = [Linear("kv_a_proj_with_mqa", h, kv_rank + rope, n, c.get("attention_bias", False)), Weight("kv_a_layernorm", kv_rank, n),
+                    Linear("kv_b_proj", kv_rank, nh * (nope + vdim), n), Linear("o_proj", nh * vdim, h, n, c.get("attention_bias", False))]  # fmt: skip
+    if q_rank:
+        attn += [Linear("q_a_proj", h, q_rank, n, c.get("attention_bias", False)), Weight("q_a_layernorm", q_rank, n),
+                 Linear("q_b_proj", q_rank, nh * (nope + rope), n)]  # fmt: skip
+    else:
+        attn += [Linear("q_proj", h, nh * (nope + rope), n)]
+    moe_n, shared = n - dense_n, c.get("n_shared_experts") or 0
+    out = [*_embeddings(c), *attn, Weight("layernorms", 2 * h, n), *_mlp(h, c["intermediate_size"], dense_n)]
+    out += _experts(h, c["moe_intermediate_size"], c["n_routed_experts"], moe_n)
+    if shared:
+        out += _mlp(h, c["moe_intermediate_size"] * shared, moe_n)
+    return out
+
+
+FAMILIES: dict[str, Callable[[dict], Layout]] = {
+    "llama": dense,
+    "mistral": dense,
+    "qwen2": lambda c: dense(c, qkv_bias=True),
+    "qwen3": lambda c: dense(c, qk_norm=True),
+    "mixtral": mixtral,
+    "qwen2_moe": lambda c: qwen_moe(c, qkv_bias=True, qk_norm=False),
+    "qwen3_moe": lambda c: qwen_moe(c, qkv_bias=False, qk_norm=True),
+    "gemma2": gemma2,
+    "phi3": phi3,
+    "deepseek_v3": deepseek_v3,
+}
+
+
+def read_config(path: str | Path) -> dict:
+    """A ``config.json`` (or the folder holding one) as a dict.
+
+    Raises:
+        LadleError: missing or not JSON.
+    """
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LadleError(f"--model-config = {str(path)!r}: no config.json there. Pass a model folder or its config.json.") from None
+    except json.JSONDecodeError as exc:
+        raise LadleError(f"--model-config = {str(path)!r}: not valid JSON ({exc.msg}).") from None
+
+
+def layout(config: dict) -> Layout | None:
+    """The tensors of a known family, or None for other architectures."""
+    family = FAMILIES.get(config.get("model_type", ""))
+    return family(config) if family else None
+
+
+def count_params(config: dict) -> tuple[int, str]:
+    """Total parameters and how they were counted (``formula`` or ``meta-device``)."""
+    parts = layout(config)
+    if parts is not None:
+        return sum(p.params for p in parts), "formula"
+    return meta_count(config), "meta-device"
+
+
+def lora_params(config: dict, r: int, target_modules: list[str] | str) -> int:
+    """Trainable LoRA parameters for ``target_modules`` (name suffix match, or 'all-linear' minus the head), as peft builds them."""
+    parts = layout(config)
+    if parts is None:
+        raise LadleError(f"model_type = {config.get('model_type')!r}: LoRA counting needs a known family ({', '.join(FAMILIES)}).")
+    if any(isinstance(p, Experts) for p in parts):
+        # peft wraps fused expert parameters too (all-linear, and names that collide with them)
+        # by rules of its own; ask peft itself rather than mirror them.
+        return meta_lora_count(config, r, target_modules)
+    linears = [p for p in parts if isinstance(p, Linear)]
+    if target_modules == "all-linear":
+        chosen = [p for p in linears if p.name != "lm_head"]
+    else:
+        chosen = [p for p in linears if p.name in set(target_modules)]
+    return sum(p.count * r * (p.fan_in + p.fan_out) for p in chosen)
+
+
+def meta_count(config: dict) -> int:
+    """Instantiate on the meta device and count (any architecture transformers knows)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def meta_lora_count(config: dict, r: int, target_modules: list[str] | str) -> int:
+    """LoRA trainable parameters as peft builds them, on a meta-device model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    peft_model = get_peft_model(model, LoraConfig(r=r, target_modules=target_modules))
+    return sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
