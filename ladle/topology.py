@@ -36,7 +36,13 @@ class Topology(BaseModel):
     nodes: int = Field(1, description="Machines taking part (from the launcher environment).")
     node_rank: int = Field(0, description="This machine's rank among the nodes.")
     cpu_count: int = Field(description="CPU cores usable by this process.")
-    source: str = Field(description="Where the facts came from: nvidia-smi, none.")
+    source: str = Field(description="Where the facts came from: nvidia-smi, file:<path>, none.")
+    links: list[list[str]] = Field(default_factory=list, description="GPU x GPU link codes from `nvidia-smi topo -m`.")
+    all_pairs_nvlink: bool = False
+    nvlink_groups: list[list[int]] = Field(default_factory=list, description="Maximal all-NVLink GPU sets.")
+    min_nvlink_bonds: int | None = None
+    numa_nodes: list[int] | None = None
+    nics: list[str] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
 
 
@@ -90,6 +96,46 @@ def run_nvidia_smi() -> str | None:
     return done.stdout if done.returncode == 0 and done.stdout.strip() else None
 
 
+def with_matrix(topo: Topology, text: str) -> Topology:
+    """Add the link facts of ``nvidia-smi topo -m`` output to ``topo``."""
+    from ladle.topo_matrix import parse
+
+    matrix = parse(text)
+    return topo.model_copy(update={k: v for k, v in matrix.model_dump().items() if k != "gpu_count"})
+
+
+def probe_file(path: str, env: dict[str, str] | None = None) -> Topology:
+    """A recorded machine: ``nvidia-smi topo -m`` output saved to a file.
+
+    Raises:
+        LadleError: the file is missing or holds no topology matrix.
+    """
+    from pathlib import Path
+
+    from ladle.topo_matrix import parse
+
+    file = Path(path)
+    if not file.is_file():
+        raise LadleError(f"--topology-file = {path!r}: no such file. Save `nvidia-smi topo -m` output to it.")
+    text = file.read_text(encoding="utf-8", errors="replace")
+    matrix = parse(text)
+    nodes, node_rank = node_layout(dict(os.environ if env is None else env))
+    base = Topology(gpu_count=matrix.gpu_count, cuda_available=True, interconnect=matrix.interconnect, nodes=nodes,
+                    node_rank=node_rank, cpu_count=os.cpu_count() or 1, source=f"file:{path}")  # fmt: skip
+    return with_matrix(base, text)
+
+
+def run_topo_matrix() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
 def probe(env: dict[str, str] | None = None, query_output: str | None = None) -> Topology:
     """Describe this machine (or one whose ``nvidia-smi`` output is given).
 
@@ -108,7 +154,14 @@ def probe(env: dict[str, str] | None = None, query_output: str | None = None) ->
             gpu_count=0, cuda_available=False, interconnect="none", nodes=nodes, node_rank=node_rank,
             cpu_count=cpus, source="none", warnings=[warning],
         )
-    return Topology(
+    topo = Topology(
         gpu_count=len(gpus), gpus=gpus, cuda_available=True, interconnect="unknown" if len(gpus) > 1 else "none",
         nodes=nodes, node_rank=node_rank, cpu_count=cpus, source="nvidia-smi",
     )
+    matrix = run_topo_matrix() if query_output is None and len(gpus) > 1 else None
+    if matrix:
+        try:
+            return with_matrix(topo, matrix)
+        except LadleError as err:
+            topo.warnings.append(f"interconnect unknown: {err}")
+    return topo

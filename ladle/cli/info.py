@@ -67,16 +67,17 @@ def plan(
     gpus: Optional[str] = typer.Option(None, "--gpus", help="'auto' or 1..128."),
     set_: list[str] = typer.Option([], "--set", help="Override a field (dotted.path=value)."),
     model_config: Optional[str] = typer.Option(None, "--model-config", help="config.json (or its folder) to size the model from."),
+    topology_file: Optional[str] = typer.Option(None, "--topology-file", help="Plan for a recorded machine (`nvidia-smi topo -m` output)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:
-    """Validate the config against this machine and show the plan, with the launch command."""
+    """Validate the config against this (or a recorded) machine and show the plan, with the launch command."""
     from ladle.config import load_config
     from ladle.plan import make_plan
-    from ladle.topology import probe
+    from ladle.topology import probe, probe_file
 
     try:
         cfg = load_config(config, set_, gpus)
-        made = make_plan(cfg, probe(), config)
+        made = make_plan(cfg, probe_file(topology_file) if topology_file else probe(), config)
         size = model_size(cfg, model_config)
     except LadleError as err:
         exit_with_error(str(err), as_json)

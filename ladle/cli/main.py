@@ -6,6 +6,7 @@ import typer
 
 from ladle.cli import data, info
 from ladle.cli.launch import launch
+from ladle.cli.probe import probe
 from ladle.cli.run import run
 
 app = typer.Typer(
@@ -17,6 +18,7 @@ app = typer.Typer(
 )
 app.command("run")(run)
 app.command("plan")(info.plan)
+app.command("probe")(probe)
 app.command("launch")(launch)
 app.command("schema")(info.schema)
 app.command("env")(info.env)

@@ -118,3 +118,17 @@ def test_plan_reports_model_size(tmp_path):
     assert plan["launch_command"].startswith("accelerate launch --multi_gpu --num_processes 2")
     (tmp_path / "config.json").write_text("{oops")
     assert_clean_error(run_cli("plan", RECIPE, "--model-config", str(tmp_path), timeout=60), "not valid JSON")
+
+
+def test_probe_and_plan_against_a_recorded_machine(tmp_path):
+    from tests.unit.test_topo_matrix import PAIRS_4
+
+    recorded = tmp_path / "topo.txt"
+    recorded.write_text(PAIRS_4)
+    topo = json.loads(run_cli("probe", "--topology-file", str(recorded), "--json", timeout=60).stdout.strip().splitlines()[-1])
+    assert (topo["gpu_count"], topo["interconnect"], topo["nvlink_groups"]) == (4, "partial-nvlink", [[0, 1], [2, 3]])
+    plan = json.loads(run_cli("plan", RECIPE, "--topology-file", str(recorded), "--json", timeout=60).stdout.strip().splitlines()[-1])
+    assert (plan["device"], plan["world_size"], plan["backend"]) == ("cuda", 4, "nccl")
+    too_many = run_cli("plan", RECIPE, "--topology-file", str(recorded), "--gpus", "8", timeout=60)
+    assert_clean_error(too_many, "parallelism.gpus = 8: this host has 4 visible GPU(s)", f"ladle run {RECIPE} --gpus 4")
+    assert_clean_error(run_cli("probe", "--topology-file", str(tmp_path / "nope.txt"), timeout=60), "no such file")

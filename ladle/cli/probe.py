@@ -1,0 +1,41 @@
+"""``ladle probe [--topology-file F] [--json]``: GPUs, links and layout of this (or a recorded) machine."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ladle.cli.common import console, exit_with_error, print_json
+from ladle.errors import LadleError
+
+KEYS = ("gpu_count", "interconnect", "all_pairs_nvlink", "nvlink_groups", "min_nvlink_bonds", "numa_nodes", "nics", "nodes", "source")
+
+
+def probe(
+    topology_file: Optional[str] = typer.Option(None, "--topology-file", help="Saved `nvidia-smi topo -m` output."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+) -> None:
+    """Show the GPUs, their interconnect and the node layout."""
+    from ladle.topology import probe as probe_machine
+    from ladle.topology import probe_file
+
+    try:
+        topo = probe_file(topology_file) if topology_file else probe_machine()
+    except LadleError as err:
+        exit_with_error(str(err), as_json)
+    if as_json:
+        print_json(topo.model_dump())
+        return
+    table = Table(title="topology", show_header=False)
+    for key in KEYS:
+        table.add_row(key, str(getattr(topo, key)))
+    console.print(table)
+    if topo.links:
+        matrix = Table(title="links", *[""] + [f"GPU{i}" for i in range(topo.gpu_count)])
+        for i, row in enumerate(topo.links):
+            matrix.add_row(f"GPU{i}", *row)
+        console.print(matrix)
+    for warning in topo.warnings:
+        console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
