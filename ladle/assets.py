@@ -72,7 +72,7 @@ def resolve_base(base: str) -> Path:
     url = storage.normalise(resolve_builtin(base, "base"))
     if not storage.is_local(url):
         url = str(_cache_remote_model(url))
-    path = Path(url.removeprefix("file://"))
+    path = storage.local_path(url)
     if not path.is_dir():
         raise LadleError(
             f"base = {base!r}: no such folder. Point base at a Hugging Face model folder "
@@ -87,11 +87,7 @@ def resolve_base(base: str) -> Path:
 
 
 def _cache_remote_model(url: str) -> Path:
-    key = hashlib.sha256(url.encode()).hexdigest()[:16]
-    target = ladle_home() / "models" / key
-    if (target / "config.json").exists():
-        return target
-    if not storage.exists(storage.join(url, "config.json")):
+    target = ladle_home() / "models" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    if not (target / "config.json").exists() and not storage.exists(storage.join(url, "config.json")):
         raise LadleError(f"base = {url!r}: the folder holds no model (no config.json). Check the URL.")
-    storage.download_dir(url, target.with_name(key + ".tmp")).replace(target)
-    return target
+    return storage.cached_copy(url, target)

@@ -83,6 +83,23 @@ class Plan(BaseModel):
         return "\n".join(lines) + "\n"
 
 
+def check_inputs(cfg: LadleConfig) -> None:
+    """The base holds a model and every data source holds a record (cheap reads only).
+
+    Shared by the CLI (before Prefect starts) and the validate task (for deployments).
+
+    Raises:
+        LadleError: naming the field, the value and the fix.
+    """
+    from ladle.assets import resolve_base
+    from ladle.data.prepare import check_not_empty
+
+    resolve_base(cfg.base)
+    check_not_empty(cfg.data.path)
+    if cfg.data.eval_path:
+        check_not_empty(cfg.data.eval_path, "data.eval_path")
+
+
 def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG") -> Plan:
     """Decide world size, strategy, batch layout and dtype for ``cfg`` on ``topo``.
 

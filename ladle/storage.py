@@ -33,6 +33,22 @@ def is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 
 
+def local_path(url: str) -> Path:
+    """The filesystem path of a local URL (plain path or ``file://``)."""
+    return Path(url.removeprefix("file://"))
+
+
+def cached_copy(url: str, target: Path) -> Path:
+    """A local copy of the folder artifact at ``url`` in ``target``, downloaded once.
+
+    The download lands beside ``target`` and is renamed into place, so a
+    ``target`` that exists is always complete.
+    """
+    if not (target / "config.json").exists():
+        download_dir(url, target.with_name(target.name + ".tmp")).replace(target)
+    return target
+
+
 def normalise(url: str) -> str:
     """Make local paths absolute (subprocesses may run elsewhere); leave URLs alone."""
     if "://" not in url:
@@ -64,7 +80,7 @@ def read_bytes(url: str) -> bytes:
 def write_bytes(url: str, data: bytes) -> None:
     """Write a file; local writes go through a temp file and an atomic rename."""
     if is_local(url):
-        path = Path(url.removeprefix("file://"))
+        path = local_path(url)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         with os.fdopen(fd, "wb") as fh:

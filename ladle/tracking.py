@@ -7,6 +7,7 @@ the output is a local folder; ``$LADLE_HOME/mlflow`` when the output is remote
 
 from __future__ import annotations
 
+import io
 import json
 import tempfile
 from pathlib import Path
@@ -30,7 +31,7 @@ class Tracking(BaseModel):
 
 def default_location(cfg: LadleConfig) -> Path:
     if storage.is_local(cfg.output):
-        return Path(storage.normalise(cfg.output).removeprefix("file://"))
+        return storage.local_path(storage.normalise(cfg.output))
     return ladle_home() / "mlflow"
 
 
@@ -107,11 +108,10 @@ def log_loss_curve(tracking: Tracking, losses: list[float], eval_before: float, 
     ax.set_ylabel("loss (nats/token)")
     ax.legend()
     fig.tight_layout()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "loss_curve.png"
-        fig.savefig(path)
-        plt.close(fig)
-        client(tracking.uri).log_artifact(tracking.run_id, str(path))
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    plt.close(fig)
+    log_bytes(tracking, "loss_curve.png", png.getvalue())
 
 
 def register_model(tracking: Tracking, name: str, source: str) -> str:

@@ -5,20 +5,15 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from ladle.assets import resolve_base
 from ladle.config import LadleConfig, flatten
-from ladle.data import sources
-from ladle.plan import Plan, make_plan
+from ladle.plan import Plan, check_inputs, make_plan
 from ladle.topology import Topology
 from ladle.tracking import Tracking, log_json, log_params
 
 
 @task(name="validate-and-plan", timeout_seconds=600)
 def plan_task(cfg: LadleConfig, topo: Topology, tracking: Tracking, config_ref: str) -> Plan:
-    resolve_base(cfg.base)
-    sources.expand(cfg.data.path)
-    if cfg.data.eval_path:
-        sources.expand(cfg.data.eval_path, "data.eval_path")
+    check_inputs(cfg)
     plan = make_plan(cfg, topo, config_ref)
     logger = get_run_logger()
     for line in plan.reasons + plan.overrides:

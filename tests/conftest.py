@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,15 +57,11 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_server():
     """A moto S3 server bound to 127.0.0.1; yields the env that points boto/s3fs at it."""
+    from ladle.train.run import free_port
+
     port = free_port()
     exe = Path(sys.executable).with_name("moto_server")
     proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

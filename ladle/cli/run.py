@@ -14,17 +14,12 @@ from ladle.errors import LadleError, find_ladle_error
 
 def preflight(config: str, overrides: list[str], gpus: Optional[str]):
     """Load the config and check the machine, base and data before Prefect starts."""
-    from ladle.assets import resolve_base
     from ladle.config import load_config
-    from ladle.data.prepare import check_not_empty
-    from ladle.plan import make_plan
+    from ladle.plan import check_inputs, make_plan
     from ladle.topology import probe
 
     cfg = load_config(config, overrides, gpus)
-    resolve_base(cfg.base)
-    check_not_empty(cfg.data.path)
-    if cfg.data.eval_path:
-        check_not_empty(cfg.data.eval_path, "data.eval_path")
+    check_inputs(cfg)
     plan = make_plan(cfg, probe(), config)
     for warning in plan.warnings:
         console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)

@@ -27,7 +27,7 @@ def inspect(cfg: DataConfig, n: int = 3) -> dict:
             reasons[str(sample)] += 1
         elif len(samples) < n:
             samples.append({"source": source, "line": position, "sample": asdict(sample)})
-    sizes = [storage.filesystem(url)[0].size(storage.filesystem(url)[1]) for url in files]
+    sizes = [fs.size(path) for fs, path in map(storage.filesystem, files)]
     return {
         "files": [{"url": url, "kind": sources.kind_of(url), "bytes": size} for url, size in zip(files, sizes)],
         "format": fmt,

@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - registers pa.compute
 import pyarrow.parquet as pq
 
+from ladle import storage
+
 IGNORE = -100
 
 
@@ -102,9 +104,6 @@ class SplitWriter:
     """
 
     def __init__(self, url: str, name: str, seq_len: int, pad_id: int, pack: bool, window: int = 20000):
-        from ladle import storage
-
-        self.storage = storage
         self.url, self.name, self.seq_len, self.pad_id, self.pack, self.window = url, name, seq_len, pad_id, pack, window
         self.shard_rows = max(256, (32 << 20) // (seq_len * 12))  # about 32 MiB of int32 per shard
         self.pending: list = []
@@ -134,7 +133,7 @@ class SplitWriter:
         head, rest = table.slice(0, count), table.slice(count)
         self.buffer, self.buffered = ([rest] if rest.num_rows else []), rest.num_rows
         name = f"{self.name}-{len(self.shards):05d}.parquet"
-        self.storage.write_bytes(self.storage.join(self.url, name), table_bytes(head))
+        storage.write_bytes(storage.join(self.url, name), table_bytes(head))
         self.shards.append(name)
         self.total_rows += head.num_rows
         self.real_tokens += int(pa.compute.sum(head["real_tokens"]).as_py() or 0)

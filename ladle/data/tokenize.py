@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ladle.data.formats import Chat, RowError, Sample, Text, Tokens
+from ladle.data.formats import Chat, RowError, Sample, Tokens
 
 IGNORE = -100
 

@@ -38,11 +38,8 @@ class DeployFailed(RuntimeError):
 def local_model_dir(merged: MergedModel) -> Path:
     """The merged model on local disk (copied once from a remote store, keyed by its hash)."""
     if storage.is_local(merged.url):
-        return Path(merged.url.removeprefix("file://"))
-    target = ladle_home() / "served" / merged.sha256[:16]
-    if not (target / "config.json").exists():
-        storage.download_dir(merged.url, target.with_name(target.name + ".tmp")).replace(target)
-    return target
+        return storage.local_path(merged.url)
+    return storage.cached_copy(merged.url, ladle_home() / "served" / merged.sha256[:16])
 
 
 def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int) -> list[str]:

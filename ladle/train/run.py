@@ -45,7 +45,7 @@ def spec_location(spec: TrainSpec, tmp: str) -> Path:
     """Where the worker reads its spec: the run folder when it is local (so the logged
     command can be re-run as is), else a temporary file."""
     if storage.is_local(spec.run_url):
-        return Path(spec.run_url.removeprefix("file://")) / "spec.json"
+        return storage.local_path(spec.run_url) / "spec.json"
     return Path(tmp) / "spec.json"
 
 

@@ -175,7 +175,6 @@ def save_outputs(accelerator, model, spec: TrainSpec) -> tuple[str | None, str |
     if accelerator.is_main_process:
         import tempfile
 
-        full = {k.removeprefix("module.").replace("._orig_mod", "").removeprefix("_orig_mod."): v for k, v in full.items()}
         with tempfile.TemporaryDirectory() as tmp:
             unwrapped.save_pretrained(tmp, state_dict=full, safe_serialization=True)
             AutoTokenizer.from_pretrained(spec.base_dir).save_pretrained(tmp)

@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, free_port
+from ladle.train.run import free_port
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.pipeline
 PREFECT = str(Path(sys.executable).with_name("prefect"))

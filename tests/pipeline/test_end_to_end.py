@@ -70,7 +70,7 @@ def test_flow_on_s3(prefect_harness, s3_server, monkeypatch, tiny_model):
 
     for key, value in s3_server.items():
         monkeypatch.setenv(key, value)
-    cfg = load_config(RECIPE, [f"output=s3://ladle/e2e", "training.max_steps=20", "name=tiny-s3"])
+    cfg = load_config(RECIPE, ["output=s3://ladle/e2e", "training.max_steps=20", "name=tiny-s3"])
     summary = finetune(cfg)
     checks.check_summary(summary, 20)
     assert summary["output_url"].startswith("s3://ladle/e2e/runs/tiny-s3-")

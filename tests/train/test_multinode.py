@@ -14,9 +14,8 @@ from ladle.data.prepare import prepare
 from ladle.errors import ConfigError
 from ladle.plan import make_plan
 from ladle.topology import probe
-from ladle.train.run import launch
+from ladle.train.run import free_port, launch
 from ladle.train.spec import TrainSpec
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.pipeline
 CPU = probe(env={}, query_output="")
