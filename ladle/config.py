@@ -140,15 +140,53 @@ class FSDP2Options(Section):
     cpu_offload: bool = Field(False, description="Keep parameters and optimizer state in CPU memory (CUDA runs only).")
 
 
+ZERO_STRATEGIES = ("zero1", "zero2", "zero3", "zero++")
+STRATEGY_ALIASES = {"zero_pp": "zero++", "zeropp": "zero++", "zero-pp": "zero++"}
+
+
+class DeepSpeedOptions(Section):
+    offload_optimizer: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="ZeRO-Offload of optimizer state (and its step) to CPU or NVMe. CUDA runs only."
+    )
+    offload_param: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="ZeRO-Infinity parameter offload to CPU or NVMe. Stage 3 (zero3, zero++) and CUDA only."
+    )
+    nvme_path: str | None = Field(None, description="Local NVMe folder for `nvme` offload.")
+    overlap_comm: bool = Field(True, description="Overlap gradient reduction with the backward pass.")
+    reduce_bucket_size: int = Field(
+        500_000_000, ge=1, description="Elements reduced per bucket (written to the DeepSpeed JSON as an integer)."
+    )
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, description="Stage 3: elements prefetched ahead.")
+    stage3_max_live_parameters: int = Field(
+        1_000_000_000, ge=0, description="Stage 3: gathered parameters kept alive before release, in elements."
+    )
+    stage3_max_reuse_distance: int = Field(
+        1_000_000_000, ge=0, description="Stage 3: keep a gathered parameter if it is reused within this many elements."
+    )
+    sub_group_size: int = Field(1_000_000_000, ge=1, description="Stage 3: optimizer step sub-group, in elements.")
+    hpz_partition_size: int = Field(
+        0, ge=0, le=1024, description="ZeRO++ hpZ secondary weight partition (ranks). 0: processes per machine "
+        "on a multi-machine run, off (1) on one machine. Must divide the world size."
+    )
+    quantized_weights: bool | None = Field(
+        None, description="ZeRO++ qwZ (int8 weight all-gather). null: on for CUDA float16/float32 runs, off with "
+        "bfloat16 (its dequantized weights come back as float16) and on CPU (no CUDA quantizer kernels)."
+    )
+    quantized_gradients: bool | None = Field(
+        None, description="ZeRO++ qgZ (int4 gradient reduce-scatter). null: on for CUDA runs, off on CPU."
+    )
+
+
 class ParallelismConfig(Section):
     gpus: Literal["auto"] | GpuCount = Field(
         "auto",
         description=f"GPUs to train on: `auto` (all visible; a CPU run when there are none) or 1..{MAX_GPU_COUNT}.",
     )
-    strategy: Literal["auto", "ddp", "fsdp2"] = Field(
+    strategy: Literal["auto", "ddp", "zero1", "zero2", "zero3", "zero++", "fsdp2"] = Field(
         "auto",
         description="Distribution strategy. auto: the planner chooses and says why. ddp: full replica per rank; "
-        "fsdp2: parameters, gradients and optimizer state sharded (torch fully_shard per decoder layer).",
+        "zero1/zero2/zero3: DeepSpeed ZeRO sharding optimizer state / + gradients / + parameters; zero++ "
+        "(alias zero_pp): ZeRO-3 with quantized communication and hpZ; fsdp2: torch fully_shard per decoder layer.",
     )
     cpu_processes: int = Field(
         2, ge=1, le=64, description="Processes per machine for a CPU (gloo) run, used when no GPU is present."
@@ -165,6 +203,14 @@ class ParallelismConfig(Section):
     )
     ddp: DDPOptions = Field(default_factory=DDPOptions, description="DDP options.")
     fsdp2: FSDP2Options = Field(default_factory=FSDP2Options, description="FSDP2 options.")
+    deepspeed: DeepSpeedOptions = Field(
+        default_factory=DeepSpeedOptions, description="DeepSpeed ZeRO options (zero1, zero2, zero3, zero++)."
+    )
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _alias_strategy(cls, value: Any) -> Any:
+        return STRATEGY_ALIASES.get(value, value) if isinstance(value, str) else value
 
     @field_validator("gpus", mode="before")
     @classmethod

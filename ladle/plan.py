@@ -24,6 +24,9 @@ DEFAULT_PORT = 29500
 class Plan(BaseModel):
     strategy: str
     strategy_options: dict[str, Any] = Field(default_factory=dict)
+    launcher_config: dict[str, Any] = Field(
+        default_factory=dict, description="The strategy's rendered launcher config (the DeepSpeed JSON for ZeRO)."
+    )
     device: Literal["cpu", "cuda"]
     backend: Literal["gloo", "nccl"]
     world_size: int = Field(description="Training processes in all.")
@@ -80,6 +83,10 @@ class Plan(BaseModel):
         for title, items in (("Reasons", self.reasons), ("Overrides", self.overrides), ("Warnings", self.warnings)):
             if items:
                 lines += ["", f"## {title}", *[f"- {item}" for item in items]]
+        if self.launcher_config:
+            import json
+
+            lines += ["", f"## {self.strategy} launcher config", "", "```json", json.dumps(self.launcher_config, indent=2), "```"]
         return "\n".join(lines) + "\n"
 
 
@@ -120,9 +127,9 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG") -> P
     problems += check_device_features(cfg, device)
     if problems:
         raise ConfigError(problems)
-    return Plan(
+    plan = Plan(
         strategy=strategy,
-        strategy_options=getattr(cfg.parallelism, strategy).model_dump(),
+        strategy_options=getattr(cfg.parallelism, strategies.options_section(strategy)).model_dump(),
         device=device,
         backend="nccl" if device == "cuda" else "gloo",
         world_size=world,
@@ -138,6 +145,9 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG") -> P
         overrides=overrides,
         warnings=warnings,
     )
+    plan.launcher_config, resolved = strategies.get(strategy).configure(cfg, plan)
+    plan.reasons += resolved
+    return plan
 
 
 def choose_nodes(cfg, topo, problems, reasons) -> int:

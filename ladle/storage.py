@@ -99,8 +99,8 @@ def read_json(url: str) -> Any:
     return json.loads(read_bytes(url))
 
 
-def upload_dir(local: str | Path, url: str) -> None:
-    """Copy a local folder's files to ``url`` and then mark it complete."""
+def upload_dir(local: str | Path, url: str, complete: bool = True) -> None:
+    """Copy a local folder's files to ``url`` and then (unless ``complete`` is false) mark it complete."""
     local = Path(local)
     fs, root = filesystem(url)
     for file in sorted(p for p in local.rglob("*") if p.is_file()):
@@ -111,7 +111,8 @@ def upload_dir(local: str | Path, url: str) -> None:
             shutil.copyfile(file, target)
         else:
             fs.put_file(str(file), target)
-    mark_complete(url)
+    if complete:
+        mark_complete(url)
 
 
 def download_dir(url: str, local: str | Path) -> Path:

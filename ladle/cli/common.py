@@ -23,3 +23,23 @@ def print_json(obj) -> None:
     """The last line on stdout: one JSON object."""
     sys.stdout.flush()
     print(json.dumps(obj, default=str), flush=True)
+
+
+DEEPSPEED_CHOICES = {"1": "zero1", "2": "zero2", "3": "zero3", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
+                     "zero++": "zero++", "zero_pp": "zero++", "zeropp": "zero++"}  # fmt: skip
+
+
+def deepspeed_override(value: str | None) -> list[str]:
+    """``--deepspeed STAGE`` as a ``--set parallelism.strategy=...`` override.
+
+    Raises:
+        LadleError: an unknown stage name.
+    """
+    from ladle.errors import LadleError
+
+    if value is None:
+        return []
+    name = DEEPSPEED_CHOICES.get(value.strip().lower())
+    if name is None:
+        raise LadleError(f"--deepspeed = {value!r}: unknown ZeRO stage. Use zero1, zero2, zero3 or zero++ (alias zero_pp).")
+    return [f"parallelism.strategy={name}"]

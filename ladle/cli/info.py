@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from ladle.cli.common import console, exit_with_error, print_json
+from ladle.cli.common import console, deepspeed_override, exit_with_error, print_json
 from ladle.errors import LadleError
 
 PACKAGES = ("ladle", "torch", "transformers", "peft", "accelerate", "deepspeed", "prefect", "mlflow", "fsspec", "s3fs", "pydantic", "fastapi", "uvicorn")
@@ -65,6 +65,7 @@ def model_size(cfg, model_config: Optional[str]) -> dict:
 def plan(
     config: str = typer.Argument(..., help="YAML config file."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="'auto' or 1..128."),
+    deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="zero1 | zero2 | zero3 | zero++ (alias zero_pp): sets parallelism.strategy."),
     set_: list[str] = typer.Option([], "--set", help="Override a field (dotted.path=value)."),
     model_config: Optional[str] = typer.Option(None, "--model-config", help="config.json (or its folder) to size the model from."),
     topology_file: Optional[str] = typer.Option(None, "--topology-file", help="Plan for a recorded machine (`nvidia-smi topo -m` output)."),
@@ -76,7 +77,7 @@ def plan(
     from ladle.topology import probe, probe_file
 
     try:
-        cfg = load_config(config, set_, gpus)
+        cfg = load_config(config, [*deepspeed_override(deepspeed), *set_], gpus)
         made = make_plan(cfg, probe_file(topology_file) if topology_file else probe(), config)
         size = model_size(cfg, model_config)
     except LadleError as err:

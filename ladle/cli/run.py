@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from ladle.cli.common import console, exit_with_error, print_json
+from ladle.cli.common import console, deepspeed_override, exit_with_error, print_json
 from ladle.errors import LadleError, find_ladle_error
 
 
@@ -29,13 +29,14 @@ def preflight(config: str, overrides: list[str], gpus: Optional[str]):
 def run(
     config: str = typer.Argument(..., help="YAML config file (see recipes/)."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="'auto' or 1..128; overrides parallelism.gpus."),
+    deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="zero1 | zero2 | zero3 | zero++ (alias zero_pp): sets parallelism.strategy."),
     set_: list[str] = typer.Option([], "--set", help="Override a field: --set training.lr=1e-4 (value parsed as YAML)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object as the last line."),
 ) -> None:
     """Run probe -> plan -> prepare -> train -> merge -> deploy."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
-        cfg = preflight(config, set_, gpus)
+        cfg = preflight(config, [*deepspeed_override(deepspeed), *set_], gpus)
     except LadleError as err:
         exit_with_error(str(err), as_json)
     from ladle.flows.finetune import finetune, install_log_filter

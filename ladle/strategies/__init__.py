@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from ladle.strategies.base import Strategy
 from ladle.strategies.ddp import DDP
+from ladle.strategies.deepspeed import ZeRO, ZeROPlusPlus
 from ladle.strategies.fsdp2 import FSDP2
 
-REGISTRY: dict[str, Strategy] = {s.name: s for s in (DDP(), FSDP2())}
+REGISTRY: dict[str, Strategy] = {s.name: s for s in (DDP(), ZeRO(1), ZeRO(2), ZeRO(3), ZeROPlusPlus(), FSDP2())}
+
+
+def options_section(name: str) -> str:
+    """The ``parallelism.*`` config section holding a strategy's options."""
+    return "deepspeed" if name.startswith("zero") else name
 
 
 def get(name: str) -> Strategy:

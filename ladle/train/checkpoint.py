@@ -3,7 +3,10 @@
 A checkpoint is ``<run>/checkpoints/step-NNNNNNNN/state.pt`` plus the store's
 ``_COMPLETE`` marker, written last. It holds the trainable weights, optimizer
 and scheduler state, every rank's RNG state and the loss history; the data
-position is the step number itself (see ``ladle.train.schedule``).
+position is the step number itself (see ``ladle.train.schedule``). For
+DeepSpeed the weights and optimizer state are DeepSpeed's own per-rank files
+under ``engine/`` (partitioned state is never gathered to one rank), so such a
+checkpoint resumes only with the same strategy and world size.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from ladle import storage
 
 KEEP_LAST = 2
+NATIVE_TAG = "engine"  # the folder a strategy's native checkpoint files live in
 
 
 @dataclass
@@ -66,27 +70,40 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses, eval_before) -> None:
-    """Gather the full trainable state and every rank's RNG (collectives), then rank 0 writes."""
-    from accelerate.utils import gather_object
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses, eval_before, plan) -> None:
+    """Gather every rank's RNG and the training state (collectives), then mark the step complete.
 
+    Strategy-neutral strategies gather the full trainable state and rank 0 writes it; strategies with
+    a native format (DeepSpeed) write their per-rank files, each rank uploading its own, before rank 0
+    writes ``state.pt`` and the marker.
+    """
+    import tempfile
+
+    from accelerate.utils import gather_object
+
+    from ladle import strategies
+
+    strategy = strategies.get(plan.strategy)
+    target = step_dir(root, step)
     rngs = gather_object([rng_state()])
-    model_state, optim_state = get_state_dict(model, inner(optimizer), options=state_options())
+    payload = {"step": step, "scheduler": scheduler.state_dict(), "rng": rngs, "losses": losses,
+               "eval_before": eval_before, "strategy": plan.strategy, "world_size": plan.world_size,
+               "format": "native" if strategy.native_checkpoint else "full"}  # fmt: skip
     if accelerator.is_main_process:
-        payload = {
-            "step": step,
-            "model": model_state,
-            "optimizer": optim_state,
-            "scheduler": scheduler.state_dict(),
-            "rng": rngs,
-            "losses": losses,
-            "eval_before": eval_before,
-        }
+        storage.remove(target)  # a partial folder from a crashed attempt
+    accelerator.wait_for_everyone()
+    if strategy.native_checkpoint:
+        with tempfile.TemporaryDirectory(prefix="ladle-ckpt-") as tmp:
+            strategy.save_native(model, tmp, NATIVE_TAG)
+            storage.upload_dir(tmp, target, complete=False)
+        accelerator.wait_for_everyone()
+    else:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        payload["model"], payload["optimizer"] = get_state_dict(model, inner(optimizer), options=state_options())
+    if accelerator.is_main_process:
         buffer = io.BytesIO()
         torch.save(payload, buffer)
-        target = step_dir(root, step)
-        storage.remove(target)  # a partial folder from a crashed attempt
         storage.write_bytes(storage.join(target, "state.pt"), buffer.getvalue())
         storage.mark_complete(target)
         for old in complete_steps(root)[:-KEEP_LAST]:
@@ -94,16 +111,40 @@ def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses,
     accelerator.wait_for_everyone()
 
 
-def load_latest(root: str, model, optimizer, scheduler, rank: int) -> ResumeState | None:
-    """Restore the newest complete checkpoint into the wrapped model, optimizer and scheduler (all ranks)."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+def load_latest(accelerator, root: str, model, optimizer, scheduler, plan) -> ResumeState | None:
+    """Restore the newest complete checkpoint into the wrapped model, optimizer and scheduler (all ranks).
+
+    Raises:
+        RuntimeError: the checkpoint was written in a native format by another strategy or world size.
+    """
+    import tempfile
+
+    from ladle import strategies
 
     steps = complete_steps(root)
     if not steps:
         return None
-    payload = torch.load(io.BytesIO(storage.read_bytes(storage.join(step_dir(root, steps[-1]), "state.pt"))), weights_only=False)
-    set_state_dict(model, inner(optimizer), model_state_dict=payload["model"], optim_state_dict=payload["optimizer"],
-                   options=state_options(strict=False))  # fmt: skip
+    target = step_dir(root, steps[-1])
+    payload = torch.load(io.BytesIO(storage.read_bytes(storage.join(target, "state.pt"))), weights_only=False)
+    strategy = strategies.get(plan.strategy)
+    fmt = payload.get("format", "full")
+    wanted = "native" if strategy.native_checkpoint else "full"
+    same_run_shape = payload.get("strategy") == plan.strategy and payload.get("world_size") == plan.world_size
+    if fmt != wanted or (fmt == "native" and not same_run_shape):
+        raise RuntimeError(
+            f"checkpoint {target} was written by {payload.get('strategy')} on {payload.get('world_size')} rank(s) "
+            f"({fmt} format); this run is {plan.strategy} on {plan.world_size}. Resume with the same strategy and "
+            "world size, or start a new run (another output folder or run name)."
+        )
+    if fmt == "native":
+        with tempfile.TemporaryDirectory(prefix="ladle-ckpt-") as tmp:
+            storage.download_dir(target, tmp)
+            strategy.load_native(model, tmp, NATIVE_TAG)
+    else:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(model, inner(optimizer), model_state_dict=payload["model"], optim_state_dict=payload["optimizer"],
+                       options=state_options(strict=False))  # fmt: skip
     scheduler.load_state_dict(payload["scheduler"])
-    set_rng_state(payload["rng"][rank])
+    set_rng_state(payload["rng"][accelerator.process_index])
     return ResumeState(step=payload["step"], losses=payload["losses"], eval_before=payload["eval_before"])

@@ -82,6 +82,9 @@ def launch(
     Raises:
         TrainingFailed: a process exited non-zero (its last output lines are included).
     """
+    from ladle import strategies
+
+    strategies.get(spec.plan.strategy).before_launch(spec.plan)
     with tempfile.TemporaryDirectory(prefix="ladle-train-") as tmp:
         spec_file = spec_location(spec, tmp)
         spec_file.parent.mkdir(parents=True, exist_ok=True)
@@ -95,18 +98,23 @@ def launch(
             for rank in range(1, spec.plan.num_machines):
                 on_command(f"waiting for node {rank} to join; on it run: " + join_command(spec, rank))
         tail = collections.deque(maxlen=40)
+        errors: list[dict] = []
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(spec))
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip("\n")
             if line.startswith(PROGRESS_PREFIX):
-                if on_progress:
-                    on_progress(json.loads(line[len(PROGRESS_PREFIX) :]))
+                event = json.loads(line[len(PROGRESS_PREFIX) :])
+                if event.get("event") == "error":
+                    errors.append(event)
+                elif on_progress:
+                    on_progress(event)
                 continue
             tail.append(line)
             if on_line:
                 on_line(line)
         code = proc.wait()
     if code != 0:
-        raise TrainingFailed(f"training exited with code {code}; last output:\n" + "\n".join(tail))
+        cause = f"rank {errors[0]['rank']}: {errors[0]['error']}\n" if errors else ""
+        raise TrainingFailed(f"training exited with code {code}; {cause}last output:\n" + "\n".join(tail))
     return TrainResult.model_validate(storage.read_json(storage.join(spec.run_url, "train_result.json")))

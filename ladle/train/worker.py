@@ -12,6 +12,7 @@ alone writes progress lines, MLflow metrics, checkpoints and outputs.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -128,19 +129,17 @@ def train_step(accelerator, model, optimizer, scheduler, data, step: int, spec: 
     batch = schedule.global_batch_rows(step, rows, plan.global_batch_size, cfg.training.seed)
     denominator = max(trained_tokens(data, batch), 1)
     micros = schedule.micro_batches(batch, accelerator.process_index, accelerator.num_processes, plan.micro_batch_size)
+    strategy = strategies.get(plan.strategy)
     local_sum = 0.0
     for m, rows_m in enumerate(micros):
         sync = m == len(micros) - 1
-        with strategies.get(plan.strategy).no_sync(accelerator, model) if not sync else nullcontext():
+        with strategy.no_sync(accelerator, model) if not sync else nullcontext():
             loss, _ = token_loss(model, data, rows_m, accelerator.device)
-            # DDP averages gradients over ranks; scale so the result is the global token mean.
-            accelerator.backward(loss * accelerator.num_processes / denominator)
+            # Data-parallel reductions average gradients over ranks; scale so the result is the global token mean.
+            strategy.backward(accelerator, model, loss * accelerator.num_processes / denominator, boundary=sync)
         local_sum += loss.item()
-    if cfg.training.max_grad_norm > 0:
-        accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.training.max_grad_norm)
-    optimizer.step()
+    strategy.optimizer_step(accelerator, model, optimizer, cfg.training.max_grad_norm)
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
     total = accelerator.reduce(torch.tensor([local_sum], dtype=torch.float64, device=accelerator.device), "sum")
     return float(total[0]) / denominator
 
@@ -165,13 +164,11 @@ def save_outputs(accelerator, model, spec: TrainSpec) -> tuple[str | None, str |
     """Rank 0 writes the adapter (LoRA) or the full model, with the tokenizer, then marks it complete."""
     from transformers import AutoTokenizer
 
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     unwrapped = accelerator.unwrap_model(model)
     kind = "adapter" if spec.config.training.lora.enabled else "model"
     url = storage.join(spec.run_url, kind)
     # Collective: every rank takes part in gathering sharded parameters; rank 0 receives the full tensors.
-    full = get_model_state_dict(model, options=checkpoint.state_options(trainable_only=kind == "adapter"))
+    full = strategies.get(spec.plan.strategy).full_state_dict(accelerator, model, trainable_only=kind == "adapter")
     if accelerator.is_main_process:
         import tempfile
 
@@ -219,7 +216,7 @@ def setup(spec: TrainSpec) -> Session:
     model, optimizer = strategy.wrap(accelerator, load_model(spec), lambda m: build_optimizer(m, cfg), plan)
     sharding = strategy.check_applied(accelerator, model, plan)
     scheduler = build_scheduler(optimizer, cfg, steps)
-    state = checkpoint.load_latest(storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, accelerator.process_index)
+    state = checkpoint.load_latest(accelerator, storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan)
     log = mlflow_logger(spec, accelerator)
     if state:
         eval_before = state.eval_before
@@ -258,7 +255,7 @@ def train_loop(s: Session) -> tuple[int, float]:
         if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < s.steps:
             s.log({"eval_loss": evaluate(acc, s.model, s.evals, plan.micro_batch_size)}, step + 1)
         if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
-            checkpoint.save(acc, ckpt_root, step + 1, s.model, s.optimizer, s.scheduler, s.losses, s.eval_before)
+            checkpoint.save(acc, ckpt_root, step + 1, s.model, s.optimizer, s.scheduler, s.losses, s.eval_before, plan)
     return tokens, seconds
 
 
@@ -310,7 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m ladle.train.worker SPEC.json", file=sys.stderr)
         return 2
     spec = TrainSpec.model_validate_json(Path(args[0]).read_text(encoding="utf-8"))
-    run(spec)
+    try:
+        run(spec)
+    except Exception as exc:
+        # One line the launcher can lead its error with, instead of the launcher's own traceback.
+        rank = os.environ.get("RANK", "0")
+        print(PROGRESS_PREFIX + json.dumps({"event": "error", "rank": int(rank), "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        raise
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0

@@ -61,3 +61,39 @@ def test_two_nodes_on_loopback_match_one_node_with_two_processes(tmp_path, tiny_
 def test_multinode_needs_a_fixed_port():
     with pytest.raises(ConfigError, match=r"parallelism.main_port = 0: a 2-node run needs a fixed rendezvous port"):
         make_plan(config(nodes=2), CPU)
+
+
+def test_zeropp_across_two_nodes_shards_a_secondary_copy_within_each(tmp_path, tiny_model):
+    """2 machines x 2 processes: hpZ defaults to the processes per machine and every parameter gets its
+    secondary shard; the losses equal plain ZeRO-3 on the same 4 ranks (hpZ only changes where gathers go)."""
+    multi = config(nodes=2, cpu_processes=2, main_port=free_port(), strategy="zero++")
+    plan = make_plan(multi, CPU)
+    zero = plan.launcher_config["zero_optimization"]
+    assert (zero["stage"], zero["zero_hpz_partition_size"], zero["zero_quantized_weights"]) == (3, 2, False)
+    assert any("hpZ partition 2: a secondary copy" in r for r in plan.reasons)
+    dataset = prepare(multi.data, resolve_base(multi.base), str(tmp_path))
+    spec = TrainSpec(config=multi, plan=plan, dataset=dataset, base_dir=str(tiny_model), run_url=str(tmp_path / "zpp"))
+    ladle = str(Path(sys.executable).with_name("ladle"))
+    node1 = []
+
+    def start_node1(command: str) -> None:
+        if command.startswith("waiting for node 1"):
+            node1.append(subprocess.Popen([ladle, "launch", str(tmp_path / "zpp" / "spec.json"), "--node-rank", "1"],
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+
+    result = launch(spec, on_command=start_node1)
+    assert node1 and node1[0].wait(timeout=120) == 0, node1[0].stdout.read()[-3000:]
+    assert (result.strategy, result.world_size) == ("zero++", 4)
+    assert result.sharding["hpz_partition_size"] == 2
+    assert result.sharding["parameter_share"] == pytest.approx(0.25, abs=0.01)
+
+    plain = config(cpu_processes=4, strategy="zero3")
+    reference = launch(TrainSpec(config=plain, plan=make_plan(plain, CPU), dataset=dataset,
+                                 base_dir=str(tiny_model), run_url=str(tmp_path / "zero3")))  # fmt: skip
+    assert result.train_losses == pytest.approx(reference.train_losses, abs=1e-5)
+
+
+def test_hpz_must_divide_the_world():
+    with pytest.raises(ConfigError, match=r"hpz_partition_size = 3: must divide the world size 4"):
+        make_plan(build_config({"base": "b", "data": {"path": "d"}, "parallelism": {
+            "strategy": "zero_pp", "cpu_processes": 4, "deepspeed": {"hpz_partition_size": 3}}}, []), CPU)

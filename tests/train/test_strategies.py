@@ -34,41 +34,69 @@ def spec_for(strategy: str, root) -> TrainSpec:
     return TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(resolve_base(cfg.base)), run_url=str(root / strategy))
 
 
+SHARDED = ("zero1", "zero2", "zero3", "zero++", "fsdp2")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("strategies")
-    return {name: (launch(spec_for(name, root)), spec_for(name, root)) for name in ("ddp", "fsdp2")}
+    return {name: (launch(spec_for(name, root)), spec_for(name, root)) for name in ("ddp", *SHARDED)}
 
 
-def test_fsdp2_losses_match_ddp(runs):
-    ddp, fsdp2 = runs["ddp"][0], runs["fsdp2"][0]
-    assert (fsdp2.strategy, fsdp2.world_size, fsdp2.backend) == ("fsdp2", 2, "gloo")
-    assert fsdp2.train_losses[0] == pytest.approx(ddp.train_losses[0], abs=1e-6)
-    # float32 on CPU: only the reduction order differs (all-reduce vs reduce-scatter); measured gaps are ~1e-7.
-    assert fsdp2.train_losses == pytest.approx(ddp.train_losses, abs=1e-5)
-    assert fsdp2.eval_loss_after == pytest.approx(ddp.eval_loss_after, abs=1e-5)
+@pytest.mark.parametrize("name", SHARDED)
+def test_losses_match_ddp(runs, name):
+    ddp, other = runs["ddp"][0], runs[name][0]
+    assert (other.strategy, other.world_size, other.backend) == (name, 2, "gloo")
+    assert other.train_losses[0] == pytest.approx(ddp.train_losses[0], abs=1e-6)
+    # float32 on CPU: only the reduction order differs (all-reduce vs reduce-scatter, flat ZeRO buffers);
+    # measured gaps are ~2e-7. zero++ on CPU runs without quantization (CUDA-only kernels), so the same bound holds.
+    assert other.train_losses == pytest.approx(ddp.train_losses, abs=1e-5)
+    assert other.eval_loss_after == pytest.approx(ddp.eval_loss_after, abs=1e-5)
 
 
-def test_fsdp2_really_shards(runs):
-    sharding = runs["fsdp2"][0].sharding
-    assert sharding["wrapper"] == "FSDP2" and sharding["decoder_layers_sharded"] == 4
-    assert sharding["parameter_share"] == pytest.approx(0.5, abs=0.01)  # each of 2 ranks holds half
-    assert runs["ddp"][0].sharding["parameter_share"] == 1.0
+@pytest.mark.parametrize(("name", "param_share", "state_share"),
+                         [("ddp", 1.0, None), ("zero1", 1.0, 0.5), ("zero2", 1.0, 0.5), ("zero3", 0.5, 0.5),
+                          ("zero++", 0.5, 0.5), ("fsdp2", 0.5, None)])  # fmt: skip
+def test_sharding_is_real(runs, name, param_share, state_share):
+    sharding = runs[name][0].sharding
+    assert sharding["parameter_share"] == pytest.approx(param_share, abs=0.01)  # of 2 ranks, each holds half
+    if state_share is not None:
+        assert sharding["optimizer_state_share"] == pytest.approx(state_share, abs=0.01)
+        assert sharding["zero_stage"] == (1 if name == "zero1" else 2 if name == "zero2" else 3)
+        assert sharding["gradients_partitioned"] is (name != "zero1")
+    if name == "fsdp2":
+        assert sharding["wrapper"] == "FSDP2" and sharding["decoder_layers_sharded"] == 4
+    if name == "zero++":  # one machine: hpZ off; CPU: no quantizer kernels (the plan says so)
+        assert (sharding["hpz_partition_size"], sharding["quantized_weights"], sharding["quantized_gradients"]) == (1, False, False)
+        reasons = " ".join(runs[name][1].plan.reasons)
+        assert "hpZ off: one machine" in reasons and "quantizer kernels are CUDA-only" in reasons
 
 
-def test_fsdp2_adapter_equals_ddp_adapter_and_merges(runs, tiny_model, tmp_path):
-    adapters = {name: load_file(f"{result.adapter_url}/adapter_model.safetensors") for name, (result, _) in runs.items()}
-    assert adapters["fsdp2"].keys() == adapters["ddp"].keys() and len(adapters["fsdp2"]) > 0
-    assert not any("_orig_mod" in k for k in adapters["fsdp2"])
+@pytest.mark.parametrize("name", SHARDED)
+def test_adapter_equals_ddp_adapter_and_merges(runs, name, tiny_model, tmp_path):
+    adapters = {n: load_file(f"{runs[n][0].adapter_url}/adapter_model.safetensors") for n in ("ddp", name)}
+    assert adapters[name].keys() == adapters["ddp"].keys() and len(adapters[name]) > 0
+    assert not any("_orig_mod" in k for k in adapters[name])
     for key, value in adapters["ddp"].items():
-        torch.testing.assert_close(adapters["fsdp2"][key], value, rtol=0, atol=1e-5)
-    assert merge_adapter(tiny_model, runs["fsdp2"][0].adapter_url, tmp_path / "merged") > 0
+        torch.testing.assert_close(adapters[name][key], value, rtol=0, atol=1e-5)
+    assert merge_adapter(tiny_model, runs[name][0].adapter_url, tmp_path / "merged") > 0
 
 
-def test_fsdp2_resume_is_exact(runs):
-    full, spec = runs["fsdp2"]
+@pytest.mark.parametrize("name", ["fsdp2", "zero3"])
+def test_resume_is_exact(runs, name):
+    full, spec = runs[name]
     root = storage.join(spec.run_url, "checkpoints")
     storage.remove(storage.join(step_dir(root, STEPS), "_COMPLETE"))  # the last checkpoint never completed
     resumed = launch(spec)
     assert resumed.resumed_from_step == 3
     assert resumed.train_losses == pytest.approx(full.train_losses, abs=1e-6)
+
+
+def test_native_checkpoint_refuses_another_strategy(runs, tmp_path):
+    from ladle.train.run import TrainingFailed
+
+    _, spec = runs["zero2"]
+    other = spec.model_copy(update={"plan": spec.plan.model_copy(update={"strategy": "zero1", "launcher_config": {
+        **spec.plan.launcher_config, "zero_optimization": {**spec.plan.launcher_config["zero_optimization"], "stage": 1}}})})
+    with pytest.raises(TrainingFailed, match=r"written by zero2 on 2 rank\(s\) \(native format\); this run is zero1"):
+        launch(other)

@@ -92,5 +92,73 @@ def test_fsdp2_cpu_offload_needs_cuda():
 
 
 def test_unknown_strategy_lists_the_choices():
-    with pytest.raises(ConfigError, match=r"parallelism.strategy = \"zero9\": Input should be 'auto', 'ddp' or 'fsdp2'"):
+    with pytest.raises(ConfigError, match=r"parallelism.strategy = \"zero9\": Input should be 'auto', 'ddp', 'zero1', 'zero2', 'zero3', 'zero\+\+' or 'fsdp2'"):
         plan_for(CPU, "parallelism.strategy=zero9")
+
+
+def ds_config(topo, *overrides, gpus=None):
+    return plan_for(topo, *overrides, gpus=gpus).launcher_config
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_renders_a_deepspeed_config_that_deepspeed_accepts(stage):
+    from ladle.strategies.deepspeed import validate_with_deepspeed
+
+    plan = plan_for(A100, f"parallelism.strategy=zero{stage}", "training.global_batch_size=64", "training.max_grad_norm=0.5")
+    config = plan.launcher_config
+    assert config["zero_optimization"]["stage"] == stage
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (64, 4, 2)
+    assert config["gradient_clipping"] == 0.5 and config["bf16"] == {"enabled": True}
+    integers = ("reduce_bucket_size", "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                "stage3_prefetch_bucket_size")  # fmt: skip
+    for key in integers:
+        if key in config["zero_optimization"]:
+            assert type(config["zero_optimization"][key]) is int, key
+    assert ("sub_group_size" in config["zero_optimization"]) is (stage == 3)
+    validate_with_deepspeed(config, plan.world_size)  # DeepSpeed's own config model
+
+
+def test_deepspeed_config_model_rejects_what_deepspeed_rejects():
+    from ladle.strategies.deepspeed import validate_with_deepspeed
+
+    config = ds_config(A100, "parallelism.strategy=zero3")
+    with pytest.raises(Exception, match="stage"):
+        validate_with_deepspeed({**config, "zero_optimization": {**config["zero_optimization"], "stage": 7}}, 8)
+
+
+def test_zero_offload_renders_and_needs_cuda():
+    zero = ds_config(A100, "parallelism.strategy=zero3", "parallelism.deepspeed.offload_optimizer=cpu",
+                     "parallelism.deepspeed.offload_param=nvme", "parallelism.deepspeed.nvme_path=/nvme")["zero_optimization"]  # fmt: skip
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme"}
+    with pytest.raises(ConfigError) as err:
+        plan_for(CPU, "parallelism.strategy=zero2", "parallelism.deepspeed.offload_optimizer=cpu",
+                 "parallelism.deepspeed.offload_param=nvme")  # fmt: skip
+    text = str(err.value)
+    assert "parallelism.deepspeed.offload_optimizer = cpu: offloading moves state off CUDA devices" in text
+    assert "offload_param = nvme: needs a folder" in text
+    assert "parameter offload needs parameter sharding (ZeRO-3), not zero2" in text
+
+
+def test_zeropp_on_gpus_quantizes_and_resolves_the_bf16_conflict():
+    bf16 = plan_for(A100, "parallelism.strategy=zero_pp")
+    zero = bf16.launcher_config["zero_optimization"]
+    assert bf16.strategy == "zero++" and zero["stage"] == 3
+    assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"], zero["zero_hpz_partition_size"]) == (False, True, 1)
+    assert any("quantized weights off (auto): bfloat16 run" in r for r in bf16.reasons)
+    fp16 = plan_for(A100, "parallelism.strategy=zero++", "training.dtype=float16").launcher_config["zero_optimization"]
+    assert fp16["zero_quantized_weights"] is True
+    with pytest.raises(ConfigError, match=r"quantized_weights = true with training.dtype = bfloat16: qwZ dequantizes"):
+        plan_for(A100, "parallelism.strategy=zero++", "training.dtype=bfloat16", "parallelism.deepspeed.quantized_weights=true")
+    with pytest.raises(ConfigError, match=r"quantized_gradients = true: ZeRO\+\+ quantization runs DeepSpeed's CUDA"):
+        plan_for(CPU, "parallelism.strategy=zero++", "parallelism.deepspeed.quantized_gradients=true")
+
+
+def test_zeropp_hpz_defaults_to_processes_per_machine_across_nodes():
+    plan = plan_for(A100, "parallelism.strategy=zero++", "parallelism.nodes=4", "parallelism.main_port=29500")
+    assert plan.world_size == 32 and plan.launcher_config["zero_optimization"]["zero_hpz_partition_size"] == 8
+
+
+def test_plan_markdown_shows_the_deepspeed_json():
+    text = plan_for(CPU, "parallelism.strategy=zero2").to_markdown()
+    assert "## zero2 launcher config" in text and '"stage": 2' in text

@@ -1,0 +1,298 @@
+"""DeepSpeed ZeRO stages 1, 2, 3 and ZeRO++, applied by ladle in the worker.
+
+The DeepSpeed JSON is rendered from ladle's config by ``configure`` (no
+DeepSpeed import, so ``ladle plan`` stays fast), validated by DeepSpeed's own
+config model before launch (``validate_with_deepspeed``), and handed to
+``deepspeed.initialize`` in each process with a plain torch AdamW as the client
+optimizer. ladle calls ``deepspeed.initialize`` itself rather than handing
+accelerate a DeepSpeed plugin, so what runs is verified by ``check_applied``
+(engine type, ZeRO stage, the per-rank shares of parameters and optimizer
+state) instead of trusted.
+
+On CPU hosts DeepSpeed runs over gloo. Two of its CPU extras are C++ kernels
+compiled at first use (shared-memory all-reduce, DeepSpeedCPUAdam); ladle turns
+the all-reduce kernel off and uses torch's AdamW, so no process compiles code
+mid-run (a compile killed halfway leaves a lock that hangs every later run).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+from ladle.strategies.base import Strategy
+
+NO_PRINT = 10**9
+
+
+class ZeRO(Strategy):
+    """DeepSpeed ZeRO at a fixed stage."""
+
+    def __init__(self, stage: int):
+        self.stage = stage
+        self.name = f"zero{stage}"
+        self.summary = {
+            1: "DeepSpeed ZeRO-1: optimizer state sharded across ranks",
+            2: "DeepSpeed ZeRO-2: optimizer state and gradients sharded",
+            3: "DeepSpeed ZeRO-3: parameters, gradients and optimizer state sharded",
+        }[stage]
+
+    # -- planner side (no DeepSpeed import) ---------------------------------
+
+    def validate(self, cfg, topo, world_size: int) -> list[str]:
+        ds = cfg.parallelism.deepspeed
+        problems = []
+        for field in ("offload_optimizer", "offload_param"):
+            value = getattr(ds, field)
+            if value != "none" and topo.gpu_count == 0:
+                problems.append(
+                    f"parallelism.deepspeed.{field} = {value}: offloading moves state off CUDA devices and this "
+                    f"host has none. Set parallelism.deepspeed.{field}=none."
+                )
+            if value == "nvme" and not ds.nvme_path:
+                problems.append(
+                    f"parallelism.deepspeed.{field} = nvme: needs a folder on fast local storage. "
+                    "Set parallelism.deepspeed.nvme_path=/local/nvme."
+                )
+        if ds.offload_param != "none" and self.stage < 3:
+            problems.append(
+                f"parallelism.deepspeed.offload_param = {ds.offload_param}: parameter offload needs parameter "
+                f"sharding (ZeRO-3), not {self.name}. Use --set parallelism.strategy=zero3 or offload_param=none."
+            )
+        return problems
+
+    def configure(self, cfg, plan) -> tuple[dict, list[str]]:
+        opts = plan.strategy_options
+        zero: dict[str, Any] = {
+            "stage": self.stage,
+            "overlap_comm": opts["overlap_comm"] and plan.device == "cuda",
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+            "reduce_bucket_size": int(opts["reduce_bucket_size"]),
+            "allgather_bucket_size": int(opts["reduce_bucket_size"]),
+        }
+        if opts["offload_optimizer"] != "none":
+            zero["offload_optimizer"] = offload(opts["offload_optimizer"], opts)
+        if self.stage == 3:
+            zero.pop("allgather_bucket_size")
+            zero.update({
+                "stage3_prefetch_bucket_size": int(opts["stage3_prefetch_bucket_size"]),
+                "stage3_max_live_parameters": int(opts["stage3_max_live_parameters"]),
+                "stage3_max_reuse_distance": int(opts["stage3_max_reuse_distance"]),
+                "sub_group_size": int(opts["sub_group_size"]),
+                "stage3_gather_16bit_weights_on_model_save": True,
+            })  # fmt: skip
+            if opts["offload_param"] != "none":
+                zero["offload_param"] = offload(opts["offload_param"], opts)
+        reasons = []
+        if plan.device == "cpu" and opts["overlap_comm"]:
+            reasons.append("deepspeed overlap_comm off: it overlaps on CUDA streams, which a CPU run lacks")
+        config = {
+            "train_batch_size": plan.global_batch_size,
+            "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+            "gradient_accumulation_steps": plan.gradient_accumulation,
+            "gradient_clipping": float(cfg.training.max_grad_norm),
+            "zero_optimization": zero,
+            "bf16": {"enabled": plan.dtype == "bfloat16"},
+            "fp16": {"enabled": plan.dtype == "float16", "loss_scale": 0, "initial_scale_power": 16},
+            "steps_per_print": NO_PRINT,
+            "wall_clock_breakdown": False,
+        }
+        return config, reasons
+
+    def before_launch(self, plan) -> None:
+        validate_with_deepspeed(plan.launcher_config, plan.world_size)
+
+    def launcher_args(self, plan) -> list[str]:
+        if plan.world_size == 1:
+            return ["--cpu"] if plan.device == "cpu" else []
+        return ["--multi_gpu"]
+
+    def accelerator_kwargs(self, plan) -> dict[str, Any]:
+        return {}
+
+    # -- worker side ---------------------------------------------------------
+
+    def wrap(self, accelerator, model, make_optimizer, plan):
+        import deepspeed
+
+        if plan.device == "cpu":
+            import deepspeed.ops
+
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see the module docstring
+        model.to(accelerator.device)
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=make_optimizer(model), config=dict(plan.launcher_config), dist_init_required=False
+        )
+        return engine, optimizer
+
+    def check_applied(self, accelerator, model, plan) -> dict:
+        from deepspeed import DeepSpeedEngine
+
+        if not isinstance(model, DeepSpeedEngine):
+            raise RuntimeError(f"{self.name} planned but the model is {type(model).__name__}, not a DeepSpeedEngine")
+        if model.zero_optimization_stage() != self.stage:
+            raise RuntimeError(f"{self.name} planned but DeepSpeed runs ZeRO stage {model.zero_optimization_stage()}")
+        trainable = [p for p in model.module.parameters() if p.requires_grad]
+        total = sum(numel(p) for p in trainable)
+        opt = model.optimizer
+        if self.stage == 3:
+            local_state = sum(t.numel() for t in opt.fp32_partitioned_groups_flat)
+            local_params = sum(p.ds_tensor.numel() for p in model.module.parameters())
+            param_share = local_params / sum(p.ds_numel for p in model.module.parameters())
+        else:
+            local_state = sum(t.numel() for t in opt.single_partition_of_fp32_groups)
+            param_share = 1.0
+        state_share = local_state / max(total, 1)
+        world = accelerator.num_processes
+        if world > 1 and state_share > 1 / world + 0.05:
+            raise RuntimeError(f"{self.name} planned but this rank holds {state_share:.0%} of the optimizer state")
+        return {
+            "wrapper": "DeepSpeedEngine", "zero_stage": self.stage, "parameter_share": param_share,
+            "optimizer_state_share": state_share, "gradients_partitioned": self.stage >= 2,
+            "trainable_numel": total,
+        }  # fmt: skip
+
+    def no_sync(self, accelerator, model):
+        return nullcontext()  # the engine knows the accumulation boundary from its config
+
+    def backward(self, accelerator, model, loss, boundary: bool) -> None:
+        # ladle scales the loss itself (global token mean), so DeepSpeed must not divide by the accumulation.
+        model.backward(loss, scale_wrt_gas=False)
+        if not boundary:
+            model.step()  # counts the micro-step; the engine steps the optimizer only at the boundary
+
+    def optimizer_step(self, accelerator, model, optimizer, max_grad_norm: float) -> None:
+        model.step()  # clipping (gradient_clipping), step and zero_grad happen inside the engine
+
+    def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
+        """Full tensors on rank 0 (None elsewhere); stage 3 gathers parameter by parameter."""
+        import deepspeed
+
+        module = model.module
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad or not trainable_only]
+        out: dict = {}
+        for name, param in named:
+            if self.stage == 3:
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    if accelerator.is_main_process:
+                        out[name] = param.detach().to("cpu", copy=True)
+            elif accelerator.is_main_process:
+                out[name] = param.detach().to("cpu", copy=True)
+        if not trainable_only and accelerator.is_main_process:
+            persistent = module.state_dict(keep_vars=False).keys()
+            out.update({n: b.detach().cpu() for n, b in module.named_buffers() if n in persistent})
+        return out if accelerator.is_main_process else None
+
+    native_checkpoint = True
+
+    def save_native(self, model, folder: str, tag: str) -> None:
+        model.save_checkpoint(folder, tag=tag, save_latest=False)
+
+    def load_native(self, model, folder: str, tag: str) -> None:
+        path, _ = model.load_checkpoint(folder, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint {tag} in {folder}")
+
+
+class ZeROPlusPlus(ZeRO):
+    """ZeRO-3 with quantized weight all-gather (qwZ), quantized gradients (qgZ) and hpZ."""
+
+    def __init__(self):
+        super().__init__(3)
+        self.name = "zero++"
+        self.summary = "DeepSpeed ZeRO++: ZeRO-3 with int8 weight all-gather, int4 gradients, hpZ secondary shards"
+
+    def validate(self, cfg, topo, world_size: int) -> list[str]:
+        problems = super().validate(cfg, topo, world_size)
+        ds = cfg.parallelism.deepspeed
+        for field in ("quantized_weights", "quantized_gradients"):
+            if getattr(ds, field) and topo.gpu_count == 0:
+                problems.append(
+                    f"parallelism.deepspeed.{field} = true: ZeRO++ quantization runs DeepSpeed's CUDA quantizer "
+                    f"kernels and this host has no GPU. Set parallelism.deepspeed.{field}=null (auto) or false."
+                )
+        if ds.quantized_weights and cfg.training.dtype == "bfloat16":
+            problems.append(
+                "parallelism.deepspeed.quantized_weights = true with training.dtype = bfloat16: qwZ dequantizes "
+                "weights to float16, which bf16 layers reject. Set quantized_weights=null (auto: off with bf16) "
+                "or training.dtype=float16."
+            )
+        hpz = ds.hpz_partition_size
+        if hpz > 1 and world_size % hpz:
+            problems.append(
+                f"parallelism.deepspeed.hpz_partition_size = {hpz}: must divide the world size {world_size}. "
+                "Use the processes per machine, or 0 (auto)."
+            )
+        return problems
+
+    def configure(self, cfg, plan) -> tuple[dict, list[str]]:
+        config, reasons = super().configure(cfg, plan)
+        opts, zero = plan.strategy_options, config["zero_optimization"]
+        hpz = opts["hpz_partition_size"] or (plan.processes_per_machine if plan.num_machines > 1 else 1)
+        if opts["hpz_partition_size"]:
+            reasons.append(f"zero++ hpZ partition {hpz} (explicit)")
+        elif hpz > 1:
+            reasons.append(
+                f"zero++ hpZ partition {hpz}: a secondary copy of the weights is sharded within each machine, so "
+                "forward and backward all-gathers stay on the intra-node links"
+            )
+        else:
+            reasons.append("zero++ hpZ off: one machine, so the secondary partition would equal the primary one")
+        weights, grads = opts["quantized_weights"], opts["quantized_gradients"]
+        if weights is None:
+            weights = plan.device == "cuda" and plan.dtype != "bfloat16"
+            why = ("CPU run: DeepSpeed's quantizer kernels are CUDA-only" if plan.device == "cpu" else
+                   "bfloat16 run: qwZ dequantizes to float16, which bf16 layers reject" if plan.dtype == "bfloat16"
+                   else "int8 all-gather halves weight traffic")  # fmt: skip
+            reasons.append(f"zero++ quantized weights {'on' if weights else 'off'} (auto): {why}")
+        if grads is None:
+            grads = plan.device == "cuda"
+            why = "int4 reduce-scatter quarters gradient traffic" if grads else "CPU run: CUDA-only kernels"
+            reasons.append(f"zero++ quantized gradients {'on' if grads else 'off'} (auto): {why}")
+        zero.update({"zero_quantized_weights": bool(weights), "zero_quantized_gradients": bool(grads),
+                     "zero_hpz_partition_size": int(hpz)})  # fmt: skip
+        return config, reasons
+
+    def check_applied(self, accelerator, model, plan) -> dict:
+        verified = super().check_applied(accelerator, model, plan)
+        planned = plan.launcher_config["zero_optimization"]
+        running = {"zero_hpz_partition_size": model.zero_hpz_partition_size(),
+                   "zero_quantized_weights": model.zero_quantized_weights(),
+                   "zero_quantized_gradients": model.zero_quantized_gradients()}  # fmt: skip
+        for key, value in running.items():
+            if value != planned[key]:
+                raise RuntimeError(f"zero++ planned {key}={planned[key]} but DeepSpeed runs {value}")
+        hpz = int(running["zero_hpz_partition_size"])
+        if hpz > 1:
+            secondary = [p for p in model.module.parameters() if getattr(p, "ds_secondary_tensor", None) is None]
+            if secondary:
+                raise RuntimeError(f"zero++ planned hpZ {hpz} but {len(secondary)} parameter(s) have no secondary shard")
+        return {**verified, "hpz_partition_size": hpz, "quantized_weights": running["zero_quantized_weights"],
+                "quantized_gradients": running["zero_quantized_gradients"]}  # fmt: skip
+
+
+def offload(device: str, opts: dict) -> dict:
+    target = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        target["nvme_path"] = opts["nvme_path"]
+    return target
+
+
+def numel(param) -> int:
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def validate_with_deepspeed(config: dict, world_size: int) -> None:
+    """Check a rendered config with DeepSpeed's own config model, as one rank of ``world_size`` would see it.
+
+    DeepSpeed checks the batch arithmetic against the process group's size, which does not exist
+    before launch, so the batch fields are scaled to one rank; the planner checked them for the world.
+
+    Raises:
+        ValueError: DeepSpeed rejected the config (its message is kept).
+    """
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    one_rank = {**config, "train_batch_size": config["train_batch_size"] // world_size}
+    DeepSpeedConfig(one_rank)
