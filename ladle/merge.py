@@ -36,6 +36,24 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path) -> int:
     return sum(p.numel() for p in merged.parameters())
 
 
+def count_saved(folder: Path) -> int:
+    """Parameters stored in a folder's safetensors files (read from their headers)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            total += sum(_prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
+
+
+def _prod(shape) -> int:
+    out = 1
+    for dim in shape:
+        out *= dim
+    return out
+
+
 def weights_hash(folder: Path) -> str:
     digest = hashlib.sha256()
     for file in sorted(folder.glob("*.safetensors")):
@@ -53,7 +71,7 @@ def merge(base_dir: Path, result: TrainResult, run_url: str) -> MergedModel:
             params = merge_adapter(base_dir, adapter, out)
         else:
             storage.download_dir(result.model_url, out)
-            params = 0
+            params = count_saved(out)
         storage.remove(url)
         storage.upload_dir(out, url)
         return MergedModel(url=url, sha256=weights_hash(out), parameters=params)

@@ -21,17 +21,17 @@ pytestmark = pytest.mark.pipeline
 STEPS = 6
 
 
-def spec_for(strategy: str, root) -> TrainSpec:
+def spec_for(strategy: str, root, *overrides: str) -> TrainSpec:
     cfg = build_config(
         {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
          "parallelism": {"strategy": strategy},
          "training": {"max_steps": STEPS, "lr": 3e-3, "micro_batch_size": 2, "global_batch_size": 8, "checkpoint_every": 3,
                       "lora": {"target_modules": "all-linear", "modules_to_save": ["lm_head"]}}},
-        [],
+        list(overrides),
     )  # fmt: skip  (global batch 8 = 2 micro x 2 ranks x 2 accumulation: exercises no_sync)
     plan = make_plan(cfg, probe(env={}, query_output=""))
     dataset = prepare(cfg.data, resolve_base(cfg.base), str(root))
-    return TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(resolve_base(cfg.base)), run_url=str(root / strategy))
+    return TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(resolve_base(cfg.base)), run_url=str(root / (strategy + "".join(overrides))))
 
 
 SHARDED = ("zero1", "zero2", "zero3", "zero++", "fsdp2")
@@ -100,3 +100,26 @@ def test_native_checkpoint_refuses_another_strategy(runs, tmp_path):
         **spec.plan.launcher_config, "zero_optimization": {**spec.plan.launcher_config["zero_optimization"], "stage": 1}}})})
     with pytest.raises(TrainingFailed, match=r"written by zero2 on 2 rank\(s\) \(native format\); this run is zero1"):
         launch(other)
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory, tiny_model):
+    """Full fine-tunes (no LoRA), 2 steps: what each sharded strategy consolidates into one model."""
+    root = tmp_path_factory.mktemp("full")
+    full = ("training.lora.enabled=false", "training.max_steps=2", "training.checkpoint_every=0")
+    return {name: launch(spec_for(name, root, *full)) for name in ("ddp", "zero3", "fsdp2")}
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp2"])
+def test_full_finetune_consolidates_to_the_same_safetensors(full_runs, name, tmp_path):
+    from ladle.merge import merge
+
+    ddp, other = full_runs["ddp"], full_runs[name]
+    assert other.adapter_url is None and other.model_url
+    weights = {n: load_file(f"{r.model_url}/model.safetensors") for n, r in (("ddp", ddp), (name, other))}
+    assert weights[name].keys() == weights["ddp"].keys() and len(weights[name]) >= 30
+    for key, value in weights["ddp"].items():
+        assert weights[name][key].shape == value.shape, key  # whole tensors, not one rank's shard
+        torch.testing.assert_close(weights[name][key], value, rtol=0, atol=1e-5)
+    merged = merge(None, other, str(tmp_path))
+    assert merged.parameters == sum(v.numel() for v in weights["ddp"].values())
