@@ -177,16 +177,28 @@ class DeepSpeedOptions(Section):
     )
 
 
+class PipelineOptions(Section):
+    stages: int = Field(2, ge=1, le=16, description="Pipeline stages (pipeline_stages), one per process; >= 2.")
+    schedule: Literal["1f1b", "gpipe"] = Field(
+        "1f1b", description="1f1b: one-forward-one-backward, activations of at most `stages` microbatches alive; "
+        "gpipe: all forwards, then all backwards."
+    )
+    allow_cpu: bool = Field(
+        False, description="Run the stages as CPU gloo processes (for testing on a machine without GPUs)."
+    )
+
+
 class ParallelismConfig(Section):
     gpus: Literal["auto"] | GpuCount = Field(
         "auto",
         description=f"GPUs to train on: `auto` (all visible; a CPU run when there are none) or 1..{MAX_GPU_COUNT}.",
     )
-    strategy: Literal["auto", "ddp", "zero1", "zero2", "zero3", "zero++", "fsdp2"] = Field(
+    strategy: Literal["auto", "ddp", "zero1", "zero2", "zero3", "zero++", "fsdp2", "pipeline"] = Field(
         "auto",
         description="Distribution strategy. auto: the planner chooses and says why. ddp: full replica per rank; "
         "zero1/zero2/zero3: DeepSpeed ZeRO sharding optimizer state / + gradients / + parameters; zero++ "
-        "(alias zero_pp): ZeRO-3 with quantized communication and hpZ; fsdp2: torch fully_shard per decoder layer.",
+        "(alias zero_pp): ZeRO-3 with quantized communication and hpZ; fsdp2: torch fully_shard per decoder layer; "
+        "pipeline: decoder layers split into stages (torch.distributed.pipelining).",
     )
     cpu_processes: int = Field(
         2, ge=1, le=64, description="Processes per machine for a CPU (gloo) run, used when no GPU is present."
@@ -203,6 +215,7 @@ class ParallelismConfig(Section):
     )
     ddp: DDPOptions = Field(default_factory=DDPOptions, description="DDP options.")
     fsdp2: FSDP2Options = Field(default_factory=FSDP2Options, description="FSDP2 options.")
+    pipeline: PipelineOptions = Field(default_factory=PipelineOptions, description="Pipeline-parallel options.")
     deepspeed: DeepSpeedOptions = Field(
         default_factory=DeepSpeedOptions, description="DeepSpeed ZeRO options (zero1, zero2, zero3, zero++)."
     )

@@ -121,8 +121,18 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG") -> P
     nodes = choose_nodes(cfg, topo, problems, reasons)
     world = per_machine * nodes
     strategy = choose_strategy(cfg, reasons, overrides)
+    if strategy == "pipeline" and device == "cuda" and cfg.parallelism.gpus == "auto" and per_machine > cfg.parallelism.pipeline.stages:
+        per_machine = world = cfg.parallelism.pipeline.stages
+        reasons.append(f"{per_machine} process(es): --gpus auto adapts to one pipeline of {per_machine} stages")
     problems += strategies.get(strategy).validate(cfg, topo, world)
-    micro, accum, global_batch = choose_batch(cfg, world, problems, reasons)
+    replicas = 1 if strategy == "pipeline" else world  # a pipeline's ranks share one batch
+    micro, accum, global_batch = choose_batch(cfg, replicas, problems, reasons)
+    if strategy == "pipeline" and cfg.parallelism.pipeline.schedule == "1f1b" and accum < cfg.parallelism.pipeline.stages:
+        problems.append(
+            f"training.global_batch_size = {global_batch}: 1f1b needs at least one microbatch per stage "
+            f"({accum} < {cfg.parallelism.pipeline.stages}). Use global_batch_size="
+            f"{micro * cfg.parallelism.pipeline.stages} or more, or parallelism.pipeline.schedule=gpipe."
+        )
     dtype = choose_dtype(cfg, topo, device, problems, reasons)
     problems += check_device_features(cfg, device)
     if problems:
@@ -203,13 +213,14 @@ def choose_strategy(cfg, reasons, overrides) -> str:
 
 
 def choose_batch(cfg, world, problems, reasons) -> tuple[int, int, int]:
+    """Micro-batch, accumulation (pipeline: microbatches per step) and global batch for ``world`` data-parallel replicas."""
     micro = cfg.training.micro_batch_size
     per_step = micro * world
     wanted = cfg.training.global_batch_size or per_step
     if wanted % per_step:
         lower, upper = max(per_step, wanted // per_step * per_step), (wanted // per_step + 1) * per_step
         problems.append(
-            f"training.global_batch_size = {wanted}: not a multiple of micro_batch_size x world size "
+            f"training.global_batch_size = {wanted}: not a multiple of micro_batch_size x data-parallel ranks "
             f"({micro} x {world} = {per_step}). Use {lower} or {upper}."
         )
         return micro, 1, wanted

@@ -6,8 +6,11 @@ from ladle.strategies.base import Strategy
 from ladle.strategies.ddp import DDP
 from ladle.strategies.deepspeed import ZeRO, ZeROPlusPlus
 from ladle.strategies.fsdp2 import FSDP2
+from ladle.strategies.pipeline import Pipeline
 
-REGISTRY: dict[str, Strategy] = {s.name: s for s in (DDP(), ZeRO(1), ZeRO(2), ZeRO(3), ZeROPlusPlus(), FSDP2())}
+REGISTRY: dict[str, Strategy] = {
+    s.name: s for s in (DDP(), ZeRO(1), ZeRO(2), ZeRO(3), ZeROPlusPlus(), FSDP2(), Pipeline())
+}
 
 
 def options_section(name: str) -> str:

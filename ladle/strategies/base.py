@@ -81,8 +81,46 @@ class Strategy(ABC):
     """True: checkpoints are the engine's own per-rank files (``save_native``/``load_native``), resumable only
     by the same strategy and world size. False: ladle's strategy-neutral full state (ladle.train.checkpoint)."""
 
-    def save_native(self, model, folder: str, tag: str) -> None:
+    def save_native(self, model, optimizer, folder: str, tag: str) -> None:
         raise NotImplementedError(f"{self.name} writes strategy-neutral checkpoints")
 
-    def load_native(self, model, folder: str, tag: str) -> None:
+    def load_native(self, model, optimizer, folder: str, tag: str) -> None:
         raise NotImplementedError(f"{self.name} reads strategy-neutral checkpoints")
+
+    def forward_backward(self, accelerator, model, data, batch: list[int], plan: Plan, denominator: int, loss_fn) -> float:
+        """Forward and backward of this rank's share of the global ``batch`` (row indices).
+
+        ``loss_fn(model, data, rows, device)`` returns the summed token loss of ``rows`` and their
+        token count. Returns this rank's summed (unscaled) loss, for logging.
+        """
+        from contextlib import nullcontext
+
+        from ladle.train import schedule
+
+        micros = schedule.micro_batches(batch, accelerator.process_index, accelerator.num_processes, plan.micro_batch_size)
+        local_sum = 0.0
+        for m, rows in enumerate(micros):
+            sync = m == len(micros) - 1
+            with self.no_sync(accelerator, model) if not sync else nullcontext():
+                loss, _ = loss_fn(model, data, rows, accelerator.device)
+                # Data-parallel reductions average gradients over ranks; scale so the result is the global token mean.
+                self.backward(accelerator, model, loss * accelerator.num_processes / denominator, boundary=sync)
+            local_sum += loss.item()
+        return local_sum
+
+    def evaluate(self, accelerator, model, data, micro: int, loss_fn) -> float:
+        """Token-weighted loss over all rows of ``data``, the same on every rank."""
+        import torch
+
+        mine = list(range(accelerator.process_index, len(data["input_ids"]), accelerator.num_processes))
+        total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+        with torch.no_grad():
+            for start in range(0, len(mine), micro):
+                loss, count = loss_fn(model, data, mine[start : start + micro], accelerator.device)
+                total += torch.tensor([loss.item(), count], dtype=torch.float64, device=accelerator.device)
+        total = accelerator.reduce(total, reduction="sum")
+        return float(total[0] / max(total[1], 1))
+
+    def hf_model(self, accelerator, model):
+        """The Hugging Face (or peft) model object whose ``save_pretrained`` writes the output."""
+        return accelerator.unwrap_model(model)

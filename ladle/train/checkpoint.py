@@ -94,7 +94,7 @@ def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses,
     accelerator.wait_for_everyone()
     if strategy.native_checkpoint:
         with tempfile.TemporaryDirectory(prefix="ladle-ckpt-") as tmp:
-            strategy.save_native(model, tmp, NATIVE_TAG)
+            strategy.save_native(model, optimizer, tmp, NATIVE_TAG)
             storage.upload_dir(tmp, target, complete=False)
         accelerator.wait_for_everyone()
     else:
@@ -139,7 +139,7 @@ def load_latest(accelerator, root: str, model, optimizer, scheduler, plan) -> Re
     if fmt == "native":
         with tempfile.TemporaryDirectory(prefix="ladle-ckpt-") as tmp:
             storage.download_dir(target, tmp)
-            strategy.load_native(model, tmp, NATIVE_TAG)
+            strategy.load_native(model, optimizer, tmp, NATIVE_TAG)
     else:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 

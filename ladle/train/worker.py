@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass
 import time
 from pathlib import Path
@@ -95,18 +94,12 @@ def trained_tokens(data: dict[str, torch.Tensor], rows: list[int]) -> int:
     return int((data["labels"][torch.tensor(rows)][:, 1:] != IGNORE).sum())
 
 
-@torch.no_grad()
-def evaluate(accelerator: Accelerator, model, data: dict[str, torch.Tensor], micro: int) -> float:
-    """Token-weighted eval loss over all eval rows, shared across ranks."""
+def evaluate(accelerator: Accelerator, model, data: dict[str, torch.Tensor], spec: TrainSpec) -> float:
+    """Token-weighted eval loss over all eval rows, the same on every rank."""
     model.eval()
-    mine = list(range(accelerator.process_index, len(data["input_ids"]), accelerator.num_processes))
-    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    for start in range(0, len(mine), micro):
-        loss, count = token_loss(model, data, mine[start : start + micro], accelerator.device)
-        total += torch.tensor([loss.item(), count], dtype=torch.float64, device=accelerator.device)
-    total = accelerator.reduce(total, reduction="sum")
+    loss = strategies.get(spec.plan.strategy).evaluate(accelerator, model, data, spec.plan.micro_batch_size, token_loss)
     model.train()
-    return float(total[0] / max(total[1], 1))
+    return loss
 
 
 def build_optimizer(model, cfg) -> torch.optim.Optimizer:
@@ -128,16 +121,8 @@ def train_step(accelerator, model, optimizer, scheduler, data, step: int, spec: 
     rows = len(data["input_ids"])
     batch = schedule.global_batch_rows(step, rows, plan.global_batch_size, cfg.training.seed)
     denominator = max(trained_tokens(data, batch), 1)
-    micros = schedule.micro_batches(batch, accelerator.process_index, accelerator.num_processes, plan.micro_batch_size)
     strategy = strategies.get(plan.strategy)
-    local_sum = 0.0
-    for m, rows_m in enumerate(micros):
-        sync = m == len(micros) - 1
-        with strategy.no_sync(accelerator, model) if not sync else nullcontext():
-            loss, _ = token_loss(model, data, rows_m, accelerator.device)
-            # Data-parallel reductions average gradients over ranks; scale so the result is the global token mean.
-            strategy.backward(accelerator, model, loss * accelerator.num_processes / denominator, boundary=sync)
-        local_sum += loss.item()
+    local_sum = strategy.forward_backward(accelerator, model, data, batch, plan, denominator, token_loss)
     strategy.optimizer_step(accelerator, model, optimizer, cfg.training.max_grad_norm)
     scheduler.step()
     total = accelerator.reduce(torch.tensor([local_sum], dtype=torch.float64, device=accelerator.device), "sum")
@@ -164,11 +149,12 @@ def save_outputs(accelerator, model, spec: TrainSpec) -> tuple[str | None, str |
     """Rank 0 writes the adapter (LoRA) or the full model, with the tokenizer, then marks it complete."""
     from transformers import AutoTokenizer
 
-    unwrapped = accelerator.unwrap_model(model)
+    strategy = strategies.get(spec.plan.strategy)
+    unwrapped = strategy.hf_model(accelerator, model)
     kind = "adapter" if spec.config.training.lora.enabled else "model"
     url = storage.join(spec.run_url, kind)
     # Collective: every rank takes part in gathering sharded parameters; rank 0 receives the full tensors.
-    full = strategies.get(spec.plan.strategy).full_state_dict(accelerator, model, trainable_only=kind == "adapter")
+    full = strategy.full_state_dict(accelerator, model, trainable_only=kind == "adapter")
     if accelerator.is_main_process:
         import tempfile
 
@@ -221,7 +207,7 @@ def setup(spec: TrainSpec) -> Session:
     if state:
         eval_before = state.eval_before
     else:
-        eval_before = evaluate(accelerator, model, evals, plan.micro_batch_size)
+        eval_before = evaluate(accelerator, model, evals, spec)
         log({"eval_loss": eval_before}, 0)
     return Session(spec, accelerator, model, optimizer, scheduler, train, evals, steps,
                    state.step if state else 0, list(state.losses) if state else [], eval_before, log, sharding)  # fmt: skip
@@ -253,7 +239,7 @@ def train_loop(s: Session) -> tuple[int, float]:
         emit(acc, "step", step=step + 1, steps=s.steps, loss=round(loss, 6), lr=lr,
              tokens_per_s=round(step_tokens / elapsed, 1), elapsed_s=round(seconds, 3))  # fmt: skip
         if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < s.steps:
-            s.log({"eval_loss": evaluate(acc, s.model, s.evals, plan.micro_batch_size)}, step + 1)
+            s.log({"eval_loss": evaluate(acc, s.model, s.evals, s.spec)}, step + 1)
         if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
             checkpoint.save(acc, ckpt_root, step + 1, s.model, s.optimizer, s.scheduler, s.losses, s.eval_before, plan)
     return tokens, seconds
@@ -274,7 +260,7 @@ def peak_memory_mib(accelerator: Accelerator) -> float:
 def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
     """Final eval, outputs, and the result rank 0 writes for the launcher."""
     acc = s.accelerator
-    eval_after = evaluate(acc, s.model, s.evals, s.spec.plan.micro_batch_size)
+    eval_after = evaluate(acc, s.model, s.evals, s.spec)
     s.log({"eval_loss": eval_after}, s.steps)
     adapter_url, model_url = save_outputs(acc, s.model, s.spec)
     losses = s.losses

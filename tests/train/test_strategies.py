@@ -24,7 +24,7 @@ STEPS = 6
 def spec_for(strategy: str, root, *overrides: str) -> TrainSpec:
     cfg = build_config(
         {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
-         "parallelism": {"strategy": strategy},
+         "parallelism": {"strategy": strategy, "pipeline": {"allow_cpu": True}},
          "training": {"max_steps": STEPS, "lr": 3e-3, "micro_batch_size": 2, "global_batch_size": 8, "checkpoint_every": 3,
                       "lora": {"target_modules": "all-linear", "modules_to_save": ["lm_head"]}}},
         list(overrides),
@@ -34,7 +34,7 @@ def spec_for(strategy: str, root, *overrides: str) -> TrainSpec:
     return TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(resolve_base(cfg.base)), run_url=str(root / (strategy + "".join(overrides))))
 
 
-SHARDED = ("zero1", "zero2", "zero3", "zero++", "fsdp2")
+SHARDED = ("zero1", "zero2", "zero3", "zero++", "fsdp2", "pipeline")
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +50,14 @@ def test_losses_match_ddp(runs, name):
     assert other.train_losses[0] == pytest.approx(ddp.train_losses[0], abs=1e-6)
     # float32 on CPU: only the reduction order differs (all-reduce vs reduce-scatter, flat ZeRO buffers);
     # measured gaps are ~2e-7. zero++ on CPU runs without quantization (CUDA-only kernels), so the same bound holds.
+    # The pipeline computes the single-process loss (one batch through the stages), which DDP's global mean equals.
     assert other.train_losses == pytest.approx(ddp.train_losses, abs=1e-5)
     assert other.eval_loss_after == pytest.approx(ddp.eval_loss_after, abs=1e-5)
 
 
 @pytest.mark.parametrize(("name", "param_share", "state_share"),
                          [("ddp", 1.0, None), ("zero1", 1.0, 0.5), ("zero2", 1.0, 0.5), ("zero3", 0.5, 0.5),
-                          ("zero++", 0.5, 0.5), ("fsdp2", 0.5, None)])  # fmt: skip
+                          ("zero++", 0.5, 0.5), ("fsdp2", 0.5, None), ("pipeline", 0.46, None)])  # fmt: skip
 def test_sharding_is_real(runs, name, param_share, state_share):
     sharding = runs[name][0].sharding
     assert sharding["parameter_share"] == pytest.approx(param_share, abs=0.01)  # of 2 ranks, each holds half
@@ -66,6 +67,8 @@ def test_sharding_is_real(runs, name, param_share, state_share):
         assert sharding["gradients_partitioned"] is (name != "zero1")
     if name == "fsdp2":
         assert sharding["wrapper"] == "FSDP2" and sharding["decoder_layers_sharded"] == 4
+    if name == "pipeline":  # rank 0: embedding + layers 0-1; rank 1: layers 2-3 + norm + head
+        assert (sharding["stages"], sharding["schedule"], sharding["layers_on_rank0"]) == (2, "1f1b", [0, 1])
     if name == "zero++":  # one machine: hpZ off; CPU: no quantizer kernels (the plan says so)
         assert (sharding["hpz_partition_size"], sharding["quantized_weights"], sharding["quantized_gradients"]) == (1, False, False)
         reasons = " ".join(runs[name][1].plan.reasons)
@@ -82,7 +85,7 @@ def test_adapter_equals_ddp_adapter_and_merges(runs, name, tiny_model, tmp_path)
     assert merge_adapter(tiny_model, runs[name][0].adapter_url, tmp_path / "merged") > 0
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "zero3"])
+@pytest.mark.parametrize("name", ["fsdp2", "zero3", "pipeline"])
 def test_resume_is_exact(runs, name):
     full, spec = runs[name]
     root = storage.join(spec.run_url, "checkpoints")
@@ -107,10 +110,16 @@ def full_runs(tmp_path_factory, tiny_model):
     """Full fine-tunes (no LoRA), 2 steps: what each sharded strategy consolidates into one model."""
     root = tmp_path_factory.mktemp("full")
     full = ("training.lora.enabled=false", "training.max_steps=2", "training.checkpoint_every=0")
-    return {name: launch(spec_for(name, root, *full)) for name in ("ddp", "zero3", "fsdp2")}
+    runs = {name: launch(spec_for(name, root, *full)) for name in ("ddp", "zero3", "fsdp2")}
+    runs["pipeline"] = launch(spec_for("pipeline", root, *full, "parallelism.pipeline.schedule=gpipe"))
+    return runs
 
 
-@pytest.mark.parametrize("name", ["zero3", "fsdp2"])
+def test_gpipe_full_finetune_matches_ddp(full_runs):
+    assert full_runs["pipeline"].train_losses == pytest.approx(full_runs["ddp"].train_losses, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp2", "pipeline"])
 def test_full_finetune_consolidates_to_the_same_safetensors(full_runs, name, tmp_path):
     from ladle.merge import merge
 

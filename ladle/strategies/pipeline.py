@@ -1,0 +1,284 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: one stage per rank.
+
+The Hugging Face decoder (Llama, Mistral, Qwen families: ``model.embed_tokens``,
+``model.layers``, ``model.norm``, ``lm_head``) is split by hand: each rank
+keeps a contiguous run of decoder layers, the first also the embedding, the
+last also the final norm and the head; every other module is dropped, so the
+rank really holds only its share. Layers stay under their original names (a
+``ModuleDict`` keyed by layer index), so adapters and checkpoints use the same
+keys as every other strategy and the saved output is a normal HF folder.
+
+Each optimizer step sends the whole global batch through the schedule (GPipe
+or 1F1B) as ``gradient_accumulation`` microbatches of ``micro_batch_size``
+rows. The loss is the sum over trained tokens divided by the batch's token
+count, so gradients are not rescaled by the microbatch count (``scale_grads``
+off) and equal the single-process gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ladle.strategies.base import Strategy
+
+IGNORE = -100
+
+
+def causal_lm(model):
+    """The ``*ForCausalLM`` under a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def split_layers(layers: int, stages: int) -> list[range]:
+    """Contiguous, as-even-as-possible runs of layer indices, earlier stages taking the remainder."""
+    base, extra = divmod(layers, stages)
+    out, start = [], 0
+    for stage in range(stages):
+        size = base + (1 if stage < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+class StageModule(nn.Module):
+    """One rank's slice of the decoder; ``forward(x, position_ids)`` takes token ids on the first stage,
+    hidden states elsewhere, and returns hidden states, or logits on the last stage."""
+
+    def __init__(self, model, stage: int, stages: int):
+        super().__init__()
+        lm = causal_lm(model)
+        inner = lm.model
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.layer_ids = list(split_layers(len(inner.layers), stages)[stage])
+        inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in self.layer_ids})
+        if not self.first:
+            inner.embed_tokens = None
+        if not self.last:
+            inner.norm = None
+            lm.lm_head = None
+        self.wrapped = model  # registered: parameters() and state_dict() are this stage's, under HF names
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        lm = causal_lm(self.wrapped)
+        inner = lm.model
+        hidden = inner.embed_tokens(x) if self.first else x
+        # position_ids restart at 0 per packed example; the mask keeps attention inside each example.
+        mask = create_causal_mask(config=lm.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+                                  position_ids=position_ids)  # fmt: skip
+        rotary = inner.rotary_emb(hidden, position_ids=position_ids)
+        for layer in inner.layers.values():
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids, use_cache=False)
+        if self.last:
+            hidden = lm.lm_head(inner.norm(hidden))
+        return hidden
+
+
+class TokenLoss:
+    """Summed next-token cross-entropy over trained tokens, divided by ``denominator`` (set per step)."""
+
+    def __init__(self):
+        self.denominator = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        targets = labels[:, 1:]
+        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=IGNORE, reduction="sum")  # fmt: skip
+        return loss / self.denominator
+
+
+class PipelineModel(nn.Module):
+    """This rank's stage, its schedule and loss (what the worker holds as ``model``)."""
+
+    def __init__(self, stage_module: StageModule, schedule, loss: TokenLoss, stage: int, stages: int, kind: str,
+                 hf_config, peft_config):  # fmt: skip
+        super().__init__()
+        self.stage_module = stage_module
+        self.schedule, self.loss, self.stage, self.stages, self.kind = schedule, loss, stage, stages, kind
+        self.hf_config, self.peft_config = hf_config, peft_config
+
+    def skeleton(self):
+        """The whole model (with its adapter) on the meta device: no rank holds every module, but saving
+        needs the full module tree to map the gathered state dict onto (peft saves module by module)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.hf_config)
+        if self.peft_config is None:
+            return model
+        from peft import get_peft_model
+
+        return get_peft_model(model, self.peft_config)
+
+    def run(self, ids, labels, positions, train: bool) -> list[torch.Tensor]:
+        """One schedule pass over whole-batch tensors; the last stage returns the per-microbatch losses."""
+        losses: list[torch.Tensor] = []
+        args = (ids,) if self.stage_module.first else ()
+        target = labels if self.stage_module.last else None
+        call = self.schedule.step if train else self.schedule.eval
+        if train:
+            call(*args, target=target, losses=losses, return_outputs=False, position_ids=positions)
+        else:
+            call(*args, target=target, losses=losses, position_ids=positions)
+        return losses
+
+
+class Pipeline(Strategy):
+    name = "pipeline"
+    summary = "pipeline parallel (torch.distributed.pipelining): decoder layers split into stages, one per rank"
+
+    def validate(self, cfg, topo, world_size: int) -> list[str]:
+        pp = cfg.parallelism.pipeline
+        problems = []
+        if pp.stages < 2:
+            problems.append(
+                f"parallelism.pipeline.stages = {pp.stages}: a pipeline needs at least 2 stages. "
+                "Set parallelism.pipeline.stages=2 or more, or use another strategy."
+            )
+        if topo.gpu_count == 0 and not pp.allow_cpu:
+            problems.append(
+                "parallelism.strategy = pipeline: on a CPU host each stage is a gloo process, which is for testing, "
+                "not speed. Set parallelism.pipeline.allow_cpu=true to run it anyway, or run on a GPU host."
+            )
+        elif world_size != pp.stages:
+            if topo.gpu_count and world_size < pp.stages:
+                fix = f"Use at most {world_size} stages: --set parallelism.pipeline.stages={world_size}"
+            elif topo.gpu_count:
+                fix = f"Train on {pp.stages} GPUs: --gpus {pp.stages} (or --gpus auto)"
+            else:
+                fix = f"Set parallelism.cpu_processes={pp.stages}"
+            problems.append(
+                f"parallelism.pipeline.stages = {pp.stages}: ladle runs one pipeline, one stage per process, "
+                f"but the plan has {world_size} process(es). {fix}."
+            )
+        return problems
+
+    def configure(self, cfg, plan) -> tuple[dict, list[str]]:
+        pp = cfg.parallelism.pipeline
+        config = {"stages": pp.stages, "schedule": pp.schedule, "microbatches": plan.gradient_accumulation,
+                  "microbatch_rows": plan.micro_batch_size}  # fmt: skip
+        reasons = [f"pipeline {pp.schedule}: {pp.stages} stages, each step {plan.gradient_accumulation} microbatches "
+                   f"of {plan.micro_batch_size} rows"]  # fmt: skip
+        return config, reasons
+
+    def launcher_args(self, plan) -> list[str]:
+        return ["--multi_gpu"]
+
+    def accelerator_kwargs(self, plan) -> dict[str, Any]:
+        return {}
+
+    def wrap(self, accelerator, model, make_optimizer, plan):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        lm = causal_lm(model)
+        if getattr(lm.config, "tie_word_embeddings", False) and any(
+            p.requires_grad for p in lm.get_input_embeddings().parameters()
+        ):
+            raise RuntimeError(
+                "pipeline: this model ties its input and output embeddings, which live on the first and last "
+                "stage, and trains them; keep them frozen (LoRA without modules_to_save on embeddings/head) "
+                "or use fsdp2"
+            )
+        stages, stage = plan.world_size, accelerator.process_index
+        peft_config = model.peft_config.get("default") if hasattr(model, "peft_config") else None
+        part = StageModule(model, stage, stages).to(accelerator.device)
+        loss = TokenLoss()
+        pipe_stage = PipelineStage(part, stage, stages, accelerator.device)
+        kind = plan.launcher_config["schedule"]
+        schedule_cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
+        schedule = schedule_cls(pipe_stage, n_microbatches=plan.gradient_accumulation, loss_fn=loss, scale_grads=False)
+        wrapped = PipelineModel(part, schedule, loss, stage, stages, kind, lm.config, peft_config)
+        return wrapped, make_optimizer(part)
+
+    def check_applied(self, accelerator, model, plan) -> dict:
+        part = model.stage_module
+        local = sum(p.numel() for p in part.parameters())
+        total = torch.tensor([local], dtype=torch.float64, device=accelerator.device)
+        total = float(accelerator.reduce(total, reduction="sum")[0])
+        if len(part.layer_ids) == 0:
+            raise RuntimeError(f"pipeline stage {model.stage} holds no decoder layers (too many stages for the model)")
+        return {"wrapper": "PipelineStage", "stage": model.stage, "stages": model.stages, "schedule": model.kind,
+                "layers_on_rank0": part.layer_ids, "parameter_share": local / total}  # fmt: skip
+
+    def no_sync(self, accelerator, model):
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def forward_backward(self, accelerator, model, data, batch, plan, denominator, loss_fn) -> float:
+        index = torch.tensor(batch, dtype=torch.long)
+        device = accelerator.device
+        model.loss.denominator = float(denominator)
+        losses = model.run(data["input_ids"][index].to(device), data["labels"][index].to(device),
+                           data["position_ids"][index].to(device), train=True)  # fmt: skip
+        return sum(float(x) for x in losses) * denominator  # the raw token sum; zero off the last stage
+
+    def optimizer_step(self, accelerator, model, optimizer, max_grad_norm: float) -> None:
+        params = [p for p in model.stage_module.parameters() if p.requires_grad and p.grad is not None]
+        if max_grad_norm > 0:
+            # The norm is global: each stage's squared norm, summed over stages.
+            local = sum((p.grad.detach().float() ** 2).sum() for p in params) if params else torch.zeros(())
+            squared = torch.tensor([float(local)], dtype=torch.float64, device=accelerator.device)
+            norm = float(accelerator.reduce(squared, reduction="sum")[0]) ** 0.5
+            scale = min(1.0, max_grad_norm / (norm + 1e-6))
+            for p in params:
+                p.grad.mul_(scale)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def evaluate(self, accelerator, model, data, micro: int, loss_fn=None) -> float:
+        rows = len(data["input_ids"])
+        chunk = micro * model.schedule._n_microbatches
+        total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+        model.loss.denominator = 1.0
+        for start in range(0, rows, chunk):
+            index = [min(i, rows - 1) for i in range(start, start + chunk)]  # pad the tail by repeating the last row...
+            ids, positions = data["input_ids"][index], data["position_ids"][index]
+            labels = data["labels"][index].clone()
+            labels[rows - start :] = IGNORE  # ...whose labels are ignored, so it adds nothing
+            device = accelerator.device
+            losses = model.run(ids.to(device), labels.to(device), positions.to(device), train=False)
+            total[0] += sum(float(x) for x in losses)
+            total[1] += int((labels[:, 1:] != IGNORE).sum()) if model.stage == 0 else 0
+        total = accelerator.reduce(total, reduction="sum")
+        return float(total[0] / max(total[1], 1))
+
+    def hf_model(self, accelerator, model):
+        return model.skeleton()
+
+    def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
+        from accelerate.utils import gather_object
+
+        part = model.stage_module.wrapped
+        mine = {n: p.detach().cpu() for n, p in part.named_parameters() if p.requires_grad or not trainable_only}
+        merged: dict = {}
+        for piece in gather_object([mine]):
+            merged.update(piece)
+        return merged if accelerator.is_main_process else None
+
+    native_checkpoint = True
+
+    def save_native(self, model, optimizer, folder: str, tag: str) -> None:
+        from pathlib import Path
+
+        target = Path(folder) / tag
+        target.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": model.stage_module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "layers": model.stage_module.layer_ids}, target / f"stage-{model.stage:03d}.pt")  # fmt: skip
+
+    def load_native(self, model, optimizer, folder: str, tag: str) -> None:
+        from pathlib import Path
+
+        state = torch.load(Path(folder) / tag / f"stage-{model.stage:03d}.pt", weights_only=False)
+        if state["layers"] != model.stage_module.layer_ids:
+            raise RuntimeError(f"pipeline checkpoint stage {model.stage} holds layers {state['layers']}, this run "
+                               f"{model.stage_module.layer_ids}")  # fmt: skip
+        model.stage_module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
