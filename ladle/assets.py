@@ -52,11 +52,30 @@ def tiny_model_dir() -> Path:
 BUILTINS = {"tiny-llama": tiny_model_dir, "demo-alpaca": demo_data_file}
 
 
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+MODEL_CONFIGS = "models/"
+
+
+def shipped_model_configs() -> list[str]:
+    """Names of the shipped ``config.json``-only model folders (``ladle://models/NAME``)."""
+    root = RECIPES_DIR / "models"
+    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
+
+
 def resolve_builtin(url: str, field: str) -> str:
-    """Map ``ladle://NAME`` to its local path; leave other URLs unchanged."""
+    """Map ``ladle://NAME`` to its local path; leave other URLs unchanged.
+
+    ``ladle://models/NAME`` is a shipped model config without weights: enough to plan offline.
+    """
     if not url.startswith(BUILTIN_SCHEME):
         return url
     name = url.removeprefix(BUILTIN_SCHEME)
+    if name.startswith(MODEL_CONFIGS):
+        model = name.removeprefix(MODEL_CONFIGS)
+        if model not in shipped_model_configs():
+            known = ", ".join(BUILTIN_SCHEME + MODEL_CONFIGS + m for m in shipped_model_configs())
+            raise LadleError(f"{field} = {url!r}: no such shipped model config. Use one of {known}.")
+        return str(RECIPES_DIR / "models" / model)
     if name not in BUILTINS:
         known = ", ".join(BUILTIN_SCHEME + k for k in BUILTINS)
         raise LadleError(f"{field} = {url!r}: unknown built-in asset. Use one of {known}.")
@@ -82,6 +101,11 @@ def resolve_base(base: str) -> Path:
         raise LadleError(
             f"base = {base!r}: the folder holds no model (no config.json). Point base at a folder "
             "written by save_pretrained."
+        )
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise LadleError(
+            f"base = {base!r}: the folder has a config.json but no weights (*.safetensors or *.bin); shipped "
+            "model configs plan offline but cannot train. Point base at the downloaded model: --set base=/path/to/model."
         )
     return path
 

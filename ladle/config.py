@@ -91,6 +91,10 @@ class QuantizationConfig(Section):
     mode: Literal["none", "nf4"] = Field(
         "none", description="`nf4` loads the base in 4-bit for QLoRA (needs CUDA and bitsandbytes)."
     )
+    storage_dtype: Literal["auto", "uint8", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="bnb_4bit_quant_storage: the dtype packed 4-bit weights are stored in. auto: the "
+        "training dtype when the strategy shards the base (FSDP2 and ZeRO-3 shard float tensors only), else uint8."
+    )
 
 
 class TrainingConfig(Section):
@@ -138,6 +142,10 @@ class FSDP2Options(Section):
         True, description="Free each layer's gathered parameters after its forward (less memory, one more all-gather)."
     )
     cpu_offload: bool = Field(False, description="Keep parameters and optimizer state in CPU memory (CUDA runs only).")
+    compile: bool = Field(
+        False, description="use_fsdp2_compile: torch.compile each decoder block in place before sharding (CUDA, "
+        "torch >= 2.2, accelerate >= 0.27). FSDP2 only; DeepSpeed with torch.compile is rejected."
+    )
 
 
 ZERO_STRATEGIES = ("zero1", "zero2", "zero3", "zero++")

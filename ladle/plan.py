@@ -7,6 +7,7 @@ each explicit setting that won over a derived one is listed as an override.
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from typing import Any, Literal
@@ -15,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from ladle import strategies
 from ladle.config import LadleConfig
-from ladle.errors import ConfigError
+from ladle.errors import ConfigError, LadleError
 from ladle.topology import Topology
 
 DEFAULT_PORT = 29500
@@ -41,6 +42,10 @@ class Plan(BaseModel):
     reasons: list[str] = Field(default_factory=list, description="Why each decision was made.")
     overrides: list[str] = Field(default_factory=list, description="Explicit settings that won.")
     warnings: list[str] = Field(default_factory=list)
+    candidates: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Every strategy the sizing considered, fastest first: per-rank memory, whether it fits, why.",
+    )
 
     def launcher_argv(self, worker_args: list[str], port: int = DEFAULT_PORT, python: str | None = None,
                       machine_rank: int = 0) -> list[str]:  # fmt: skip
@@ -83,6 +88,9 @@ class Plan(BaseModel):
         for title, items in (("Reasons", self.reasons), ("Overrides", self.overrides), ("Warnings", self.warnings)):
             if items:
                 lines += ["", f"## {title}", *[f"- {item}" for item in items]]
+        if self.candidates:
+            lines += ["", "## Candidates (fastest first)", "", "| strategy | per rank | fits | why |", "| --- | --- | --- | --- |"]
+            lines += [f"| {c['strategy']} | {c['breakdown']} | {'yes' if c['fits'] else 'no'} | {c['why']} |" for c in self.candidates]
         if self.launcher_config:
             import json
 
@@ -90,8 +98,9 @@ class Plan(BaseModel):
         return "\n".join(lines) + "\n"
 
 
-def check_inputs(cfg: LadleConfig) -> None:
-    """The base holds a model and every data source holds a record (cheap reads only).
+def check_inputs(cfg: LadleConfig) -> dict:
+    """The base holds a model and every data source holds a record (cheap reads only); returns the
+    base's ``config.json`` for sizing.
 
     Shared by the CLI (before Prefect starts) and the validate task (for deployments).
 
@@ -101,14 +110,38 @@ def check_inputs(cfg: LadleConfig) -> None:
     from ladle.assets import resolve_base
     from ladle.data.prepare import check_not_empty
 
-    resolve_base(cfg.base)
+    from ladle.params import read_config
+
+    base = resolve_base(cfg.base)
     check_not_empty(cfg.data.path)
     if cfg.data.eval_path:
         check_not_empty(cfg.data.eval_path, "data.eval_path")
+    return read_config(base)
 
 
-def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG") -> Plan:
+def local_model_config(cfg: LadleConfig, override: str | None = None) -> dict | None:
+    """``--model-config``, else the base's config.json when it is already on this machine (nothing is created
+    or downloaded: planning stays fast); None when neither is at hand."""
+    from pathlib import Path
+
+    from ladle.assets import ASSET_VERSION, BUILTIN_SCHEME, MODEL_CONFIGS, ladle_home, resolve_builtin
+    from ladle.params import read_config
+
+    if override:
+        return read_config(override)
+    base = cfg.base
+    if base.startswith(BUILTIN_SCHEME + MODEL_CONFIGS):
+        base = resolve_builtin(base, "base")
+    elif base.startswith(BUILTIN_SCHEME):
+        base = str(ladle_home() / "assets" / f"{base.removeprefix(BUILTIN_SCHEME)}-{ASSET_VERSION}")
+    return read_config(base) if Path(base, "config.json").is_file() else None
+
+
+def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", model: dict | None = None) -> Plan:
     """Decide world size, strategy, batch layout and dtype for ``cfg`` on ``topo``.
+
+    ``model`` is the base's ``config.json``; with it the strategy is sized by the memory model
+    (``ladle.sizing``), without it ``auto`` means DDP and the plan says the size was unknown.
 
     Raises:
         ConfigError: every problem found, each with its field, value and fix.
@@ -120,11 +153,23 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG") -> P
     device, per_machine = choose_world(cfg, topo, config_ref, problems, reasons, warnings)
     nodes = choose_nodes(cfg, topo, problems, reasons)
     world = per_machine * nodes
-    strategy = choose_strategy(cfg, reasons, overrides)
+    dtype = choose_dtype(cfg, topo, device, [], [])
+    candidates: list[dict] = []
+    strategy, adjust = choose_strategy(cfg, topo, device, per_machine, nodes, dtype, model,
+                                       reasons, overrides, warnings, problems, candidates)  # fmt: skip
+    if adjust:  # settings the sizing chose (recorded in the reasons); the caller's config is left as it was
+        cfg = cfg.model_copy(deep=True)
+        for section, field, value in adjust:
+            setattr(getattr(cfg.parallelism, section), field, value)
     if strategy == "pipeline" and device == "cuda" and cfg.parallelism.gpus == "auto" and per_machine > cfg.parallelism.pipeline.stages:
         per_machine = world = cfg.parallelism.pipeline.stages
         reasons.append(f"{per_machine} process(es): --gpus auto adapts to one pipeline of {per_machine} stages")
     problems += strategies.get(strategy).validate(cfg, topo, world)
+    if cfg.parallelism.fsdp2.compile and strategy != "fsdp2":
+        what = "DeepSpeed with torch.compile is rejected (its engine hooks break under compiled graphs)" \
+            if strategy.startswith("zero") else f"compile is wired for fsdp2 only, not {strategy}"  # fmt: skip
+        problems.append(f"parallelism.fsdp2.compile = true with parallelism.strategy = {strategy}: {what}. "
+                        "Set parallelism.strategy=fsdp2 or parallelism.fsdp2.compile=false.")  # fmt: skip
     replicas = 1 if strategy == "pipeline" else world  # a pipeline's ranks share one batch
     micro, accum, global_batch = choose_batch(cfg, replicas, problems, reasons)
     if strategy == "pipeline" and cfg.parallelism.pipeline.schedule == "1f1b" and accum < cfg.parallelism.pipeline.stages:
@@ -154,6 +199,7 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG") -> P
         reasons=reasons,
         overrides=overrides,
         warnings=warnings,
+        candidates=candidates,
     )
     plan.launcher_config, resolved = strategies.get(strategy).configure(cfg, plan)
     plan.reasons += resolved
@@ -200,16 +246,107 @@ def choose_world(cfg, topo, config_ref, problems, reasons, warnings) -> tuple[st
     return "cuda", gpus
 
 
-def choose_strategy(cfg, reasons, overrides) -> str:
-    if cfg.parallelism.strategy != "auto":
-        overrides.append(f"parallelism.strategy = {cfg.parallelism.strategy} (explicit)")
-        return cfg.parallelism.strategy
-    what = "LoRA adapters" if cfg.training.lora.enabled else "all weights"
-    reasons.append(
-        f"strategy ddp: training {what}; a full replica per rank needs no parameter gathering, so "
-        "DDP's single gradient all-reduce per step is the least communication"
-    )
-    return "ddp"
+def device_bytes(topo: Topology, device: str, per_machine: int) -> int | None:
+    """Memory one rank may use: its GPU's (the smallest visible), or on CPU the host's RAM shared by the processes."""
+    if device == "cuda":
+        sizes = [g.memory_mib for g in topo.gpus if g.memory_mib]
+        return min(sizes) * 2**20 if sizes else None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_machine
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def sizing_job(cfg: LadleConfig, model: dict, per_machine: int, nodes: int, dtype: str, micro: int, device: str):
+    from ladle import params, sizing
+
+    lora = cfg.training.lora
+    trainable = params.lora_params(model, lora.r, lora.target_modules) if lora.enabled else None
+    shape = sizing.shape_from_config(model, trainable)
+    return sizing.Job(
+        shape=shape, lora=lora.enabled, qlora=cfg.training.quantization.mode != "none", micro_batch=micro,
+        seq_len=cfg.data.seq_len, dtype_bytes=4 if dtype == "float32" else 2,
+        checkpointing=cfg.training.gradient_checkpointing, gpus_per_node=per_machine, nodes=nodes,
+        microbatches=max(1, (cfg.training.global_batch_size or micro * per_machine * nodes) // micro),
+        cuda=device == "cuda",
+    )  # fmt: skip
+
+
+def choose_strategy(cfg, topo, device, per_machine, nodes, dtype, model,
+                    reasons, overrides, warnings, problems, candidates) -> tuple[str, list]:  # fmt: skip
+    """The explicit strategy, or the fastest candidate that fits with headroom (every candidate recorded),
+    and the ``(section, field, value)`` settings that candidate needs."""
+    from ladle import sizing
+
+    explicit = cfg.parallelism.strategy
+    if explicit != "auto":
+        overrides.append(f"parallelism.strategy = {explicit} (explicit)")
+    capacity = device_bytes(topo, device, per_machine)
+    if model is None or capacity is None:
+        missing = "model size unknown (no config.json at hand: a local base folder, or --model-config)" if model is None \
+            else "device memory unknown (pass --gpu-memory with --topology-file)"  # fmt: skip
+        if explicit == "auto":
+            reasons.append(f"strategy ddp: {missing}, so the default with the least communication")
+        return (explicit if explicit != "auto" else "ddp"), []
+    try:
+        job = sizing_job(cfg, model, per_machine, nodes, dtype, cfg.training.micro_batch_size, device)
+    except LadleError as err:
+        warnings.append(f"memory not sized: {err}")
+        return (explicit if explicit != "auto" else "ddp"), []
+    chosen = None
+    for name, offload, why in sizing.preference(job, topo.interconnect):
+        if name == "pipeline" and not pipeline_possible(cfg, job, device):
+            continue
+        if offload and device != "cuda":
+            continue
+        est = sizing.estimate(job, name, offload)
+        fits = est.fits(capacity)
+        candidates.append({"strategy": est.strategy, "per_rank_gib": round(est.total / sizing.GIB, 2), "fits": fits,
+                           "breakdown": est.summary(), "why": why})  # fmt: skip
+        if fits and chosen is None:
+            chosen = (name, offload, why, est)
+    limit = f"{sizing.gib(sizing.HEADROOM * capacity)} usable of {sizing.gib(capacity)} per rank"
+    if explicit != "auto":
+        mine = next((c for c in candidates if c["strategy"] == explicit), None)
+        ds, fsdp = cfg.parallelism.deepspeed, cfg.parallelism.fsdp2
+        offloads = (fsdp.cpu_offload, fsdp.cpu_offload) if explicit == "fsdp2" else \
+            (ds.offload_optimizer != "none", ds.offload_param != "none") if explicit.startswith("zero") else (False, False)  # fmt: skip
+        if mine is None or any(offloads):
+            mine_est = sizing.estimate(job, explicit, *offloads)
+            mine = {"strategy": mine_est.strategy, "per_rank_gib": round(mine_est.total / sizing.GIB, 2),
+                    "fits": mine_est.fits(capacity), "breakdown": mine_est.summary(), "why": "explicit"}  # fmt: skip
+            candidates.insert(0, mine)
+        if not mine["fits"]:
+            better = f"; {chosen[0]} would fit ({chosen[3].summary()})" if chosen else ""
+            warnings.append(f"parallelism.strategy = {explicit} needs {mine['breakdown']}, more than {limit}{better}")
+        else:
+            reasons.append(f"strategy {explicit} (explicit): needs {mine['breakdown']}, within {limit}")
+        return explicit, []
+    if chosen is None:
+        smallest = min(candidates, key=lambda c: c["per_rank_gib"])
+        problems.append(
+            f"parallelism.strategy = auto: no strategy fits {limit}; the smallest is {smallest['strategy']} at "
+            f"{smallest['breakdown']}. Train fewer weights (training.lora.enabled=true, or QLoRA with "
+            "training.quantization.mode=nf4), set training.gradient_checkpointing=true, lower "
+            "training.micro_batch_size or data.seq_len, or add GPUs/nodes."
+        )
+        return "ddp", []
+    name, offload, why, est = chosen
+    slower = [c["strategy"] for c in candidates[: candidates.index(next(c for c in candidates if c["fits"]))]]
+    skipped = f"; faster {', '.join(slower)} do not fit" if slower else ""
+    reasons.append(f"strategy {est.strategy}: {why}; needs {est.summary()}, within {limit}{skipped}")
+    adjust = []
+    if offload:
+        warnings.append(f"{name} with optimizer offload: the optimizer step runs on the host (slow)")
+        adjust.append(("deepspeed", "offload_optimizer", "cpu"))
+    if name == "pipeline":
+        adjust.append(("pipeline", "stages", job.world))
+        reasons.append(f"pipeline of {job.world} stages: one per process")
+    return name, adjust
+
+
+def pipeline_possible(cfg, job, device) -> bool:
+    return 2 <= job.world <= 16 and job.shape.layers >= job.world and (device == "cuda" or cfg.parallelism.pipeline.allow_cpu)
 
 
 def choose_batch(cfg, world, problems, reasons) -> tuple[int, int, int]:
@@ -262,6 +399,13 @@ def check_device_features(cfg: LadleConfig, device: str) -> list[str]:
         problems.append(
             f"output = {cfg.output}: training runs in separate processes, which cannot see this process's "
             "in-memory filesystem. Use a local folder or an object store URL (s3://...)."
+        )
+    quant = cfg.training.quantization
+    if quant.mode != "none" and quant.storage_dtype == "uint8" and cfg.parallelism.strategy in ("fsdp2", "zero3", "zero++"):
+        problems.append(
+            f"training.quantization.storage_dtype = uint8 with parallelism.strategy = {cfg.parallelism.strategy}: "
+            "sharding needs the packed 4-bit weights in a float dtype. Set training.quantization.storage_dtype="
+            "bfloat16 (or auto)."
         )
     if cfg.training.quantization.mode != "none" and not cfg.training.lora.enabled:
         problems.append(

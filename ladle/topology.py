@@ -104,8 +104,10 @@ def with_matrix(topo: Topology, text: str) -> Topology:
     return topo.model_copy(update={k: v for k, v in matrix.model_dump().items() if k != "gpu_count"})
 
 
-def probe_file(path: str, env: dict[str, str] | None = None) -> Topology:
-    """A recorded machine: ``nvidia-smi topo -m`` output saved to a file.
+def probe_file(path: str, env: dict[str, str] | None = None, gpu_memory_gib: float | None = None,
+               gpu_name: str = "recorded GPU") -> Topology:  # fmt: skip
+    """A recorded machine: ``nvidia-smi topo -m`` output saved to a file (plus, for sizing, each GPU's memory,
+    which the matrix does not record).
 
     Raises:
         LadleError: the file is missing or holds no topology matrix.
@@ -122,6 +124,9 @@ def probe_file(path: str, env: dict[str, str] | None = None) -> Topology:
     nodes, node_rank = node_layout(dict(os.environ if env is None else env))
     base = Topology(gpu_count=matrix.gpu_count, cuda_available=True, interconnect=matrix.interconnect, nodes=nodes,
                     node_rank=node_rank, cpu_count=os.cpu_count() or 1, source=f"file:{path}")  # fmt: skip
+    if gpu_memory_gib:
+        base.gpus = [GPU(index=i, name=gpu_name, memory_mib=int(gpu_memory_gib * 1024), compute_capability="8.0")
+                     for i in range(matrix.gpu_count)]  # fmt: skip
     return with_matrix(base, text)
 
 

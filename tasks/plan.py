@@ -13,14 +13,13 @@ from ladle.tracking import Tracking, log_json, log_params
 
 @task(name="validate-and-plan", timeout_seconds=600)
 def plan_task(cfg: LadleConfig, topo: Topology, tracking: Tracking, config_ref: str) -> Plan:
-    check_inputs(cfg)
-    plan = make_plan(cfg, topo, config_ref)
+    plan = make_plan(cfg, topo, config_ref, model=check_inputs(cfg))
     logger = get_run_logger()
     for line in plan.reasons + plan.overrides:
         logger.info("plan: %s", line)
     for line in plan.warnings:
         logger.warning("plan: %s", line)
-    log_params(tracking, flatten(plan.model_dump(mode="json", exclude={"reasons", "overrides", "warnings"})), prefix="plan.")
+    log_params(tracking, flatten(plan.model_dump(mode="json", exclude={"reasons", "overrides", "warnings", "candidates", "launcher_config"})), prefix="plan.")
     log_json(tracking, "plan.json", plan.model_dump(mode="json"))
     create_markdown_artifact(key="plan", markdown=plan.to_markdown(), description="Training plan and its reasons")
     return plan

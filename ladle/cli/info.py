@@ -46,20 +46,16 @@ def env(as_json: bool = typer.Option(False, "--json", help="One JSON object.")) 
         console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
 
 
-def model_size(cfg, model_config: Optional[str]) -> dict:
-    """Parameter counts from ``--model-config`` or the base folder's config.json (empty when neither is at hand)."""
-    from pathlib import Path
+def model_size(cfg, model: dict | None) -> dict:
+    """Parameter counts of the base (empty when its config.json is not at hand)."""
+    from ladle.params import count_params, lora_params
 
-    from ladle.params import count_params, lora_params, read_config
-
-    source = model_config or (cfg.base if Path(cfg.base, "config.json").is_file() else None)
-    if source is None:
+    if model is None:
         return {}
-    config = read_config(source)
-    params, how = count_params(config)
+    params, how = count_params(model)
     lora = cfg.training.lora
-    trainable = lora_params(config, lora.r, lora.target_modules) if lora.enabled else params
-    return {"params": params, "trainable_params": trainable, "params_counted_by": how, "model_type": config.get("model_type")}
+    trainable = lora_params(model, lora.r, lora.target_modules) if lora.enabled else params
+    return {"params": params, "trainable_params": trainable, "params_counted_by": how, "model_type": model.get("model_type")}
 
 
 def plan(
@@ -69,17 +65,22 @@ def plan(
     set_: list[str] = typer.Option([], "--set", help="Override a field (dotted.path=value)."),
     model_config: Optional[str] = typer.Option(None, "--model-config", help="config.json (or its folder) to size the model from."),
     topology_file: Optional[str] = typer.Option(None, "--topology-file", help="Plan for a recorded machine (`nvidia-smi topo -m` output)."),
+    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="GiB per GPU of the recorded machine (for sizing)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:
     """Validate the config against this (or a recorded) machine and show the plan, with the launch command."""
     from ladle.config import load_config
-    from ladle.plan import make_plan
+    from ladle.plan import local_model_config, make_plan
     from ladle.topology import probe, probe_file
 
+    if gpu_memory is not None and not (0 < gpu_memory <= 4096):
+        exit_with_error(f"--gpu-memory = {gpu_memory}: GiB per GPU must be in (0, 4096], e.g. --gpu-memory 80.", as_json)
     try:
         cfg = load_config(config, [*deepspeed_override(deepspeed), *set_], gpus)
-        made = make_plan(cfg, probe_file(topology_file) if topology_file else probe(), config)
-        size = model_size(cfg, model_config)
+        model = local_model_config(cfg, model_config)
+        topo = probe_file(topology_file, gpu_memory_gib=gpu_memory) if topology_file else probe()
+        made = make_plan(cfg, topo, config, model=model)
+        size = model_size(cfg, model)
     except LadleError as err:
         exit_with_error(str(err), as_json)
     command = made.launch_command(["SPEC.json"])

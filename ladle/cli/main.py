@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ladle.cli import data, info
+from ladle.cli import data, info, recipes
 from ladle.cli.launch import launch
 from ladle.cli.probe import probe
 from ladle.cli.run import run
@@ -24,6 +24,7 @@ app.command("schema")(info.schema)
 app.command("env")(info.env)
 app.command("serve")(info.serve)
 app.add_typer(data.app, name="data")
+app.add_typer(recipes.app, name="recipes")
 
 if __name__ == "__main__":
     app()

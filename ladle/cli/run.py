@@ -19,8 +19,7 @@ def preflight(config: str, overrides: list[str], gpus: Optional[str]):
     from ladle.topology import probe
 
     cfg = load_config(config, overrides, gpus)
-    check_inputs(cfg)
-    plan = make_plan(cfg, probe(), config)
+    plan = make_plan(cfg, probe(), config, model=check_inputs(cfg))
     for warning in plan.warnings:
         console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
     return cfg

@@ -21,12 +21,36 @@ def decoder_layers(model) -> list:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
+def compile_problems(topo) -> list[str]:
+    """What per-block torch.compile under FSDP2 needs from the machine and the installed packages."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def at_least(package: str, wanted: tuple[int, int]) -> bool:
+        try:
+            parts = version(package).split("+")[0].split(".")
+            return tuple(int(p) for p in parts[:2] if p.isdigit()) >= wanted
+        except PackageNotFoundError:
+            return False
+
+    problems = []
+    if topo.gpu_count == 0:
+        problems.append("parallelism.fsdp2.compile = true: per-block torch.compile is supported on CUDA only and this "
+                        "host has no GPU. Set parallelism.fsdp2.compile=false.")  # fmt: skip
+    for package, wanted in (("torch", (2, 2)), ("accelerate", (0, 27))):
+        if not at_least(package, wanted):
+            problems.append(f"parallelism.fsdp2.compile = true: needs {package} >= {'.'.join(map(str, wanted))}. "
+                            f"Upgrade {package} or set parallelism.fsdp2.compile=false.")  # fmt: skip
+    return problems
+
+
 class FSDP2(Strategy):
     name = "fsdp2"
     summary = "fully sharded data parallel (fully_shard): parameters, gradients and optimizer state sharded"
 
     def validate(self, cfg, topo, world_size: int) -> list[str]:
         problems = []
+        if cfg.parallelism.fsdp2.compile:
+            problems += compile_problems(topo)
         if cfg.parallelism.fsdp2.cpu_offload and topo.gpu_count == 0:
             problems.append(
                 "parallelism.fsdp2.cpu_offload = true: offloading to CPU needs CUDA devices to offload from; "
@@ -61,6 +85,8 @@ class FSDP2(Strategy):
         if not layers:
             raise RuntimeError("fsdp2: found no *DecoderLayer modules to shard in this model")
         for layer in layers:
+            if plan.strategy_options.get("compile"):
+                layer.compile()  # in place: parameter names (and saved adapter keys) keep no `_orig_mod.` prefix
             fully_shard(layer, **options)
         fully_shard(model, **options)
         return model, make_optimizer(model)

@@ -46,9 +46,13 @@ def load_model(spec: TrainSpec):
     if cfg.training.quantization.mode == "nf4":
         from transformers import BitsAndBytesConfig
 
+        storage = cfg.training.quantization.storage_dtype
+        if storage == "auto":
+            storage = plan.dtype if plan.strategy in ("fsdp2", "zero3", "zero++") else "uint8"
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
-        )
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=getattr(torch, storage),
+        )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(spec.base_dir, **kwargs)
     model.config.use_cache = False
     if cfg.training.gradient_checkpointing:

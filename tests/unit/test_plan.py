@@ -82,7 +82,7 @@ def test_memory_output_rejected():
 def test_fsdp2_is_selectable_and_carries_its_options():
     plan = plan_for(CPU, "parallelism.strategy=fsdp2", "parallelism.fsdp2.reshard_after_forward=false")
     assert plan.strategy == "fsdp2"
-    assert plan.strategy_options == {"reshard_after_forward": False, "cpu_offload": False}
+    assert plan.strategy_options == {"reshard_after_forward": False, "cpu_offload": False, "compile": False}
     assert "--multi_gpu" in plan.launcher_argv(["spec.json"])  # fully_shard is applied by ladle, not accelerate's plugin
 
 
@@ -92,7 +92,7 @@ def test_fsdp2_cpu_offload_needs_cuda():
 
 
 def test_unknown_strategy_lists_the_choices():
-    with pytest.raises(ConfigError, match=r"parallelism.strategy = \"zero9\": Input should be 'auto', 'ddp', 'zero1', 'zero2', 'zero3', 'zero\+\+' or 'fsdp2'"):
+    with pytest.raises(ConfigError, match=r"parallelism.strategy = \"zero9\": Input should be 'auto', 'ddp', 'zero1', 'zero2', 'zero3', 'zero\+\+', 'fsdp2' or 'pipeline'"):
         plan_for(CPU, "parallelism.strategy=zero9")
 
 
@@ -162,3 +162,52 @@ def test_zeropp_hpz_defaults_to_processes_per_machine_across_nodes():
 def test_plan_markdown_shows_the_deepspeed_json():
     text = plan_for(CPU, "parallelism.strategy=zero2").to_markdown()
     assert "## zero2 launcher config" in text and '"stage": 2' in text
+
+
+def problems_of(topo, *overrides, gpus=None) -> str:
+    with pytest.raises(ConfigError) as err:
+        plan_for(topo, *overrides, gpus=gpus)
+    return str(err.value)
+
+
+def test_fsdp2_compile_needs_fsdp2_and_cuda_and_deepspeed_compile_is_rejected():
+    assert "per-block torch.compile is supported on CUDA only" in problems_of(
+        CPU, "parallelism.strategy=fsdp2", "parallelism.fsdp2.compile=true")
+    text = problems_of(A100, "parallelism.strategy=zero3", "parallelism.fsdp2.compile=true")
+    assert "parallelism.fsdp2.compile = true with parallelism.strategy = zero3: DeepSpeed with torch.compile is rejected" in text
+    assert "compile is wired for fsdp2 only, not ddp" in problems_of(A100, "parallelism.strategy=ddp", "parallelism.fsdp2.compile=true")
+    made = plan_for(A100, "parallelism.strategy=fsdp2", "parallelism.fsdp2.compile=true")
+    assert made.strategy_options["compile"] is True
+
+
+def test_pipeline_validators():
+    assert "parallelism.pipeline.stages = 1: a pipeline needs at least 2 stages" in problems_of(
+        A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=1", gpus="1")
+    assert "Set parallelism.pipeline.allow_cpu=true" in problems_of(CPU, "parallelism.strategy=pipeline")
+    more = problems_of(T4, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4", "training.global_batch_size=16")
+    assert "parallelism.pipeline.stages = 4: ladle runs one pipeline, one stage per process, but the plan has 2" in more
+    assert "--set parallelism.pipeline.stages=2" in more
+    fewer = problems_of(A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4", gpus="8")
+    assert "Train on 4 GPUs: --gpus 4 (or --gpus auto)" in fewer
+    adapted = plan_for(A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4", "training.global_batch_size=16")
+    assert adapted.world_size == 4 and any("--gpus auto adapts to one pipeline of 4 stages" in r for r in adapted.reasons)
+    assert adapted.gradient_accumulation == 4  # 16 rows / 4 micro: the microbatches of one pipeline
+    assert "1f1b needs at least one microbatch per stage (1 < 4)" in problems_of(
+        A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4")
+    with pytest.raises(ConfigError, match="Input should be less than or equal to 16"):
+        plan_for(A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=17")
+
+
+def test_qlora_with_sharding_needs_float_storage():
+    text = problems_of(A100, "parallelism.strategy=fsdp2", "training.quantization.mode=nf4",
+                       "training.quantization.storage_dtype=uint8")  # fmt: skip
+    assert "training.quantization.storage_dtype = uint8 with parallelism.strategy = fsdp2" in text
+    assert plan_for(A100, "parallelism.strategy=fsdp2", "training.quantization.mode=nf4").strategy == "fsdp2"
+
+
+def test_config_path_with_shell_metacharacters_stays_one_argv_item():
+    path = "my configs/$(rm -rf ~); `x` & y.yaml"
+    made = make_plan(build_config(MINIMAL, []), A100, path)
+    argv = made.launcher_argv([path])
+    assert argv[-1] == path and argv.count(path) == 1
+    assert shlex.split(made.launch_command([path]))[-1] == path

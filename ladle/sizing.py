@@ -1,0 +1,231 @@
+"""Per-rank memory of a whole training step, per strategy, and the ranking the planner chooses from.
+
+Model states come from ``ladle.memory`` (DeepSpeed's layout, tested against its
+estimators). On top of them:
+
+- Activations saved for backward, per token per decoder layer. The coefficients
+  were measured, not taken from the 34·s·h textbook constant: saved-tensor hooks
+  on a Llama decoder block with SDPA attention (whose flash kernel keeps the
+  log-sum-exp, not the s x s scores) count exactly
+  ``20·h + 8·i + 4·kv + 4·heads + 8`` bytes in bf16/fp16 and
+  ``32·h + 16·i + 8·kv + 4·heads + 8`` in fp32 (h hidden, i MLP width, kv the
+  K/V projection width); ``tests/unit/test_sizing.py`` re-measures them. With
+  gradient checkpointing only each layer's input is kept, plus one layer
+  recomputed at a time.
+- Logits: the model-dtype logits, their fp32 upcast in the loss and the fp32
+  log-softmax kept for backward: ``tokens · vocab · (dtype + 8)`` bytes.
+- QLoRA: NF4 base linear weights at 0.5 bytes plus one fp32 absmax per 64
+  weights (0.5625 bytes per weight); embeddings, norms and the head stay 16-bit.
+- A fixed 1 GiB per GPU for the CUDA context and allocator slack, and 10 %
+  headroom: a candidate fits when its total is at most 90 % of the device.
+
+No torch import: ``ladle plan`` stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ladle import memory, params
+
+GIB = 2**30
+CONTEXT_BYTES = 1 * GIB
+HEADROOM = 0.90
+NF4_BYTES = 0.5 + 4 / 64
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: int
+    trainable: int
+    layers: int
+    hidden: int
+    intermediate: int  # active MLP width per token (MoE: routed experts per token x their width, + shared)
+    kv_dim: int
+    heads: int
+    vocab: int
+    embedding_params: int  # input embedding + untied head
+    layer_params: int  # one decoder layer (the unit FSDP2/ZeRO-3 gathers)
+
+    @property
+    def linear_params(self) -> int:
+        return self.params - self.embedding_params
+
+
+def shape_from_config(config: dict, trainable: int | None = None) -> ModelShape:
+    """The sizes the memory model needs, from a ``config.json`` dict."""
+    total, _ = params.count_params(config)
+    h, n = config["hidden_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv = (config.get("num_key_value_heads") or heads) * (config.get("head_dim") or h // heads)
+    inter = config.get("intermediate_size", 4 * h)
+    if config.get("moe_intermediate_size"):
+        per_token = config.get("num_experts_per_tok", 2) + (config.get("n_shared_experts") or 0)
+        inter = config["moe_intermediate_size"] * per_token + config.get("shared_expert_intermediate_size", 0)
+    embed = config["vocab_size"] * h * (1 if config.get("tie_word_embeddings", False) else 2)
+    return ModelShape(total, total if trainable is None else trainable, n, h, inter, kv, heads,
+                      config["vocab_size"], embed, (total - embed) // max(n, 1))  # fmt: skip
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int) -> int:
+    """Bytes saved for backward by one Llama-style decoder layer per token (measured coefficients)."""
+    if dtype_bytes >= 4:
+        return 32 * shape.hidden + 16 * shape.intermediate + 8 * shape.kv_dim + 4 * shape.heads + 8
+    return 20 * shape.hidden + 8 * shape.intermediate + 4 * shape.kv_dim + 4 * shape.heads + 8
+
+
+def activation_bytes(shape: ModelShape, tokens: int, layers: int, dtype_bytes: int, checkpointing: bool) -> int:
+    """Activations alive at the end of the forward of ``tokens`` through ``layers`` layers."""
+    full = activation_bytes_per_token_layer(shape, dtype_bytes) * tokens
+    if checkpointing:
+        return layers * shape.hidden * dtype_bytes * tokens + full  # layer inputs, plus one layer recomputed
+    return layers * full
+
+
+def logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
+    return tokens * shape.vocab * (dtype_bytes + 8)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One candidate's per-rank device memory, by part, in bytes."""
+
+    strategy: str
+    weights: int
+    gradients: int
+    optimizer: int
+    gathered: int
+    activations: int
+    logits: int
+    host: int = 0
+    note: str = ""
+    context: int = CONTEXT_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.gathered + self.activations + self.logits + self.context
+
+    def fits(self, device_bytes: int) -> bool:
+        return self.total <= HEADROOM * device_bytes
+
+    def summary(self) -> str:
+        parts = (("weights", self.weights), ("grads", self.gradients), ("optimizer", self.optimizer),
+                 ("gathered", self.gathered), ("activations", self.activations), ("logits", self.logits))  # fmt: skip
+        parts += (("CUDA context", self.context),)
+        return f"{gib(self.total)}/rank (" + ", ".join(f"{k} {gib(v)}" for k, v in parts if v) + ")"
+
+
+def gib(value: float) -> str:
+    """Bytes as GiB (MiB below 1 GiB)."""
+    return f"{value / GIB:.1f} GiB" if value >= GIB else f"{value / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained, and how, for the memory model."""
+
+    shape: ModelShape
+    lora: bool
+    qlora: bool
+    micro_batch: int
+    seq_len: int
+    dtype_bytes: int
+    checkpointing: bool
+    gpus_per_node: int
+    nodes: int
+    microbatches: int = 1  # pipeline: microbatches per step
+    cuda: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+SHARDS_BASE = ("fsdp2", "zero3", "zero++", "pipeline")  # a frozen base split across ranks
+
+
+def model_states(job: Job, strategy: str, offload: bool = False, offload_params: bool = False) -> memory.ModelStates:
+    s, world = job.shape, job.world
+    if job.lora:
+        base = memory.lora(s.params, s.trainable, world, shard_base=strategy in SHARDS_BASE)
+        if offload_params:
+            base = memory.ModelStates(memory.WEIGHT_16 * s.trainable, base.gradients, base.optimizer, 0,
+                                      memory.WEIGHT_16 * s.params // job.nodes)  # fmt: skip
+        if job.qlora:  # 4-bit linear weights; only the 16-bit embeddings and head keep 2 bytes
+            shard = world if strategy in SHARDS_BASE else 1
+            quantized = int((s.linear_params * NF4_BYTES + s.embedding_params * memory.WEIGHT_16) / shard)
+            base = memory.ModelStates(quantized + memory.WEIGHT_16 * s.trainable, base.gradients, base.optimizer, 0)
+        return base
+    if strategy == "ddp":
+        return memory.ddp(s.params)
+    if strategy == "zero1":
+        return memory.zero1(s.params, world)
+    if strategy == "zero2":
+        return memory.zero2(s.params, job.gpus_per_node, job.nodes, offload_optimizer=offload)
+    if strategy == "pipeline":  # each stage a full replica of its slice
+        return memory.ddp(s.params // world)
+    largest = max(s.layer_params, s.embedding_params // 2)
+    states = memory.zero3(s.params, largest, job.gpus_per_node, job.nodes, offload_optimizer=offload or offload_params,
+                          offload_params=offload_params)  # fmt: skip
+    if strategy == "fsdp2":  # the root unit (embeddings + head) stays gathered between forward and backward
+        return memory.ModelStates(states.weights, states.gradients, states.optimizer,
+                                  states.gathered + memory.WEIGHT_16 * s.embedding_params, states.host)  # fmt: skip
+    if strategy == "zero++" and job.nodes > 1:  # hpZ: a secondary 16-bit copy sharded within the node
+        return memory.ModelStates(states.weights + memory.WEIGHT_16 * s.params // job.gpus_per_node,
+                                  states.gradients, states.optimizer, states.gathered, states.host)  # fmt: skip
+    return states
+
+
+def estimate(job: Job, strategy: str, offload: bool = False, offload_params: bool = False) -> Estimate:
+    """Per-rank memory of one training step of ``job`` under ``strategy`` (``offload``: optimizer state on the
+    host; ``offload_params``: parameters too, as ZeRO-Infinity or FSDP2's CPUOffloadPolicy do)."""
+    s = job.shape
+    states = model_states(job, strategy, offload, offload_params)
+    tokens = job.micro_batch * job.seq_len
+    layers = s.layers
+    note = ""
+    if strategy == "pipeline":
+        layers = -(-s.layers // job.world)
+        in_flight = min(job.microbatches, job.world)  # 1F1B: at most `stages` microbatches alive on stage 0
+        acts = in_flight * activation_bytes(s, tokens, layers, job.dtype_bytes, job.checkpointing)
+        note = f"{job.world} stages of {layers} layers, {in_flight} microbatches in flight"
+    else:
+        acts = activation_bytes(s, tokens, layers, job.dtype_bytes, job.checkpointing)
+    name = strategy + ("+offload" if offload or offload_params else "")
+    return Estimate(name, states.weights, states.gradients, states.optimizer, states.gathered, acts,
+                    logits_bytes(s, tokens, job.dtype_bytes), states.host, note, CONTEXT_BYTES if job.cuda else 0)  # fmt: skip
+
+
+def preference(job: Job, interconnect: str) -> list[tuple[str, bool, str]]:
+    """Candidates fastest first for this machine: (strategy, offload, why it sits there).
+
+    Communication per step, in units of one all-reduce of the trained weights: DDP, ZeRO-1 and ZeRO-2
+    move 1 (reduce-scatter + all-gather); ZeRO-3 and FSDP2 1.5 (weights gathered again for backward);
+    offload adds a host round trip over PCIe every step. LoRA trains few weights, so communication is
+    small whatever the strategy and only the frozen base's memory matters.
+    """
+    if job.world == 1:
+        return [("ddp", False, "one device: no communication"),
+                ("zero2", True, "one device too small: optimizer state and its step move to host memory")]  # fmt: skip
+    if job.lora:
+        return [("ddp", False, "adapter gradients are tiny, so one all-reduce per step is the least communication"),
+                ("fsdp2", False, "the frozen base does not fit whole on a device; FSDP2 shards it"),
+                ("zero3", False, "the frozen base does not fit whole on a device; ZeRO-3 shards it")]  # fmt: skip
+    fast = interconnect in ("nvswitch",)
+    order = [("ddp", False, "a full replica fits, and one gradient all-reduce is the least communication")]
+    if job.nodes > 1:
+        order += [("zero++", False, "across machines hpZ keeps weight all-gathers inside each node and qwZ/qgZ "
+                   "quantize what crosses the network")]  # fmt: skip
+    if fast:
+        order += [("fsdp2", False, f"{interconnect}: all-gathers are cheap, so full sharding costs little and frees "
+                   "the most memory")]  # fmt: skip
+    order += [("zero1", False, "optimizer state sharded: same traffic as DDP"),
+              ("zero2", False, "gradients sharded too: still DDP's traffic")]  # fmt: skip
+    if not fast:
+        order += [("fsdp2", False, f"{interconnect}: full sharding's extra all-gather is costly here, so it comes after "
+                   "ZeRO-1/2")]  # fmt: skip
+    order += [("zero3", False, "DeepSpeed's full sharding"),
+              ("pipeline", False, "the model does not fit one node's devices even fully sharded: split layers "
+               "into stages; only activations cross the links")]  # fmt: skip
+    order += [("zero3", True, "last resort: optimizer state and step on the host (PCIe-bound)")]
+    return order

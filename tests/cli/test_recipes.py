@@ -1,0 +1,62 @@
+"""`ladle recipes`, `--deepspeed`, and `ladle plan` sizing a recorded machine from a shipped recipe."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cli.test_bad_input import assert_clean_error
+from tests.conftest import run_cli
+from tests.unit.test_topo_matrix import NVSWITCH_8
+
+SHIPPED = ["deepseek-v3-pipeline", "llama3-70b-fsdp2", "llama3-8b-lora", "llama3-8b-qlora", "llama3.2-1b-lora",
+           "llama3.2-1b-qlora", "qwen3-32b-zeropp", "tiny-cpu"]  # fmt: skip
+
+
+def test_recipes_list_show_use(tmp_path):
+    listed = json.loads(run_cli("recipes", "list", "--json").stdout.strip().splitlines()[-1])
+    assert sorted(listed) == SHIPPED and "ZeRO++" in listed["qwen3-32b-zeropp"]
+    shown = run_cli("recipes", "show", "qwen3-32b-zeropp")
+    assert shown.returncode == 0 and "strategy: zero++" in shown.stdout
+    target = tmp_path / "mine.yaml"
+    assert run_cli("recipes", "use", "llama3-8b-lora", "--to", str(target)).returncode == 0
+    assert "base: ladle://models/llama-3.1-8b" in target.read_text()
+    assert_clean_error(run_cli("recipes", "use", "llama3-8b-lora", "--to", str(target)), "the file exists", "--force")
+
+
+@pytest.mark.parametrize("name", ["../recipes/tiny-cpu", "/etc/passwd", "a/b", ".hidden"])
+def test_recipe_names_are_never_paths(name):
+    assert_clean_error(run_cli("recipes", "show", name), "a recipe name is letters, digits", "(no paths)")
+
+
+def test_unknown_recipe_lists_the_choices():
+    assert_clean_error(run_cli("recipes", "show", "llama9"), "NAME = 'llama9': no such recipe", "tiny-cpu")
+
+
+def test_plan_a_recipe_on_a_recorded_machine_sizes_it(tmp_path):
+    topo = tmp_path / "topo.txt"
+    topo.write_text(NVSWITCH_8)
+    done = run_cli("plan", "recipes/llama3-70b-fsdp2.yaml", "--topology-file", str(topo), "--gpu-memory", "80", "--json")
+    made = json.loads(done.stdout.strip().splitlines()[-1])
+    assert made["strategy"] == "fsdp2" and made["params"] == 70_553_706_496 and made["world_size"] == 8
+    by_name = {c["strategy"]: c for c in made["candidates"]}
+    assert by_name["fsdp2"]["fits"] and not by_name["ddp"]["fits"]  # a 141 GB bf16 replica cannot fit 80 GB
+    assert made["strategy_options"]["compile"] is True
+    text = run_cli("plan", "recipes/llama3-70b-fsdp2.yaml", "--topology-file", str(topo), "--gpu-memory", "80").stderr
+    assert "## Candidates (fastest first)" in text and "strategy fsdp2 (explicit): needs" in text
+
+
+def test_deepspeed_flag_sets_the_strategy_and_prints_the_json(tmp_path):
+    topo = tmp_path / "topo.txt"
+    topo.write_text(NVSWITCH_8)
+    done = run_cli("plan", "recipes/llama3-8b-lora.yaml", "--topology-file", str(topo), "--deepspeed", "zero_pp", "--json")
+    made = json.loads(done.stdout.strip().splitlines()[-1])
+    assert made["strategy"] == "zero++" and made["launcher_config"]["zero_optimization"]["stage"] == 3
+    assert_clean_error(run_cli("plan", "recipes/tiny-cpu.yaml", "--deepspeed", "4"), "--deepspeed = '4': unknown ZeRO stage")
+    assert_clean_error(run_cli("plan", "recipes/tiny-cpu.yaml", "--gpu-memory", "-3"), "--gpu-memory = -3.0")
+
+
+def test_a_shipped_config_without_weights_cannot_train():
+    assert_clean_error(run_cli("run", "recipes/llama3.2-1b-lora.yaml", "--set", "data.path=ladle://demo-alpaca"),
+                       "has a config.json but no weights", "--set base=/path/to/model")  # fmt: skip
