@@ -41,7 +41,7 @@ def main() -> None:
             for name in names if rep % 2 == 0 else list(reversed(names)):
                 cfg = build_config(
                     {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}, "output": tmp,
-                     "parallelism": {"strategy": name},
+                     "parallelism": {"strategy": name, "pipeline": {"allow_cpu": True}},
                      "training": {"max_steps": args.steps, "lr": 3e-3,
                                   "lora": {"r": 16, "target_modules": "all-linear", "modules_to_save": ["lm_head", "embed_tokens"]}}},
                     [],

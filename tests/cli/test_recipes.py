@@ -60,3 +60,26 @@ def test_deepspeed_flag_sets_the_strategy_and_prints_the_json(tmp_path):
 def test_a_shipped_config_without_weights_cannot_train():
     assert_clean_error(run_cli("run", "recipes/llama3.2-1b-lora.yaml", "--set", "data.path=ladle://demo-alpaca"),
                        "has a config.json but no weights", "--set base=/path/to/model")  # fmt: skip
+
+
+def test_plan_and_probe_never_import_torch_or_transformers(tmp_path):
+    """The fast path: `ladle plan` / `ladle probe` for known architectures load neither (timed in bench/cold_start.py)."""
+    import subprocess
+    import sys
+
+    topo = tmp_path / "topo.txt"
+    topo.write_text(NVSWITCH_8)
+    code = (
+        "import sys\n"
+        "from ladle.cli.main import app\n"
+        "for argv in ([ 'plan', 'recipes/llama3-70b-fsdp2.yaml', '--topology-file', sys.argv[1], '--gpu-memory', '80', '--json'],"
+        " ['probe', '--topology-file', sys.argv[1], '--json']):\n"
+        "    try:\n"
+        "        app(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert not e.code, e.code\n"
+        "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'peft', 'accelerate') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(topo)], capture_output=True, text=True, timeout=120)
+    assert "HEAVY []" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]

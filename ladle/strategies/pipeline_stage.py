@@ -1,0 +1,113 @@
+"""The modules a pipeline rank holds: its stage of the decoder, the loss, and the schedule's wrapper.
+
+Kept apart from ``ladle.strategies.pipeline`` so that planning never imports torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+IGNORE = -100
+
+
+def causal_lm(model):
+    """The ``*ForCausalLM`` under a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def split_layers(layers: int, stages: int) -> list[range]:
+    """Contiguous, as-even-as-possible runs of layer indices, earlier stages taking the remainder."""
+    base, extra = divmod(layers, stages)
+    out, start = [], 0
+    for stage in range(stages):
+        size = base + (1 if stage < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+class StageModule(nn.Module):
+    """One rank's slice of the decoder; ``forward(x, position_ids)`` takes token ids on the first stage,
+    hidden states elsewhere, and returns hidden states, or logits on the last stage."""
+
+    def __init__(self, model, stage: int, stages: int):
+        super().__init__()
+        lm = causal_lm(model)
+        inner = lm.model
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.layer_ids = list(split_layers(len(inner.layers), stages)[stage])
+        inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in self.layer_ids})
+        if not self.first:
+            inner.embed_tokens = None
+        if not self.last:
+            inner.norm = None
+            lm.lm_head = None
+        self.wrapped = model  # registered: parameters() and state_dict() are this stage's, under HF names
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        lm = causal_lm(self.wrapped)
+        inner = lm.model
+        hidden = inner.embed_tokens(x) if self.first else x
+        # position_ids restart at 0 per packed example; the mask keeps attention inside each example.
+        mask = create_causal_mask(config=lm.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+                                  position_ids=position_ids)  # fmt: skip
+        rotary = inner.rotary_emb(hidden, position_ids=position_ids)
+        for layer in inner.layers.values():
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids, use_cache=False)
+        if self.last:
+            hidden = lm.lm_head(inner.norm(hidden))
+        return hidden
+
+
+class TokenLoss:
+    """Summed next-token cross-entropy over trained tokens, divided by ``denominator`` (set per step)."""
+
+    def __init__(self):
+        self.denominator = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        targets = labels[:, 1:]
+        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=IGNORE, reduction="sum")  # fmt: skip
+        return loss / self.denominator
+
+
+class PipelineModel(nn.Module):
+    """This rank's stage, its schedule and loss (what the worker holds as ``model``)."""
+
+    def __init__(self, stage_module: StageModule, schedule, loss: TokenLoss, stage: int, stages: int, kind: str,
+                 hf_config, peft_config):  # fmt: skip
+        super().__init__()
+        self.stage_module = stage_module
+        self.schedule, self.loss, self.stage, self.stages, self.kind = schedule, loss, stage, stages, kind
+        self.hf_config, self.peft_config = hf_config, peft_config
+
+    def skeleton(self):
+        """The whole model (with its adapter) on the meta device: no rank holds every module, but saving
+        needs the full module tree to map the gathered state dict onto (peft saves module by module)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.hf_config)
+        if self.peft_config is None:
+            return model
+        from peft import get_peft_model
+
+        return get_peft_model(model, self.peft_config)
+
+    def run(self, ids, labels, positions, train: bool) -> list[torch.Tensor]:
+        """One schedule pass over whole-batch tensors; the last stage returns the per-microbatch losses."""
+        losses: list[torch.Tensor] = []
+        args = (ids,) if self.stage_module.first else ()
+        target = labels if self.stage_module.last else None
+        call = self.schedule.step if train else self.schedule.eval
+        if train:
+            call(*args, target=target, losses=losses, return_outputs=False, position_ids=positions)
+        else:
+            call(*args, target=target, losses=losses, position_ids=positions)
+        return losses
