@@ -103,7 +103,10 @@ class TrainingConfig(Section):
     )
     epochs: float = Field(1.0, gt=0, description="Passes over the training data when `max_steps` is -1.")
     lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
-    micro_batch_size: int = Field(4, ge=1, description="Packed rows per process per forward pass.")
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        4, description="Packed rows per process per forward pass. auto: the largest power of two up to 64 whose "
+        "per-rank memory fits (sized from the base's config.json) and that divides the global batch."
+    )
     global_batch_size: int = Field(
         0,
         ge=0,
@@ -142,6 +145,11 @@ class FSDP2Options(Section):
         True, description="Free each layer's gathered parameters after its forward (less memory, one more all-gather)."
     )
     cpu_offload: bool = Field(False, description="Keep parameters and optimizer state in CPU memory (CUDA runs only).")
+    replicate: int = Field(
+        1, ge=0, le=1024, description="HSDP: replica groups (data-parallel replicate degree); parameters are "
+        "sharded within each group of world/replicate ranks and gradients all-reduced across groups. 1: plain "
+        "FSDP (shard over all ranks). 0: one group per machine (shard inside the node, replicate across nodes)."
+    )
     compile: bool = Field(
         False, description="use_fsdp2_compile: torch.compile each decoder block in place before sharding (CUDA, "
         "torch >= 2.2, accelerate >= 0.27). FSDP2 only; DeepSpeed with torch.compile is rejected."

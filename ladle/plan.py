@@ -171,7 +171,8 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
         problems.append(f"parallelism.fsdp2.compile = true with parallelism.strategy = {strategy}: {what}. "
                         "Set parallelism.strategy=fsdp2 or parallelism.fsdp2.compile=false.")  # fmt: skip
     replicas = 1 if strategy == "pipeline" else world  # a pipeline's ranks share one batch
-    micro, accum, global_batch = choose_batch(cfg, replicas, problems, reasons)
+    micro = choose_micro(cfg, topo, device, per_machine, nodes, dtype, model, strategy, replicas, reasons, warnings)
+    micro, accum, global_batch = choose_batch(cfg, micro, replicas, problems, reasons)
     if strategy == "pipeline" and cfg.parallelism.pipeline.schedule == "1f1b" and accum < cfg.parallelism.pipeline.stages:
         problems.append(
             f"training.global_batch_size = {global_batch}: 1f1b needs at least one microbatch per stage "
@@ -289,7 +290,8 @@ def choose_strategy(cfg, topo, device, per_machine, nodes, dtype, model,
             reasons.append(f"strategy ddp: {missing}, so the default with the least communication")
         return (explicit if explicit != "auto" else "ddp"), []
     try:
-        job = sizing_job(cfg, model, per_machine, nodes, dtype, cfg.training.micro_batch_size, device)
+        micro = 1 if cfg.training.micro_batch_size == "auto" else cfg.training.micro_batch_size
+        job = sizing_job(cfg, model, per_machine, nodes, dtype, micro, device)
     except LadleError as err:
         warnings.append(f"memory not sized: {err}")
         return (explicit if explicit != "auto" else "ddp"), []
@@ -304,7 +306,7 @@ def choose_strategy(cfg, topo, device, per_machine, nodes, dtype, model,
         candidates.append({"strategy": est.strategy, "per_rank_gib": round(est.total / sizing.GIB, 2), "fits": fits,
                            "breakdown": est.summary(), "why": why})  # fmt: skip
         if fits and chosen is None:
-            chosen = (name, offload, why, est)
+            chosen = (name.removesuffix("+hsdp"), offload, why, est)
     limit = f"{sizing.gib(sizing.HEADROOM * capacity)} usable of {sizing.gib(capacity)} per rank"
     if explicit != "auto":
         mine = next((c for c in candidates if c["strategy"] == explicit), None)
@@ -331,7 +333,7 @@ def choose_strategy(cfg, topo, device, per_machine, nodes, dtype, model,
             "training.micro_batch_size or data.seq_len, or add GPUs/nodes."
         )
         return "ddp", []
-    name, offload, why, est = chosen
+    name, offload, why, est = chosen  # name: the strategy (fsdp2+hsdp runs as fsdp2 with replicate groups)
     slower = [c["strategy"] for c in candidates[: candidates.index(next(c for c in candidates if c["fits"]))]]
     skipped = f"; faster {', '.join(slower)} do not fit" if slower else ""
     reasons.append(f"strategy {est.strategy}: {why}; needs {est.summary()}, within {limit}{skipped}")
@@ -339,6 +341,8 @@ def choose_strategy(cfg, topo, device, per_machine, nodes, dtype, model,
     if offload:
         warnings.append(f"{name} with optimizer offload: the optimizer step runs on the host (slow)")
         adjust.append(("deepspeed", "offload_optimizer", "cpu"))
+    if est.strategy.startswith("fsdp2+hsdp"):
+        adjust.append(("fsdp2", "replicate", 0))
     if name == "pipeline":
         adjust.append(("pipeline", "stages", job.world))
         reasons.append(f"pipeline of {job.world} stages: one per process")
@@ -349,9 +353,40 @@ def pipeline_possible(cfg, job, device) -> bool:
     return 2 <= job.world <= 16 and job.shape.layers >= job.world and (device == "cuda" or cfg.parallelism.pipeline.allow_cpu)
 
 
-def choose_batch(cfg, world, problems, reasons) -> tuple[int, int, int]:
-    """Micro-batch, accumulation (pipeline: microbatches per step) and global batch for ``world`` data-parallel replicas."""
-    micro = cfg.training.micro_batch_size
+MICRO_CHOICES = (64, 32, 16, 8, 4, 2, 1)
+
+
+def choose_micro(cfg, topo, device, per_machine, nodes, dtype, model, strategy, replicas, reasons, warnings) -> int:
+    """``training.micro_batch_size``, or for ``auto`` the largest that fits the chosen strategy and divides the batch."""
+    from ladle import sizing
+
+    asked = cfg.training.micro_batch_size
+    if asked != "auto":
+        return asked
+    capacity = device_bytes(topo, device, per_machine)
+    wanted = cfg.training.global_batch_size
+    if model is None or capacity is None:
+        reasons.append("micro-batch 1: auto, but the model size or device memory is unknown")
+        return 1
+    ds, fsdp = cfg.parallelism.deepspeed, cfg.parallelism.fsdp2
+    label = strategy + ("+hsdp" if strategy == "fsdp2" and fsdp.replicate != 1 else "")
+    offloads = (fsdp.cpu_offload, fsdp.cpu_offload) if strategy == "fsdp2" else \
+        (ds.offload_optimizer != "none", ds.offload_param != "none") if strategy.startswith("zero") else (False, False)  # fmt: skip
+    for micro in MICRO_CHOICES:
+        if wanted and wanted % (micro * replicas):
+            continue
+        est = sizing.estimate(sizing_job(cfg, model, per_machine, nodes, dtype, micro, device), label, *offloads)
+        if est.fits(capacity):
+            divides = f" and divides the global batch {wanted}" if wanted else ""
+            reasons.append(f"micro-batch {micro}: the largest of {'/'.join(map(str, MICRO_CHOICES))} that fits "
+                           f"({est.summary()}){divides}")  # fmt: skip
+            return micro
+    warnings.append("micro-batch 1: auto found no micro-batch that fits; even 1 row per process exceeds the device")
+    return 1
+
+
+def choose_batch(cfg, micro, world, problems, reasons) -> tuple[int, int, int]:
+    """Accumulation (pipeline: microbatches per step) and global batch for ``world`` data-parallel replicas."""
     per_step = micro * world
     wanted = cfg.training.global_batch_size or per_step
     if wanted % per_step:

@@ -144,10 +144,13 @@ class Job:
 SHARDS_BASE = ("fsdp2", "zero3", "zero++", "pipeline")  # a frozen base split across ranks
 
 
-def model_states(job: Job, strategy: str, offload: bool = False, offload_params: bool = False) -> memory.ModelStates:
-    s, world = job.shape, job.world
+def model_states(job: Job, strategy: str, offload: bool = False, offload_params: bool = False,
+                 hsdp: bool = False) -> memory.ModelStates:  # fmt: skip
+    s, world = job.shape, job.gpus_per_node if hsdp else job.world
     if job.lora:
         base = memory.lora(s.params, s.trainable, world, shard_base=strategy in SHARDS_BASE)
+        if job.dtype_bytes == 4:  # a float32 run (CPU) keeps the frozen base in 4 bytes, not 2
+            base = memory.ModelStates(base.weights * 2, base.gradients, base.optimizer, 0)
         if offload_params:
             base = memory.ModelStates(memory.WEIGHT_16 * s.trainable, base.gradients, base.optimizer, 0,
                                       memory.WEIGHT_16 * s.params // job.nodes)  # fmt: skip
@@ -165,8 +168,8 @@ def model_states(job: Job, strategy: str, offload: bool = False, offload_params:
     if strategy == "pipeline":  # each stage a full replica of its slice
         return memory.ddp(s.params // world)
     largest = max(s.layer_params, s.embedding_params // 2)
-    states = memory.zero3(s.params, largest, job.gpus_per_node, job.nodes, offload_optimizer=offload or offload_params,
-                          offload_params=offload_params)  # fmt: skip
+    states = memory.zero3(s.params, largest, job.gpus_per_node, 1 if hsdp else job.nodes,
+                          offload_optimizer=offload or offload_params, offload_params=offload_params)  # fmt: skip
     if strategy == "fsdp2":  # the root unit (embeddings + head) stays gathered between forward and backward
         return memory.ModelStates(states.weights, states.gradients, states.optimizer,
                                   states.gathered + memory.WEIGHT_16 * s.embedding_params, states.host)  # fmt: skip
@@ -178,9 +181,12 @@ def model_states(job: Job, strategy: str, offload: bool = False, offload_params:
 
 def estimate(job: Job, strategy: str, offload: bool = False, offload_params: bool = False) -> Estimate:
     """Per-rank memory of one training step of ``job`` under ``strategy`` (``offload``: optimizer state on the
-    host; ``offload_params``: parameters too, as ZeRO-Infinity or FSDP2's CPUOffloadPolicy do)."""
+    host; ``offload_params``: parameters too, as ZeRO-Infinity or FSDP2's CPUOffloadPolicy do;
+    ``fsdp2+hsdp``: FSDP2 sharded within each machine, replicated across machines)."""
     s = job.shape
-    states = model_states(job, strategy, offload, offload_params)
+    hsdp = strategy.endswith("+hsdp")
+    strategy = strategy.removesuffix("+hsdp")
+    states = model_states(job, strategy, offload, offload_params, hsdp=hsdp)
     tokens = job.micro_batch * job.seq_len
     layers = s.layers
     note = ""
@@ -191,7 +197,7 @@ def estimate(job: Job, strategy: str, offload: bool = False, offload_params: boo
         note = f"{job.world} stages of {layers} layers, {in_flight} microbatches in flight"
     else:
         acts = activation_bytes(s, tokens, layers, job.dtype_bytes, job.checkpointing)
-    name = strategy + ("+offload" if offload or offload_params else "")
+    name = strategy + ("+hsdp" if hsdp else "") + ("+offload" if offload or offload_params else "")
     return Estimate(name, states.weights, states.gradients, states.optimizer, states.gathered, acts,
                     logits_bytes(s, tokens, job.dtype_bytes), states.host, note, CONTEXT_BYTES if job.cuda else 0)  # fmt: skip
 
@@ -215,7 +221,9 @@ def preference(job: Job, interconnect: str) -> list[tuple[str, bool, str]]:
     order = [("ddp", False, "a full replica fits, and one gradient all-reduce is the least communication")]
     if job.nodes > 1:
         order += [("zero++", False, "across machines hpZ keeps weight all-gathers inside each node and qwZ/qgZ "
-                   "quantize what crosses the network")]  # fmt: skip
+                   "quantize what crosses the network"),
+                  ("fsdp2+hsdp", False, "HSDP: parameters sharded inside each machine, so only one gradient "
+                   "all-reduce per step crosses the network")]  # fmt: skip
     if fast:
         order += [("fsdp2", False, f"{interconnect}: all-gathers are cheap, so full sharding costs little and frees "
                    "the most memory")]  # fmt: skip

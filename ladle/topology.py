@@ -1,8 +1,10 @@
 """Probe the machine: GPUs, their memory, and the launcher's node layout.
 
 Imports neither torch nor NVML bindings at module load, so ``ladle probe`` and
-``ladle plan`` start fast. GPUs are read from ``nvidia-smi``'s CSV query; a
-host without it (or with no GPU) is a CPU host, reported with a warning.
+``ladle plan`` start fast. GPUs are read from NVML when nvidia-ml-py and a
+driver are present, else from ``nvidia-smi``'s CSV query and ``topo -m``
+matrix; a host with neither (or with no GPU) is a CPU host, reported with a
+warning.
 """
 
 from __future__ import annotations
@@ -141,17 +143,30 @@ def run_topo_matrix() -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def probe(env: dict[str, str] | None = None, query_output: str | None = None) -> Topology:
-    """Describe this machine (or one whose ``nvidia-smi`` output is given).
+def probe(env: dict[str, str] | None = None, query_output: str | None = None, nvml=None) -> Topology:
+    """Describe this machine (or one whose ``nvidia-smi`` output or NVML is given).
+
+    NVML (nvidia-ml-py) is read first: names, memory, compute capability and NVLink state per
+    pair; without it, ``nvidia-smi``'s query and ``topo -m`` matrix. ``CUDA_VISIBLE_DEVICES``
+    narrows either to the GPUs this process will see, in its order.
 
     Args:
         env: environment to read (default: ``os.environ``).
-        query_output: recorded ``nvidia-smi`` query output; default runs it.
+        query_output: recorded ``nvidia-smi`` query output; default runs it (when NVML is absent).
+        nvml: an initialised NVML module (recorded, in tests); default loads ``pynvml`` if installed.
     """
     env = dict(os.environ if env is None else env)
-    text = query_output if query_output is not None else run_nvidia_smi()
     nodes, node_rank = node_layout(env)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if query_output is None:
+        from ladle import nvml as nvml_probe
+
+        nvml = nvml if nvml is not None else nvml_probe.load()
+        if nvml is not None:
+            found, links = nvml_probe.read(nvml)
+            if found:
+                return nvml_topology(found, links, env, nodes, node_rank, cpus, query_output is None)
+    text = query_output if query_output is not None else run_nvidia_smi()
     gpus = visible(parse_gpu_query(text), env) if text else []
     if not gpus:
         warning = "no CUDA GPU found: this is a CPU host; training runs as CPU processes on gloo"
@@ -169,4 +184,29 @@ def probe(env: dict[str, str] | None = None, query_output: str | None = None) ->
             return with_matrix(topo, matrix)
         except LadleError as err:
             topo.warnings.append(f"interconnect unknown: {err}")
+    return topo
+
+
+def nvml_topology(found: list[dict], links: list[list[str]], env: dict[str, str], nodes: int, node_rank: int,
+                  cpus: int, live: bool) -> Topology:  # fmt: skip
+    """A Topology from NVML's GPUs and link matrix, narrowed to the visible GPUs; NUMA and NICs, which
+    NVML does not relate to GPUs, come from ``nvidia-smi topo -m`` when it runs."""
+    from ladle.topo_matrix import facts
+
+    gpus = visible([GPU(**g) for g in found], env)
+    keep = [g.index for g in gpus]
+    sub = [[links[i][j] for j in keep] for i in keep]
+    matrix = facts(sub, None, [])
+    topo = Topology(gpu_count=len(gpus), gpus=[g.model_copy(update={"index": n}) for n, g in enumerate(gpus)],
+                    cuda_available=True, nodes=nodes, node_rank=node_rank, cpu_count=cpus, source="nvml",
+                    **{k: v for k, v in matrix.model_dump().items() if k != "gpu_count"})  # fmt: skip
+    text = run_topo_matrix() if live and len(found) > 1 else None
+    if text:
+        from ladle.topo_matrix import parse
+
+        try:
+            extra = parse(text)
+            topo.nics, topo.numa_nodes = extra.nics, extra.numa_nodes
+        except LadleError as err:
+            topo.warnings.append(f"NUMA and NICs unknown: {err}")
     return topo

@@ -43,12 +43,24 @@ def compile_problems(topo) -> list[str]:
     return problems
 
 
+def replicas(plan) -> int:
+    """HSDP replica groups for this plan (1: plain FSDP)."""
+    replicate = plan.strategy_options.get("replicate", 1)
+    return plan.num_machines if replicate == 0 else replicate
+
+
 class FSDP2(Strategy):
     name = "fsdp2"
     summary = "fully sharded data parallel (fully_shard): parameters, gradients and optimizer state sharded"
 
     def validate(self, cfg, topo, world_size: int) -> list[str]:
         problems = []
+        replicate = cfg.parallelism.fsdp2.replicate
+        if replicate > 1 and (replicate > world_size or world_size % replicate):
+            problems.append(
+                f"parallelism.fsdp2.replicate = {replicate}: must divide the world size {world_size} "
+                "(replicate x shard = world). Use a divisor, 0 (one group per machine) or 1 (plain FSDP)."
+            )
         if cfg.parallelism.fsdp2.compile:
             problems += compile_problems(topo)
         if cfg.parallelism.fsdp2.cpu_offload and topo.gpu_count == 0:
@@ -57,6 +69,21 @@ class FSDP2(Strategy):
                 "this host has none. Set parallelism.fsdp2.cpu_offload=false."
             )
         return problems
+
+    def configure(self, cfg, plan) -> tuple[dict, list[str]]:
+        opts, replicate = plan.strategy_options, replicas(plan)
+        shard = plan.world_size // max(replicate, 1)
+        config = {
+            "mesh": {"replicate": replicate, "shard": shard} if replicate > 1 else {"shard": plan.world_size},
+            "reshard_after_forward": opts["reshard_after_forward"],
+            "mixed_precision": {"param_dtype": plan.dtype if plan.device == "cuda" else "float32", "reduce_dtype": "float32"},
+            "cpu_offload": opts["cpu_offload"], "compile": opts["compile"], "units": "each *DecoderLayer, then the root",
+        }  # fmt: skip
+        reasons = []
+        if replicate > 1:
+            reasons.append(f"fsdp2 HSDP mesh {replicate} x {shard}: parameters sharded over {shard} ranks, "
+                           f"replicated {replicate} times; gradients all-reduced across replicas")  # fmt: skip
+        return config, reasons
 
     def launcher_args(self, plan) -> list[str]:
         if plan.world_size == 1:
@@ -72,7 +99,12 @@ class FSDP2(Strategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         model.to(accelerator.device)
-        mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+        replicate = replicas(plan)
+        if replicate > 1:  # HSDP: dim 0 replicates, dim 1 shards (FSDP2 reads a 2-D mesh this way)
+            mesh = init_device_mesh(accelerator.device.type, (replicate, accelerator.num_processes // replicate),
+                                    mesh_dim_names=("replicate", "shard"))  # fmt: skip
+        else:
+            mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
         compute = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
         options = {
             "mesh": mesh,
@@ -92,19 +124,28 @@ class FSDP2(Strategy):
         return model, make_optimizer(model)
 
     def check_applied(self, accelerator, model, plan) -> dict:
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
         params = list(model.parameters())
         plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
         if plain:
             raise RuntimeError(f"fsdp2 planned but {len(plain)} parameter(s) are not sharded, e.g. {plain[0]}")
-        wrong = [p.placements for p in params if any(not isinstance(pl, Shard) or pl.dim != 0 for pl in p.placements)]
+        replicate = replicas(plan)
+        expected = "(Replicate(), Shard(0))" if replicate > 1 else "(Shard(0),)"
+        def placed_right(p) -> bool:
+            if replicate > 1:
+                return len(p.placements) == 2 and isinstance(p.placements[0], Replicate) and \
+                    isinstance(p.placements[1], Shard) and p.placements[1].dim == 0  # fmt: skip
+            return all(isinstance(pl, Shard) and pl.dim == 0 for pl in p.placements)
+
+        wrong = [p.placements for p in params if not placed_right(p)]
         if wrong and accelerator.num_processes > 1:
-            raise RuntimeError(f"fsdp2 planned but parameters are placed {wrong[0]}, not Shard(0)")
+            raise RuntimeError(f"fsdp2 planned but parameters are placed {wrong[0]}, not {expected}")
         local = sum(p.to_local().numel() for p in params)
         total = sum(p.numel() for p in params)
-        return {"wrapper": "FSDP2", "parameter_share": local / total, "local_numel": local, "total_numel": total,
-                "sharded_parameters": len(params), "decoder_layers_sharded": len(decoder_layers(model))}  # fmt: skip
+        return {"wrapper": "FSDP2" if replicate == 1 else "FSDP2 (HSDP)", "parameter_share": local / total,
+                "local_numel": local, "total_numel": total, "sharded_parameters": len(params),
+                "decoder_layers_sharded": len(decoder_layers(model)), "mesh": [replicate, plan.world_size // replicate]}  # fmt: skip
 
     @contextmanager
     def no_sync(self, accelerator, model):

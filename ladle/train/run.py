@@ -36,6 +36,13 @@ def worker_env(spec: TrainSpec) -> dict[str, str]:
         cores = os.cpu_count() or 1
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // spec.plan.processes_per_machine)))
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise guess, and say so on stdout
+    if spec.plan.device == "cuda":
+        # Hints only: a setting the user exported wins. Peer-to-peer is never forced on (NCCL_P2P_*
+        # stay NCCL's own choice): cards without P2P support hang or corrupt when it is.
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a failed collective raises instead of hanging
+        env.setdefault("NCCL_DEBUG", "WARN")
+        if spec.plan.num_machines > 1:
+            env.setdefault("NCCL_SOCKET_IFNAME", "^lo,docker")  # not loopback or container bridges across machines
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env

@@ -111,10 +111,14 @@ def test_plan_reports_model_size(tmp_path):
     config = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
-    done = run_cli("plan", RECIPE, "--model-config", str(tmp_path), "--set", "training.lora.r=8",
-                   "--set", "training.lora.target_modules=[q_proj,v_proj]", "--json", timeout=60)  # fmt: skip
+    lora = ["--set", "training.lora.r=8", "--set", "training.lora.target_modules=[q_proj,v_proj]"]
+    done = run_cli("plan", RECIPE, "--model-config", str(tmp_path), *lora, "--set", "parallelism.strategy=ddp", "--json", timeout=60)
     plan = json.loads(done.stdout.strip().splitlines()[-1])
     assert (plan["params"], plan["trainable_params"], plan["strategy"]) == (8_030_261_248, 3_407_872, "ddp")
+    # an 8B base in float32 is 30 GiB per CPU process: the explicit choice wins, with the numbers
+    assert any(w.startswith("parallelism.strategy = ddp needs") for w in plan["warnings"])
+    assert_clean_error(run_cli("plan", RECIPE, "--model-config", str(tmp_path), *lora, timeout=60),
+                       "parallelism.strategy = auto: no strategy fits")  # fmt: skip
     assert plan["launch_command"].startswith("accelerate launch --multi_gpu --num_processes 2")
     (tmp_path / "config.json").write_text("{oops")
     assert_clean_error(run_cli("plan", RECIPE, "--model-config", str(tmp_path), timeout=60), "not valid JSON")

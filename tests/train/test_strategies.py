@@ -132,3 +132,15 @@ def test_full_finetune_consolidates_to_the_same_safetensors(full_runs, name, tmp
         torch.testing.assert_close(weights[name][key], value, rtol=0, atol=1e-5)
     merged = merge(None, other, str(tmp_path))
     assert merged.parameters == sum(v.numel() for v in weights["ddp"].values())
+
+
+def test_hsdp_shards_within_groups_and_matches_ddp(runs, tmp_path):
+    """4 processes as 2 replica groups x 2 shards (FSDP2 on a 2-D mesh): each rank holds half the
+    parameters, placed (Replicate, Shard(0)), and the losses are DDP's (same global batch)."""
+    spec = spec_for("fsdp2", tmp_path, "parallelism.cpu_processes=4", "parallelism.fsdp2.replicate=2",
+                    "training.micro_batch_size=1", "training.checkpoint_every=0")  # fmt: skip
+    assert spec.plan.launcher_config["mesh"] == {"replicate": 2, "shard": 2}
+    result = launch(spec)
+    assert result.world_size == 4 and result.sharding["wrapper"] == "FSDP2 (HSDP)" and result.sharding["mesh"] == [2, 2]
+    assert result.sharding["parameter_share"] == pytest.approx(0.5, abs=0.01)
+    assert result.train_losses == pytest.approx(runs["ddp"][0].train_losses, abs=1e-5)

@@ -82,7 +82,7 @@ def test_memory_output_rejected():
 def test_fsdp2_is_selectable_and_carries_its_options():
     plan = plan_for(CPU, "parallelism.strategy=fsdp2", "parallelism.fsdp2.reshard_after_forward=false")
     assert plan.strategy == "fsdp2"
-    assert plan.strategy_options == {"reshard_after_forward": False, "cpu_offload": False, "compile": False}
+    assert plan.strategy_options == {"reshard_after_forward": False, "cpu_offload": False, "replicate": 1, "compile": False}
     assert "--multi_gpu" in plan.launcher_argv(["spec.json"])  # fully_shard is applied by ladle, not accelerate's plugin
 
 
@@ -211,3 +211,13 @@ def test_config_path_with_shell_metacharacters_stays_one_argv_item():
     argv = made.launcher_argv([path])
     assert argv[-1] == path and argv.count(path) == 1
     assert shlex.split(made.launch_command([path]))[-1] == path
+
+
+def test_hsdp_mesh_comes_from_the_plan():
+    made = plan_for(A100, "parallelism.strategy=fsdp2", "parallelism.fsdp2.replicate=0", "parallelism.nodes=2",
+                    "parallelism.main_port=29500")  # fmt: skip
+    assert made.launcher_config["mesh"] == {"replicate": 2, "shard": 8}
+    assert any(r.startswith("fsdp2 HSDP mesh 2 x 8") for r in made.reasons)
+    assert "parallelism.fsdp2.replicate = 3: must divide the world size 8" in problems_of(
+        A100, "parallelism.strategy=fsdp2", "parallelism.fsdp2.replicate=3")
+    assert plan_for(A100, "parallelism.strategy=fsdp2").launcher_config["mesh"] == {"shard": 8}

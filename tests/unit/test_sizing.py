@@ -157,3 +157,29 @@ def test_every_recipe_plans_on_recorded_8_gpu_machines(machines, recipe, gib, tm
     assert made.strategy == (explicit if explicit != "auto" else "ddp")
     assert not [w for w in made.warnings if "needs" in w], made.warnings
     assert made.candidates
+
+
+def test_multinode_candidates_include_hsdp_sharded_per_machine(machines):
+    made = plan(machines, "8x80 nvswitch", "qwen3-32b", "full", nodes=4)
+    by_name = {c["strategy"]: c for c in made.candidates}
+    assert list(by_name).index("zero++") < list(by_name).index("fsdp2+hsdp") < list(by_name).index("fsdp2")
+    # HSDP shards over the 8 GPUs of a machine, FSDP over all 32: it holds more per rank, moves less across nodes
+    assert by_name["fsdp2+hsdp"]["per_rank_gib"] > by_name["fsdp2"]["per_rank_gib"]
+    assert "only one gradient all-reduce per step crosses the network" in by_name["fsdp2+hsdp"]["why"]
+
+
+@pytest.mark.parametrize(("machine", "model", "kind", "global_batch"),
+                         [("8x80 nvswitch", "llama-3.1-8b", "lora", 256), ("2x24 pcie", "llama-3.2-1b", "qlora", 0),
+                          ("8x48 pcie", "llama-3.1-8b", "full", 64)])  # fmt: skip
+def test_auto_micro_batch_is_the_largest_that_fits_and_divides(machines, machine, model, kind, global_batch):
+    made = plan(machines, machine, model, kind, "training.micro_batch_size=auto",
+                f"training.global_batch_size={global_batch}")  # fmt: skip
+    micro = made.micro_batch_size
+    reason = next(r for r in made.reasons if r.startswith(f"micro-batch {micro}:"))
+    assert "the largest of 64/32/16/8/4/2/1 that fits" in reason
+    assert made.global_batch_size == micro * made.world_size * made.gradient_accumulation
+    if micro < 64:  # the next size up either does not fit or does not divide the batch
+        bigger = plan(machines, machine, model, kind, f"training.micro_batch_size={micro * 2}",
+                      f"parallelism.strategy={made.strategy}")  # fmt: skip
+        bigger_fits = not any("needs" in w for w in bigger.warnings)
+        assert not bigger_fits or (global_batch and global_batch % (micro * 2 * made.world_size))
