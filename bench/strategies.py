@@ -1,6 +1,6 @@
 """Per-strategy training throughput and peak memory on this machine, relative to DDP.
 
-    .venv/bin/python bench/strategies.py [--steps 60] [--reps 2]
+    .venv/bin/python bench/strategies.py [--steps 60] [--reps 2] [--full]
 
 Same model, data, seed and global batch for every strategy; 2 gloo processes
 on CPU (or the visible GPUs); the strategies alternate. Reported: real
@@ -33,8 +33,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA (adds tp, which LoRA excludes)")
     args = parser.parse_args()
-    names = sorted(REGISTRY, key=lambda n: n != "ddp")
+    names = [n for n in sorted(REGISTRY, key=lambda n: n != "ddp") if args.full or n != "tp"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
@@ -42,8 +43,9 @@ def main() -> None:
                 cfg = build_config(
                     {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}, "output": tmp,
                      "parallelism": {"strategy": name, "pipeline": {"allow_cpu": True}},
-                     "training": {"max_steps": args.steps, "lr": 3e-3,
-                                  "lora": {"r": 16, "target_modules": "all-linear", "modules_to_save": ["lm_head", "embed_tokens"]}}},
+                     "training": {"max_steps": args.steps, "lr": 3e-3 if not args.full else 1e-3, "checkpoint_every": 0,
+                                  "lora": {"enabled": not args.full, "r": 16, "target_modules": "all-linear",
+                                           "modules_to_save": ["lm_head", "embed_tokens"]}}},
                     [],
                 )  # fmt: skip
                 base = resolve_base(cfg.base)
@@ -59,7 +61,7 @@ def main() -> None:
         m = med[n]
         print(f"{n:<9}{m['tokens_per_s']:>9.0f}{m['tokens_per_s'] / med['ddp']['tokens_per_s']:>8.2f}"
               f"{m['peak_memory_mib']:>10.1f}{m['peak_memory_mib'] / med['ddp']['peak_memory_mib']:>8.2f}")  # fmt: skip
-    print("saved", save("strategies", {"steps": args.steps, "rows": rows, "median": med}))
+    print("saved", save("strategies-full" if args.full else "strategies", {"steps": args.steps, "rows": rows, "median": med}))
 
 
 if __name__ == "__main__":

@@ -209,12 +209,13 @@ class ParallelismConfig(Section):
         "auto",
         description=f"GPUs to train on: `auto` (all visible; a CPU run when there are none) or 1..{MAX_GPU_COUNT}.",
     )
-    strategy: Literal["auto", "ddp", "zero1", "zero2", "zero3", "zero++", "fsdp2", "pipeline"] = Field(
+    strategy: Literal["auto", "ddp", "zero1", "zero2", "zero3", "zero++", "fsdp2", "pipeline", "tp"] = Field(
         "auto",
         description="Distribution strategy. auto: the planner chooses and says why. ddp: full replica per rank; "
         "zero1/zero2/zero3: DeepSpeed ZeRO sharding optimizer state / + gradients / + parameters; zero++ "
         "(alias zero_pp): ZeRO-3 with quantized communication and hpZ; fsdp2: torch fully_shard per decoder layer; "
-        "pipeline: decoder layers split into stages (torch.distributed.pipelining).",
+        "pipeline: decoder layers split into stages (torch.distributed.pipelining); tp: tensor parallel (transformers "
+        "tp_plan), full fine-tunes.",
     )
     cpu_processes: int = Field(
         2, ge=1, le=64, description="Processes per machine for a CPU (gloo) run, used when no GPU is present."

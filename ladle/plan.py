@@ -165,12 +165,14 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
         per_machine = world = cfg.parallelism.pipeline.stages
         reasons.append(f"{per_machine} process(es): --gpus auto adapts to one pipeline of {per_machine} stages")
     problems += strategies.get(strategy).validate(cfg, topo, world)
+    if model is not None:
+        problems += strategies.get(strategy).validate_model(model, world)
     if cfg.parallelism.fsdp2.compile and strategy != "fsdp2":
         what = "DeepSpeed with torch.compile is rejected (its engine hooks break under compiled graphs)" \
             if strategy.startswith("zero") else f"compile is wired for fsdp2 only, not {strategy}"  # fmt: skip
         problems.append(f"parallelism.fsdp2.compile = true with parallelism.strategy = {strategy}: {what}. "
                         "Set parallelism.strategy=fsdp2 or parallelism.fsdp2.compile=false.")  # fmt: skip
-    replicas = 1 if strategy == "pipeline" else world  # a pipeline's ranks share one batch
+    replicas = 1 if strategy in ("pipeline", "tp") else world  # a pipeline's or tp group's ranks share one batch
     micro = choose_micro(cfg, topo, device, per_machine, nodes, dtype, model, strategy, replicas, reasons, warnings)
     micro, accum, global_batch = choose_batch(cfg, micro, replicas, problems, reasons)
     if strategy == "pipeline" and cfg.parallelism.pipeline.schedule == "1f1b" and accum < cfg.parallelism.pipeline.stages:
@@ -185,7 +187,7 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
         raise ConfigError(problems)
     plan = Plan(
         strategy=strategy,
-        strategy_options=getattr(cfg.parallelism, strategies.options_section(strategy)).model_dump(),
+        strategy_options=strategy_options(cfg, strategy),
         device=device,
         backend="nccl" if device == "cuda" else "gloo",
         world_size=world,
@@ -245,6 +247,11 @@ def choose_world(cfg, topo, config_ref, problems, reasons, warnings) -> tuple[st
         )
     reasons.append(f"{gpus} process(es) per machine: --gpus {gpus} (of {topo.gpu_count} visible)")
     return "cuda", gpus
+
+
+def strategy_options(cfg: LadleConfig, strategy: str) -> dict:
+    section = strategies.options_section(strategy)
+    return getattr(cfg.parallelism, section).model_dump() if section else {}
 
 
 def device_bytes(topo: Topology, device: str, per_machine: int) -> int | None:

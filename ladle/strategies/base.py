@@ -97,29 +97,44 @@ class Strategy(ABC):
 
         from ladle.train import schedule
 
-        micros = schedule.micro_batches(batch, accelerator.process_index, accelerator.num_processes, plan.micro_batch_size)
+        rank, replicas = self.data_parallel(accelerator)
+        micros = schedule.micro_batches(batch, rank, replicas, plan.micro_batch_size)
         local_sum = 0.0
         for m, rows in enumerate(micros):
             sync = m == len(micros) - 1
             with self.no_sync(accelerator, model) if not sync else nullcontext():
                 loss, _ = loss_fn(model, data, rows, accelerator.device)
-                # Data-parallel reductions average gradients over ranks; scale so the result is the global token mean.
-                self.backward(accelerator, model, loss * accelerator.num_processes / denominator, boundary=sync)
+                # Data-parallel reductions average gradients over replicas; scale so the result is the global token mean.
+                self.backward(accelerator, model, loss * replicas / denominator, boundary=sync)
             local_sum += loss.item()
-        return local_sum
+        # Ranks of one replica computed the same loss: count it once in the all-rank sum.
+        return local_sum * replicas / accelerator.num_processes
 
     def evaluate(self, accelerator, model, data, micro: int, loss_fn) -> float:
         """Token-weighted loss over all rows of ``data``, the same on every rank."""
         import torch
 
-        mine = list(range(accelerator.process_index, len(data["input_ids"]), accelerator.num_processes))
+        rank, replicas = self.data_parallel(accelerator)
+        mine = list(range(rank, len(data["input_ids"]), replicas))
         total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
         with torch.no_grad():
             for start in range(0, len(mine), micro):
                 loss, count = loss_fn(model, data, mine[start : start + micro], accelerator.device)
                 total += torch.tensor([loss.item(), count], dtype=torch.float64, device=accelerator.device)
-        total = accelerator.reduce(total, reduction="sum")
+        total = accelerator.reduce(total, reduction="sum")  # every rank of a replica adds the same totals
         return float(total[0] / max(total[1], 1))
+
+    def data_parallel(self, accelerator) -> tuple[int, int]:
+        """This rank's data-parallel index and the number of replicas (ranks reading different rows)."""
+        return accelerator.process_index, accelerator.num_processes
+
+    def load_kwargs(self, accelerator, plan: Plan) -> dict[str, Any]:
+        """Extra ``from_pretrained`` arguments (e.g. a tensor-parallel plan and mesh)."""
+        return {}
+
+    def validate_model(self, model: dict, world_size: int) -> list[str]:
+        """Problems with this model's shape for this strategy (the planner has the config.json)."""
+        return []
 
     def hf_model(self, accelerator, model):
         """The Hugging Face (or peft) model object whose ``save_pretrained`` writes the output."""

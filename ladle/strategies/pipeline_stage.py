@@ -88,17 +88,11 @@ class PipelineModel(nn.Module):
         self.hf_config, self.peft_config = hf_config, peft_config
 
     def skeleton(self):
-        """The whole model (with its adapter) on the meta device: no rank holds every module, but saving
-        needs the full module tree to map the gathered state dict onto (peft saves module by module)."""
-        from transformers import AutoModelForCausalLM
+        """The whole model on the meta device: no rank holds every module, but saving needs the full
+        module tree to map the gathered state dict onto (peft saves module by module)."""
+        from ladle.strategies.skeleton import meta_skeleton
 
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.hf_config)
-        if self.peft_config is None:
-            return model
-        from peft import get_peft_model
-
-        return get_peft_model(model, self.peft_config)
+        return meta_skeleton(self.hf_config, self.peft_config)
 
     def run(self, ids, labels, positions, train: bool) -> list[torch.Tensor]:
         """One schedule pass over whole-batch tensors; the last stage returns the per-microbatch losses."""

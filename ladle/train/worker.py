@@ -36,13 +36,13 @@ def emit(accelerator: Accelerator, event: str, **fields) -> None:
         print(PROGRESS_PREFIX + json.dumps({"event": event, **fields}), flush=True)
 
 
-def load_model(spec: TrainSpec):
-    """Base model through ``from_pretrained``, then LoRA via peft when enabled."""
+def load_model(spec: TrainSpec, accelerator: Accelerator):
+    """Base model through ``from_pretrained`` (with the strategy's loading arguments), then LoRA via peft when enabled."""
     from transformers import AutoModelForCausalLM
 
     cfg, plan = spec.config, spec.plan
     dtype = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
-    kwargs = {"dtype": dtype}
+    kwargs = {"dtype": dtype, **strategies.get(plan.strategy).load_kwargs(accelerator, plan)}
     if cfg.training.quantization.mode == "nf4":
         from transformers import BitsAndBytesConfig
 
@@ -203,7 +203,7 @@ def setup(spec: TrainSpec) -> Session:
     if rows < plan.global_batch_size:
         raise RuntimeError(f"{rows} packed training rows cannot fill one global batch of {plan.global_batch_size}")
     steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
-    model, optimizer = strategy.wrap(accelerator, load_model(spec), lambda m: build_optimizer(m, cfg), plan)
+    model, optimizer = strategy.wrap(accelerator, load_model(spec, accelerator), lambda m: build_optimizer(m, cfg), plan)
     sharding = strategy.check_applied(accelerator, model, plan)
     scheduler = build_scheduler(optimizer, cfg, steps)
     state = checkpoint.load_latest(accelerator, storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan)

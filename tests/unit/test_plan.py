@@ -221,3 +221,18 @@ def test_hsdp_mesh_comes_from_the_plan():
     assert "parallelism.fsdp2.replicate = 3: must divide the world size 8" in problems_of(
         A100, "parallelism.strategy=fsdp2", "parallelism.fsdp2.replicate=3")
     assert plan_for(A100, "parallelism.strategy=fsdp2").launcher_config["mesh"] == {"shard": 8}
+
+
+def test_tensor_parallel_validators():
+    assert "peft's LoRA layers cannot wrap tensor-parallel (sharded) projections" in problems_of(A100, "parallelism.strategy=tp")
+    cfg = build_config(MINIMAL, ["parallelism.strategy=tp", "training.lora.enabled=false"])
+    model = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 2,
+             "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 1000}  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        make_plan(cfg, A100, model=model)
+    text = str(err.value)
+    assert "the model's num_attention_heads = 12 does not divide by 8" in text
+    assert "the model's num_key_value_heads = 4 does not divide by 8" in text
+    two = make_plan(cfg, T4, model=model)  # 12 and 4 heads split over 2 GPUs
+    assert (two.strategy, two.world_size, two.strategy_options) == ("tp", 2, {})
+    assert two.gradient_accumulation == 1 and two.global_batch_size == 4  # one replica: the ranks share each batch

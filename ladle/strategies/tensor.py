@@ -1,0 +1,86 @@
+"""Tensor parallelism through transformers' ``tp_plan``: each layer's weights split across ranks.
+
+The base is loaded with ``tp_plan="auto"`` on a 1-D device mesh: the model's own
+plan shards attention and MLP projections column- and row-wise as DTensors
+(q/k/v and gate/up by output, o/down by input), so every rank holds a slice of
+each layer and the collectives inside each block rebuild the full activations.
+Every rank therefore sees the same rows: the run has one data-parallel replica
+(world size = tensor-parallel degree).
+
+LoRA is refused: peft's adapter adds a full-width product to the base layer's
+local, sharded output. Attention and KV heads must divide by the degree.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+from ladle.strategies.base import Strategy
+
+
+class TensorParallel(Strategy):
+    name = "tp"
+    summary = "tensor parallel (transformers tp_plan on a DTensor mesh): every layer's weights split across ranks"
+
+    def validate(self, cfg, topo, world_size: int) -> list[str]:
+        problems = []
+        if cfg.training.lora.enabled:
+            problems.append(
+                "training.lora.enabled = true with parallelism.strategy = tp: peft's LoRA layers cannot wrap "
+                "tensor-parallel (sharded) projections. Set training.lora.enabled=false, or use fsdp2/zero3."
+            )
+        if world_size < 2:
+            problems.append("parallelism.strategy = tp: tensor parallelism needs at least 2 processes. Use ddp for one.")
+        return problems
+
+    def validate_model(self, model: dict, world_size: int) -> list[str]:
+        problems = []
+        heads = model.get("num_attention_heads")
+        kv = model.get("num_key_value_heads") or heads
+        for field, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+            if value and value % world_size:
+                problems.append(
+                    f"parallelism.strategy = tp over {world_size} ranks: the model's {field} = {value} does not "
+                    f"divide by {world_size}. Use a tensor-parallel degree that divides it (--gpus N) or fsdp2."
+                )
+        return problems
+
+    def launcher_args(self, plan) -> list[str]:
+        return ["--multi_gpu"]
+
+    def accelerator_kwargs(self, plan) -> dict[str, Any]:
+        return {}
+
+    def load_kwargs(self, accelerator, plan) -> dict[str, Any]:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,), mesh_dim_names=("tp",))
+        return {"tp_plan": "auto", "device_mesh": mesh}
+
+    def wrap(self, accelerator, model, make_optimizer, plan):
+        model.to(accelerator.device)
+        return model, make_optimizer(model)
+
+    def check_applied(self, accelerator, model, plan) -> dict:
+        from torch.distributed.tensor import DTensor, Shard
+
+        params = list(model.parameters())
+        sharded = [p for p in params if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)]
+        if accelerator.num_processes > 1 and not sharded:
+            raise RuntimeError("tp planned but no parameter is a sharded DTensor (the model has no tp_plan?)")
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+        total = sum(p.numel() for p in params)
+        return {"wrapper": "tp_plan", "tp_degree": accelerator.num_processes, "sharded_parameters": len(sharded),
+                "parameter_share": local / total}  # fmt: skip
+
+    def hf_model(self, accelerator, model):
+        from ladle.strategies.skeleton import meta_skeleton
+
+        return meta_skeleton(model.config)
+
+    def data_parallel(self, accelerator) -> tuple[int, int]:
+        return 0, 1  # one replica: every rank reads the same rows
+
+    def no_sync(self, accelerator, model):
+        return nullcontext()
