@@ -44,6 +44,7 @@ def main() -> None:
                     {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}, "output": tmp,
                      "parallelism": {"strategy": name, "pipeline": {"allow_cpu": True}},
                      "training": {"max_steps": args.steps, "lr": 3e-3 if not args.full else 1e-3, "checkpoint_every": 0,
+                                  "global_batch_size": 8,
                                   "lora": {"enabled": not args.full, "r": 16, "target_modules": "all-linear",
                                            "modules_to_save": ["lm_head", "embed_tokens"]}}},
                     [],

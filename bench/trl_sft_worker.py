@@ -26,13 +26,13 @@ class StepClock(TrainerCallback):
 
 
 def main() -> None:
-    model_dir, data_file, out, steps, micro, seq_len, lr = sys.argv[1:8]
+    model_dir, data_file, out, steps, micro, seq_len, lr, packing = sys.argv[1:9]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     args = SFTConfig(
         output_dir=out, max_steps=int(steps), per_device_train_batch_size=int(micro), gradient_accumulation_steps=1,
         learning_rate=float(lr), lr_scheduler_type="cosine", warmup_steps=5, max_length=int(seq_len),
-        packing=True, packing_strategy="bfd", completion_only_loss=True, use_cpu=True, report_to=[],
+        packing=True, packing_strategy=packing, completion_only_loss=True, use_cpu=True, report_to=[],
         logging_steps=10**6, save_strategy="no", dataloader_num_workers=0, seed=0,
         include_num_input_tokens_seen="non_padding", ddp_find_unused_parameters=False,
     )  # fmt: skip

@@ -174,7 +174,9 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
                         "Set parallelism.strategy=fsdp2 or parallelism.fsdp2.compile=false.")  # fmt: skip
     replicas = 1 if strategy in ("pipeline", "tp") else world  # a pipeline's or tp group's ranks share one batch
     micro = choose_micro(cfg, topo, device, per_machine, nodes, dtype, model, strategy, replicas, reasons, warnings)
-    micro, accum, global_batch = choose_batch(cfg, micro, replicas, problems, reasons)
+    # With no global batch asked for, one pipeline gets one microbatch per stage (what 1F1B needs to fill it).
+    fill = cfg.parallelism.pipeline.stages if strategy == "pipeline" else 1
+    micro, accum, global_batch = choose_batch(cfg, micro, replicas, problems, reasons, default_accumulation=fill)
     if strategy == "pipeline" and cfg.parallelism.pipeline.schedule == "1f1b" and accum < cfg.parallelism.pipeline.stages:
         problems.append(
             f"training.global_batch_size = {global_batch}: 1f1b needs at least one microbatch per stage "
@@ -392,10 +394,10 @@ def choose_micro(cfg, topo, device, per_machine, nodes, dtype, model, strategy, 
     return 1
 
 
-def choose_batch(cfg, micro, world, problems, reasons) -> tuple[int, int, int]:
+def choose_batch(cfg, micro, world, problems, reasons, default_accumulation: int = 1) -> tuple[int, int, int]:
     """Accumulation (pipeline: microbatches per step) and global batch for ``world`` data-parallel replicas."""
     per_step = micro * world
-    wanted = cfg.training.global_batch_size or per_step
+    wanted = cfg.training.global_batch_size or per_step * default_accumulation
     if wanted % per_step:
         lower, upper = max(per_step, wanted // per_step * per_step), (wanted // per_step + 1) * per_step
         problems.append(

@@ -92,7 +92,7 @@ def test_fsdp2_cpu_offload_needs_cuda():
 
 
 def test_unknown_strategy_lists_the_choices():
-    with pytest.raises(ConfigError, match=r"parallelism.strategy = \"zero9\": Input should be 'auto', 'ddp', 'zero1', 'zero2', 'zero3', 'zero\+\+', 'fsdp2' or 'pipeline'"):
+    with pytest.raises(ConfigError, match=r"parallelism.strategy = \"zero9\": Input should be 'auto', 'ddp', 'zero1', 'zero2', 'zero3', 'zero\+\+', 'fsdp2', 'pipeline' or 'tp'"):
         plan_for(CPU, "parallelism.strategy=zero9")
 
 
@@ -192,8 +192,10 @@ def test_pipeline_validators():
     adapted = plan_for(A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4", "training.global_batch_size=16")
     assert adapted.world_size == 4 and any("--gpus auto adapts to one pipeline of 4 stages" in r for r in adapted.reasons)
     assert adapted.gradient_accumulation == 4  # 16 rows / 4 micro: the microbatches of one pipeline
-    assert "1f1b needs at least one microbatch per stage (1 < 4)" in problems_of(
-        A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4")
+    assert "1f1b needs at least one microbatch per stage (2 < 4)" in problems_of(
+        A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4", "training.global_batch_size=8")
+    filled = plan_for(A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4")
+    assert (filled.global_batch_size, filled.gradient_accumulation) == (16, 4)  # default: one microbatch per stage
     with pytest.raises(ConfigError, match="Input should be less than or equal to 16"):
         plan_for(A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=17")
 
