@@ -37,13 +37,17 @@ class Strategy(ABC):
             ValueError: the rendered launcher config is rejected.
         """
 
-    @abstractmethod
     def launcher_args(self, plan: Plan) -> list[str]:
         """Arguments for ``accelerate launch`` that select this strategy."""
+        if plan.world_size == 1:
+            return ["--cpu"] if plan.device == "cpu" else []
+        # `--cpu --num_processes N` starts ONE process; --multi_gpu (torchrun underneath) starts N, and
+        # the worker selects gloo with cpu=True. Every strategy is applied by ladle in the worker.
+        return ["--multi_gpu"]
 
-    @abstractmethod
     def accelerator_kwargs(self, plan: Plan) -> dict[str, Any]:
         """Keyword arguments for ``accelerate.Accelerator`` in the worker."""
+        return {}
 
     @abstractmethod
     def wrap(self, accelerator, model, make_optimizer: Callable, plan: Plan):

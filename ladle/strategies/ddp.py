@@ -14,13 +14,6 @@ class DDP(Strategy):
     def validate(self, cfg, topo, world_size: int) -> list[str]:
         return []
 
-    def launcher_args(self, plan) -> list[str]:
-        if plan.world_size == 1:
-            return ["--cpu"] if plan.device == "cpu" else []
-        # `--cpu --num_processes N` starts ONE process; --multi_gpu (torchrun
-        # underneath) starts N, and the worker selects gloo with cpu=True.
-        return ["--multi_gpu"]
-
     def accelerator_kwargs(self, plan) -> dict[str, Any]:
         from accelerate.utils import DistributedDataParallelKwargs
 

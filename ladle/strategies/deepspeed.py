@@ -103,14 +103,6 @@ class ZeRO(Strategy):
     def before_launch(self, plan) -> None:
         validate_with_deepspeed(plan.launcher_config, plan.world_size)
 
-    def launcher_args(self, plan) -> list[str]:
-        if plan.world_size == 1:
-            return ["--cpu"] if plan.device == "cpu" else []
-        return ["--multi_gpu"]
-
-    def accelerator_kwargs(self, plan) -> dict[str, Any]:
-        return {}
-
     # -- worker side ---------------------------------------------------------
 
     def wrap(self, accelerator, model, make_optimizer, plan):

@@ -11,8 +11,6 @@ verifies that every parameter really is sharded.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any
-
 from ladle.strategies.base import Strategy
 
 
@@ -84,14 +82,6 @@ class FSDP2(Strategy):
             reasons.append(f"fsdp2 HSDP mesh {replicate} x {shard}: parameters sharded over {shard} ranks, "
                            f"replicated {replicate} times; gradients all-reduced across replicas")  # fmt: skip
         return config, reasons
-
-    def launcher_args(self, plan) -> list[str]:
-        if plan.world_size == 1:
-            return ["--cpu"] if plan.device == "cpu" else []
-        return ["--multi_gpu"]
-
-    def accelerator_kwargs(self, plan) -> dict[str, Any]:
-        return {}
 
     def wrap(self, accelerator, model, make_optimizer, plan):
         import torch

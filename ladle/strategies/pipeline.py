@@ -17,8 +17,6 @@ off) and equal the single-process gradients.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ladle.strategies.base import Strategy
 
 
@@ -59,12 +57,6 @@ class Pipeline(Strategy):
         reasons = [f"pipeline {pp.schedule}: {pp.stages} stages, each step {plan.gradient_accumulation} microbatches "
                    f"of {plan.micro_batch_size} rows"]  # fmt: skip
         return config, reasons
-
-    def launcher_args(self, plan) -> list[str]:
-        return ["--multi_gpu"]
-
-    def accelerator_kwargs(self, plan) -> dict[str, Any]:
-        return {}
 
     def wrap(self, accelerator, model, make_optimizer, plan):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe

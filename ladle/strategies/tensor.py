@@ -46,12 +46,6 @@ class TensorParallel(Strategy):
                 )
         return problems
 
-    def launcher_args(self, plan) -> list[str]:
-        return ["--multi_gpu"]
-
-    def accelerator_kwargs(self, plan) -> dict[str, Any]:
-        return {}
-
     def load_kwargs(self, accelerator, plan) -> dict[str, Any]:
         from torch.distributed.device_mesh import init_device_mesh
 
