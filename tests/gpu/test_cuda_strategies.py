@@ -1,0 +1,26 @@
+"""Each strategy that can run on one GPU trains there on CUDA (NCCL). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.train.test_strategies import spec_for
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs a CUDA GPU (nvidia-smi not found)"),
+]
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "zero++", "fsdp2"])
+def test_strategy_trains_on_one_gpu(name, tmp_path, tiny_model):
+    from ladle.train.run import launch
+
+    spec = spec_for(name, tmp_path, "parallelism.gpus=1", "training.global_batch_size=4")
+    assert (spec.plan.device, spec.plan.backend, spec.plan.world_size) == ("cuda", "nccl", 1)
+    result = launch(spec)
+    assert (result.strategy, result.world_size) == (name, 1)
+    assert result.eval_loss_after < result.eval_loss_before
+    assert result.peak_memory_mib > 0  # the CUDA allocator's peak
