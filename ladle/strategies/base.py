@@ -82,14 +82,29 @@ class Strategy(ABC):
         return get_model_state_dict(model, options=state_options(trainable_only=trainable_only))
 
     native_checkpoint = False
-    """True: checkpoints are the engine's own per-rank files (``save_native``/``load_native``), resumable only
-    by the same strategy and world size. False: ladle's strategy-neutral full state (ladle.train.checkpoint)."""
+    """True: checkpoints are the engine's own per-rank files, resumable only by the same strategy and world
+    size. False: the strategy-neutral full state, which any strategy of this kind resumes from."""
 
-    def save_native(self, model, optimizer, folder: str, tag: str) -> None:
-        raise NotImplementedError(f"{self.name} writes strategy-neutral checkpoints")
+    def save_state(self, model, optimizer, folder: str, tag: str) -> dict:
+        """Checkpoint the model and optimizer (collective): native strategies write their files under
+        ``folder/tag`` on every rank; the default gathers the full trainable state and returns it for
+        ``state.pt`` (complete on rank 0)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    def load_native(self, model, optimizer, folder: str, tag: str) -> None:
-        raise NotImplementedError(f"{self.name} reads strategy-neutral checkpoints")
+        from ladle.train.checkpoint import inner, state_options
+
+        model_state, optim_state = get_state_dict(model, inner(optimizer), options=state_options())
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_state(self, model, optimizer, payload: dict, folder: str | None, tag: str) -> None:
+        """Restore what ``save_state`` wrote: ``payload`` is ``state.pt``; ``folder`` holds the checkpoint's
+        files (None when the strategy writes none)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from ladle.train.checkpoint import inner, state_options
+
+        set_state_dict(model, inner(optimizer), model_state_dict=payload["model"], optim_state_dict=payload["optimizer"],
+                       options=state_options(strict=False))  # fmt: skip
 
     def forward_backward(self, accelerator, model, data, batch: list[int], plan: Plan, denominator: int, loss_fn) -> float:
         """Forward and backward of this rank's share of the global ``batch`` (row indices).

@@ -178,10 +178,11 @@ class ZeRO(Strategy):
 
     native_checkpoint = True
 
-    def save_native(self, model, optimizer, folder: str, tag: str) -> None:
+    def save_state(self, model, optimizer, folder: str, tag: str) -> dict:
         model.save_checkpoint(folder, tag=tag, save_latest=False)
+        return {}  # everything is in DeepSpeed's per-rank files
 
-    def load_native(self, model, optimizer, folder: str, tag: str) -> None:
+    def load_state(self, model, optimizer, payload: dict, folder: str | None, tag: str) -> None:
         path, _ = model.load_checkpoint(folder, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint {tag} in {folder}")

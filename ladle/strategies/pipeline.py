@@ -167,7 +167,7 @@ class Pipeline(Strategy):
 
     native_checkpoint = True
 
-    def save_native(self, model, optimizer, folder: str, tag: str) -> None:
+    def save_state(self, model, optimizer, folder: str, tag: str) -> dict:
         import torch
 
         from pathlib import Path
@@ -176,8 +176,9 @@ class Pipeline(Strategy):
         target.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model.stage_module.state_dict(), "optimizer": optimizer.state_dict(),
                     "layers": model.stage_module.layer_ids}, target / f"stage-{model.stage:03d}.pt")  # fmt: skip
+        return {}  # everything is in this rank's file
 
-    def load_native(self, model, optimizer, folder: str, tag: str) -> None:
+    def load_state(self, model, optimizer, payload: dict, folder: str | None, tag: str) -> None:
         import torch
 
         from pathlib import Path

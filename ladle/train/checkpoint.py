@@ -92,15 +92,10 @@ def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses,
     if accelerator.is_main_process:
         storage.remove(target)  # a partial folder from a crashed attempt
     accelerator.wait_for_everyone()
-    if strategy.native_checkpoint:
-        with tempfile.TemporaryDirectory(prefix="ladle-ckpt-") as tmp:
-            strategy.save_native(model, optimizer, tmp, NATIVE_TAG)
-            storage.upload_dir(tmp, target, complete=False)
-        accelerator.wait_for_everyone()
-    else:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        payload["model"], payload["optimizer"] = get_state_dict(model, inner(optimizer), options=state_options())
+    with tempfile.TemporaryDirectory(prefix="ladle-ckpt-") as tmp:
+        payload.update(strategy.save_state(model, optimizer, tmp, NATIVE_TAG))
+        storage.upload_dir(tmp, target, complete=False)  # each rank its own files (none: full-state strategies)
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         buffer = io.BytesIO()
         torch.save(payload, buffer)
@@ -139,12 +134,9 @@ def load_latest(accelerator, root: str, model, optimizer, scheduler, plan) -> Re
     if fmt == "native":
         with tempfile.TemporaryDirectory(prefix="ladle-ckpt-") as tmp:
             storage.download_dir(target, tmp)
-            strategy.load_native(model, optimizer, tmp, NATIVE_TAG)
+            strategy.load_state(model, optimizer, payload, tmp, NATIVE_TAG)
     else:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(model, inner(optimizer), model_state_dict=payload["model"], optim_state_dict=payload["optimizer"],
-                       options=state_options(strict=False))  # fmt: skip
+        strategy.load_state(model, optimizer, payload, None, NATIVE_TAG)
     scheduler.load_state_dict(payload["scheduler"])
     set_rng_state(payload["rng"][accelerator.process_index])
     return ResumeState(step=payload["step"], losses=payload["losses"], eval_before=payload["eval_before"])
