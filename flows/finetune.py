@@ -1,4 +1,4 @@
-"""The fine-tune pipeline: probe -> plan -> prepare -> train -> merge -> deploy."""
+"""The fine-tune pipeline: probe -> plan -> prepare -> train -> merge -> evaluate -> deploy."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ladle import storage, tracking
 from ladle.config import LadleConfig
 from ladle.errors import find_ladle_error
 from ladle.tasks.deploy import deploy_task
+from ladle.tasks.evaluate import evaluate_task
 from ladle.tasks.merge import merge_task
 from ladle.tasks.plan import plan_task
 from ladle.tasks.prepare import prepare_task, publish_report
@@ -61,18 +62,23 @@ def finetune(config: LadleConfig, config_ref: str = "CONFIG") -> dict:
         clock.lap("train")
         merged = merge_task(config, result, run_url, track)
         clock.lap("merge")
-        endpoint = deploy_task(config, merged)
+        scores = evaluate_task(config, merged, prepared, track)
+        clock.lap("evaluate")
+        endpoint = deploy_task(config, merged, prepared)
         clock.lap("deploy")
         ok = True
     finally:
         tracking.end_run(track, ok)
     summary = {
         "status": "ok", "endpoint": endpoint.url, "endpoint_running": endpoint.running, "server_pid": endpoint.pid,
-        "prompt": endpoint.prompt, "answer": endpoint.answer,
+        "prompt": endpoint.prompt, "answer": endpoint.answer, "expected": endpoint.expected,
+        "answer_correct": endpoint.answer_correct,
         "mlflow_run_id": track.run_id, "mlflow_tracking_uri": track.uri, "flow_run_id": flow_run_id,
         "strategy": result.strategy, "world_size": result.world_size, "backend": result.backend,
         "train_loss_first": result.train_loss_first, "train_loss_last": result.train_loss_last,
         "eval_loss_before": result.eval_loss_before, "eval_loss_after": result.eval_loss_after,
+        "eval_accuracy_before": scores.accuracy_before, "eval_accuracy_after": scores.accuracy_after,
+        "eval_examples": scores.examples,
         "tokens_per_s": result.tokens_per_s, "steps": result.steps,
         "output_url": run_url, "merged_model_url": merged.url, "dataset_fingerprint": prepared.fingerprint,
         "stage_seconds": clock.seconds,

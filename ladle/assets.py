@@ -16,7 +16,7 @@ from ladle import storage
 from ladle.errors import LadleError
 
 BUILTIN_SCHEME = "ladle://"
-ASSET_VERSION = "v1"
+ASSET_VERSION = "v2"  # v2: colour-list tasks (held-out accuracy)
 
 
 def ladle_home() -> Path:

@@ -256,14 +256,28 @@ class ServeConfig(Section):
     port: int = Field(0, ge=0, le=65535, description="Port. 0: pick a free one.")
     max_new_tokens: int = Field(32, ge=1, le=8192, description="Default completion length, in tokens.")
     health_timeout_s: float = Field(180.0, gt=0, description="Seconds to wait for /health before failing.")
-    smoke_prompt: str = Field(
-        "Reverse the word: ladle", description="Chat message sent as the deploy stage's smoke request."
+    smoke_prompt: str | None = Field(
+        None,
+        description="Chat message sent as the deploy stage's smoke request. null: the first held-out eval "
+        "conversation, whose answer is then checked against its reference (`answer_correct`); with no held-out "
+        "conversation, `Hello!`.",
     )
     keep_running: bool = Field(
         False,
         description="Leave the server running after the smoke request (its PID is reported). "
         "false: stop it when the pipeline ends.",
     )
+
+
+class EvalConfig(Section):
+    max_examples: int = Field(
+        200,
+        ge=0,
+        le=100_000,
+        description="Held-out eval conversations scored by exact match of greedy answers, for the base model "
+        "(cached per base and data) and the merged model. 0: measure eval loss only.",
+    )
+    batch_size: int = Field(32, ge=1, le=1024, description="Prompts generated together while evaluating.")
 
 
 class TrackingConfig(Section):
@@ -292,6 +306,7 @@ class LadleConfig(Section):
     data: DataConfig = Field(description="Dataset and preparation.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation.")
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig, description="GPUs and strategy.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Task accuracy on the held-out split.")
     serve: ServeConfig = Field(default_factory=ServeConfig, description="Inference server.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     output: str = Field(

@@ -30,44 +30,48 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 
-_SYLLABLES = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "ve", "du", "ba", "zi", "fo", "gu", "he", "ja"]
-_COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white"]
+COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white"]
+CODE = {colour: str(i) for i, colour in enumerate(COLOURS)}
+# Each task maps a short list of colours (or their codes) position by position:
+# a 4-layer model with LoRA learns all four within the demo's 200 steps on 2
+# cores, and generalises to lists it never saw, so held-out accuracy shows
+# the fine-tune working. (Tasks over a large vocabulary, such as copying
+# made-up words or reversing spelling, stay near 0 % in that budget.)
+TASKS = {
+    "Translate the colours to numbers.": lambda cs: (" ".join(cs), " ".join(CODE[c] for c in cs)),
+    "Translate the numbers to colours.": lambda cs: (" ".join(CODE[c] for c in cs), " ".join(cs)),
+    "What is the last colour?": lambda cs: (" ".join(cs), cs[-1]),
+    "Repeat the list.": lambda cs: (" ".join(cs), " ".join(cs)),
+}
+MIN_LEN, MAX_LEN = 2, 4
 
 
-def _words(rng: random.Random, count: int) -> list[str]:
-    words: set[str] = set()
-    while len(words) < count:
-        words.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))))
-    return sorted(words)
+def list_lengths(n: int) -> tuple[int, int]:
+    """Shortest length range (from 2..4 up) that holds ``n`` distinct prompts twice over."""
+    top = MAX_LEN
+    while len(TASKS) * sum(len(COLOURS) ** k for k in range(MIN_LEN, top + 1)) < 2 * n:
+        top += 1
+    return MIN_LEN, top
 
 
 def demo_rows(n: int = DEMO_ROWS, seed: int = DEMO_SEED) -> list[dict]:
-    """Deterministic alpaca rows of five small tasks a tiny model learns fast.
+    """Deterministic alpaca rows of four colour-list tasks, every prompt distinct.
 
-    Copying, reversing and upper-casing reward attention to the input; the
-    colour table and sums reward memorising a small fixed mapping.
+    Distinct prompts matter: the split is per row, so a prompt repeated across
+    train and eval would score memorisation, not learning.
     """
     rng = random.Random(seed)
-    words = _words(rng, 120)
-    colour_of = {w: rng.choice(_COLOURS) for w in words[:40]}
-    rows = []
-    for i in range(n):
-        kind = i % 5
-        if kind == 0:
-            phrase = " ".join(rng.sample(words, rng.randint(2, 4)))
-            rows.append({"instruction": "Repeat the input.", "input": phrase, "output": phrase})
-        elif kind == 1:
-            word = rng.choice(words)
-            rows.append({"instruction": f"Reverse the word: {word}", "input": "", "output": word[::-1]})
-        elif kind == 2:
-            word = rng.choice(words)
-            rows.append({"instruction": "Write the input in capital letters.", "input": word, "output": word.upper()})
-        elif kind == 3:
-            word = rng.choice(list(colour_of))
-            rows.append({"instruction": f"What colour is the {word}?", "input": "", "output": f"The {word} is {colour_of[word]}."})
-        else:
-            a, b = rng.randint(0, 20), rng.randint(0, 20)
-            rows.append({"instruction": f"Add {a} and {b}.", "input": "", "output": str(a + b)})
+    low, high = list_lengths(n)
+    instructions = list(TASKS)
+    rows: list[dict] = []
+    seen: set[tuple[str, str]] = set()
+    while len(rows) < n:
+        instruction = instructions[len(rows) % len(instructions)]
+        colours = [rng.choice(COLOURS) for _ in range(rng.randint(low, high))]
+        given, answer = TASKS[instruction](colours)
+        if (instruction, given) not in seen:
+            seen.add((instruction, given))
+            rows.append({"instruction": instruction, "input": given, "output": answer})
     return rows
 
 

@@ -12,15 +12,22 @@ class LadleError(Exception):
     """An input or environment problem the user can fix.
 
     The message follows ``<field.path> = <value>: <what is wrong>. <how to fix>.``
+    ``details`` holds what was computed before the failure (bad rows, plan
+    candidates, ...); ``--json`` commands add it to their failure object.
     """
+
+    def __init__(self, message: str, *, details: dict | None = None):
+        super().__init__(message)
+        self.details: dict = details or {}
 
 
 class ConfigError(LadleError):
     """The configuration is invalid; ``problems`` lists every problem found."""
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[str], *, details: dict | None = None):
         self.problems = problems
-        super().__init__("; ".join(problems) if len(problems) == 1 else "\n  ".join(["invalid config:", *problems]))
+        message = "; ".join(problems) if len(problems) == 1 else "\n  ".join(["invalid config:", *problems])
+        super().__init__(message, details={"problems": problems, **(details or {})})
 
 
 def find_ladle_error(exc: BaseException | None) -> LadleError | None:

@@ -186,7 +186,9 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     dtype = choose_dtype(cfg, topo, device, problems, reasons)
     problems += check_device_features(cfg, device)
     if problems:
-        raise ConfigError(problems)
+        # What was decided so far travels with the error: `ladle plan --json` shows why nothing fits.
+        raise ConfigError(problems, details={"device": device, "world_size": world, "dtype": dtype,
+                                             "reasons": reasons, "warnings": warnings, "candidates": candidates})  # fmt: skip
     plan = Plan(
         strategy=strategy,
         strategy_options=strategy_options(cfg, strategy),

@@ -127,3 +127,16 @@ def register_model(tracking: Tracking, name: str, source: str) -> str:
 
 def end_run(tracking: Tracking, ok: bool) -> None:
     client(tracking.uri).set_terminated(tracking.run_id, status="FINISHED" if ok else "FAILED")
+
+
+def log_evaluation(tracking: Tracking, result) -> None:
+    """Accuracy before/after as metrics, and the scored examples as ``evaluation.json``."""
+    from mlflow.entities import Metric
+    import time
+
+    now = int(time.time() * 1000)
+    metrics = [Metric("eval_accuracy_before", result.accuracy_before, now, 0),
+               Metric("eval_accuracy_after", result.accuracy_after, now, 0),
+               Metric("eval_examples", result.examples, now, 0)]  # fmt: skip
+    client(tracking.uri).log_batch(tracking.run_id, metrics=metrics)
+    log_json(tracking, "evaluation.json", result.model_dump())

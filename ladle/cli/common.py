@@ -8,15 +8,27 @@ from typing import NoReturn
 
 from rich.console import Console
 
+from ladle.errors import LadleError
+
 console = Console(stderr=True)
 
 
-def exit_with_error(message: str, as_json: bool = False, code: int = 2) -> NoReturn:
-    """Print ``error: message`` (or a failed JSON object) and exit non-zero, without a traceback."""
+def exit_with_error(message: str, as_json: bool = False, code: int = 2, details: dict | None = None) -> NoReturn:
+    """Print ``error: message`` and exit non-zero, without a traceback.
+
+    With ``--json`` the last stdout line is ``{"status": "failed", "error": ..., **details}``:
+    whatever was computed before the failure travels with it.
+    """
     if as_json:
-        print(json.dumps({"status": "failed", "error": message}), flush=True)
+        sys.stdout.flush()
+        print(json.dumps({"status": "failed", "error": message, **(details or {})}, default=str), flush=True)
     console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise SystemExit(code)
+
+
+def fail(err: LadleError, as_json: bool = False, code: int = 2, **computed) -> NoReturn:
+    """``exit_with_error`` for a ``LadleError``: its message, plus ``computed`` and the error's own details."""
+    exit_with_error(str(err), as_json, code, {**computed, **err.details})
 
 
 def print_json(obj) -> None:

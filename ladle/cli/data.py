@@ -8,7 +8,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from ladle.cli.common import console, exit_with_error, print_json
+from ladle.cli.common import console, fail, print_json
 from ladle.errors import LadleError
 
 app = typer.Typer(help="Prepare and look at training data.", no_args_is_help=True)
@@ -23,7 +23,7 @@ def _config(config: str, overrides: list[str], as_json: bool):
     try:
         return load_config(config, overrides)
     except LadleError as err:
-        exit_with_error(str(err), as_json)
+        fail(err, as_json)
 
 
 @app.command("prepare")
@@ -41,7 +41,7 @@ def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSO
             prepared = prepare(cfg.data, resolve_base(cfg.base), storage.normalise(cfg.output),
                                on_progress=lambda rows: progress.update(task, rows=rows))  # fmt: skip
     except LadleError as err:
-        exit_with_error(str(err), as_json)
+        fail(err, as_json)
     report = prepared.report.model_dump()
     if as_json:
         print_json({**report, "url": prepared.url, "fingerprint": prepared.fingerprint})
@@ -65,7 +65,7 @@ def inspect_cmd(config: str = CONFIG, n: int = typer.Option(3, "-n", help="Sampl
     try:
         info = inspect(cfg.data, n)
     except LadleError as err:
-        exit_with_error(str(err), as_json)
+        fail(err, as_json)
     if as_json:
         print_json(info)
         return
@@ -88,7 +88,7 @@ def show_mask_cmd(config: str = CONFIG, n: int = typer.Option(3, "-n", help="Row
     try:
         rows = mask_rows(cfg.data, resolve_base(cfg.base), n)
     except LadleError as err:
-        exit_with_error(str(err), as_json)
+        fail(err, as_json)
     if as_json:
         print_json({"rows": rows})
         return

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from ladle.cli.common import console, deepspeed_override, exit_with_error, print_json
+from ladle.cli.common import console, deepspeed_override, exit_with_error, fail, print_json
 from ladle.errors import LadleError
 
 PACKAGES = ("ladle", "torch", "transformers", "peft", "accelerate", "deepspeed", "prefect", "mlflow", "fsspec", "s3fs", "pydantic", "fastapi", "uvicorn")
@@ -75,14 +75,15 @@ def plan(
 
     if gpu_memory is not None and not (0 < gpu_memory <= 4096):
         exit_with_error(f"--gpu-memory = {gpu_memory}: GiB per GPU must be in (0, 4096], e.g. --gpu-memory 80.", as_json)
+    size: dict = {}
     try:
         cfg = load_config(config, [*deepspeed_override(deepspeed), *set_], gpus)
         model = local_model_config(cfg, model_config)
+        size = model_size(cfg, model)
         topo = probe_file(topology_file, gpu_memory_gib=gpu_memory) if topology_file else probe()
         made = make_plan(cfg, topo, config, model=model)
-        size = model_size(cfg, model)
     except LadleError as err:
-        exit_with_error(str(err), as_json)
+        fail(err, as_json, **size)
     command = made.launch_command(["SPEC.json"])
     if as_json:
         print_json({**made.model_dump(mode="json"), **size, "launch_command": command})

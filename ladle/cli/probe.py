@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from ladle.cli.common import console, exit_with_error, print_json
+from ladle.cli.common import console, fail, print_json
 from ladle.errors import LadleError
 
 KEYS = ("gpu_count", "interconnect", "all_pairs_nvlink", "nvlink_groups", "min_nvlink_bonds", "numa_nodes", "nics", "nodes", "source")
@@ -24,7 +24,7 @@ def probe(
     try:
         topo = probe_file(topology_file) if topology_file else probe_machine()
     except LadleError as err:
-        exit_with_error(str(err), as_json)
+        fail(err, as_json)
     if as_json:
         print_json(topo.model_dump())
         return

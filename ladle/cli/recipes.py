@@ -31,7 +31,7 @@ def summary(path: Path) -> str:
     return text[0] if text else ""
 
 
-def find(name: str) -> Path:
+def find(name: str, as_json: bool = False) -> Path:
     """The recipe called ``name``; names are plain words, never paths.
 
     Raises:
@@ -39,11 +39,11 @@ def find(name: str) -> Path:
     """
     if not NAME.match(name) or name.endswith(".yaml") and not NAME.match(name[:-5]):
         exit_with_error(f"NAME = {name!r}: a recipe name is letters, digits, '.', '_' or '-' (no paths). "
-                        "See `ladle recipes list`.")  # fmt: skip
+                        "See `ladle recipes list`.", as_json)  # fmt: skip
     recipes = available()
     path = recipes.get(name.removesuffix(".yaml"))
     if path is None:
-        exit_with_error(f"NAME = {name!r}: no such recipe. Choose one of: {', '.join(recipes)}.")
+        exit_with_error(f"NAME = {name!r}: no such recipe. Choose one of: {', '.join(recipes)}.", as_json, details={"recipes": list(recipes)})
     return path
 
 
@@ -59,9 +59,17 @@ def list_(as_json: bool = typer.Option(False, "--json", help="One JSON object.")
 
 
 @app.command("show")
-def show(name: str = typer.Argument(..., help="Recipe name (see `ladle recipes list`).")) -> None:
+def show(
+    name: str = typer.Argument(..., help="Recipe name (see `ladle recipes list`)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object: name, summary, path and the YAML text."),
+) -> None:
     """Print a recipe's YAML."""
-    print(find(name).read_text(encoding="utf-8"), end="")
+    path = find(name, as_json)
+    text = path.read_text(encoding="utf-8")
+    if as_json:
+        print_json({"name": path.stem, "summary": summary(path), "path": str(path), "yaml": text})
+        return
+    print(text, end="")
 
 
 @app.command("use")

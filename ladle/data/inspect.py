@@ -22,7 +22,7 @@ def inspect(cfg: DataConfig, n: int = 3) -> dict:
     state = {"rows_read": 0}
     reasons: Counter = Counter()
     samples = []
-    for source, _, position, sample in iter_samples(files, fmt, state):
+    for source, _, position, sample, _ in iter_samples(files, fmt, state):
         if isinstance(sample, RowError):
             reasons[str(sample)] += 1
         elif len(samples) < n:
@@ -49,8 +49,8 @@ def mask_rows(cfg: DataConfig, tokenizer_dir: Path, n: int = 3) -> list[dict]:
         batch = list(islice(usable, n))
         if not batch:
             break
-        results = tokenize_batch(tokenizer, [s for *_, s in batch], cfg.train_on, cfg.seq_len, cfg.truncation)
-        for (source, _, line, _), (example, truncated) in zip(batch, results):
+        results = tokenize_batch(tokenizer, [item[3] for item in batch], cfg.train_on, cfg.seq_len, cfg.truncation)
+        for (source, _, line, _, _), (example, truncated) in zip(batch, results):
             if isinstance(example, RowError) or len(out) >= n:
                 continue
             pieces = [(tokenizer.decode([tok]), label != IGNORE) for tok, label in zip(example.input_ids, example.labels)]

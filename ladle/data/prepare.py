@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -26,9 +27,11 @@ from ladle.data.tokenize import IGNORE, Example, TooLong, tokenize_batch
 from ladle.errors import LadleError
 
 # Bump when the prepared bytes would change for the same inputs.
-PREP_VERSION = "2"
+PREP_VERSION = "3"  # 3: held-out eval samples kept for the evaluate stage
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 BATCH = 512
+# Held-out conversations kept verbatim for the evaluate stage (exact match of greedy answers).
+EVAL_SAMPLES_MAX = 1000
 
 __all__ = ["IGNORE", "Example", "PreparedDataset", "prepare", "fingerprint", "check_not_empty", "iter_samples"]
 
@@ -41,6 +44,9 @@ class PreparedDataset(BaseModel):
     eval_rows: int
     shards: dict[str, list[str]] = Field(description="Parquet shard file names per split, in order.")
     report: DataReport
+    eval_samples: str | None = Field(
+        None, description="JSONL of held-out conversations (messages) for the evaluate stage; null when none."
+    )
 
 
 def fingerprint(cfg: DataConfig, tokenizer_dir: Path) -> str:
@@ -103,19 +109,22 @@ def resolve_format(cfg: DataConfig, files: list[str]) -> str:
     return cfg.format if cfg.format != "auto" else "alpaca"
 
 
-def iter_samples(files: list[str], fmt: str, state: dict) -> Iterator[tuple[str, int, int, Sample | RowError]]:
-    """``(source, file index, position, sample or RowError)`` over all files; counts records in ``state``."""
+def iter_samples(files: list[str], fmt: str, state: dict) -> Iterator[tuple[str, int, int, Sample | RowError, object]]:
+    """``(source, file index, position, sample or RowError, raw row)`` over all files; counts records in ``state``.
+
+    The raw row is the record as read (a dict), or the line's text when it could not be decoded.
+    """
     parse = FORMATS[fmt]
     for file_index, url in enumerate(files):
         for position, row in sources.iter_records(url):
             state["rows_read"] += 1
             if isinstance(row, RowError):
-                yield url, file_index, position, row
+                yield url, file_index, position, row, getattr(row, "raw", None)
                 continue
             try:
-                yield url, file_index, position, parse(row)
+                yield url, file_index, position, parse(row), row
             except RowError as exc:
-                yield url, file_index, position, exc
+                yield url, file_index, position, exc, row
 
 
 def _batched(items, size: int):
@@ -154,13 +163,24 @@ class Collector:
         self.counts = {"rows_read": 0, "truncations": 0, "too_long": 0, "duplicates_removed": 0,
                        "tokens_total": 0, "tokens_trained": 0}  # fmt: skip
         self.dropped: list[dict] = []
+        # Every dropped row with its raw text, spooled to disk past 8 MiB: written as rejects.jsonl.
+        self.rejects = tempfile.SpooledTemporaryFile(max_size=8 << 20, mode="w+b")
+        self.eval_samples: list[dict] = []
         self.seen: set[bytes] = set()
         self.reserve: Example | None = None  # guarantees one eval example on tiny data
+        self.reserve_sample: Sample | None = None
 
-    def drop(self, source: str, position: int, err: RowError) -> None:
+    def drop(self, source: str, position: int, err: RowError, raw: object = None) -> None:
         self.dropped.append({"line": position, "reason": str(err), "source": source})
+        line = {"source": source, "line": position, "reason": str(err), "raw": raw if isinstance(raw, str) else json.dumps(raw, default=str)}
+        self.rejects.write((json.dumps(line, ensure_ascii=False) + "\n").encode())
         if isinstance(err, TooLong):
             self.counts["too_long"] += 1
+
+    def keep_eval_sample(self, sample: Sample | None) -> None:
+        """Keep a held-out conversation whose last turn is the assistant's (its reference answer)."""
+        if isinstance(sample, Chat) and sample.messages[-1]["role"] == "assistant" and len(self.eval_samples) < EVAL_SAMPLES_MAX:
+            self.eval_samples.append({"messages": sample.messages})
 
     def duplicate(self, sample: Sample) -> bool:
         if not self.cfg.dedup:
@@ -172,21 +192,25 @@ class Collector:
         self.seen.add(key)
         return False
 
-    def add(self, example: Example, truncated: bool, to_eval: bool) -> None:
+    def add(self, example: Example, truncated: bool, to_eval: bool, sample: Sample | None = None) -> None:
         self.counts["truncations"] += int(truncated)
         self.counts["tokens_total"] += len(example.input_ids)
         self.counts["tokens_trained"] += example.trained
         self.hist.add(len(example.input_ids))
         if to_eval:
             self.eval.add(example)
+            self.keep_eval_sample(None if truncated else sample)
         elif self.reserve is None and self.cfg.eval_ratio > 0 and not self.cfg.eval_path:
-            self.reserve = example
+            self.reserve, self.reserve_sample = example, sample
         else:
             self.train.add(example)
 
     def finish(self) -> None:
         if self.reserve is not None:
-            (self.eval if self.eval.examples == 0 else self.train).add(self.reserve)
+            to_eval = self.eval.examples == 0
+            (self.eval if to_eval else self.train).add(self.reserve)
+            if to_eval:
+                self.keep_eval_sample(self.reserve_sample)
         self.train.close()
         self.eval.close()
 
@@ -196,18 +220,18 @@ def consume(collector: Collector, tokenizer, files: list[str], fmt: str, eval_si
     cfg = collector.cfg
     for batch in _batched(iter_samples(files, fmt, collector.counts), BATCH):
         good = []
-        for source, file_index, position, sample in batch:
+        for source, file_index, position, sample, raw in batch:
             if isinstance(sample, RowError):
-                collector.drop(source, position, sample)
+                collector.drop(source, position, sample, raw)
             elif not collector.duplicate(sample):
-                good.append((source, file_index, position, sample))
-        results = tokenize_batch(tokenizer, [s for *_, s in good], cfg.train_on, cfg.seq_len, cfg.truncation)
-        for (source, file_index, position, _), (example, truncated) in zip(good, results):
+                good.append((source, file_index, position, sample, raw))
+        results = tokenize_batch(tokenizer, [item[3] for item in good], cfg.train_on, cfg.seq_len, cfg.truncation)
+        for (source, file_index, position, sample, raw), (example, truncated) in zip(good, results):
             if isinstance(example, RowError):
-                collector.drop(source, position, example)
+                collector.drop(source, position, example, raw)
                 continue
             to_eval = eval_side if eval_side is not None else is_eval(cfg.seed, file_index, position, cfg.eval_ratio)
-            collector.add(example, truncated, to_eval)
+            collector.add(example, truncated, to_eval, sample)
         if on_progress:
             on_progress(collector.counts["rows_read"])
 
@@ -237,16 +261,36 @@ def prepare(cfg: DataConfig, tokenizer_dir: Path, output_url: str, on_progress: 
         consume(collector, tokenizer, eval_files, fmt, True, on_progress)
     collector.finish()
     report = build_report(collector, fmt, files + eval_files)
-    check_usable(cfg, report)
     storage.write_json(storage.join(url, "report.json"), report.model_dump())
+    rejects = write_rejects(collector, url)
+    check_usable(cfg, report, rejects)
     storage.write_bytes(storage.join(url, "length_histogram.png"), histogram_png(report.length_histogram, f"{fp} ({fmt})"))
+    samples = write_eval_samples(collector, url)
     prepared = PreparedDataset(
         url=url, fingerprint=fp, seq_len=cfg.seq_len, train_rows=report.train_rows, eval_rows=report.eval_rows,
-        shards={"train": collector.train.shards, "eval": collector.eval.shards}, report=report,
+        shards={"train": collector.train.shards, "eval": collector.eval.shards}, report=report, eval_samples=samples,
     )  # fmt: skip
     storage.write_json(storage.join(url, "manifest.json"), prepared.model_dump())
     storage.mark_complete(url)
     return prepared
+
+
+def write_rejects(collector: Collector, url: str) -> str | None:
+    """Write every dropped row (source, line, reason, raw text) to ``rejects.jsonl``; its URL, or None."""
+    if not collector.dropped:
+        return None
+    collector.rejects.seek(0)
+    target = storage.join(url, "rejects.jsonl")
+    storage.write_bytes(target, collector.rejects.read())
+    return target
+
+
+def write_eval_samples(collector: Collector, url: str) -> str | None:
+    if not collector.eval_samples:
+        return None
+    body = "".join(json.dumps(sample, ensure_ascii=False) + "\n" for sample in collector.eval_samples)
+    storage.write_bytes(storage.join(url, "eval_samples.jsonl"), body.encode())
+    return "eval_samples.jsonl"
 
 
 def load_tokenizer(tokenizer_dir: Path):
@@ -271,19 +315,27 @@ def build_report(c: Collector, fmt: str, files: list[str]) -> DataReport:
     )  # fmt: skip
 
 
-def check_usable(cfg: DataConfig, report: DataReport) -> None:
-    """Fail when nothing is usable or more rows than ``max_bad_fraction`` are bad."""
+def check_usable(cfg: DataConfig, report: DataReport, rejects: str | None = None) -> None:
+    """Fail when nothing is usable or more rows than ``max_bad_fraction`` are bad.
+
+    The error carries every bad row (``details["bad_rows"]``) and names the
+    rejects file that holds each one with its raw text.
+    """
     read, bad = report.rows_read, report.invalid_rows
     first = "; ".join(f"line {d['line']}: {d['reason']}" for d in report.dropped[:3])
+    details = {"rows_read": read, "bad_rows": report.dropped, "rejects": rejects}
+    every = f" Every bad row, with its text: {rejects}." if rejects else ""
     if read == 0:
         raise LadleError(f"data.path = {cfg.path!r}: the dataset is empty (0 rows). Point it at a file with rows.")
     if report.train_examples == 0:
         raise LadleError(
             f"data.path = {cfg.path!r}: no usable training rows (read {read}, dropped {len(report.dropped)}; {first}). "
-            "Fix the rows or data.format."
+            f"Fix the rows or data.format.{every}",
+            details=details,
         )
     if bad / read > cfg.max_bad_fraction:
         raise LadleError(
             f"data.path = {cfg.path!r}: {bad} of {read} rows unusable ({bad / read:.1%} > "
-            f"data.max_bad_fraction={cfg.max_bad_fraction}; {first}). Fix the rows or raise data.max_bad_fraction."
+            f"data.max_bad_fraction={cfg.max_bad_fraction}; {first}). Fix the rows or raise data.max_bad_fraction.{every}",
+            details=details,
         )

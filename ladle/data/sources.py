@@ -79,12 +79,18 @@ def _decode(raw: bytes) -> dict | RowError:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return RowError("invalid UTF-8")
+        return _with_raw(RowError("invalid UTF-8"), raw)
     try:
         row = json.loads(text)
     except json.JSONDecodeError as exc:
-        return RowError(f"malformed JSON ({exc.msg})")
-    return row if isinstance(row, dict) else RowError(f"a row must be a JSON object, got {type(row).__name__}")
+        return _with_raw(RowError(f"malformed JSON ({exc.msg})"), raw)
+    return row if isinstance(row, dict) else _with_raw(RowError(f"a row must be a JSON object, got {type(row).__name__}"), raw)
+
+
+def _with_raw(err: RowError, raw: bytes) -> RowError:
+    """Keep the undecodable line's text (invalid bytes replaced) for the rejects file."""
+    err.raw = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+    return err
 
 
 def read_jsonl(url: str) -> Iterator[Record]:
@@ -106,7 +112,12 @@ def read_json(url: str) -> Iterator[Record]:
     if not isinstance(rows, list):
         raise LadleError(f"data file {url!r}: expected a JSON array of objects, got {type(rows).__name__}.")
     for index, row in enumerate(rows, start=1):
-        yield index, row if isinstance(row, dict) else RowError(f"a row must be a JSON object, got {type(row).__name__}")
+        if isinstance(row, dict):
+            yield index, row
+        else:
+            err = RowError(f"a row must be a JSON object, got {type(row).__name__}")
+            err.raw = json.dumps(row, default=str)
+            yield index, err
 
 
 def read_csv(url: str) -> Iterator[Record]:

@@ -25,8 +25,10 @@ class Endpoint(BaseModel):
     model: str
     backend: str
     pid: int | None = Field(description="Server process id while it runs; null once stopped.")
-    prompt: str
+    prompt: str = Field(description="The smoke request's last user message.")
     answer: str = Field(description="The smoke request's reply.")
+    expected: str | None = Field(None, description="The held-out reference answer (null for a fixed smoke prompt).")
+    answer_correct: bool | None = Field(None, description="answer == expected (surrounding whitespace aside).")
     running: bool
     log: str = Field(description="Server log file.")
 
@@ -72,8 +74,25 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def deploy(merged: MergedModel, cfg: ServeConfig, name: str) -> Endpoint:
+DEFAULT_SMOKE = "Hello!"
+
+
+def smoke_conversation(cfg: ServeConfig, held_out: list[list[dict]]) -> tuple[list[dict], str | None]:
+    """The smoke request's messages and the answer expected, if known.
+
+    ``serve.smoke_prompt`` wins; otherwise the first held-out conversation
+    (never trained on) asks its prompt and expects its reference turn.
+    """
+    if cfg.smoke_prompt is not None or not held_out:
+        return [{"role": "user", "content": cfg.smoke_prompt or DEFAULT_SMOKE}], None
+    return held_out[0][:-1], held_out[0][-1]["content"]
+
+
+def deploy(merged: MergedModel, cfg: ServeConfig, name: str, held_out: list[list[dict]] | None = None) -> Endpoint:
     """Serve ``merged``, check it answers, and stop it unless ``cfg.keep_running``.
+
+    Args:
+        held_out: eval conversations; the first is the smoke request when ``serve.smoke_prompt`` is null.
 
     Raises:
         LadleError: the backend cannot run on this host.
@@ -92,23 +111,24 @@ def deploy(merged: MergedModel, cfg: ServeConfig, name: str) -> Endpoint:
             server_argv(model_dir, name, cfg, port), stdout=log, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, start_new_session=cfg.keep_running,
         )  # fmt: skip
+    messages, expected = smoke_conversation(cfg, held_out or [])
     try:
         wait_healthy(proc, url, cfg.health_timeout_s, log_path)
-        answer = smoke(url, name, cfg)
+        answer = smoke(url, name, cfg, messages)
     except BaseException:
         stop(proc)
         raise
     if not cfg.keep_running:
         stop(proc)
+    correct = None if expected is None else answer.strip() == expected.strip()
     return Endpoint(url=url, model=name, backend=cfg.backend, pid=proc.pid if cfg.keep_running else None,
-                    prompt=cfg.smoke_prompt, answer=answer, running=cfg.keep_running,
-                    log=str(log_path))  # fmt: skip
+                    prompt=messages[-1]["content"], answer=answer, expected=expected, answer_correct=correct,
+                    running=cfg.keep_running, log=str(log_path))  # fmt: skip
 
 
-def smoke(url: str, name: str, cfg: ServeConfig) -> str:
+def smoke(url: str, name: str, cfg: ServeConfig, messages: list[dict]) -> str:
     """One greedy chat completion; returns the reply text."""
-    body = {"model": name, "messages": [{"role": "user", "content": cfg.smoke_prompt}],
-            "max_tokens": cfg.max_new_tokens, "temperature": 0}  # fmt: skip
+    body = {"model": name, "messages": messages, "max_tokens": cfg.max_new_tokens, "temperature": 0}
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     if response.status_code != 200:
         raise DeployFailed(f"smoke request got HTTP {response.status_code}: {response.text[:500]}")

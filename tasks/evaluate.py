@@ -1,0 +1,32 @@
+"""Prefect task: exact-match accuracy of the merged model (and the base, cached) on held-out prompts."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+
+from ladle.assets import resolve_base
+from ladle.config import LadleConfig
+from ladle.data.prepare import PreparedDataset
+from ladle.evaluate import Evaluation, evaluate
+from ladle.merge import MergedModel
+from ladle.serve.deploy import local_model_dir
+from ladle.tasks.policy import retry_unless_user_error
+from ladle.tracking import Tracking, log_evaluation
+
+
+@task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
+def evaluate_task(cfg: LadleConfig, merged: MergedModel, prepared: PreparedDataset, tracking: Tracking) -> Evaluation:
+    result = evaluate(resolve_base(cfg.base), local_model_dir(merged), prepared, cfg.eval.max_examples, cfg.eval.batch_size)
+    logger = get_run_logger()
+    if result.examples == 0:
+        logger.info(result.note)
+        return result
+    logger.info(
+        "exact match on %d held-out prompts: %.1f%% before (base%s) -> %.1f%% after",
+        result.examples, 100 * result.accuracy_before, ", cached" if result.base_cached else "", 100 * result.accuracy_after,
+    )  # fmt: skip
+    log_evaluation(tracking, result)
+    if result.examples_shown:
+        create_table_artifact(key="eval-examples", table=result.examples_shown, description="Held-out prompts, expected and greedy answers")
+    return result
