@@ -47,19 +47,19 @@ def apply_defaults() -> None:
     os.environ.setdefault(BUDGET_VAR, DEFAULT_BUDGET_S)
 
 
-def startup_budget() -> float:
-    """Seconds to wait for the temporary server.
+def startup_budget() -> int:
+    """Seconds to wait for the temporary server (Prefect's own setting, an integer).
 
     Raises:
-        ApiUnavailable: the variable is not a positive number.
+        ApiUnavailable: the variable is not a positive integer (Prefect itself would fail to import).
     """
     raw = os.environ.get(BUDGET_VAR, DEFAULT_BUDGET_S)
     try:
-        value = float(raw)
+        value = int(raw)
     except ValueError:
-        value = -1.0
+        value = -1
     if value <= 0:
-        raise ApiUnavailable(f"{BUDGET_VAR} = {raw!r}: must be a positive number of seconds, e.g. {DEFAULT_BUDGET_S}.")
+        raise ApiUnavailable(f"{BUDGET_VAR} = {raw!r}: must be a positive whole number of seconds. Set it to e.g. {DEFAULT_BUDGET_S}, or unset it.")
     return value
 
 
@@ -159,7 +159,7 @@ class EmbeddedApi:
             self.log_path.unlink(missing_ok=True)
 
 
-def check_reachable(url: str, wait_s: float = 10.0) -> None:
+def check_reachable(url: str, wait_s: float = 5.0) -> None:
     """Any HTTP answer from ``<url>/health`` will do (Prefect Cloud answers 401 without a key).
 
     Raises:
@@ -202,7 +202,9 @@ class PrefectApi:
     """What a ``ladle run`` uses: the configured server, or an embedded one; ``start()`` early, ``session()`` late."""
 
     def __init__(self, log_dir: Path):
+        """Raises: ApiUnavailable: the startup budget is not a positive integer."""
         apply_defaults()
+        self.budget_s = startup_budget()
         self.configured = os.environ.get("PREFECT_API_URL") or None
         self.embedded = None if self.configured else EmbeddedApi(log_dir)
 
@@ -227,7 +229,7 @@ class PrefectApi:
                 check_reachable(self.configured)
                 yield self.configured
                 return
-            url = self.embedded.wait(startup_budget())
+            url = self.embedded.wait(self.budget_s)
             from prefect.settings import PREFECT_API_URL, temporary_settings
 
             with temporary_settings(updates={PREFECT_API_URL: url}):

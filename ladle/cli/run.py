@@ -34,8 +34,9 @@ def run(
     from ladle.config import load_config
     from ladle.flows.api import PrefectApi
 
-    api = PrefectApi(ladle_home() / "logs")
+    api = None
     try:
+        api = PrefectApi(ladle_home() / "logs")
         cfg = load_config(config, [*deepspeed_override(deepspeed), *set_], gpus)
         # A config that parses is worth a server: it boots while the inputs are checked and the rest loads.
         api.start()
@@ -49,7 +50,8 @@ def run(
     except LadleError as err:
         fail(err, as_json)
     finally:
-        api.stop()
+        if api is not None:
+            api.stop()
     if not state.is_completed():
         exc = state.result(raise_on_failure=False)
         user_error = find_ladle_error(exc if isinstance(exc, BaseException) else None)

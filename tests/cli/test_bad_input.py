@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -65,14 +66,36 @@ def test_json_mode_reports_failure_as_last_line():
 
 
 def test_error_inside_the_flow_is_one_line(tmp_path):
-    """Found by the prepare stage, inside Prefect: still one line, no traceback."""
+    """Found by the prepare stage, inside Prefect: still one line, no traceback; --json carries every bad row."""
     bad = tmp_path / "bad.jsonl"
-    bad.write_text("".join("{broken\n" for _ in range(5)))
-    line = assert_clean_error(
-        run_cli("run", RECIPE, "--set", f"data.path={bad}", "--set", f"output={tmp_path / 'out'}", timeout=300),
-        "no usable training rows (read 5, dropped 5; line 1: malformed JSON",
-    )
+    bad.write_text("".join(f"{{broken {i}\n" for i in range(5)))
+    done = run_cli("run", RECIPE, "--json", "--set", f"data.path={bad}", "--set", f"output={tmp_path / 'out'}", timeout=300)
+    line = assert_clean_error(done, "no usable training rows (read 5, dropped 5; line 1: malformed JSON", "rejects.jsonl")
     assert line.startswith(f"error: data.path = '{bad}'")
+    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert failed["status"] == "failed" and [row["line"] for row in failed["bad_rows"]] == [1, 2, 3, 4, 5]
+    rejects = [json.loads(x) for x in Path(failed["rejects"]).read_text().splitlines()]
+    assert [(r["line"], r["raw"]) for r in rejects] == [(i + 1, f"{{broken {i}") for i in range(5)]
+
+
+def test_unreachable_prefect_api_is_one_line():
+    """PREFECT_API_URL set: ladle starts no server, and says so when nothing answers there."""
+    from ladle.train.run import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/api"
+    done = run_cli("run", RECIPE, "--json", env={"PREFECT_API_URL": url}, timeout=120)
+    assert_clean_error(done, f"PREFECT_API_URL = '{url}': no Prefect API answers there", "prefect server start")
+    assert json.loads(done.stdout.strip().splitlines()[-1])["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    "budget, fragments",
+    [("soon", ["= 'soon': must be a positive whole number", "or unset it"]),
+     ("1", ["= 1: the temporary Prefect API server did not answer in time", "set PREFECT_API_URL="])],
+)  # fmt: skip
+def test_embedded_server_budget_errors_are_one_line(budget, fragments):
+    done = run_cli("run", RECIPE, env={"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": budget}, timeout=120)
+    assert_clean_error(done, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", *fragments)
 
 
 def test_schema_and_env_commands():
@@ -96,8 +119,12 @@ def test_data_commands(tmp_path):
     masked = run_cli("data", "show-mask", RECIPE, *overrides, "-n", "1", "--json", timeout=120)
     row = json.loads(masked.stdout.strip().splitlines()[-1])["rows"][0]
     assert "".join(piece for piece, trained in row["tokens"] if trained) == "3<|end|>"
-    bad = run_cli("data", "prepare", RECIPE, "--set", f"data.path={rows}", "--set", "data.max_bad_fraction=0", timeout=120)
-    assert_clean_error(bad, "1 of 202 rows unusable", "line 2: malformed JSON")
+    bad = run_cli("data", "prepare", RECIPE, *overrides, "--set", "data.max_bad_fraction=0", "--json", timeout=120)
+    assert_clean_error(bad, "1 of 202 rows unusable", "line 2: malformed JSON", "rejects.jsonl")
+    failed = json.loads(bad.stdout.strip().splitlines()[-1])
+    assert failed["status"] == "failed" and failed["rows_read"] == 202
+    assert failed["bad_rows"] == [{"line": 2, "reason": failed["bad_rows"][0]["reason"], "source": str(rows)}]
+    assert [json.loads(x)["raw"] for x in Path(failed["rejects"]).read_text().splitlines()] == ["{oops"]
 
 
 def test_launch_bad_input(tmp_path):
@@ -117,8 +144,11 @@ def test_plan_reports_model_size(tmp_path):
     assert (plan["params"], plan["trainable_params"], plan["strategy"]) == (8_030_261_248, 3_407_872, "ddp")
     # an 8B base in float32 is 30 GiB per CPU process: the explicit choice wins, with the numbers
     assert any(w.startswith("parallelism.strategy = ddp needs") for w in plan["warnings"])
-    assert_clean_error(run_cli("plan", RECIPE, "--model-config", str(tmp_path), *lora, timeout=60),
-                       "parallelism.strategy = auto: no strategy fits")  # fmt: skip
+    too_big = run_cli("plan", RECIPE, "--model-config", str(tmp_path), *lora, "--json", timeout=60)
+    assert_clean_error(too_big, "parallelism.strategy = auto: no strategy fits")
+    failed = json.loads(too_big.stdout.strip().splitlines()[-1])  # what was computed comes with the failure
+    assert (failed["status"], failed["params"], failed["trainable_params"]) == ("failed", 8_030_261_248, 3_407_872)
+    assert failed["candidates"] and all(c["per_rank_gib"] > 0 and not c["fits"] for c in failed["candidates"])
     assert plan["launch_command"].startswith("accelerate launch --multi_gpu --num_processes 2")
     (tmp_path / "config.json").write_text("{oops")
     assert_clean_error(run_cli("plan", RECIPE, "--model-config", str(tmp_path), timeout=60), "not valid JSON")
@@ -135,4 +165,6 @@ def test_probe_and_plan_against_a_recorded_machine(tmp_path):
     assert (plan["device"], plan["world_size"], plan["backend"]) == ("cuda", 4, "nccl")
     too_many = run_cli("plan", RECIPE, "--topology-file", str(recorded), "--gpus", "8", timeout=60)
     assert_clean_error(too_many, "parallelism.gpus = 8: this host has 4 visible GPU(s)", f"ladle run {RECIPE} --gpus 4")
-    assert_clean_error(run_cli("probe", "--topology-file", str(tmp_path / "nope.txt"), timeout=60), "no such file")
+    missing = run_cli("probe", "--topology-file", str(tmp_path / "nope.txt"), "--json", timeout=60)
+    assert_clean_error(missing, "no such file")
+    assert json.loads(missing.stdout.strip().splitlines()[-1])["status"] == "failed"

@@ -83,3 +83,25 @@ def test_plan_and_probe_never_import_torch_or_transformers(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code, str(topo)], capture_output=True, text=True, timeout=120)
     assert "HEAVY []" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_a_plan_that_does_not_fit_still_reports_its_numbers_in_json(tmp_path):
+    """DeepSeek-V3 on one 8x80 GiB node: the failure object carries the model size and every candidate."""
+    topo = tmp_path / "topo.txt"
+    topo.write_text(NVSWITCH_8)
+    done = run_cli("plan", "recipes/deepseek-v3-pipeline.yaml", "--topology-file", str(topo), "--gpu-memory", "80",
+                   "--set", "parallelism.nodes=1", "--set", "parallelism.strategy=auto", "--json")  # fmt: skip
+    assert_clean_error(done, "parallelism.strategy = auto: no strategy fits 72.0 GiB usable of 80.0 GiB per rank")
+    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert failed["status"] == "failed" and failed["params"] == 671_026_404_352 and failed["trainable_params"] > 0
+    assert {c["strategy"] for c in failed["candidates"]} >= {"ddp", "zero3", "fsdp2"}
+    assert all(not c["fits"] and c["per_rank_gib"] > 72 for c in failed["candidates"])
+    assert failed["world_size"] == 8 and failed["device"] == "cuda"
+
+
+def test_recipes_show_json_and_its_failure():
+    shown = json.loads(run_cli("recipes", "show", "tiny-cpu", "--json").stdout.strip().splitlines()[-1])
+    assert shown["name"] == "tiny-cpu" and "base: ladle://tiny-llama" in shown["yaml"]
+    missing = run_cli("recipes", "show", "llama9", "--json")
+    failed = json.loads(missing.stdout.strip().splitlines()[-1])
+    assert failed["status"] == "failed" and "tiny-cpu" in failed["recipes"]

@@ -26,6 +26,11 @@ def check_summary(summary: dict, steps: int) -> None:
     assert summary["endpoint"].startswith("http://127.0.0.1:")
     for key in ("answer", "mlflow_run_id", "flow_run_id", "output_url", "train_loss_first", "eval_loss_before"):
         assert key in summary
+    # Accuracy on held-out prompts: the random-init base answers none; the smoke request asks one of them.
+    assert summary["eval_examples"] > 0 and summary["eval_accuracy_before"] == 0.0
+    assert 0.0 <= summary["eval_accuracy_after"] <= 1.0
+    assert summary["expected"] is not None
+    assert summary["answer_correct"] == (summary["answer"].strip() == summary["expected"].strip())
 
 
 def check_served_answer_is_offline_greedy(summary: dict, max_new_tokens: int) -> None:
@@ -63,8 +68,10 @@ def check_mlflow(summary: dict, steps: int, model_name: str) -> None:
     assert abs(losses[0].value - summary["train_loss_first"]) < 1e-6
     evals = client.get_metric_history(run.info.run_id, "eval_loss")
     assert [m.step for m in evals] == [0, steps]
+    assert run.data.metrics["eval_accuracy_after"] == summary["eval_accuracy_after"]
+    assert run.data.metrics["eval_accuracy_before"] == summary["eval_accuracy_before"]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "plan.json", "data_report.json", "loss_curve.png", "length_histogram.png"} <= artifacts
+    assert {"config.yaml", "plan.json", "data_report.json", "loss_curve.png", "length_histogram.png", "evaluation.json"} <= artifacts
     versions = client.search_model_versions(f"name='{model_name}'")
     mine = [v for v in versions if v.run_id == run.info.run_id]
     assert len(mine) == 1 and mine[0].source == summary["merged_model_url"]
