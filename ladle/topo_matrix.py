@@ -76,12 +76,31 @@ def parse(text: str) -> TopoMatrix:
 
 
 def _numa(rows: dict[str, list[str]], gpus: list[str], width: int, extra: list[str]) -> list[int] | None:
-    if "NUMA_Affinity" not in extra:
+    """The GPUs' NUMA nodes: each GPU's ``GPU NUMA ID`` when it is a number, else its ``NUMA Affinity``.
+
+    On Grace Hopper/Blackwell the GPU's memory is its own NUMA node (``GPU NUMA ID``)
+    and ``NUMA Affinity`` is a list such as ``0,5-11``: the CPU's node first, then
+    the GPU memory and MIG nodes. So the affinity counts by its first node; on x86
+    hosts ``GPU NUMA ID`` is ``N/A`` and the affinity is a single node.
+    """
+    nodes = {node for g in gpus if (node := _gpu_numa(rows[g], width, extra)) is not None}
+    return sorted(nodes) or None
+
+
+def _cell(row: list[str], width: int, extra: list[str], name: str) -> str | None:
+    if name not in extra:
         return None
-    column = width + extra.index("NUMA_Affinity")
-    values = {rows[g][column] for g in gpus if len(rows[g]) > column}
-    numbers = sorted({int(v) for v in values if v.isdigit()})
-    return numbers or None
+    column = width + extra.index(name)
+    return row[column] if len(row) > column else None
+
+
+def _gpu_numa(row: list[str], width: int, extra: list[str]) -> int | None:
+    own = _cell(row, width, extra, "GPU_NUMA_ID")
+    if own is not None and own.isdigit():
+        return int(own)
+    affinity = _cell(row, width, extra, "NUMA_Affinity") or ""
+    first = re.match(r"^(\d+)(?:[,-]|$)", affinity)
+    return int(first.group(1)) if first else None
 
 
 def facts(links: list[list[str]], numa: list[int] | None, nics: list[str]) -> TopoMatrix:

@@ -21,7 +21,7 @@ Legend:
 
 
 def matrix(links: list[list[str]], nics: dict[str, list[str]] | None = None, affinity: list[tuple[str, str]] | None = None,
-           gpu_numa: bool = False, sep: str = "\t") -> str:  # fmt: skip
+           gpu_numa: bool | list[str] = False, sep: str = "\t") -> str:  # fmt: skip
     """Render a matrix the way nvidia-smi lays it out."""
     n = len(links)
     nics = nics or {}
@@ -33,7 +33,7 @@ def matrix(links: list[list[str]], nics: dict[str, list[str]] | None = None, aff
         if affinity:
             cells += list(affinity[i])
         if gpu_numa:
-            cells.append("N/A")
+            cells.append(gpu_numa[i] if isinstance(gpu_numa, list) else "N/A")
         lines.append(sep.join(cells))
     for k, col in nics.items():
         lines.append(sep.join([k, *col, *["X" if k == j else "SYS" for j in nics]]))
@@ -73,6 +73,36 @@ def test_facts(text, count, interconnect, groups, bonds, numa, nics):
         count, interconnect, groups, bonds, numa, nics)  # fmt: skip
     assert topo.all_pairs_nvlink == (interconnect == "nvswitch")
     assert all(topo.links[i][i] == "X" for i in range(count))
+
+
+# Grace Hopper (4x GH200, NVLink between all): each GPU's NUMA Affinity is a list (its CPU's node,
+# then its memory and MIG nodes) and GPU NUMA ID is the GPU memory's own node.
+GH200_4 = matrix(full(4, "NV6"), affinity=[(f"{72 * i}-{72 * i + 71}", f"{i},{4 + 8 * i}-{11 + 8 * i}") for i in range(4)],
+                 gpu_numa=[str(4 + 8 * i) for i in range(4)])  # fmt: skip
+
+
+def test_grace_hopper_numa_lists_and_gpu_numa_id():
+    assert parse(GH200_4).numa_nodes == [4, 12, 20, 28]  # GPU NUMA ID wins when it is a number
+    without_id = GH200_4.replace("\t4\n", "\tN/A\n").replace("\t12\n", "\tN/A\n").replace("\t20\n", "\tN/A\n").replace("\t28\n", "\tN/A\n")
+    assert parse(without_id).numa_nodes == [0, 1, 2, 3]  # else the affinity list's first node (the CPU's)
+    assert parse(GH200_4).interconnect == "nvswitch"
+
+
+# Real pastes from public issue threads, verbatim (tests/unit/topo_pastes/):
+REAL_PASTES = {
+    # https://github.com/NVIDIA/go-gpuallocator/issues/17 : 8x RTX 4090, two sockets, two NICs
+    "rtx4090-8-go-gpuallocator-17.txt": (8, "pcie", [], None, [0, 1], ["NIC0", "NIC1"]),
+    # https://github.com/noonghunna/club-3090/issues/1229 : 2x RTX 5090 on one socket, with the legend
+    "rtx5090-2-club-3090-1229.txt": (2, "pcie", [], None, [0], []),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_PASTES))
+def test_real_pastes(name):
+    from pathlib import Path
+
+    topo = parse((Path(__file__).parent / "topo_pastes" / name).read_text())
+    assert (topo.gpu_count, topo.interconnect, topo.nvlink_groups, topo.min_nvlink_bonds, topo.numa_nodes, topo.nics) == REAL_PASTES[name]
 
 
 def test_ansi_codes_with_and_without_esc_byte_and_indentation():
