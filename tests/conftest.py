@@ -24,7 +24,65 @@ os.environ["MPLBACKEND"] = "Agg"
 
 
 def pytest_sessionfinish(session, exitstatus):
+    """No process outlives the suite: any left is listed, killed, and fails the run."""
+    import psutil
+
+    left = psutil.Process().children(recursive=True)
+    if left:
+        names = "; ".join(f"{p.pid}: {' '.join(p.cmdline())[:160]}" for p in left if p.is_running())
+        print(f"\nprocesses left running by the suite (killed): {names}", file=sys.stderr)
+        for proc in left:
+            proc.kill()
+        psutil.wait_procs(left, timeout=10)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     shutil.rmtree(_SESSION, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def no_environment_leaks():
+    """Whatever a test sets in os.environ (directly, or through code it calls) is undone after it."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 15.0, group: bool = False) -> None:
+    """Bounded, escalating shutdown: SIGTERM, wait ``grace_s``, SIGKILL, wait. ``group``: the whole session."""
+    import signal
+
+    if proc.poll() is not None:
+        return
+    send = (lambda sig: os.killpg(proc.pid, sig)) if group else proc.send_signal
+    try:
+        send(signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    if group:  # children that ignored SIGTERM and outlived their leader
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_pid(pid: int, grace_s: float = 15.0) -> None:
+    """``stop_process`` for a process known only by its pid (e.g. a server left running on purpose)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        proc.terminate()
+        proc.wait(timeout=grace_s)
+    except psutil.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+    except psutil.NoSuchProcess:
+        pass
 
 
 @pytest.fixture(scope="session")
@@ -85,8 +143,7 @@ def s3_server():
                 raise
             time.sleep(0.3)
     yield env
-    proc.terminate()
-    proc.wait(timeout=10)
+    stop_process(proc)
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 900, cwd: Path | None = None) -> subprocess.CompletedProcess:

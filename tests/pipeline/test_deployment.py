@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from ladle.train.run import free_port
-from tests.conftest import ROOT
+from tests.conftest import ROOT, stop_process
 
 pytestmark = pytest.mark.pipeline
 PREFECT = str(Path(sys.executable).with_name("prefect"))
@@ -45,12 +45,11 @@ def prefect_server(tmp_path_factory):
         except httpx.HTTPError:
             pass
         if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
+            stop_process(server, grace_s=0)
             pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
         time.sleep(0.5)
     yield env
-    server.terminate()
-    server.wait(timeout=30)
+    stop_process(server)
 
 
 def flow_run_state(env: dict, flow_run_id: str) -> str:
@@ -67,15 +66,16 @@ def test_deployment_runs_through_server_and_worker(prefect_server, tmp_path, tin
     flow_run_id = next(line.split()[-1] for line in started.stdout.splitlines() if "UUID" in line)
 
     worker_log = open(tmp_path / "worker.log", "w")
-    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "ladle-local"], env=env, cwd=ROOT, stdout=worker_log, stderr=subprocess.STDOUT)
+    # Its own session: the worker's flow-run processes (and their training processes) stop with it.
+    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "ladle-local"], env=env, cwd=ROOT, stdout=worker_log,
+                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 600
         while (state := flow_run_state(env, flow_run_id)) not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
             assert time.monotonic() < deadline, "flow run did not finish in 10 minutes"
             time.sleep(2)
     finally:
-        worker.terminate()
-        worker.wait(timeout=30)
+        stop_process(worker, group=True)
     assert state == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
 
     summaries = list(tmp_path.glob("runs/deployed-*/summary.json"))

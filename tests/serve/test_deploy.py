@@ -1,6 +1,3 @@
-import os
-import signal
-
 import httpx
 import pytest
 
@@ -8,6 +5,7 @@ from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.merge import MergedModel
 from ladle.serve.deploy import deploy
+from tests.conftest import stop_pid
 
 
 def test_keep_running_leaves_a_healthy_server(tiny_model):
@@ -17,7 +15,7 @@ def test_keep_running_leaves_a_healthy_server(tiny_model):
         assert endpoint.running and endpoint.pid
         assert httpx.get(f"{endpoint.url}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
     finally:
-        os.kill(endpoint.pid, signal.SIGTERM)
+        stop_pid(endpoint.pid)
 
 
 def test_default_stops_the_server_after_the_smoke_request(tiny_model):

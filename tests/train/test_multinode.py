@@ -16,6 +16,7 @@ from ladle.plan import make_plan
 from ladle.topology import probe
 from ladle.train.run import free_port, launch
 from ladle.train.spec import TrainSpec
+from tests.conftest import stop_process
 
 pytestmark = pytest.mark.pipeline
 CPU = probe(env={}, query_output="")
@@ -57,8 +58,12 @@ def test_two_nodes_on_loopback_match_one_node_with_two_processes(tmp_path, tiny_
             node1 = subprocess.Popen([ladle, "launch", str(tmp_path / "multi" / "spec.json"), "--node-rank", "1"],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
-    result = launch(spec, on_command=start_node1)
-    assert node1 is not None and node1.wait(timeout=120) == 0, node1.stdout.read()[-3000:]
+    try:
+        result = launch(spec, on_command=start_node1)
+        assert node1 is not None and node1.wait(timeout=120) == 0, node1.stdout.read()[-3000:]
+    finally:
+        if node1 is not None:
+            stop_process(node1)
     assert any(f"ladle launch {tmp_path / 'multi' / 'spec.json'} --node-rank 1" in c for c in commands)
     assert (result.world_size, result.backend) == (2, "gloo")
 
@@ -90,8 +95,12 @@ def test_zeropp_across_two_nodes_shards_a_secondary_copy_within_each(tmp_path, t
             node1.append(subprocess.Popen([ladle, "launch", str(tmp_path / "zpp" / "spec.json"), "--node-rank", "1"],
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
 
-    result = launch(spec, on_command=start_node1)
-    assert node1 and node1[0].wait(timeout=120) == 0, node1[0].stdout.read()[-3000:]
+    try:
+        result = launch(spec, on_command=start_node1)
+        assert node1 and node1[0].wait(timeout=120) == 0, node1[0].stdout.read()[-3000:]
+    finally:
+        for proc in node1:
+            stop_process(proc)
     assert (result.strategy, result.world_size) == ("zero++", 4)
     assert result.sharding["hpz_partition_size"] == 2
     assert result.sharding["parameter_share"] == pytest.approx(0.25, abs=0.01)
