@@ -23,9 +23,25 @@ def machine() -> str:
     return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
 
 
+def cpu_capability() -> str:
+    """What the CPU can do for the numbers beside it: torch's kernel level and native bf16 (or not)."""
+    import torch
+
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    bf16 = "native bf16" if flags & {"avx512_bf16", "amx_bf16"} else "no native bf16 (emulated, slow)"
+    return f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {bf16}"
+
+
 def save(name: str, payload: dict) -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
-    payload = {"machine": machine(), "date": dt.date.today().isoformat(), **payload}
+    payload = {"machine": machine(), "cpu_capability": cpu_capability(), "date": dt.date.today().isoformat(), **payload}
     path = OUT / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path

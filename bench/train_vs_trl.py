@@ -8,7 +8,10 @@ conversational prompt/completion, the shape it masks to the completion), loss
 on the response only, LoRA r=16 on all linear layers with trained embeddings and
 head, sequence length 256, 4 packed rows per process per step, 2 processes
 under the same `accelerate launch --multi_gpu` (gloo on CPU) and the same
-OMP_NUM_THREADS. TRL runs with packing in both of its strategies and the
+OMP_NUM_THREADS, at the precision and activation checkpointing ladle's plan
+chose (float32, none on a CPU host: TRL's own defaults, bf16 and checkpointing,
+would run it ~10x slower on a CPU without native bf16, a ratio that measures the
+defaults, not the trainers). TRL runs with packing in both of its strategies and the
 faster one counts as TRL's best: `bfd` (best-fit decreasing, padding-free: each
 batch becomes one long row with position ids reset per example) and `wrapped`
 (fixed 256-token rows, examples cut at row ends). Throughput is real
@@ -42,14 +45,18 @@ from ladle.train.spec import TrainSpec  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int) -> dict:
-    cfg = build_config(
+def ladle_config(alpaca: Path, tmp: Path, steps: int):
+    return build_config(
         {"base": str(tiny_model_dir()), "data": {"path": str(alpaca), "format": "alpaca", "seq_len": 256, "eval_ratio": 0.0},
          "output": str(tmp), "parallelism": {"strategy": "ddp", "cpu_processes": 2},
          "training": {"max_steps": steps, "lr": 3e-3, "micro_batch_size": 4, "warmup_steps": 5, "checkpoint_every": 0,
                       "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", "modules_to_save": ["lm_head", "embed_tokens"]}}},
         [],
     )  # fmt: skip
+
+
+def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int) -> dict:
+    cfg = ladle_config(alpaca, tmp, steps)
     base = tiny_model_dir()
     dataset = prepare(cfg.data, base, str(tmp))
     spec = TrainSpec(config=cfg, plan=make_plan(cfg, probe()), dataset=dataset, base_dir=str(base),
@@ -59,13 +66,13 @@ def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int) -> dict:
             "train_loss": result.train_loss_last}  # fmt: skip
 
 
-def run_trl(prompt_completion: Path, tmp: Path, steps: int, rep: int, packing: str = "bfd") -> dict:
+def run_trl(prompt_completion: Path, tmp: Path, steps: int, rep: int, dtype: str, checkpointing: bool, packing: str = "bfd") -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)), "TOKENIZERS_PARALLELISM": "false"}
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
             "--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
             "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
             str(HERE / "trl_sft_worker.py"), str(tiny_model_dir()), str(prompt_completion), str(tmp / f"trl-{rep}"),
-            str(steps), "4", "256", "3e-3", packing]  # fmt: skip
+            str(steps), "4", "256", "3e-3", packing, dtype, str(checkpointing).lower()]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("TRL_RESULT ")]
     if done.returncode != 0 or not lines:
@@ -83,13 +90,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         alpaca, prompt_completion = write_inputs(tmp, args.records)
+        cfg = ladle_config(alpaca, tmp, args.steps)
+        dtype, checkpointing = make_plan(cfg, probe()).dtype, cfg.training.gradient_checkpointing
+        print(f"precision {dtype}, activation checkpointing {checkpointing}, on both sides")
         for rep in range(args.reps):
             sides = ("ladle", "trl-bfd", "trl-wrapped")
             for side in sides if rep % 2 == 0 else tuple(reversed(sides)):
                 if side == "ladle":
                     res = run_ladle(alpaca, tmp, args.steps, rep)
                 else:
-                    res = run_trl(prompt_completion, tmp, args.steps, rep, side.removeprefix("trl-"))
+                    res = run_trl(prompt_completion, tmp, args.steps, rep, dtype, checkpointing, side.removeprefix("trl-"))
                 results[side].append(res)
                 print(f"rep {rep} {side:<5} {res['tokens_per_s']:9.0f} real tok/s  {res['tokens']:8d} tokens in "
                       f"{res['seconds']:6.2f} s  last loss {res['train_loss']}", flush=True)  # fmt: skip
@@ -98,8 +108,8 @@ def main() -> None:
     ratio = med["ladle"] / med[best]
     print(f"\nmedian real tokens/s: ladle {med['ladle']:.0f}, TRL bfd {med['trl-bfd']:.0f}, TRL wrapped "
           f"{med['trl-wrapped']:.0f}; ratio ladle / TRL's best ({best}) {ratio:.2f}")
-    print("saved", save("train_vs_trl", {"steps": args.steps, "records": args.records, "results": results,
-                                         "median": med, "ratio": ratio}))  # fmt: skip
+    print("saved", save("train_vs_trl", {"steps": args.steps, "records": args.records, "results": results, "median": med,
+                                         "ratio": ratio, "dtype": dtype, "gradient_checkpointing": checkpointing}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ class StepClock(TrainerCallback):
 
 
 def main() -> None:
-    model_dir, data_file, out, steps, micro, seq_len, lr, packing = sys.argv[1:9]
+    model_dir, data_file, out, steps, micro, seq_len, lr, packing, dtype, checkpointing = sys.argv[1:11]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     args = SFTConfig(
@@ -35,6 +35,9 @@ def main() -> None:
         packing=True, packing_strategy=packing, completion_only_loss=True, use_cpu=True, report_to=[],
         logging_steps=10**6, save_strategy="no", dataloader_num_workers=0, seed=0,
         include_num_input_tokens_seen="non_padding", ddp_find_unused_parameters=False,
+        # SFTConfig defaults to bf16=True and gradient_checkpointing=True; bf16 would override the launcher's
+        # --mixed_precision no. Run exactly the precision and checkpointing ladle's plan runs.
+        bf16=dtype == "bfloat16", fp16=dtype == "float16", gradient_checkpointing=checkpointing == "true",
     )  # fmt: skip
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", modules_to_save=["lm_head", "embed_tokens"],
                       task_type="CAUSAL_LM")  # fmt: skip

@@ -86,7 +86,8 @@ class EmbeddedApi:
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.started_at = 0.0
-        self.startup_s: float | None = None
+        self.startup_s: float | None = None  # start -> first healthy answer
+        self.waited_s: float | None = None  # how much of that the run spent blocked in wait()
 
     @property
     def api_url(self) -> str:
@@ -115,6 +116,7 @@ class EmbeddedApi:
         """
         import httpx
 
+        entered = time.perf_counter()
         deadline = self.started_at + budget_s
         while True:
             code = self.proc.poll()
@@ -131,6 +133,7 @@ class EmbeddedApi:
             try:
                 if httpx.get(f"{self.api_url}/health", timeout=5).status_code == 200:
                     self.startup_s = round(time.perf_counter() - self.started_at, 2)
+                    self.waited_s = round(time.perf_counter() - entered, 2)
                     return self.api_url
             except httpx.HTTPError:
                 pass
@@ -213,9 +216,10 @@ class PrefectApi:
             self.embedded.start()
         return self
 
-    @property
-    def startup_s(self) -> float | None:
-        return self.embedded.startup_s if self.embedded else None
+    def timings(self) -> dict:
+        """Seconds the embedded server took to answer, and how many of them the run waited (null: none started)."""
+        api = self.embedded
+        return {"prefect_api_startup_s": api.startup_s if api else None, "prefect_api_waited_s": api.waited_s if api else None}
 
     @contextmanager
     def session(self) -> Iterator[str]:

@@ -58,7 +58,7 @@ def run(
         if user_error:
             fail(user_error, as_json)
         exit_with_error(f"pipeline failed: {exc}", as_json, code=1)
-    summary = {**state.result(), "prefect_api_startup_s": api.startup_s}
+    summary = {**state.result(), **api.timings()}
     if as_json:
         print_json(summary)
         return
