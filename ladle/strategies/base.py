@@ -130,16 +130,26 @@ class Strategy(ABC):
         return local_sum * replicas / accelerator.num_processes
 
     def evaluate(self, accelerator, model, data, micro: int, loss_fn) -> float:
-        """Token-weighted loss over all rows of ``data``, the same on every rank."""
+        """Token-weighted loss over all rows of ``data``, the same on every rank.
+
+        Every rank runs the same number of forward passes: a sharded model's
+        forward is a collective (FSDP2 and ZeRO-3 gather each layer), so a rank
+        with one row fewer would leave the others waiting forever. A rank out of
+        rows runs its last batch again and does not count it.
+        """
         import torch
 
         rank, replicas = self.data_parallel(accelerator)
-        mine = list(range(rank, len(data["input_ids"]), replicas))
+        rows = len(data["input_ids"])
+        mine = list(range(rank, rows, replicas))
+        most = -(-rows // replicas)  # rows of the fullest rank
         total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
         with torch.no_grad():
-            for start in range(0, len(mine), micro):
-                loss, count = loss_fn(model, data, mine[start : start + micro], accelerator.device)
-                total += torch.tensor([loss.item(), count], dtype=torch.float64, device=accelerator.device)
+            for start in range(0, most, micro):
+                chunk = mine[start : start + micro]
+                loss, count = loss_fn(model, data, chunk or mine[-micro:] or [0], accelerator.device)
+                if chunk:
+                    total += torch.tensor([loss.item(), count], dtype=torch.float64, device=accelerator.device)
         total = accelerator.reduce(total, reduction="sum")  # every rank of a replica adds the same totals
         return float(total[0] / max(total[1], 1))
 
