@@ -38,6 +38,8 @@ test: setup
 bench: setup
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
 	$(BIN)/python bench/demo_stages.py
+	$(BIN)/python bench/demo_under_load.py
+	$(BIN)/python bench/train_vs_trl.py
 	$(BIN)/python bench/train_overhead.py
 	$(BIN)/python bench/prepare_vs_trl.py
 	$(BIN)/python bench/prepare_memory.py

@@ -3,8 +3,10 @@
     .venv/bin/python bench/demo_stages.py [--runs 2]
 
 Each run is the real CLI in a subprocess. "startup" is everything outside the
-six stages: interpreter and imports, the Prefect temporary server, MLflow
-database creation, and shutdown. The first run also creates the tiny model
+stages: interpreter and imports, config and input checks, waiting for the
+Prefect temporary server, MLflow database creation, and shutdown. "api_up" is
+when that server first answered (seconds after ladle started it) and
+"api_waited" how long the run blocked on it; the rest overlapped with loading. The first run also creates the tiny model
 (cached under LADLE_HOME) unless it already exists.
 """
 
@@ -24,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("probe", "plan", "prepare", "train", "merge", "deploy")
+STAGES = ("probe", "plan", "prepare", "train", "merge", "evaluate", "deploy")
 
 
 def one_run(out: Path) -> dict:
@@ -39,7 +41,8 @@ def one_run(out: Path) -> dict:
         raise SystemExit(f"demo run failed:\n{done.stderr[-3000:]}")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     stages = summary["stage_seconds"]
-    return {"wall": wall, **stages, "startup": wall - sum(stages.values()), "tokens_per_s": summary["tokens_per_s"]}
+    return {"wall": wall, **stages, "startup": wall - sum(stages.values()), "tokens_per_s": summary["tokens_per_s"],
+            "api_up": summary["prefect_api_startup_s"] or 0.0, "api_waited": summary["prefect_api_waited_s"] or 0.0}
 
 
 def main() -> None:
@@ -51,7 +54,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             runs.append(one_run(Path(tmp) / f"run{i}"))
-    keys = ("wall", *STAGES, "startup")
+    keys = ("wall", *STAGES, "startup", "api_up", "api_waited")
     median = {k: statistics.median(r[k] for r in runs) for k in keys}
     print(f"{'stage':<10} {'median s':>9} {'share':>7}   runs")
     for k in keys:

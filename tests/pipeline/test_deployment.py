@@ -92,3 +92,16 @@ def test_deployment_runs_through_server_and_worker(prefect_server, tmp_path, tin
     schedules = httpx.post(f"{env['PREFECT_API_URL']}/deployments/filter", json={}, timeout=10).json()
     nightly = next(d for d in schedules if d["name"] == "tiny-cpu-nightly")
     assert nightly["schedules"][0]["schedule"]["cron"] == "30 2 * * *"
+
+
+def test_ladle_run_uses_the_configured_server_and_starts_none(prefect_server, tmp_path, tiny_model):
+    """PREFECT_API_URL set: the run is recorded on that server and ladle starts no temporary one."""
+    from tests.conftest import run_cli
+
+    done = run_cli("run", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--json", "--set", f"output={tmp_path}",
+                   "--set", "training.max_steps=4", "--set", "eval.max_examples=8", env=prefect_server)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["prefect_api_startup_s"] is None and summary["prefect_api_waited_s"] is None
+    assert flow_run_state(prefect_server, summary["flow_run_id"]) == "COMPLETED"
+    assert "Starting temporary server" not in done.stderr
