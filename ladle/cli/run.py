@@ -48,7 +48,7 @@ def run(
         with api.session():
             state = finetune(cfg, config_ref=config, return_state=True)
     except LadleError as err:
-        fail(err, as_json)
+        fail(err, as_json, **(api.timings() if api else {}))
     finally:
         if api is not None:
             api.stop()
@@ -56,8 +56,8 @@ def run(
         exc = state.result(raise_on_failure=False)
         user_error = find_ladle_error(exc if isinstance(exc, BaseException) else None)
         if user_error:
-            fail(user_error, as_json)
-        exit_with_error(f"pipeline failed: {exc}", as_json, code=1)
+            fail(user_error, as_json, **api.timings())
+        exit_with_error(f"pipeline failed: {exc}", as_json, code=1, details=api.timings())
     summary = {**state.result(), **api.timings()}
     if as_json:
         print_json(summary)

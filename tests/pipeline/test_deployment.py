@@ -95,13 +95,21 @@ def test_deployment_runs_through_server_and_worker(prefect_server, tmp_path, tin
 
 
 def test_ladle_run_uses_the_configured_server_and_starts_none(prefect_server, tmp_path, tiny_model):
-    """PREFECT_API_URL set: the run is recorded on that server and ladle starts no temporary one."""
+    """PREFECT_API_URL set: the flow run is recorded on that server and ladle starts no temporary one.
+
+    The run fails inside the flow (a data error found by the prepare task), which proves the same
+    routing as a full run at a fraction of its time; full runs through that server are the test above.
+    """
     from tests.conftest import run_cli
 
-    done = run_cli("run", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--json", "--set", f"output={tmp_path}",
-                   "--set", "training.max_steps=4", "--set", "eval.max_examples=8", env=prefect_server)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["prefect_api_startup_s"] is None and summary["prefect_api_waited_s"] is None
-    assert flow_run_state(prefect_server, summary["flow_run_id"]) == "COMPLETED"
-    assert "Starting temporary server" not in done.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{broken\n")
+    before = {r["id"] for r in httpx.post(f"{prefect_server['PREFECT_API_URL']}/flow_runs/filter", json={}, timeout=10).json()}
+    done = run_cli("run", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--json", "--set", f"data.path={bad}",
+                   "--set", f"output={tmp_path / 'out'}", env=prefect_server)  # fmt: skip
+    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert failed["status"] == "failed" and "no usable training rows" in failed["error"], done.stderr[-3000:]
+    assert failed["prefect_api_startup_s"] is None and failed["prefect_api_waited_s"] is None
+    runs = httpx.post(f"{prefect_server['PREFECT_API_URL']}/flow_runs/filter", json={}, timeout=10).json()
+    new = [r for r in runs if r["id"] not in before and r["name"] and r["flow_id"]]
+    assert len(new) == 1 and new[0]["state"]["type"] == "FAILED"

@@ -46,7 +46,7 @@ def kill_a_rank_after_checkpoint(run_url: str, step: int, killed: list) -> None:
 def test_killed_rank_is_retried_and_resumes_exactly(prefect_harness, tmp_path, tiny_model):
     cfg = build_config(
         {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca", "seq_len": 128}, "output": str(tmp_path),
-         "training": {"max_steps": 40, "lr": 3e-3, "micro_batch_size": 2, "checkpoint_every": 4, "lora": {"dropout": 0.1}}},
+         "training": {"max_steps": 20, "lr": 3e-3, "micro_batch_size": 2, "checkpoint_every": 4, "lora": {"dropout": 0.1}}},
         [],
     )  # fmt: skip
     plan = make_plan(cfg, probe(env={}, query_output=""))
