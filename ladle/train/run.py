@@ -75,6 +75,29 @@ def run_node(spec_url: str, node_rank: int, on_line: Callable[[str], None] = pri
         return proc.wait()
 
 
+def progress_events(line: str) -> list[dict]:
+    """The worker events on an output line; none when it is ordinary output.
+
+    Several ranks share one pipe. The worker writes each event line in one
+    atomic write, but other output (a library's print) can still land on the
+    same line; a line that does not parse is kept as output, never fatal.
+    """
+    start = line.find(PROGRESS_PREFIX)
+    if start < 0:
+        return []
+    decoder, events = json.JSONDecoder(), []
+    rest = line[start:]
+    while rest.startswith(PROGRESS_PREFIX):
+        try:
+            event, end = decoder.raw_decode(rest, len(PROGRESS_PREFIX))
+        except json.JSONDecodeError:
+            return events
+        events.append(event)
+        rest = rest[end:].lstrip()
+        rest = rest[rest.find(PROGRESS_PREFIX) :] if PROGRESS_PREFIX in rest else ""
+    return events
+
+
 def launch(
     spec: TrainSpec,
     on_progress: ProgressFn | None = None,
@@ -110,12 +133,13 @@ def launch(
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip("\n")
-            if line.startswith(PROGRESS_PREFIX):
-                event = json.loads(line[len(PROGRESS_PREFIX) :])
+            events = progress_events(line)
+            for event in events:
                 if event.get("event") == "error":
                     errors.append(event)
                 elif on_progress:
                     on_progress(event)
+            if events:
                 continue
             tail.append(line)
             if on_line:

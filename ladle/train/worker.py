@@ -33,7 +33,18 @@ IGNORE = -100
 def emit(accelerator: Accelerator, event: str, **fields) -> None:
     """Print one JSON progress line from rank 0 (the launcher relays it)."""
     if accelerator.is_main_process:
-        print(PROGRESS_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+        write_line(PROGRESS_PREFIX + json.dumps({"event": event, **fields}))
+
+
+# Every rank shares the launcher's pipe: a line written in one call of at most PIPE_BUF (4096) bytes
+# arrives whole, never interleaved with another rank's line.
+LINE_MAX = 4000
+
+
+def write_line(line: str) -> None:
+    sys.stdout.flush()  # whatever was printed before goes first
+    data = (line + "\n").encode("utf-8")
+    os.write(sys.stdout.fileno(), data if len(data) <= LINE_MAX else data[: LINE_MAX - 1] + b"\n")
 
 
 def load_model(spec: TrainSpec, accelerator: Accelerator):
@@ -302,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         # One line the launcher can lead its error with, instead of the launcher's own traceback.
         rank = os.environ.get("RANK", "0")
-        print(PROGRESS_PREFIX + json.dumps({"event": "error", "rank": int(rank), "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        sys.stdout.flush()
+        error = f"{type(exc).__name__}: {exc}"[:3000]  # keeps the line whole (see write_line)
+        write_line(PROGRESS_PREFIX + json.dumps({"event": "error", "rank": int(rank), "error": error}))
         raise
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
