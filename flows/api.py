@@ -9,9 +9,9 @@ migrations on first use) and more than 20 s when other work competes for the
 cores, so a busy machine used to fail runs with a traceback.
 
 ladle instead starts the same server (Prefect's own app factory, run by
-uvicorn exactly as Prefect runs it) as the very first thing, before it imports
-torch, Prefect or the config, so the server boots while the rest of the
-process loads; it waits for it with a budget that fits slow machines
+uvicorn exactly as Prefect runs it) as soon as the config parses, before it
+checks the inputs or imports torch or Prefect, so the server boots while the
+rest of the process loads; it waits for it with a budget that fits slow machines
 (``setdefault``: the user's setting wins); it stops it by terminate, wait,
 kill; and when no server can be had, the user reads one line that says what to
 set. Nothing here imports Prefect at module level: importing it is what the
@@ -21,7 +21,6 @@ early start overlaps.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ladle.errors import LadleError
+from ladle.processes import free_port, stop_process
 
 BUDGET_VAR = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 DEFAULT_BUDGET_S = "180"
@@ -63,12 +63,6 @@ def startup_budget() -> int:
     return value
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _log_tail(path: Path, lines: int = 3) -> str:
     text = path.read_text(errors="replace").strip() if path.exists() else ""
     return " | ".join(text.splitlines()[-lines:]) or "(no output)"
@@ -95,7 +89,7 @@ class EmbeddedApi:
 
     def start(self) -> "EmbeddedApi":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = free_port()
         self.started_at = time.perf_counter()
         with self.log_path.open("wb") as log:
             # The command Prefect's SubprocessASGIServer runs (prefect 3.8): its app factory under uvicorn,
@@ -151,13 +145,7 @@ class EmbeddedApi:
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, grace_s=STOP_WAIT_S)
         if self.startup_s is not None:
             self.log_path.unlink(missing_ok=True)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -132,7 +133,6 @@ def end_run(tracking: Tracking, ok: bool) -> None:
 def log_evaluation(tracking: Tracking, result) -> None:
     """Accuracy before/after as metrics, and the scored examples as ``evaluation.json``."""
     from mlflow.entities import Metric
-    import time
 
     now = int(time.time() * 1000)
     metrics = [Metric("eval_accuracy_before", result.accuracy_before, now, 0),

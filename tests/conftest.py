@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from ladle.processes import stop_process  # noqa: F401 - the suite's one shutdown path
+
 ROOT = Path(__file__).resolve().parents[1]
 _SESSION = Path(tempfile.mkdtemp(prefix="ladle-tests-"))
 # Set before anything imports prefect, and inherited by every subprocess.
@@ -46,28 +48,6 @@ def no_environment_leaks():
     if dict(os.environ) != before:
         os.environ.clear()
         os.environ.update(before)
-
-
-def stop_process(proc: subprocess.Popen, grace_s: float = 15.0, group: bool = False) -> None:
-    """Bounded, escalating shutdown: SIGTERM, wait ``grace_s``, SIGKILL, wait. ``group``: the whole session."""
-    import signal
-
-    if proc.poll() is not None:
-        return
-    send = (lambda sig: os.killpg(proc.pid, sig)) if group else proc.send_signal
-    try:
-        send(signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        send(signal.SIGKILL)
-        proc.wait(timeout=30)
-    except ProcessLookupError:
-        pass
-    if group:  # children that ignored SIGTERM and outlived their leader
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def stop_pid(pid: int, grace_s: float = 15.0) -> None:
@@ -118,7 +98,7 @@ def tokenizer(tiny_model):
 @pytest.fixture(scope="session")
 def s3_server():
     """A moto S3 server bound to 127.0.0.1; yields the env that points boto/s3fs at it."""
-    from ladle.train.run import free_port
+    from ladle.processes import free_port
 
     port = free_port()
     exe = Path(sys.executable).with_name("moto_server")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,8 +15,8 @@ from ladle import storage
 from ladle.assets import ladle_home
 from ladle.config import ServeConfig
 from ladle.merge import MergedModel
+from ladle.processes import free_port, stop_process
 from ladle.serve.backends import check_mii_host
-from ladle.train.run import free_port
 
 
 class Endpoint(BaseModel):
@@ -64,16 +63,6 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Pat
     raise DeployFailed(f"server at {url} not healthy within serve.health_timeout_s={timeout}")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 DEFAULT_SMOKE = "Hello!"
 
 
@@ -116,10 +105,10 @@ def deploy(merged: MergedModel, cfg: ServeConfig, name: str, held_out: list[list
         wait_healthy(proc, url, cfg.health_timeout_s, log_path)
         answer = smoke(url, name, cfg, messages)
     except BaseException:
-        stop(proc)
+        stop_process(proc, grace_s=20)
         raise
     if not cfg.keep_running:
-        stop(proc)
+        stop_process(proc, grace_s=20)
     correct = None if expected is None else answer.strip() == expected.strip()
     return Endpoint(url=url, model=name, backend=cfg.backend, pid=proc.pid if cfg.keep_running else None,
                     prompt=messages[-1]["content"], answer=answer, expected=expected, answer_correct=correct,

@@ -6,13 +6,13 @@ import collections
 import json
 import os
 import shlex
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 from ladle import storage
+from ladle.processes import free_port  # noqa: F401 - also imported from here by callers
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
 ProgressFn = Callable[[dict], None]
@@ -20,12 +20,6 @@ ProgressFn = Callable[[dict], None]
 
 class TrainingFailed(RuntimeError):
     """The training processes exited non-zero; the message carries the tail of their output."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker_env(spec: TrainSpec) -> dict[str, str]:

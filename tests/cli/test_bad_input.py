@@ -88,14 +88,11 @@ def test_unreachable_prefect_api_is_one_line():
     assert json.loads(done.stdout.strip().splitlines()[-1])["status"] == "failed"
 
 
-@pytest.mark.parametrize(
-    "budget, fragments",
-    [("soon", ["= 'soon': must be a positive whole number", "or unset it"]),
-     ("1", ["= 1: the temporary Prefect API server did not answer in time", "set PREFECT_API_URL="])],
-)  # fmt: skip
-def test_embedded_server_budget_errors_are_one_line(budget, fragments):
-    done = run_cli("run", RECIPE, env={"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": budget}, timeout=120)
-    assert_clean_error(done, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", *fragments)
+def test_bad_embedded_server_budget_is_one_line():
+    """Prefect itself would fail to import on it, with a traceback; ladle checks it first.
+    (A budget that runs out is tested on the server handle itself: tests/unit/test_prefect_api.py.)"""
+    done = run_cli("run", RECIPE, env={"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "soon"}, timeout=120)
+    assert_clean_error(done, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS = 'soon': must be a positive whole number", "or unset it")
 
 
 def test_schema_and_env_commands():

@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from tests.conftest import stop_process
+from ladle.processes import stop_process
 
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"
 
