@@ -17,7 +17,9 @@ import httpx
 import pytest
 
 from ladle.train.run import free_port
+from ladle import storage
 from tests.conftest import ROOT, stop_process
+from tests.pipeline import checks
 
 pytestmark = pytest.mark.pipeline
 PREFECT = str(Path(sys.executable).with_name("prefect"))
@@ -57,11 +59,14 @@ def flow_run_state(env: dict, flow_run_id: str) -> str:
     return response.json()["state"]["type"]
 
 
-def test_deployment_runs_through_server_and_worker(prefect_server, tmp_path, tiny_model):
-    env = prefect_server
+def test_deployment_runs_through_server_and_worker(prefect_server, s3_server, monkeypatch, tmp_path, tiny_model):
+    """Every artifact of this run lives on S3 (a moto server on 127.0.0.1): the same pipeline, remote store."""
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)  # this process reads the results back from S3 too
+    env = {**prefect_server, **s3_server}
     prefect("work-pool", "create", "ladle-local", "--type", "process", env=env)
     prefect("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml", env=env)
-    params = {"overrides": ["training.max_steps=10", f"output={tmp_path}", "name=deployed"]}
+    params = {"overrides": ["training.max_steps=10", "output=s3://ladle/deployed", "name=deployed"]}
     started = prefect("deployment", "run", "finetune-recipe/tiny-cpu", "--params", json.dumps(params), env=env)
     flow_run_id = next(line.split()[-1] for line in started.stdout.splitlines() if "UUID" in line)
 
@@ -78,16 +83,26 @@ def test_deployment_runs_through_server_and_worker(prefect_server, tmp_path, tin
         stop_process(worker, group=True)
     assert state == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
 
-    summaries = list(tmp_path.glob("runs/deployed-*/summary.json"))
+    fs, _ = storage.filesystem("s3://ladle/deployed")
+    summaries = fs.glob("ladle/deployed/runs/deployed-*/summary.json")
     assert len(summaries) == 1
-    summary = json.loads(summaries[0].read_text())
+    summary = storage.read_json("s3://" + summaries[0])
     assert summary["flow_run_id"] != flow_run_id  # the pipeline runs as a subflow of the deployment's flow run
-    assert summary["steps"] == 10 and summary["world_size"] == 2
-    assert summary["eval_loss_after"] < summary["eval_loss_before"]
+    checks.check_summary(summary, 10)
+    assert summary["output_url"].startswith("s3://ladle/deployed/runs/deployed-")
+    assert storage.is_complete(summary["merged_model_url"])
+    checks.check_served_answer_is_offline_greedy(summary, max_new_tokens=16)
+    checks.check_mlflow(summary, 10, "deployed")
     from mlflow.tracking import MlflowClient
 
     tags = MlflowClient(summary["mlflow_tracking_uri"]).get_run(summary["mlflow_run_id"]).data.tags
     assert tags["prefect.parent_flow_run_id"] == flow_run_id
+
+    flt = {"artifacts": {"flow_run_id": {"any_": [summary["flow_run_id"]]}}}
+    artifacts = {a["key"]: a for a in httpx.post(f"{env['PREFECT_API_URL']}/artifacts/filter", json=flt, timeout=10).json()}
+    assert {"plan", "data-report", "mlflow-run", "topology", "train-progress", "eval-examples"} <= set(artifacts)
+    assert "strategy | ddp" in artifacts["plan"]["data"]
+    assert summary["mlflow_run_id"] in artifacts["mlflow-run"]["data"]
 
     schedules = httpx.post(f"{env['PREFECT_API_URL']}/deployments/filter", json={}, timeout=10).json()
     nightly = next(d for d in schedules if d["name"] == "tiny-cpu-nightly")

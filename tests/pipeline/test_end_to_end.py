@@ -1,4 +1,6 @@
-"""The whole flow, for real: probe -> plan -> prepare -> train (2 gloo processes) -> merge -> deploy."""
+"""The whole flow, for real, through the CLI: probe -> plan -> prepare -> train (2 gloo processes) -> merge -> evaluate -> deploy.
+
+The same flow with every artifact on S3 runs through a deployment and a worker (test_deployment.py)."""
 
 from __future__ import annotations
 
@@ -64,35 +66,3 @@ def test_mlflow_run_has_params_metrics_artifacts_and_model_version(local_run):
 def test_checkpoints_are_complete(local_run):
     summary = json.loads(local_run.stdout.strip().splitlines()[-1])
     assert complete_steps(storage.join(summary["output_url"], "checkpoints")) == [150, 200]
-
-
-def test_flow_on_s3(prefect_harness, s3_server, monkeypatch, tiny_model):
-    """The same flow with every artifact on S3 (moto server on 127.0.0.1), run in-process."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
-    from ladle.config import load_config
-    from ladle.flows.finetune import finetune
-
-    for key, value in s3_server.items():
-        monkeypatch.setenv(key, value)
-    cfg = load_config(RECIPE, ["output=s3://ladle/e2e", "training.max_steps=20", "name=tiny-s3"])
-    summary = finetune(cfg)
-    checks.check_summary(summary, 20)
-    assert summary["output_url"].startswith("s3://ladle/e2e/runs/tiny-s3-")
-    assert storage.is_complete(summary["merged_model_url"])
-    assert storage.exists(storage.join(summary["output_url"], "summary.json"))
-    checks.check_served_answer_is_offline_greedy(summary, max_new_tokens=16)
-    checks.check_mlflow(summary, 20, "tiny-s3")
-
-    import asyncio
-
-    async def artifact_keys():
-        async with get_client() as client:
-            flt = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[summary["flow_run_id"]]))
-            return {a.key: a for a in await client.read_artifacts(artifact_filter=flt)}
-
-    artifacts = asyncio.run(artifact_keys())
-    assert {"plan", "data-report", "mlflow-run", "topology", "train-progress"} <= set(artifacts)
-    assert "strategy | ddp" in artifacts["plan"].data
-    assert summary["mlflow_run_id"] in artifacts["mlflow-run"].data
