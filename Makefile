@@ -29,8 +29,11 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 demo: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/ladle run recipes/tiny-cpu.yaml
 
-# The 15 slowest tests are printed at the end of every run, and the test phase's wall time after them.
+# Lint and format are checked first (a violation fails the run), then the suite; the 15 slowest
+# tests are printed at the end, and the test phase's wall time after them.
 test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	@start=$$(date +%s); \
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q --durations=15; rc=$$?; \
 	echo "test phase: $$(( $$(date +%s) - start )) s (pytest exit $$rc)"; exit $$rc

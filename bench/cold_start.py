@@ -48,10 +48,18 @@ def main() -> None:
             "python -c pass": [sys.executable, "-c", "pass"],
             "python -c 'import torch'": [sys.executable, "-c", "import torch"],
             "ladle plan (70B recipe, recorded 8-GPU machine)": [
-                ladle, "plan", "recipes/llama3-70b-fsdp2.yaml", "--topology-file", str(topo), "--gpu-memory", "80", "--json"],
+                ladle,
+                "plan",
+                "recipes/llama3-70b-fsdp2.yaml",
+                "--topology-file",
+                str(topo),
+                "--gpu-memory",
+                "80",
+                "--json",
+            ],
             "ladle probe --topology-file": [ladle, "probe", "--topology-file", str(topo), "--json"],
             "ladle probe (this machine)": [ladle, "probe", "--json"],
-        }  # fmt: skip
+        }
         times: dict[str, list[float]] = {name: [] for name in commands}
         for _ in range(args.reps):
             for name, argv in commands.items():

@@ -20,7 +20,9 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
+    return (
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
+    )
 
 
 def cpu_capability() -> str:

@@ -34,15 +34,23 @@ def one_run(out: Path) -> dict:
     began = time.perf_counter()
     done = subprocess.run(
         [str(ladle), "run", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--json", "--set", f"output={out}"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     wall = time.perf_counter() - began
     if done.returncode != 0:
         raise SystemExit(f"demo run failed:\n{done.stderr[-3000:]}")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     stages = summary["stage_seconds"]
-    return {"wall": wall, **stages, "startup": wall - sum(stages.values()), "tokens_per_s": summary["tokens_per_s"],
-            "api_up": summary["prefect_api_startup_s"] or 0.0, "api_waited": summary["prefect_api_waited_s"] or 0.0}
+    return {
+        "wall": wall,
+        **stages,
+        "startup": wall - sum(stages.values()),
+        "tokens_per_s": summary["tokens_per_s"],
+        "api_up": summary["prefect_api_startup_s"] or 0.0,
+        "api_waited": summary["prefect_api_waited_s"] or 0.0,
+    }
 
 
 def main() -> None:
@@ -58,7 +66,9 @@ def main() -> None:
     median = {k: statistics.median(r[k] for r in runs) for k in keys}
     print(f"{'stage':<10} {'median s':>9} {'share':>7}   runs")
     for k in keys:
-        print(f"{k:<10} {median[k]:>9.2f} {median[k] / median['wall']:>7.1%}   " + " ".join(f"{r[k]:.2f}" for r in runs))
+        print(
+            f"{k:<10} {median[k]:>9.2f} {median[k] / median['wall']:>7.1%}   " + " ".join(f"{r[k]:.2f}" for r in runs)
+        )
     print(f"train tokens/s (median): {statistics.median(r['tokens_per_s'] for r in runs):.0f}")
     print("saved", save("demo_stages", {"runs": runs, "median": median}))
 

@@ -38,18 +38,33 @@ def main() -> None:
             for offload in (False, True):
                 _, ds2 = estimate_zero2_model_states_mem_needs(params, gpus, nodes, cpu_offload=offload)
                 ours2 = memory.zero2(params, gpus, nodes, offload_optimizer=offload).device
-                _, ds3, _ = estimate_zero3_model_states_mem_needs(params, largest, gpus, nodes, cpu_offload=offload,
-                                                                  cpu_offload_params=False)  # fmt: skip
+                _, ds3, _ = estimate_zero3_model_states_mem_needs(
+                    params, largest, gpus, nodes, cpu_offload=offload, cpu_offload_params=False
+                )
                 ours3 = memory.zero3(params, largest, gpus, nodes, offload_optimizer=offload).device
-                rows.append({"model": name, "params": params, "gpus": gpus, "nodes": nodes, "offload": offload,
-                             "zero2_ladle_gib": ours2 / 2**30, "zero2_deepspeed_gib": ds2 / 2**30,
-                             "zero3_ladle_gib": ours3 / 2**30, "zero3_deepspeed_gib": ds3 / 2**30})  # fmt: skip
-    print(f"{'model':<15}{'GPUs':>8}{'offload':>8}{'ZeRO-2 ladle':>14}{'DeepSpeed':>11}{'ratio':>7}"
-          f"{'ZeRO-3 ladle':>14}{'DeepSpeed':>11}{'ratio':>7}")  # fmt: skip
+                rows.append(
+                    {
+                        "model": name,
+                        "params": params,
+                        "gpus": gpus,
+                        "nodes": nodes,
+                        "offload": offload,
+                        "zero2_ladle_gib": ours2 / 2**30,
+                        "zero2_deepspeed_gib": ds2 / 2**30,
+                        "zero3_ladle_gib": ours3 / 2**30,
+                        "zero3_deepspeed_gib": ds3 / 2**30,
+                    }
+                )
+    print(
+        f"{'model':<15}{'GPUs':>8}{'offload':>8}{'ZeRO-2 ladle':>14}{'DeepSpeed':>11}{'ratio':>7}"
+        f"{'ZeRO-3 ladle':>14}{'DeepSpeed':>11}{'ratio':>7}"
+    )
     for r in rows:
-        print(f"{r['model']:<15}{r['gpus']:>4}x{r['nodes']:<3}{str(r['offload']):>8}"
-              f"{r['zero2_ladle_gib']:>12.2f}G{r['zero2_deepspeed_gib']:>10.2f}G{r['zero2_ladle_gib'] / r['zero2_deepspeed_gib']:>7.3f}"
-              f"{r['zero3_ladle_gib']:>12.2f}G{r['zero3_deepspeed_gib']:>10.2f}G{r['zero3_ladle_gib'] / r['zero3_deepspeed_gib']:>7.3f}")  # fmt: skip
+        print(
+            f"{r['model']:<15}{r['gpus']:>4}x{r['nodes']:<3}{str(r['offload']):>8}"
+            f"{r['zero2_ladle_gib']:>12.2f}G{r['zero2_deepspeed_gib']:>10.2f}G{r['zero2_ladle_gib'] / r['zero2_deepspeed_gib']:>7.3f}"
+            f"{r['zero3_ladle_gib']:>12.2f}G{r['zero3_deepspeed_gib']:>10.2f}G{r['zero3_ladle_gib'] / r['zero3_deepspeed_gib']:>7.3f}"
+        )
     print("saved", save("estimators", {"rows": rows}))
 
 

@@ -40,8 +40,10 @@ def write(path: Path, rows: int) -> int:
 
 
 # A wrapper process per measurement: its RUSAGE_CHILDREN covers exactly one child.
-WRAP = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, "
-        "stderr=subprocess.DEVNULL); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+WRAP = (
+    "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, "
+    "stderr=subprocess.DEVNULL); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
 
 
 def peak_rss_mib(argv: list[str]) -> tuple[float, float]:
@@ -63,15 +65,31 @@ def main() -> None:
         for name, rows in (("small", args.small), ("large", args.large)):
             data = tmp / f"{name}.jsonl"
             size = write(data, rows)
-            rss, wall = peak_rss_mib([ladle, "data", "prepare", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--json",
-                                      "--set", f"data.path={data}", "--set", f"output={tmp / name}"])  # fmt: skip
+            rss, wall = peak_rss_mib(
+                [
+                    ladle,
+                    "data",
+                    "prepare",
+                    str(ROOT / "recipes" / "tiny-cpu.yaml"),
+                    "--json",
+                    "--set",
+                    f"data.path={data}",
+                    "--set",
+                    f"output={tmp / name}",
+                ]
+            )
             results[name] = {"rows": rows, "file_mib": size / 2**20, "peak_rss_mib": rss, "wall_s": wall}
-            print(f"ladle prepare {name:<5} {rows:>9,} rows {size / 2**20:8.1f} MiB file  peak RSS {rss:8.1f} MiB  {wall:6.1f} s", flush=True)
+            print(
+                f"ladle prepare {name:<5} {rows:>9,} rows {size / 2**20:8.1f} MiB file  peak RSS {rss:8.1f} MiB  {wall:6.1f} s",
+                flush=True,
+            )
         rss, wall = peak_rss_mib([sys.executable, "-c", LOAD_ALL, str(tmp / "large.jsonl")])
         results["load_all_baseline"] = {"rows": args.large, "peak_rss_mib": rss, "wall_s": wall}
         print(f"baseline: records of the large file in a list: peak RSS {rss:8.1f} MiB", flush=True)
     growth = results["large"]["peak_rss_mib"] / results["small"]["peak_rss_mib"]
-    print(f"input grew {results['large']['file_mib'] / results['small']['file_mib']:.1f}x; ladle peak RSS grew {growth:.2f}x")
+    print(
+        f"input grew {results['large']['file_mib'] / results['small']['file_mib']:.1f}x; ladle peak RSS grew {growth:.2f}x"
+    )
     print("saved", save("prepare_memory", {"results": results, "rss_growth": growth}))
 
 

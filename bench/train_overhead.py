@@ -42,8 +42,13 @@ def bare(spec: TrainSpec) -> tuple[TrainResult, float]:
     spec_file.parent.mkdir(parents=True, exist_ok=True)
     spec_file.write_text(spec.model_dump_json())
     began = time.perf_counter()
-    subprocess.run(spec.plan.launcher_argv([str(spec_file)], port=free_port()), check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=worker_env(spec))  # fmt: skip
+    subprocess.run(
+        spec.plan.launcher_argv([str(spec_file)], port=free_port()),
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=worker_env(spec),
+    )
     wall = time.perf_counter() - began
     return TrainResult.model_validate(storage.read_json(storage.join(spec.run_url, "train_result.json"))), wall
 
@@ -62,11 +67,18 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = build_config(
-            {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}, "output": tmp,
-             "training": {"max_steps": args.steps, "lr": 3e-3,
-                          "lora": {"r": 16, "target_modules": "all-linear", "modules_to_save": ["lm_head", "embed_tokens"]}}},
+            {
+                "base": "ladle://tiny-llama",
+                "data": {"path": "ladle://demo-alpaca"},
+                "output": tmp,
+                "training": {
+                    "max_steps": args.steps,
+                    "lr": 3e-3,
+                    "lora": {"r": 16, "target_modules": "all-linear", "modules_to_save": ["lm_head", "embed_tokens"]},
+                },
+            },
             [],
-        )  # fmt: skip
+        )
         plan = make_plan(cfg, probe())
         base = resolve_base(cfg.base)
         dataset = prepare(cfg.data, base, tmp)
@@ -79,15 +91,29 @@ def main() -> None:
                 result, wall = bare(spec) if variant == "bare" else through_flow(spec, track)
                 rows.append({"variant": variant, "rep": rep, "tokens_per_s": result.tokens_per_s, "stage_wall_s": wall})
                 print(f"rep {rep} {variant:<4} {result.tokens_per_s:8.0f} tok/s  stage {wall:6.2f} s", flush=True)
-    med = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v) for k in ("tokens_per_s", "stage_wall_s")} for v in ("bare", "flow")}
+    med = {
+        v: {k: statistics.median(r[k] for r in rows if r["variant"] == v) for k in ("tokens_per_s", "stage_wall_s")}
+        for v in ("bare", "flow")
+    }
     ratio_tps = med["flow"]["tokens_per_s"] / med["bare"]["tokens_per_s"]
     ratio_wall = med["bare"]["stage_wall_s"] / med["flow"]["stage_wall_s"]
     print(f"\n{'':<6}{'tokens/s':>10}{'stage s':>10}")
     for v in ("bare", "flow"):
         print(f"{v:<6}{med[v]['tokens_per_s']:>10.0f}{med[v]['stage_wall_s']:>10.2f}")
     print(f"ratio flow/bare tokens/s: {ratio_tps:.3f}   wall-time speed ratio bare/flow: {ratio_wall:.3f}")
-    print("saved", save("train_overhead", {"steps": args.steps, "rows": rows, "median": med,
-                                           "ratio_tokens_per_s": ratio_tps, "ratio_wall": ratio_wall}))  # fmt: skip
+    print(
+        "saved",
+        save(
+            "train_overhead",
+            {
+                "steps": args.steps,
+                "rows": rows,
+                "median": med,
+                "ratio_tokens_per_s": ratio_tps,
+                "ratio_wall": ratio_wall,
+            },
+        ),
+    )
 
 
 if __name__ == "__main__":

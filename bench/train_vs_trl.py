@@ -47,32 +47,80 @@ HERE = Path(__file__).resolve().parent
 
 def ladle_config(alpaca: Path, tmp: Path, steps: int):
     return build_config(
-        {"base": str(tiny_model_dir()), "data": {"path": str(alpaca), "format": "alpaca", "seq_len": 256, "eval_ratio": 0.0},
-         "output": str(tmp), "parallelism": {"strategy": "ddp", "cpu_processes": 2},
-         "training": {"max_steps": steps, "lr": 3e-3, "micro_batch_size": 4, "warmup_steps": 5, "checkpoint_every": 0,
-                      "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", "modules_to_save": ["lm_head", "embed_tokens"]}}},
+        {
+            "base": str(tiny_model_dir()),
+            "data": {"path": str(alpaca), "format": "alpaca", "seq_len": 256, "eval_ratio": 0.0},
+            "output": str(tmp),
+            "parallelism": {"strategy": "ddp", "cpu_processes": 2},
+            "training": {
+                "max_steps": steps,
+                "lr": 3e-3,
+                "micro_batch_size": 4,
+                "warmup_steps": 5,
+                "checkpoint_every": 0,
+                "lora": {
+                    "r": 16,
+                    "alpha": 32,
+                    "target_modules": "all-linear",
+                    "modules_to_save": ["lm_head", "embed_tokens"],
+                },
+            },
+        },
         [],
-    )  # fmt: skip
+    )
 
 
 def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int) -> dict:
     cfg = ladle_config(alpaca, tmp, steps)
     base = tiny_model_dir()
     dataset = prepare(cfg.data, base, str(tmp))
-    spec = TrainSpec(config=cfg, plan=make_plan(cfg, probe()), dataset=dataset, base_dir=str(base),
-                     run_url=str(tmp / f"ladle-{rep}"))  # fmt: skip
+    spec = TrainSpec(
+        config=cfg, plan=make_plan(cfg, probe()), dataset=dataset, base_dir=str(base), run_url=str(tmp / f"ladle-{rep}")
+    )
     result = launch(spec)
-    return {"tokens": result.real_tokens, "seconds": result.train_seconds, "tokens_per_s": result.tokens_per_s,
-            "train_loss": result.train_loss_last}  # fmt: skip
+    return {
+        "tokens": result.real_tokens,
+        "seconds": result.train_seconds,
+        "tokens_per_s": result.tokens_per_s,
+        "train_loss": result.train_loss_last,
+    }
 
 
-def run_trl(prompt_completion: Path, tmp: Path, steps: int, rep: int, dtype: str, checkpointing: bool, packing: str = "bfd") -> dict:
+def run_trl(
+    prompt_completion: Path, tmp: Path, steps: int, rep: int, dtype: str, checkpointing: bool, packing: str = "bfd"
+) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)), "TOKENIZERS_PARALLELISM": "false"}
-    argv = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
-            "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
-            str(HERE / "trl_sft_worker.py"), str(tiny_model_dir()), str(prompt_completion), str(tmp / f"trl-{rep}"),
-            str(steps), "4", "256", "3e-3", packing, dtype, str(checkpointing).lower()]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--machine_rank",
+        "0",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(free_port()),
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(HERE / "trl_sft_worker.py"),
+        str(tiny_model_dir()),
+        str(prompt_completion),
+        str(tmp / f"trl-{rep}"),
+        str(steps),
+        "4",
+        "256",
+        "3e-3",
+        packing,
+        dtype,
+        str(checkpointing).lower(),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("TRL_RESULT ")]
     if done.returncode != 0 or not lines:
@@ -99,17 +147,37 @@ def main() -> None:
                 if side == "ladle":
                     res = run_ladle(alpaca, tmp, args.steps, rep)
                 else:
-                    res = run_trl(prompt_completion, tmp, args.steps, rep, dtype, checkpointing, side.removeprefix("trl-"))
+                    res = run_trl(
+                        prompt_completion, tmp, args.steps, rep, dtype, checkpointing, side.removeprefix("trl-")
+                    )
                 results[side].append(res)
-                print(f"rep {rep} {side:<5} {res['tokens_per_s']:9.0f} real tok/s  {res['tokens']:8d} tokens in "
-                      f"{res['seconds']:6.2f} s  last loss {res['train_loss']}", flush=True)  # fmt: skip
+                print(
+                    f"rep {rep} {side:<5} {res['tokens_per_s']:9.0f} real tok/s  {res['tokens']:8d} tokens in "
+                    f"{res['seconds']:6.2f} s  last loss {res['train_loss']}",
+                    flush=True,
+                )
     med = {s: statistics.median(r["tokens_per_s"] for r in results[s]) for s in results}
     best = max(("trl-bfd", "trl-wrapped"), key=lambda s: med[s])
     ratio = med["ladle"] / med[best]
-    print(f"\nmedian real tokens/s: ladle {med['ladle']:.0f}, TRL bfd {med['trl-bfd']:.0f}, TRL wrapped "
-          f"{med['trl-wrapped']:.0f}; ratio ladle / TRL's best ({best}) {ratio:.2f}")
-    print("saved", save("train_vs_trl", {"steps": args.steps, "records": args.records, "results": results, "median": med,
-                                         "ratio": ratio, "dtype": dtype, "gradient_checkpointing": checkpointing}))  # fmt: skip
+    print(
+        f"\nmedian real tokens/s: ladle {med['ladle']:.0f}, TRL bfd {med['trl-bfd']:.0f}, TRL wrapped "
+        f"{med['trl-wrapped']:.0f}; ratio ladle / TRL's best ({best}) {ratio:.2f}"
+    )
+    print(
+        "saved",
+        save(
+            "train_vs_trl",
+            {
+                "steps": args.steps,
+                "records": args.records,
+                "results": results,
+                "median": med,
+                "ratio": ratio,
+                "dtype": dtype,
+                "gradient_checkpointing": checkpointing,
+            },
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from ladle.errors import LadleError
 from ladle.processes import free_port, stop_process
@@ -59,7 +59,9 @@ def startup_budget() -> int:
     except ValueError:
         value = -1
     if value <= 0:
-        raise ApiUnavailable(f"{BUDGET_VAR} = {raw!r}: must be a positive whole number of seconds. Set it to e.g. {DEFAULT_BUDGET_S}, or unset it.")
+        raise ApiUnavailable(
+            f"{BUDGET_VAR} = {raw!r}: must be a positive whole number of seconds. Set it to e.g. {DEFAULT_BUDGET_S}, or unset it."
+        )
     return value
 
 
@@ -87,7 +89,7 @@ class EmbeddedApi:
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/api"
 
-    def start(self) -> "EmbeddedApi":
+    def start(self) -> EmbeddedApi:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.started_at = time.perf_counter()
@@ -95,11 +97,31 @@ class EmbeddedApi:
             # The command Prefect's SubprocessASGIServer runs (prefect 3.8): its app factory under uvicorn,
             # flagged ephemeral (no UI, only the services an ephemeral server runs).
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
-                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"},
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    "--factory",
+                    "prefect.server.api.server:create_app",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "error",
+                    "--lifespan",
+                    "on",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={
+                    **os.environ,
+                    "PREFECT_UI_ENABLED": "0",
+                    "PREFECT__SERVER_EPHEMERAL": "1",
+                    "PREFECT__SERVER_FINAL": "1",
+                },
+            )
         return self
 
     def wait(self, budget_s: float) -> str:
@@ -199,7 +221,7 @@ class PrefectApi:
         self.configured = os.environ.get("PREFECT_API_URL") or None
         self.embedded = None if self.configured else EmbeddedApi(log_dir)
 
-    def start(self) -> "PrefectApi":
+    def start(self) -> PrefectApi:
         if self.embedded is not None:
             self.embedded.start()
         return self
@@ -207,7 +229,10 @@ class PrefectApi:
     def timings(self) -> dict:
         """Seconds the embedded server took to answer, and how many of them the run waited (null: none started)."""
         api = self.embedded
-        return {"prefect_api_startup_s": api.startup_s if api else None, "prefect_api_waited_s": api.waited_s if api else None}
+        return {
+            "prefect_api_startup_s": api.startup_s if api else None,
+            "prefect_api_waited_s": api.waited_s if api else None,
+        }
 
     @contextmanager
     def session(self) -> Iterator[str]:

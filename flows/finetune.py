@@ -70,19 +70,34 @@ def finetune(config: LadleConfig, config_ref: str = "CONFIG") -> dict:
     finally:
         tracking.end_run(track, ok)
     summary = {
-        "status": "ok", "endpoint": endpoint.url, "endpoint_running": endpoint.running, "server_pid": endpoint.pid,
-        "prompt": endpoint.prompt, "answer": endpoint.answer, "expected": endpoint.expected,
+        "status": "ok",
+        "endpoint": endpoint.url,
+        "endpoint_running": endpoint.running,
+        "server_pid": endpoint.pid,
+        "prompt": endpoint.prompt,
+        "answer": endpoint.answer,
+        "expected": endpoint.expected,
         "answer_correct": endpoint.answer_correct,
-        "mlflow_run_id": track.run_id, "mlflow_tracking_uri": track.uri, "flow_run_id": flow_run_id,
-        "strategy": result.strategy, "world_size": result.world_size, "backend": result.backend,
-        "train_loss_first": result.train_loss_first, "train_loss_last": result.train_loss_last,
-        "eval_loss_before": result.eval_loss_before, "eval_loss_after": result.eval_loss_after,
-        "eval_accuracy_before": scores.accuracy_before, "eval_accuracy_after": scores.accuracy_after,
+        "mlflow_run_id": track.run_id,
+        "mlflow_tracking_uri": track.uri,
+        "flow_run_id": flow_run_id,
+        "strategy": result.strategy,
+        "world_size": result.world_size,
+        "backend": result.backend,
+        "train_loss_first": result.train_loss_first,
+        "train_loss_last": result.train_loss_last,
+        "eval_loss_before": result.eval_loss_before,
+        "eval_loss_after": result.eval_loss_after,
+        "eval_accuracy_before": scores.accuracy_before,
+        "eval_accuracy_after": scores.accuracy_after,
         "eval_examples": scores.examples,
-        "tokens_per_s": result.tokens_per_s, "steps": result.steps,
-        "output_url": run_url, "merged_model_url": merged.url, "dataset_fingerprint": prepared.fingerprint,
+        "tokens_per_s": result.tokens_per_s,
+        "steps": result.steps,
+        "output_url": run_url,
+        "merged_model_url": merged.url,
+        "dataset_fingerprint": prepared.fingerprint,
         "stage_seconds": clock.seconds,
-    }  # fmt: skip
+    }
     storage.write_json(storage.join(run_url, "summary.json"), summary)
     return summary
 
@@ -98,7 +113,12 @@ class HideUserErrorTracebacks(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and find_ladle_error(record.exc_info[1]) is not None:
             err = find_ladle_error(record.exc_info[1])
-            record.msg, record.args, record.exc_info, record.exc_text = f"{err.__class__.__name__}: {err}", (), None, None
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                f"{err.__class__.__name__}: {err}",
+                (),
+                None,
+                None,
+            )
         return True
 
 

@@ -8,7 +8,9 @@ from ladle.config import LadleConfig, load_config
 from ladle.flows.finetune import finetune
 
 
-def apply_blocks(cfg: LadleConfig, artifact_store: str | None, mlflow_server: str | None, compute: str | None) -> LadleConfig:
+def apply_blocks(
+    cfg: LadleConfig, artifact_store: str | None, mlflow_server: str | None, compute: str | None
+) -> LadleConfig:
     """Overlay the named Prefect blocks on the config: store URL, tracking URI, GPUs.
 
     A block named here is an explicit choice, so it wins over the recipe's value.

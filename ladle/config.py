@@ -92,8 +92,9 @@ class QuantizationConfig(Section):
         "none", description="`nf4` loads the base in 4-bit for QLoRA (needs CUDA and bitsandbytes)."
     )
     storage_dtype: Literal["auto", "uint8", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="bnb_4bit_quant_storage: the dtype packed 4-bit weights are stored in. auto: the "
-        "training dtype when the strategy shards the base (FSDP2 and ZeRO-3 shard float tensors only), else uint8."
+        "auto",
+        description="bnb_4bit_quant_storage: the dtype packed 4-bit weights are stored in. auto: the "
+        "training dtype when the strategy shards the base (FSDP2 and ZeRO-3 shard float tensors only), else uint8.",
     )
 
 
@@ -104,8 +105,9 @@ class TrainingConfig(Section):
     epochs: float = Field(1.0, gt=0, description="Passes over the training data when `max_steps` is -1.")
     lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
     micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        4, description="Packed rows per process per forward pass. auto: the largest power of two up to 64 whose "
-        "per-rank memory fits (sized from the base's config.json) and that divides the global batch."
+        4,
+        description="Packed rows per process per forward pass. auto: the largest power of two up to 64 whose "
+        "per-rank memory fits (sized from the base's config.json) and that divides the global batch.",
     )
     global_batch_size: int = Field(
         0,
@@ -146,13 +148,17 @@ class FSDP2Options(Section):
     )
     cpu_offload: bool = Field(False, description="Keep parameters and optimizer state in CPU memory (CUDA runs only).")
     replicate: int = Field(
-        1, ge=0, le=1024, description="HSDP: replica groups (data-parallel replicate degree); parameters are "
+        1,
+        ge=0,
+        le=1024,
+        description="HSDP: replica groups (data-parallel replicate degree); parameters are "
         "sharded within each group of world/replicate ranks and gradients all-reduced across groups. 1: plain "
-        "FSDP (shard over all ranks). 0: one group per machine (shard inside the node, replicate across nodes)."
+        "FSDP (shard over all ranks). 0: one group per machine (shard inside the node, replicate across nodes).",
     )
     compile: bool = Field(
-        False, description="use_fsdp2_compile: torch.compile each decoder block in place before sharding (CUDA, "
-        "torch >= 2.2, accelerate >= 0.27). FSDP2 only; DeepSpeed with torch.compile is rejected."
+        False,
+        description="use_fsdp2_compile: torch.compile each decoder block in place before sharding (CUDA, "
+        "torch >= 2.2, accelerate >= 0.27). FSDP2 only; DeepSpeed with torch.compile is rejected.",
     )
 
 
@@ -181,12 +187,16 @@ class DeepSpeedOptions(Section):
     )
     sub_group_size: int = Field(1_000_000_000, ge=1, description="Stage 3: optimizer step sub-group, in elements.")
     hpz_partition_size: int = Field(
-        0, ge=0, le=1024, description="ZeRO++ hpZ secondary weight partition (ranks). 0: processes per machine "
-        "on a multi-machine run, off (1) on one machine. Must divide the world size."
+        0,
+        ge=0,
+        le=1024,
+        description="ZeRO++ hpZ secondary weight partition (ranks). 0: processes per machine "
+        "on a multi-machine run, off (1) on one machine. Must divide the world size.",
     )
     quantized_weights: bool | None = Field(
-        None, description="ZeRO++ qwZ (int8 weight all-gather). null: on for CUDA float16/float32 runs, off with "
-        "bfloat16 (its dequantized weights come back as float16) and on CPU (no CUDA quantizer kernels)."
+        None,
+        description="ZeRO++ qwZ (int8 weight all-gather). null: on for CUDA float16/float32 runs, off with "
+        "bfloat16 (its dequantized weights come back as float16) and on CPU (no CUDA quantizer kernels).",
     )
     quantized_gradients: bool | None = Field(
         None, description="ZeRO++ qgZ (int4 gradient reduce-scatter). null: on for CUDA runs, off on CPU."
@@ -196,8 +206,9 @@ class DeepSpeedOptions(Section):
 class PipelineOptions(Section):
     stages: int = Field(2, ge=1, le=16, description="Pipeline stages (pipeline_stages), one per process; >= 2.")
     schedule: Literal["1f1b", "gpipe"] = Field(
-        "1f1b", description="1f1b: one-forward-one-backward, activations of at most `stages` microbatches alive; "
-        "gpipe: all forwards, then all backwards."
+        "1f1b",
+        description="1f1b: one-forward-one-backward, activations of at most `stages` microbatches alive; "
+        "gpipe: all forwards, then all backwards.",
     )
     allow_cpu: bool = Field(
         False, description="Run the stages as CPU gloo processes (for testing on a machine without GPUs)."
@@ -221,8 +232,11 @@ class ParallelismConfig(Section):
         2, ge=1, le=64, description="Processes per machine for a CPU (gloo) run, used when no GPU is present."
     )
     nodes: int = Field(
-        1, ge=1, le=1024, description="Machines taking part. 1: this machine only. >1: every other machine joins with "
-        "`ladle launch SPEC --node-rank R` (printed by the train stage)."
+        1,
+        ge=1,
+        le=1024,
+        description="Machines taking part. 1: this machine only. >1: every other machine joins with "
+        "`ladle launch SPEC --node-rank R` (printed by the train stage).",
     )
     main_address: str = Field(
         "127.0.0.1", description="Address of the machine with node rank 0, where the rendezvous store listens."
@@ -368,7 +382,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None, gpus: str 
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
-        raise LadleError(f"config = {str(path)!r}: not valid YAML ({exc.__class__.__name__}). Fix the syntax.") from None
+        raise LadleError(
+            f"config = {str(path)!r}: not valid YAML ({exc.__class__.__name__}). Fix the syntax."
+        ) from None
     if not isinstance(raw, dict):
         raise LadleError(f"config = {str(path)!r}: the top level must be a mapping of sections.")
     return build_config(raw, overrides or [], gpus, source=str(path))
@@ -455,7 +471,9 @@ def _reference_rows(model: type[BaseModel], prefix: str) -> list[str]:
             rows.append(f"| `{path}` | section | | {field.description} |")
             rows += _reference_rows(annotation, f"{path}.")
             continue
-        default = "required" if field.is_required() else json.dumps(field.get_default(call_default_factory=True), default=str)
+        default = (
+            "required" if field.is_required() else json.dumps(field.get_default(call_default_factory=True), default=str)
+        )
         kind = _type_name(annotation).replace("|", "\\|")
         rows.append(f"| `{path}` | {kind} | `{default}` | {field.description} |")
     return rows
@@ -463,4 +481,6 @@ def _reference_rows(model: type[BaseModel], prefix: str) -> list[str]:
 
 def _type_name(annotation: Any) -> str:
     text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    return text.replace("Annotated[int, FieldInfo(annotation=NoneType, required=True, metadata=[Ge(ge=1), Le(le=128)])]", "int 1..128")
+    return text.replace(
+        "Annotated[int, FieldInfo(annotation=NoneType, required=True, metadata=[Ge(ge=1), Le(le=128)])]", "int 1..128"
+    )

@@ -36,7 +36,9 @@ class Evaluation(BaseModel):
     accuracy_before: float | None = Field(description="The base model's exact match on the same prompts.")
     accuracy_after: float | None = Field(description="The fine-tuned (merged) model's exact match.")
     base_cached: bool = Field(False, description="The base score came from the cache (same base and data).")
-    examples_shown: list[dict] = Field(default_factory=list, description="A few prompts with expected and given answers.")
+    examples_shown: list[dict] = Field(
+        default_factory=list, description="A few prompts with expected and given answers."
+    )
     note: str = ""
 
 
@@ -75,12 +77,19 @@ def exact_match(model_dir: Path, samples: list[list[dict]], batch_size: int = 32
         enc = tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True).to(device)
         longest = max(len(tokenizer(m[-1]["content"], add_special_tokens=False).input_ids) for m in batch)
         with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=longest + 1, do_sample=False, pad_token_id=pad,
-                                 eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+            out = model.generate(
+                **enc,
+                max_new_tokens=longest + 1,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=tokenizer.eos_token_id,
+            )
         new = out[:, enc.input_ids.shape[1] :]
         answers += [tokenizer.decode(row, skip_special_tokens=True) for row in new]
-    correct = sum(answer.strip() == m[-1]["content"].strip() for answer, m in zip(answers, samples))
-    return Score(accuracy=round(correct / max(1, len(samples)), 4), correct=correct, total=len(samples), answers=answers[:shown])
+    correct = sum(answer.strip() == m[-1]["content"].strip() for answer, m in zip(answers, samples, strict=False))
+    return Score(
+        accuracy=round(correct / max(1, len(samples)), 4), correct=correct, total=len(samples), answers=answers[:shown]
+    )
 
 
 def base_key(base_dir: Path, prepared: PreparedDataset, examples: int) -> str:
@@ -92,7 +101,9 @@ def base_key(base_dir: Path, prepared: PreparedDataset, examples: int) -> str:
     return digest.hexdigest()[:24]
 
 
-def base_score(base_dir: Path, prepared: PreparedDataset, samples: list[list[dict]], batch_size: int) -> tuple[Score, bool]:
+def base_score(
+    base_dir: Path, prepared: PreparedDataset, samples: list[list[dict]], batch_size: int
+) -> tuple[Score, bool]:
     """The base model's score, from the cache when this base and data were scored before."""
     cache = ladle_home() / "eval-cache" / f"{base_key(base_dir, prepared, len(samples))}.json"
     if cache.is_file():
@@ -105,7 +116,9 @@ def base_score(base_dir: Path, prepared: PreparedDataset, samples: list[list[dic
     return score, False
 
 
-def evaluate(base_dir: Path, model_dir: Path, prepared: PreparedDataset, max_examples: int, batch_size: int = 32) -> Evaluation:
+def evaluate(
+    base_dir: Path, model_dir: Path, prepared: PreparedDataset, max_examples: int, batch_size: int = 32
+) -> Evaluation:
     """Exact match before (base) and after (``model_dir``) on up to ``max_examples`` held-out conversations."""
     samples = load_samples(prepared, max_examples)
     if not samples:
@@ -115,7 +128,12 @@ def evaluate(base_dir: Path, model_dir: Path, prepared: PreparedDataset, max_exa
     after = exact_match(model_dir, samples, batch_size)
     shown = [
         {"prompt": prompt_of(m)[-1]["content"], "expected": m[-1]["content"], "before": b, "after": a}
-        for m, b, a in zip(samples, before.answers, after.answers)
+        for m, b, a in zip(samples, before.answers, after.answers, strict=False)
     ]
-    return Evaluation(examples=len(samples), accuracy_before=before.accuracy, accuracy_after=after.accuracy,
-                      base_cached=cached, examples_shown=shown)  # fmt: skip
+    return Evaluation(
+        examples=len(samples),
+        accuracy_before=before.accuracy,
+        accuracy_after=after.accuracy,
+        base_cached=cached,
+        examples_shown=shown,
+    )

@@ -53,15 +53,23 @@ def zero2(params: int, gpus_per_node: int, nodes: int = 1, offload_optimizer: bo
     return ModelStates(WEIGHT_16 * params, 0, int((GRAD_16 + FP32_STATES) * params / ranks), 0, host)
 
 
-def zero3(params: int, largest_layer: int, gpus_per_node: int, nodes: int = 1,
-          offload_optimizer: bool = False, offload_params: bool = False) -> ModelStates:  # fmt: skip
+def zero3(
+    params: int,
+    largest_layer: int,
+    gpus_per_node: int,
+    nodes: int = 1,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+) -> ModelStates:
     """Weights, gradients and optimizer states all sharded; the largest layer is gathered whole (16-bit weight + gradient)."""
     ranks = gpus_per_node * nodes
     gathered = (WEIGHT_16 + GRAD_16) * largest_layer
     if offload_optimizer and offload_params:
         return ModelStates(0, 0, 0, gathered, int(params * (WEIGHT_16 + FP32_STATES) / nodes * HOST_BUFFER))
     if offload_optimizer:
-        return ModelStates(int(WEIGHT_16 * params / ranks), 0, 0, gathered, int(params * FP32_STATES / nodes * HOST_BUFFER))
+        return ModelStates(
+            int(WEIGHT_16 * params / ranks), 0, 0, gathered, int(params * FP32_STATES / nodes * HOST_BUFFER)
+        )
     host = int(largest_layer * 4 * gpus_per_node * HOST_BUFFER)
     return ModelStates(0, 0, int((WEIGHT_16 + FP32_STATES) * params / ranks), gathered, host)
 

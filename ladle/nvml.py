@@ -42,9 +42,14 @@ def read(nvml: Any) -> tuple[list[dict], list[list[str]]]:
     gpus, bus_ids = [], []
     for index, handle in enumerate(handles):
         major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
-        gpus.append({"index": index, "name": _text(nvml.nvmlDeviceGetName(handle)),
-                     "memory_mib": int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // 2**20,
-                     "compute_capability": f"{major}.{minor}"})  # fmt: skip
+        gpus.append(
+            {
+                "index": index,
+                "name": _text(nvml.nvmlDeviceGetName(handle)),
+                "memory_mib": int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // 2**20,
+                "compute_capability": f"{major}.{minor}",
+            }
+        )
         bus_ids.append(_text(nvml.nvmlDeviceGetPciInfo(handle).busId).lower())
     direct = [[0] * count for _ in range(count)]
     to_switch = [0] * count

@@ -11,9 +11,9 @@ on the meta device (needs torch and transformers; no memory is allocated).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ladle.errors import LadleError
 
@@ -80,35 +80,53 @@ def _attention(c: dict, layers: int, bias: bool, qk_norm: bool = False) -> Layou
     h, hd = c["hidden_size"], _head_dim(c)
     nh, nkv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
     out: Layout = [
-        Linear("q_proj", h, nh * hd, layers, bias), Linear("k_proj", h, nkv * hd, layers, bias),
-        Linear("v_proj", h, nkv * hd, layers, bias), Linear("o_proj", nh * hd, h, layers, c.get("attention_bias", False) and bias),
-    ]  # fmt: skip
+        Linear("q_proj", h, nh * hd, layers, bias),
+        Linear("k_proj", h, nkv * hd, layers, bias),
+        Linear("v_proj", h, nkv * hd, layers, bias),
+        Linear("o_proj", nh * hd, h, layers, c.get("attention_bias", False) and bias),
+    ]
     if qk_norm:
         out += [Weight("q_norm", hd, layers), Weight("k_norm", hd, layers)]
     return out
 
 
 def _mlp(h: int, inter: int, layers: int) -> Layout:
-    return [Linear("gate_proj", h, inter, layers), Linear("up_proj", h, inter, layers), Linear("down_proj", inter, h, layers)]
+    return [
+        Linear("gate_proj", h, inter, layers),
+        Linear("up_proj", h, inter, layers),
+        Linear("down_proj", inter, h, layers),
+    ]
 
 
 def _experts(h: int, inter: int, experts: int, layers: int) -> Layout:
     """Fused expert weights (gate_up_proj and down_proj parameters) and the router (a bias-free H -> E map)."""
-    return [Experts("gate_up_proj", experts, h, 2 * inter, layers, pair=True), Experts("down_proj", experts, inter, h, layers),
-            Linear("gate", h, experts, layers)]  # fmt: skip
+    return [
+        Experts("gate_up_proj", experts, h, 2 * inter, layers, pair=True),
+        Experts("down_proj", experts, inter, h, layers),
+        Linear("gate", h, experts, layers),
+    ]
 
 
 def dense(c: dict, qkv_bias: bool = False, qk_norm: bool = False) -> Layout:
     """Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norms)."""
     n, h = c["num_hidden_layers"], c["hidden_size"]
     bias = qkv_bias or c.get("attention_bias", False)
-    return [*_embeddings(c), *_attention(c, n, bias, qk_norm), *_mlp(h, c["intermediate_size"], n), Weight("layernorms", 2 * h, n)]
+    return [
+        *_embeddings(c),
+        *_attention(c, n, bias, qk_norm),
+        *_mlp(h, c["intermediate_size"], n),
+        Weight("layernorms", 2 * h, n),
+    ]
 
 
 def mixtral(c: dict) -> Layout:
     n, h = c["num_hidden_layers"], c["hidden_size"]
-    return [*_embeddings(c), *_attention(c, n, False), *_experts(h, c["intermediate_size"], c["num_local_experts"], n),
-            Weight("layernorms", 2 * h, n)]  # fmt: skip
+    return [
+        *_embeddings(c),
+        *_attention(c, n, False),
+        *_experts(h, c["intermediate_size"], c["num_local_experts"], n),
+        Weight("layernorms", 2 * h, n),
+    ]
 
 
 def qwen_moe(c: dict, qkv_bias: bool, qk_norm: bool) -> Layout:
@@ -117,26 +135,44 @@ def qwen_moe(c: dict, qkv_bias: bool, qk_norm: bool) -> Layout:
     step, dense_only = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
     sparse = sum(1 for i in range(n) if i not in dense_only and c.get("num_experts", 0) > 0 and (i + 1) % step == 0)
     out = [*_embeddings(c), *_attention(c, n, qkv_bias, qk_norm), Weight("layernorms", 2 * h, n)]
-    out += _experts(h, c["moe_intermediate_size"], c["num_experts"], sparse) + _mlp(h, c["intermediate_size"], n - sparse)
+    out += _experts(h, c["moe_intermediate_size"], c["num_experts"], sparse) + _mlp(
+        h, c["intermediate_size"], n - sparse
+    )
     if c.get("shared_expert_intermediate_size"):
-        out += [Linear("gate_proj", h, c["shared_expert_intermediate_size"], sparse),
-                Linear("up_proj", h, c["shared_expert_intermediate_size"], sparse),
-                Linear("down_proj", c["shared_expert_intermediate_size"], h, sparse),
-                Linear("shared_expert_gate", h, 1, sparse)]  # fmt: skip
+        out += [
+            Linear("gate_proj", h, c["shared_expert_intermediate_size"], sparse),
+            Linear("up_proj", h, c["shared_expert_intermediate_size"], sparse),
+            Linear("down_proj", c["shared_expert_intermediate_size"], h, sparse),
+            Linear("shared_expert_gate", h, 1, sparse),
+        ]
     return out
 
 
 def gemma2(c: dict) -> Layout:
     n, h = c["num_hidden_layers"], c["hidden_size"]
-    return [*_embeddings({**c, "tie_word_embeddings": c.get("tie_word_embeddings", True)}),
-            *_attention(c, n, c.get("attention_bias", False)), *_mlp(h, c["intermediate_size"], n), Weight("layernorms", 4 * h, n)]  # fmt: skip
+    return [
+        *_embeddings({**c, "tie_word_embeddings": c.get("tie_word_embeddings", True)}),
+        *_attention(c, n, c.get("attention_bias", False)),
+        *_mlp(h, c["intermediate_size"], n),
+        Weight("layernorms", 4 * h, n),
+    ]
 
 
 def phi3(c: dict) -> Layout:
     n, h, hd = c["num_hidden_layers"], c["hidden_size"], _head_dim(c)
-    nh, nkv, inter = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"], c["intermediate_size"]
-    return [*_embeddings(c), Linear("qkv_proj", h, (nh + 2 * nkv) * hd, n), Linear("o_proj", nh * hd, h, n),
-            Linear("gate_up_proj", h, 2 * inter, n), Linear("down_proj", inter, h, n), Weight("layernorms", 2 * h, n)]  # fmt: skip
+    nh, nkv, inter = (
+        c["num_attention_heads"],
+        c.get("num_key_value_heads") or c["num_attention_heads"],
+        c["intermediate_size"],
+    )
+    return [
+        *_embeddings(c),
+        Linear("qkv_proj", h, (nh + 2 * nkv) * hd, n),
+        Linear("o_proj", nh * hd, h, n),
+        Linear("gate_up_proj", h, 2 * inter, n),
+        Linear("down_proj", inter, h, n),
+        Weight("layernorms", 2 * h, n),
+    ]
 
 
 def deepseek_v3(c: dict) -> Layout:
@@ -144,11 +180,18 @@ def deepseek_v3(c: dict) -> Layout:
     n, h, nh = c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"]
     rope, nope, vdim, kv_rank = c["qk_rope_head_dim"], c["qk_nope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
     q_rank, dense_n = c.get("q_lora_rank"), min(c.get("first_k_dense_replace", 0), n)
-    attn: Layout = [Linear("kv_a_proj_with_mqa", h, kv_rank + rope, n, c.get("attention_bias", False)), Weight("kv_a_layernorm", kv_rank, n),
-                    Linear("kv_b_proj", kv_rank, nh * (nope + vdim), n), Linear("o_proj", nh * vdim, h, n, c.get("attention_bias", False))]  # fmt: skip
+    attn: Layout = [
+        Linear("kv_a_proj_with_mqa", h, kv_rank + rope, n, c.get("attention_bias", False)),
+        Weight("kv_a_layernorm", kv_rank, n),
+        Linear("kv_b_proj", kv_rank, nh * (nope + vdim), n),
+        Linear("o_proj", nh * vdim, h, n, c.get("attention_bias", False)),
+    ]
     if q_rank:
-        attn += [Linear("q_a_proj", h, q_rank, n, c.get("attention_bias", False)), Weight("q_a_layernorm", q_rank, n),
-                 Linear("q_b_proj", q_rank, nh * (nope + rope), n)]  # fmt: skip
+        attn += [
+            Linear("q_a_proj", h, q_rank, n, c.get("attention_bias", False)),
+            Weight("q_a_layernorm", q_rank, n),
+            Linear("q_b_proj", q_rank, nh * (nope + rope), n),
+        ]
     else:
         attn += [Linear("q_proj", h, nh * (nope + rope), n)]
     moe_n, shared = n - dense_n, c.get("n_shared_experts") or 0
@@ -184,7 +227,9 @@ def read_config(path: str | Path) -> dict:
     try:
         return json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise LadleError(f"--model-config = {str(path)!r}: no config.json there. Pass a model folder or its config.json.") from None
+        raise LadleError(
+            f"--model-config = {str(path)!r}: no config.json there. Pass a model folder or its config.json."
+        ) from None
     except json.JSONDecodeError as exc:
         raise LadleError(f"--model-config = {str(path)!r}: not valid JSON ({exc.msg}).") from None
 
@@ -207,7 +252,9 @@ def lora_params(config: dict, r: int, target_modules: list[str] | str) -> int:
     """Trainable LoRA parameters for ``target_modules`` (name suffix match, or 'all-linear' minus the head), as peft builds them."""
     parts = layout(config)
     if parts is None:
-        raise LadleError(f"model_type = {config.get('model_type')!r}: LoRA counting needs a known family ({', '.join(FAMILIES)}).")
+        raise LadleError(
+            f"model_type = {config.get('model_type')!r}: LoRA counting needs a known family ({', '.join(FAMILIES)})."
+        )
     if any(isinstance(p, Experts) for p in parts):
         # peft wraps fused expert parameters too (all-linear, and names that collide with them)
         # by rules of its own; ask peft itself rather than mirror them.

@@ -47,8 +47,9 @@ class Plan(BaseModel):
         description="Every strategy the sizing considered, fastest first: per-rank memory, whether it fits, why.",
     )
 
-    def launcher_argv(self, worker_args: list[str], port: int = DEFAULT_PORT, python: str | None = None,
-                      machine_rank: int = 0) -> list[str]:  # fmt: skip
+    def launcher_argv(
+        self, worker_args: list[str], port: int = DEFAULT_PORT, python: str | None = None, machine_rank: int = 0
+    ) -> list[str]:
         """The ``accelerate launch`` argv that starts this machine's training processes (a list, never a shell string).
 
         Across machines, torchrun's static rendezvous meets at ``main_address:main_port`` (a c10d TCP
@@ -58,17 +59,28 @@ class Plan(BaseModel):
         strategy = strategies.get(self.strategy)
         mixed = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[self.dtype]
         return [
-            python or sys.executable, "-m", "accelerate.commands.launch",
+            python or sys.executable,
+            "-m",
+            "accelerate.commands.launch",
             *strategy.launcher_args(self),
-            "--num_processes", str(self.world_size),
-            "--num_machines", str(self.num_machines),
-            "--machine_rank", str(machine_rank),
-            "--main_process_ip", self.main_address,
-            "--main_process_port", str(self.main_port or port),
-            "--mixed_precision", mixed,
-            "--dynamo_backend", "no",
-            "-m", "ladle.train.worker", *worker_args,
-        ]  # fmt: skip
+            "--num_processes",
+            str(self.world_size),
+            "--num_machines",
+            str(self.num_machines),
+            "--machine_rank",
+            str(machine_rank),
+            "--main_process_ip",
+            self.main_address,
+            "--main_process_port",
+            str(self.main_port or port),
+            "--mixed_precision",
+            mixed,
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "ladle.train.worker",
+            *worker_args,
+        ]
 
     def launch_command(self, worker_args: list[str], port: int = DEFAULT_PORT) -> str:
         """The launch argv as a command a user can paste."""
@@ -77,24 +89,44 @@ class Plan(BaseModel):
 
     def to_markdown(self) -> str:
         rows = [
-            ("strategy", self.strategy), ("device", f"{self.device} ({self.backend})"),
+            ("strategy", self.strategy),
+            ("device", f"{self.device} ({self.backend})"),
             ("world size", f"{self.world_size} = {self.num_machines} machine(s) x {self.processes_per_machine}"),
-            ("batch", f"{self.global_batch_size} rows/step = {self.micro_batch_size} micro x "
-                      f"{self.world_size} ranks x {self.gradient_accumulation} accumulation"),
+            (
+                "batch",
+                f"{self.global_batch_size} rows/step = {self.micro_batch_size} micro x "
+                f"{self.world_size} ranks x {self.gradient_accumulation} accumulation",
+            ),
             ("dtype", self.dtype),
-        ]  # fmt: skip
+        ]
         lines = ["# Training plan", "", "| decision | value |", "| --- | --- |"]
         lines += [f"| {k} | {v} |" for k, v in rows]
         for title, items in (("Reasons", self.reasons), ("Overrides", self.overrides), ("Warnings", self.warnings)):
             if items:
                 lines += ["", f"## {title}", *[f"- {item}" for item in items]]
         if self.candidates:
-            lines += ["", "## Candidates (fastest first)", "", "| strategy | per rank | fits | why |", "| --- | --- | --- | --- |"]
-            lines += [f"| {c['strategy']} | {c['breakdown']} | {'yes' if c['fits'] else 'no'} | {c['why']} |" for c in self.candidates]
+            lines += [
+                "",
+                "## Candidates (fastest first)",
+                "",
+                "| strategy | per rank | fits | why |",
+                "| --- | --- | --- | --- |",
+            ]
+            lines += [
+                f"| {c['strategy']} | {c['breakdown']} | {'yes' if c['fits'] else 'no'} | {c['why']} |"
+                for c in self.candidates
+            ]
         if self.launcher_config:
             import json
 
-            lines += ["", f"## {self.strategy} launcher config", "", "```json", json.dumps(self.launcher_config, indent=2), "```"]
+            lines += [
+                "",
+                f"## {self.strategy} launcher config",
+                "",
+                "```json",
+                json.dumps(self.launcher_config, indent=2),
+                "```",
+            ]
         return "\n".join(lines) + "\n"
 
 
@@ -109,7 +141,6 @@ def check_inputs(cfg: LadleConfig) -> dict:
     """
     from ladle.assets import resolve_base
     from ladle.data.prepare import check_not_empty
-
     from ladle.params import read_config
 
     base = resolve_base(cfg.base)
@@ -155,29 +186,44 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     world = per_machine * nodes
     dtype = choose_dtype(cfg, topo, device, [], [])
     candidates: list[dict] = []
-    strategy, adjust = choose_strategy(cfg, topo, device, per_machine, nodes, dtype, model,
-                                       reasons, overrides, warnings, problems, candidates)  # fmt: skip
+    strategy, adjust = choose_strategy(
+        cfg, topo, device, per_machine, nodes, dtype, model, reasons, overrides, warnings, problems, candidates
+    )
     if adjust:  # settings the sizing chose (recorded in the reasons); the caller's config is left as it was
         cfg = cfg.model_copy(deep=True)
         for section, field, value in adjust:
             setattr(getattr(cfg.parallelism, section), field, value)
-    if strategy == "pipeline" and device == "cuda" and cfg.parallelism.gpus == "auto" and per_machine > cfg.parallelism.pipeline.stages:
+    if (
+        strategy == "pipeline"
+        and device == "cuda"
+        and cfg.parallelism.gpus == "auto"
+        and per_machine > cfg.parallelism.pipeline.stages
+    ):
         per_machine = world = cfg.parallelism.pipeline.stages
         reasons.append(f"{per_machine} process(es): --gpus auto adapts to one pipeline of {per_machine} stages")
     problems += strategies.get(strategy).validate(cfg, topo, world)
     if model is not None:
         problems += strategies.get(strategy).validate_model(model, world)
     if cfg.parallelism.fsdp2.compile and strategy != "fsdp2":
-        what = "DeepSpeed with torch.compile is rejected (its engine hooks break under compiled graphs)" \
-            if strategy.startswith("zero") else f"compile is wired for fsdp2 only, not {strategy}"  # fmt: skip
-        problems.append(f"parallelism.fsdp2.compile = true with parallelism.strategy = {strategy}: {what}. "
-                        "Set parallelism.strategy=fsdp2 or parallelism.fsdp2.compile=false.")  # fmt: skip
+        what = (
+            "DeepSpeed with torch.compile is rejected (its engine hooks break under compiled graphs)"
+            if strategy.startswith("zero")
+            else f"compile is wired for fsdp2 only, not {strategy}"
+        )
+        problems.append(
+            f"parallelism.fsdp2.compile = true with parallelism.strategy = {strategy}: {what}. "
+            "Set parallelism.strategy=fsdp2 or parallelism.fsdp2.compile=false."
+        )
     replicas = 1 if strategy in ("pipeline", "tp") else world  # a pipeline's or tp group's ranks share one batch
     micro = choose_micro(cfg, topo, device, per_machine, nodes, dtype, model, strategy, replicas, reasons, warnings)
     # With no global batch asked for, one pipeline gets one microbatch per stage (what 1F1B needs to fill it).
     fill = cfg.parallelism.pipeline.stages if strategy == "pipeline" else 1
     micro, accum, global_batch = choose_batch(cfg, micro, replicas, problems, reasons, default_accumulation=fill)
-    if strategy == "pipeline" and cfg.parallelism.pipeline.schedule == "1f1b" and accum < cfg.parallelism.pipeline.stages:
+    if (
+        strategy == "pipeline"
+        and cfg.parallelism.pipeline.schedule == "1f1b"
+        and accum < cfg.parallelism.pipeline.stages
+    ):
         problems.append(
             f"training.global_batch_size = {global_batch}: 1f1b needs at least one microbatch per stage "
             f"({accum} < {cfg.parallelism.pipeline.stages}). Use global_batch_size="
@@ -187,8 +233,17 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     problems += check_device_features(cfg, device)
     if problems:
         # What was decided so far travels with the error: `ladle plan --json` shows why nothing fits.
-        raise ConfigError(problems, details={"device": device, "world_size": world, "dtype": dtype,
-                                             "reasons": reasons, "warnings": warnings, "candidates": candidates})  # fmt: skip
+        raise ConfigError(
+            problems,
+            details={
+                "device": device,
+                "world_size": world,
+                "dtype": dtype,
+                "reasons": reasons,
+                "warnings": warnings,
+                "candidates": candidates,
+            },
+        )
     plan = Plan(
         strategy=strategy,
         strategy_options=strategy_options(cfg, strategy),
@@ -237,11 +292,15 @@ def choose_world(cfg, topo, config_ref, problems, reasons, warnings) -> tuple[st
                 f"parallelism.gpus = {gpus}: this host has no CUDA GPU (nvidia-smi found none). "
                 f"Run on a GPU host, or train on CPU with: {fixed}"
             )
-        warnings.append(f"--gpus auto found no GPU: planning a CPU run of {procs} gloo process(es) (parallelism.cpu_processes)")
+        warnings.append(
+            f"--gpus auto found no GPU: planning a CPU run of {procs} gloo process(es) (parallelism.cpu_processes)"
+        )
         reasons.append(f"{procs} process(es) per machine: CPU host, parallelism.cpu_processes={procs}")
         return "cpu", procs
     if gpus == "auto":
-        reasons.append(f"{topo.gpu_count} process(es) per machine: --gpus auto uses all {topo.gpu_count} visible GPU(s)")
+        reasons.append(
+            f"{topo.gpu_count} process(es) per machine: --gpus auto uses all {topo.gpu_count} visible GPU(s)"
+        )
         return "cuda", topo.gpu_count
     if gpus > topo.gpu_count:
         fixed = shlex.join(["ladle", "run", config_ref, "--gpus", str(topo.gpu_count)])
@@ -276,16 +335,23 @@ def sizing_job(cfg: LadleConfig, model: dict, per_machine: int, nodes: int, dtyp
     trainable = params.lora_params(model, lora.r, lora.target_modules) if lora.enabled else None
     shape = sizing.shape_from_config(model, trainable)
     return sizing.Job(
-        shape=shape, lora=lora.enabled, qlora=cfg.training.quantization.mode != "none", micro_batch=micro,
-        seq_len=cfg.data.seq_len, dtype_bytes=4 if dtype == "float32" else 2,
-        checkpointing=cfg.training.gradient_checkpointing, gpus_per_node=per_machine, nodes=nodes,
+        shape=shape,
+        lora=lora.enabled,
+        qlora=cfg.training.quantization.mode != "none",
+        micro_batch=micro,
+        seq_len=cfg.data.seq_len,
+        dtype_bytes=4 if dtype == "float32" else 2,
+        checkpointing=cfg.training.gradient_checkpointing,
+        gpus_per_node=per_machine,
+        nodes=nodes,
         microbatches=max(1, (cfg.training.global_batch_size or micro * per_machine * nodes) // micro),
         cuda=device == "cuda",
-    )  # fmt: skip
+    )
 
 
-def choose_strategy(cfg, topo, device, per_machine, nodes, dtype, model,
-                    reasons, overrides, warnings, problems, candidates) -> tuple[str, list]:  # fmt: skip
+def choose_strategy(
+    cfg, topo, device, per_machine, nodes, dtype, model, reasons, overrides, warnings, problems, candidates
+) -> tuple[str, list]:
     """The explicit strategy, or the fastest candidate that fits with headroom (every candidate recorded),
     and the ``(section, field, value)`` settings that candidate needs."""
     from ladle import sizing
@@ -295,8 +361,11 @@ def choose_strategy(cfg, topo, device, per_machine, nodes, dtype, model,
         overrides.append(f"parallelism.strategy = {explicit} (explicit)")
     capacity = device_bytes(topo, device, per_machine)
     if model is None or capacity is None:
-        missing = "model size unknown (no config.json at hand: a local base folder, or --model-config)" if model is None \
-            else "device memory unknown (pass --gpu-memory with --topology-file)"  # fmt: skip
+        missing = (
+            "model size unknown (no config.json at hand: a local base folder, or --model-config)"
+            if model is None
+            else "device memory unknown (pass --gpu-memory with --topology-file)"
+        )
         if explicit == "auto":
             reasons.append(f"strategy ddp: {missing}, so the default with the least communication")
         return (explicit if explicit != "auto" else "ddp"), []
@@ -314,20 +383,37 @@ def choose_strategy(cfg, topo, device, per_machine, nodes, dtype, model,
             continue
         est = sizing.estimate(job, name, offload)
         fits = est.fits(capacity)
-        candidates.append({"strategy": est.strategy, "per_rank_gib": round(est.total / sizing.GIB, 2), "fits": fits,
-                           "breakdown": est.summary(), "why": why})  # fmt: skip
+        candidates.append(
+            {
+                "strategy": est.strategy,
+                "per_rank_gib": round(est.total / sizing.GIB, 2),
+                "fits": fits,
+                "breakdown": est.summary(),
+                "why": why,
+            }
+        )
         if fits and chosen is None:
             chosen = (name.removesuffix("+hsdp"), offload, why, est)
     limit = f"{sizing.gib(sizing.HEADROOM * capacity)} usable of {sizing.gib(capacity)} per rank"
     if explicit != "auto":
         mine = next((c for c in candidates if c["strategy"] == explicit), None)
         ds, fsdp = cfg.parallelism.deepspeed, cfg.parallelism.fsdp2
-        offloads = (fsdp.cpu_offload, fsdp.cpu_offload) if explicit == "fsdp2" else \
-            (ds.offload_optimizer != "none", ds.offload_param != "none") if explicit.startswith("zero") else (False, False)  # fmt: skip
+        offloads = (
+            (fsdp.cpu_offload, fsdp.cpu_offload)
+            if explicit == "fsdp2"
+            else (ds.offload_optimizer != "none", ds.offload_param != "none")
+            if explicit.startswith("zero")
+            else (False, False)
+        )
         if mine is None or any(offloads):
             mine_est = sizing.estimate(job, explicit, *offloads)
-            mine = {"strategy": mine_est.strategy, "per_rank_gib": round(mine_est.total / sizing.GIB, 2),
-                    "fits": mine_est.fits(capacity), "breakdown": mine_est.summary(), "why": "explicit"}  # fmt: skip
+            mine = {
+                "strategy": mine_est.strategy,
+                "per_rank_gib": round(mine_est.total / sizing.GIB, 2),
+                "fits": mine_est.fits(capacity),
+                "breakdown": mine_est.summary(),
+                "why": "explicit",
+            }
             candidates.insert(0, mine)
         if not mine["fits"]:
             better = f"; {chosen[0]} would fit ({chosen[3].summary()})" if chosen else ""
@@ -361,7 +447,11 @@ def choose_strategy(cfg, topo, device, per_machine, nodes, dtype, model,
 
 
 def pipeline_possible(cfg, job, device) -> bool:
-    return 2 <= job.world <= 16 and job.shape.layers >= job.world and (device == "cuda" or cfg.parallelism.pipeline.allow_cpu)
+    return (
+        2 <= job.world <= 16
+        and job.shape.layers >= job.world
+        and (device == "cuda" or cfg.parallelism.pipeline.allow_cpu)
+    )
 
 
 MICRO_CHOICES = (64, 32, 16, 8, 4, 2, 1)
@@ -381,16 +471,23 @@ def choose_micro(cfg, topo, device, per_machine, nodes, dtype, model, strategy, 
         return 1
     ds, fsdp = cfg.parallelism.deepspeed, cfg.parallelism.fsdp2
     label = strategy + ("+hsdp" if strategy == "fsdp2" and fsdp.replicate != 1 else "")
-    offloads = (fsdp.cpu_offload, fsdp.cpu_offload) if strategy == "fsdp2" else \
-        (ds.offload_optimizer != "none", ds.offload_param != "none") if strategy.startswith("zero") else (False, False)  # fmt: skip
+    offloads = (
+        (fsdp.cpu_offload, fsdp.cpu_offload)
+        if strategy == "fsdp2"
+        else (ds.offload_optimizer != "none", ds.offload_param != "none")
+        if strategy.startswith("zero")
+        else (False, False)
+    )
     for micro in MICRO_CHOICES:
         if wanted and wanted % (micro * replicas):
             continue
         est = sizing.estimate(sizing_job(cfg, model, per_machine, nodes, dtype, micro, device), label, *offloads)
         if est.fits(capacity):
             divides = f" and divides the global batch {wanted}" if wanted else ""
-            reasons.append(f"micro-batch {micro}: the largest of {'/'.join(map(str, MICRO_CHOICES))} that fits "
-                           f"({est.summary()}){divides}")  # fmt: skip
+            reasons.append(
+                f"micro-batch {micro}: the largest of {'/'.join(map(str, MICRO_CHOICES))} that fits "
+                f"({est.summary()}){divides}"
+            )
             return micro
     warnings.append("micro-batch 1: auto found no micro-batch that fits; even 1 row per process exceeds the device")
     return 1
@@ -447,7 +544,11 @@ def check_device_features(cfg: LadleConfig, device: str) -> list[str]:
             "in-memory filesystem. Use a local folder or an object store URL (s3://...)."
         )
     quant = cfg.training.quantization
-    if quant.mode != "none" and quant.storage_dtype == "uint8" and cfg.parallelism.strategy in ("fsdp2", "zero3", "zero++"):
+    if (
+        quant.mode != "none"
+        and quant.storage_dtype == "uint8"
+        and cfg.parallelism.strategy in ("fsdp2", "zero3", "zero++")
+    ):
         problems.append(
             f"training.quantization.storage_dtype = uint8 with parallelism.strategy = {cfg.parallelism.strategy}: "
             "sharding needs the packed 4-bit weights in a float dtype. Set training.quantization.storage_dtype="

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -34,7 +35,5 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 15.0, group: bool = Fa
     except ProcessLookupError:
         pass
     if group:  # children that ignored SIGTERM and outlived their leader
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass

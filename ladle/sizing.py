@@ -63,8 +63,18 @@ def shape_from_config(config: dict, trainable: int | None = None) -> ModelShape:
         per_token = config.get("num_experts_per_tok", 2) + (config.get("n_shared_experts") or 0)
         inter = config["moe_intermediate_size"] * per_token + config.get("shared_expert_intermediate_size", 0)
     embed = config["vocab_size"] * h * (1 if config.get("tie_word_embeddings", False) else 2)
-    return ModelShape(total, total if trainable is None else trainable, n, h, inter, kv, heads,
-                      config["vocab_size"], embed, (total - embed) // max(n, 1))  # fmt: skip
+    return ModelShape(
+        total,
+        total if trainable is None else trainable,
+        n,
+        h,
+        inter,
+        kv,
+        heads,
+        config["vocab_size"],
+        embed,
+        (total - embed) // max(n, 1),
+    )
 
 
 def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int) -> int:
@@ -103,14 +113,28 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.gathered + self.activations + self.logits + self.context
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.gathered
+            + self.activations
+            + self.logits
+            + self.context
+        )
 
     def fits(self, device_bytes: int) -> bool:
         return self.total <= HEADROOM * device_bytes
 
     def summary(self) -> str:
-        parts = (("weights", self.weights), ("grads", self.gradients), ("optimizer", self.optimizer),
-                 ("gathered", self.gathered), ("activations", self.activations), ("logits", self.logits))  # fmt: skip
+        parts = (
+            ("weights", self.weights),
+            ("grads", self.gradients),
+            ("optimizer", self.optimizer),
+            ("gathered", self.gathered),
+            ("activations", self.activations),
+            ("logits", self.logits),
+        )
         parts += (("CUDA context", self.context),)
         return f"{gib(self.total)}/rank (" + ", ".join(f"{k} {gib(v)}" for k, v in parts if v) + ")"
 
@@ -144,16 +168,22 @@ class Job:
 SHARDS_BASE = ("fsdp2", "zero3", "zero++", "pipeline")  # a frozen base split across ranks
 
 
-def model_states(job: Job, strategy: str, offload: bool = False, offload_params: bool = False,
-                 hsdp: bool = False) -> memory.ModelStates:  # fmt: skip
+def model_states(
+    job: Job, strategy: str, offload: bool = False, offload_params: bool = False, hsdp: bool = False
+) -> memory.ModelStates:
     s, world = job.shape, job.gpus_per_node if hsdp else job.world
     if job.lora:
         base = memory.lora(s.params, s.trainable, world, shard_base=strategy in SHARDS_BASE)
         if job.dtype_bytes == 4:  # a float32 run (CPU) keeps the frozen base in 4 bytes, not 2
             base = memory.ModelStates(base.weights * 2, base.gradients, base.optimizer, 0)
         if offload_params:
-            base = memory.ModelStates(memory.WEIGHT_16 * s.trainable, base.gradients, base.optimizer, 0,
-                                      memory.WEIGHT_16 * s.params // job.nodes)  # fmt: skip
+            base = memory.ModelStates(
+                memory.WEIGHT_16 * s.trainable,
+                base.gradients,
+                base.optimizer,
+                0,
+                memory.WEIGHT_16 * s.params // job.nodes,
+            )
         if job.qlora:  # 4-bit linear weights; only the 16-bit embeddings and head keep 2 bytes
             shard = world if strategy in SHARDS_BASE else 1
             quantized = int((s.linear_params * NF4_BYTES + s.embedding_params * memory.WEIGHT_16) / shard)
@@ -168,14 +198,30 @@ def model_states(job: Job, strategy: str, offload: bool = False, offload_params:
     if strategy == "pipeline":  # each stage a full replica of its slice
         return memory.ddp(s.params // world)
     largest = max(s.layer_params, s.embedding_params // 2)
-    states = memory.zero3(s.params, largest, job.gpus_per_node, 1 if hsdp else job.nodes,
-                          offload_optimizer=offload or offload_params, offload_params=offload_params)  # fmt: skip
+    states = memory.zero3(
+        s.params,
+        largest,
+        job.gpus_per_node,
+        1 if hsdp else job.nodes,
+        offload_optimizer=offload or offload_params,
+        offload_params=offload_params,
+    )
     if strategy == "fsdp2":  # the root unit (embeddings + head) stays gathered between forward and backward
-        return memory.ModelStates(states.weights, states.gradients, states.optimizer,
-                                  states.gathered + memory.WEIGHT_16 * s.embedding_params, states.host)  # fmt: skip
+        return memory.ModelStates(
+            states.weights,
+            states.gradients,
+            states.optimizer,
+            states.gathered + memory.WEIGHT_16 * s.embedding_params,
+            states.host,
+        )
     if strategy == "zero++" and job.nodes > 1:  # hpZ: a secondary 16-bit copy sharded within the node
-        return memory.ModelStates(states.weights + memory.WEIGHT_16 * s.params // job.gpus_per_node,
-                                  states.gradients, states.optimizer, states.gathered, states.host)  # fmt: skip
+        return memory.ModelStates(
+            states.weights + memory.WEIGHT_16 * s.params // job.gpus_per_node,
+            states.gradients,
+            states.optimizer,
+            states.gathered,
+            states.host,
+        )
     return states
 
 
@@ -198,8 +244,18 @@ def estimate(job: Job, strategy: str, offload: bool = False, offload_params: boo
     else:
         acts = activation_bytes(s, tokens, layers, job.dtype_bytes, job.checkpointing)
     name = strategy + ("+hsdp" if hsdp else "") + ("+offload" if offload or offload_params else "")
-    return Estimate(name, states.weights, states.gradients, states.optimizer, states.gathered, acts,
-                    logits_bytes(s, tokens, job.dtype_bytes), states.host, note, CONTEXT_BYTES if job.cuda else 0)  # fmt: skip
+    return Estimate(
+        name,
+        states.weights,
+        states.gradients,
+        states.optimizer,
+        states.gathered,
+        acts,
+        logits_bytes(s, tokens, job.dtype_bytes),
+        states.host,
+        note,
+        CONTEXT_BYTES if job.cuda else 0,
+    )
 
 
 def preference(job: Job, interconnect: str) -> list[tuple[str, bool, str]]:
@@ -211,29 +267,61 @@ def preference(job: Job, interconnect: str) -> list[tuple[str, bool, str]]:
     small whatever the strategy and only the frozen base's memory matters.
     """
     if job.world == 1:
-        return [("ddp", False, "one device: no communication"),
-                ("zero2", True, "one device too small: optimizer state and its step move to host memory")]  # fmt: skip
+        return [
+            ("ddp", False, "one device: no communication"),
+            ("zero2", True, "one device too small: optimizer state and its step move to host memory"),
+        ]
     if job.lora:
-        return [("ddp", False, "adapter gradients are tiny, so one all-reduce per step is the least communication"),
-                ("fsdp2", False, "the frozen base does not fit whole on a device; FSDP2 shards it"),
-                ("zero3", False, "the frozen base does not fit whole on a device; ZeRO-3 shards it")]  # fmt: skip
+        return [
+            ("ddp", False, "adapter gradients are tiny, so one all-reduce per step is the least communication"),
+            ("fsdp2", False, "the frozen base does not fit whole on a device; FSDP2 shards it"),
+            ("zero3", False, "the frozen base does not fit whole on a device; ZeRO-3 shards it"),
+        ]
     fast = interconnect in ("nvswitch",)
     order = [("ddp", False, "a full replica fits, and one gradient all-reduce is the least communication")]
     if job.nodes > 1:
-        order += [("zero++", False, "across machines hpZ keeps weight all-gathers inside each node and qwZ/qgZ "
-                   "quantize what crosses the network"),
-                  ("fsdp2+hsdp", False, "HSDP: parameters sharded inside each machine, so only one gradient "
-                   "all-reduce per step crosses the network")]  # fmt: skip
+        order += [
+            (
+                "zero++",
+                False,
+                "across machines hpZ keeps weight all-gathers inside each node and qwZ/qgZ "
+                "quantize what crosses the network",
+            ),
+            (
+                "fsdp2+hsdp",
+                False,
+                "HSDP: parameters sharded inside each machine, so only one gradient "
+                "all-reduce per step crosses the network",
+            ),
+        ]
     if fast:
-        order += [("fsdp2", False, f"{interconnect}: all-gathers are cheap, so full sharding costs little and frees "
-                   "the most memory")]  # fmt: skip
-    order += [("zero1", False, "optimizer state sharded: same traffic as DDP"),
-              ("zero2", False, "gradients sharded too: still DDP's traffic")]  # fmt: skip
+        order += [
+            (
+                "fsdp2",
+                False,
+                f"{interconnect}: all-gathers are cheap, so full sharding costs little and frees the most memory",
+            )
+        ]
+    order += [
+        ("zero1", False, "optimizer state sharded: same traffic as DDP"),
+        ("zero2", False, "gradients sharded too: still DDP's traffic"),
+    ]
     if not fast:
-        order += [("fsdp2", False, f"{interconnect}: full sharding's extra all-gather is costly here, so it comes after "
-                   "ZeRO-1/2")]  # fmt: skip
-    order += [("zero3", False, "DeepSpeed's full sharding"),
-              ("pipeline", False, "the model does not fit one node's devices even fully sharded: split layers "
-               "into stages; only activations cross the links")]  # fmt: skip
+        order += [
+            (
+                "fsdp2",
+                False,
+                f"{interconnect}: full sharding's extra all-gather is costly here, so it comes after ZeRO-1/2",
+            )
+        ]
+    order += [
+        ("zero3", False, "DeepSpeed's full sharding"),
+        (
+            "pipeline",
+            False,
+            "the model does not fit one node's devices even fully sharded: split layers "
+            "into stages; only activations cross the links",
+        ),
+    ]
     order += [("zero3", True, "last resort: optimizer state and step on the host (PCIe-bound)")]
     return order

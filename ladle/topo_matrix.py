@@ -112,9 +112,15 @@ def facts(links: list[list[str]], numa: list[int] | None, nics: list[str]) -> To
     all_nv = n > 1 and len(nv) == len(pairs)
     interconnect = "none" if n < 2 else "nvswitch" if all_nv else "partial-nvlink" if nv else "pcie"
     return TopoMatrix(
-        gpu_count=n, links=links, all_pairs_nvlink=all_nv, nvlink_groups=cliques(n, nv),
-        min_nvlink_bonds=min(bonds) if bonds else None, numa_nodes=numa, nics=nics, interconnect=interconnect,
-    )  # fmt: skip
+        gpu_count=n,
+        links=links,
+        all_pairs_nvlink=all_nv,
+        nvlink_groups=cliques(n, nv),
+        min_nvlink_bonds=min(bonds) if bonds else None,
+        numa_nodes=numa,
+        nics=nics,
+        interconnect=interconnect,
+    )
 
 
 def cliques(n: int, edges: set[tuple[int, int]]) -> list[list[int]]:

@@ -106,8 +106,9 @@ def with_matrix(topo: Topology, text: str) -> Topology:
     return topo.model_copy(update={k: v for k, v in matrix.model_dump().items() if k != "gpu_count"})
 
 
-def probe_file(path: str, env: dict[str, str] | None = None, gpu_memory_gib: float | None = None,
-               gpu_name: str = "recorded GPU") -> Topology:  # fmt: skip
+def probe_file(
+    path: str, env: dict[str, str] | None = None, gpu_memory_gib: float | None = None, gpu_name: str = "recorded GPU"
+) -> Topology:
     """A recorded machine: ``nvidia-smi topo -m`` output saved to a file (plus, for sizing, each GPU's memory,
     which the matrix does not record).
 
@@ -124,11 +125,20 @@ def probe_file(path: str, env: dict[str, str] | None = None, gpu_memory_gib: flo
     text = file.read_text(encoding="utf-8", errors="replace")
     matrix = parse(text)
     nodes, node_rank = node_layout(dict(os.environ if env is None else env))
-    base = Topology(gpu_count=matrix.gpu_count, cuda_available=True, interconnect=matrix.interconnect, nodes=nodes,
-                    node_rank=node_rank, cpu_count=os.cpu_count() or 1, source=f"file:{path}")  # fmt: skip
+    base = Topology(
+        gpu_count=matrix.gpu_count,
+        cuda_available=True,
+        interconnect=matrix.interconnect,
+        nodes=nodes,
+        node_rank=node_rank,
+        cpu_count=os.cpu_count() or 1,
+        source=f"file:{path}",
+    )
     if gpu_memory_gib:
-        base.gpus = [GPU(index=i, name=gpu_name, memory_mib=int(gpu_memory_gib * 1024), compute_capability="8.0")
-                     for i in range(matrix.gpu_count)]  # fmt: skip
+        base.gpus = [
+            GPU(index=i, name=gpu_name, memory_mib=int(gpu_memory_gib * 1024), compute_capability="8.0")
+            for i in range(matrix.gpu_count)
+        ]
     return with_matrix(base, text)
 
 
@@ -171,12 +181,24 @@ def probe(env: dict[str, str] | None = None, query_output: str | None = None, nv
     if not gpus:
         warning = "no CUDA GPU found: this is a CPU host; training runs as CPU processes on gloo"
         return Topology(
-            gpu_count=0, cuda_available=False, interconnect="none", nodes=nodes, node_rank=node_rank,
-            cpu_count=cpus, source="none", warnings=[warning],
+            gpu_count=0,
+            cuda_available=False,
+            interconnect="none",
+            nodes=nodes,
+            node_rank=node_rank,
+            cpu_count=cpus,
+            source="none",
+            warnings=[warning],
         )
     topo = Topology(
-        gpu_count=len(gpus), gpus=gpus, cuda_available=True, interconnect="unknown" if len(gpus) > 1 else "none",
-        nodes=nodes, node_rank=node_rank, cpu_count=cpus, source="nvidia-smi",
+        gpu_count=len(gpus),
+        gpus=gpus,
+        cuda_available=True,
+        interconnect="unknown" if len(gpus) > 1 else "none",
+        nodes=nodes,
+        node_rank=node_rank,
+        cpu_count=cpus,
+        source="nvidia-smi",
     )
     matrix = run_topo_matrix() if query_output is None and len(gpus) > 1 else None
     if matrix:
@@ -187,8 +209,9 @@ def probe(env: dict[str, str] | None = None, query_output: str | None = None, nv
     return topo
 
 
-def nvml_topology(found: list[dict], links: list[list[str]], env: dict[str, str], nodes: int, node_rank: int,
-                  cpus: int, live: bool) -> Topology:  # fmt: skip
+def nvml_topology(
+    found: list[dict], links: list[list[str]], env: dict[str, str], nodes: int, node_rank: int, cpus: int, live: bool
+) -> Topology:
     """A Topology from NVML's GPUs and link matrix, narrowed to the visible GPUs; NUMA and NICs, which
     NVML does not relate to GPUs, come from ``nvidia-smi topo -m`` when it runs."""
     from ladle.topo_matrix import facts
@@ -197,9 +220,16 @@ def nvml_topology(found: list[dict], links: list[list[str]], env: dict[str, str]
     keep = [g.index for g in gpus]
     sub = [[links[i][j] for j in keep] for i in keep]
     matrix = facts(sub, None, [])
-    topo = Topology(gpu_count=len(gpus), gpus=[g.model_copy(update={"index": n}) for n, g in enumerate(gpus)],
-                    cuda_available=True, nodes=nodes, node_rank=node_rank, cpu_count=cpus, source="nvml",
-                    **{k: v for k, v in matrix.model_dump().items() if k != "gpu_count"})  # fmt: skip
+    topo = Topology(
+        gpu_count=len(gpus),
+        gpus=[g.model_copy(update={"index": n}) for n, g in enumerate(gpus)],
+        cuda_available=True,
+        nodes=nodes,
+        node_rank=node_rank,
+        cpu_count=cpus,
+        source="nvml",
+        **{k: v for k, v in matrix.model_dump().items() if k != "gpu_count"},
+    )
     text = run_topo_matrix() if live and len(found) > 1 else None
     if text:
         from ladle.topo_matrix import parse

@@ -51,12 +51,18 @@ def client(uri: str):
     return MlflowClient(uri)
 
 
-def start_run(cfg: LadleConfig, flow_run_id: str | None, run_name: str, parent_flow_run_id: str | None = None) -> Tracking:
+def start_run(
+    cfg: LadleConfig, flow_run_id: str | None, run_name: str, parent_flow_run_id: str | None = None
+) -> Tracking:
     """Create the MLflow run, tagged with the Prefect flow-run id(s), with the config as params."""
     uri, artifacts = tracking_uri(cfg)
     mlflow = client(uri)
     experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
-    exp_id = experiment.experiment_id if experiment else mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+    exp_id = (
+        experiment.experiment_id
+        if experiment
+        else mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+    )
     tags = {"ladle.config_name": cfg.name, "mlflow.runName": run_name}
     if flow_run_id:
         tags["prefect.flow_run_id"] = flow_run_id
@@ -135,8 +141,10 @@ def log_evaluation(tracking: Tracking, result) -> None:
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    metrics = [Metric("eval_accuracy_before", result.accuracy_before, now, 0),
-               Metric("eval_accuracy_after", result.accuracy_after, now, 0),
-               Metric("eval_examples", result.examples, now, 0)]  # fmt: skip
+    metrics = [
+        Metric("eval_accuracy_before", result.accuracy_before, now, 0),
+        Metric("eval_accuracy_after", result.accuracy_after, now, 0),
+        Metric("eval_examples", result.examples, now, 0),
+    ]
     client(tracking.uri).log_batch(tracking.run_id, metrics=metrics)
     log_json(tracking, "evaluation.json", result.model_dump())

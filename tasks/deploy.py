@@ -17,10 +17,16 @@ from ladle.tasks.policy import retry_unless_user_error
 def deploy_task(cfg: LadleConfig, merged: MergedModel, prepared: PreparedDataset) -> Endpoint:
     endpoint = deploy(merged, cfg.serve, cfg.name, held_out=load_samples(prepared, 1))
     logger = get_run_logger()
-    verdict = "" if endpoint.expected is None else f" (expected {endpoint.expected!r}: {'correct' if endpoint.answer_correct else 'wrong'})"
+    verdict = (
+        ""
+        if endpoint.expected is None
+        else f" (expected {endpoint.expected!r}: {'correct' if endpoint.answer_correct else 'wrong'})"
+    )
     logger.info("smoke request %r answered %r%s", endpoint.prompt, endpoint.answer, verdict)
     if endpoint.running:
-        create_link_artifact(key="endpoint", link=endpoint.url, description=f"{endpoint.backend} server, pid {endpoint.pid}")
+        create_link_artifact(
+            key="endpoint", link=endpoint.url, description=f"{endpoint.backend} server, pid {endpoint.pid}"
+        )
         logger.info("server running at %s (pid %s)", endpoint.url, endpoint.pid)
     else:
         logger.info("server stopped after the smoke request (serve.keep_running=false)")

@@ -17,16 +17,25 @@ from ladle.tracking import Tracking, log_evaluation
 
 @task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
 def evaluate_task(cfg: LadleConfig, merged: MergedModel, prepared: PreparedDataset, tracking: Tracking) -> Evaluation:
-    result = evaluate(resolve_base(cfg.base), local_model_dir(merged), prepared, cfg.eval.max_examples, cfg.eval.batch_size)
+    result = evaluate(
+        resolve_base(cfg.base), local_model_dir(merged), prepared, cfg.eval.max_examples, cfg.eval.batch_size
+    )
     logger = get_run_logger()
     if result.examples == 0:
         logger.info(result.note)
         return result
     logger.info(
         "exact match on %d held-out prompts: %.1f%% before (base%s) -> %.1f%% after",
-        result.examples, 100 * result.accuracy_before, ", cached" if result.base_cached else "", 100 * result.accuracy_after,
-    )  # fmt: skip
+        result.examples,
+        100 * result.accuracy_before,
+        ", cached" if result.base_cached else "",
+        100 * result.accuracy_after,
+    )
     log_evaluation(tracking, result)
     if result.examples_shown:
-        create_table_artifact(key="eval-examples", table=result.examples_shown, description="Held-out prompts, expected and greedy answers")
+        create_table_artifact(
+            key="eval-examples",
+            table=result.examples_shown,
+            description="Held-out prompts, expected and greedy answers",
+        )
     return result

@@ -19,7 +19,13 @@ def plan_task(cfg: LadleConfig, topo: Topology, tracking: Tracking, config_ref: 
         logger.info("plan: %s", line)
     for line in plan.warnings:
         logger.warning("plan: %s", line)
-    log_params(tracking, flatten(plan.model_dump(mode="json", exclude={"reasons", "overrides", "warnings", "candidates", "launcher_config"})), prefix="plan.")
+    log_params(
+        tracking,
+        flatten(
+            plan.model_dump(mode="json", exclude={"reasons", "overrides", "warnings", "candidates", "launcher_config"})
+        ),
+        prefix="plan.",
+    )
     log_json(tracking, "plan.json", plan.model_dump(mode="json"))
     create_markdown_artifact(key="plan", markdown=plan.to_markdown(), description="Training plan and its reasons")
     return plan

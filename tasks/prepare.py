@@ -11,8 +11,8 @@ from ladle import storage
 from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset, fingerprint, prepare
-from ladle.tracking import Tracking, log_bytes, log_json
 from ladle.tasks.policy import retry_unless_user_error
+from ladle.tracking import Tracking, log_bytes, log_json
 
 
 def prepare_cache_key(context, parameters) -> str:
@@ -35,9 +35,13 @@ def prepare_task(cfg: LadleConfig) -> PreparedDataset:
     report = prepared.report
     get_run_logger().info(
         "prepared %d examples into %d train / %d eval rows of %d tokens (packing efficiency %.1f%%, %d dropped)",
-        report.rows_used, prepared.train_rows, prepared.eval_rows, prepared.seq_len,
-        100 * report.packing_efficiency, len(report.dropped),
-    )  # fmt: skip
+        report.rows_used,
+        prepared.train_rows,
+        prepared.eval_rows,
+        prepared.seq_len,
+        100 * report.packing_efficiency,
+        len(report.dropped),
+    )
     return prepared
 
 
@@ -47,8 +51,12 @@ def publish_report(prepared: PreparedDataset, tracking: Tracking) -> None:
     skip = ("dropped", "length_histogram", "sources")
     table = [{"metric": k, "value": v} for k, v in report.items() if k not in skip]
     table.append({"metric": "dropped", "value": len(report["dropped"])})
-    create_table_artifact(key="data-report", table=table, description=f"Data report, fingerprint {prepared.fingerprint}")
+    create_table_artifact(
+        key="data-report", table=table, description=f"Data report, fingerprint {prepared.fingerprint}"
+    )
     if report["dropped"]:
-        create_table_artifact(key="data-dropped-rows", table=report["dropped"][:1000], description="Rows not used, by line")
+        create_table_artifact(
+            key="data-dropped-rows", table=report["dropped"][:1000], description="Rows not used, by line"
+        )
     log_json(tracking, "data_report.json", report)
     log_bytes(tracking, "length_histogram.png", storage.read_bytes(storage.join(prepared.url, "length_histogram.png")))

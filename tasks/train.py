@@ -11,10 +11,10 @@ from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
 from ladle.plan import Plan
+from ladle.tasks.policy import retry_unless_user_error
 from ladle.tracking import Tracking, log_loss_curve
 from ladle.train.run import launch
 from ladle.train.spec import TrainResult, TrainSpec
-from ladle.tasks.policy import retry_unless_user_error
 
 
 def progress_relay(logger, min_interval_s: float = 2.0):
@@ -34,9 +34,14 @@ def progress_relay(logger, min_interval_s: float = 2.0):
                 return
             last["time"] = now
             logger.info(
-                "step %d/%d loss %.4f lr %.2e %.0f tok/s elapsed %.1fs", event["step"], event["steps"],
-                event["loss"], event["lr"], event["tokens_per_s"], event["elapsed_s"],
-            )  # fmt: skip
+                "step %d/%d loss %.4f lr %.2e %.0f tok/s elapsed %.1fs",
+                event["step"],
+                event["steps"],
+                event["loss"],
+                event["lr"],
+                event["tokens_per_s"],
+                event["elapsed_s"],
+            )
             update_progress_artifact(artifact_id, progress=100.0 * event["step"] / event["steps"])
         elif event["event"] == "start":
             logger.info("training started: %s", {k: v for k, v in event.items() if k != "event"})
@@ -48,15 +53,24 @@ def progress_relay(logger, min_interval_s: float = 2.0):
 
 # A retry resumes from the last complete checkpoint of the same run folder.
 @task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
-def train_task(cfg: LadleConfig, plan: Plan, prepared: PreparedDataset, run_url: str, tracking: Tracking) -> TrainResult:
+def train_task(
+    cfg: LadleConfig, plan: Plan, prepared: PreparedDataset, run_url: str, tracking: Tracking
+) -> TrainResult:
     logger = get_run_logger()
     spec = TrainSpec(
-        config=cfg, plan=plan, dataset=prepared, base_dir=str(resolve_base(cfg.base)),
-        run_url=run_url, tracking_uri=tracking.uri, mlflow_run_id=tracking.run_id,
-    )  # fmt: skip
+        config=cfg,
+        plan=plan,
+        dataset=prepared,
+        base_dir=str(resolve_base(cfg.base)),
+        run_url=run_url,
+        tracking_uri=tracking.uri,
+        mlflow_run_id=tracking.run_id,
+    )
     result = launch(
-        spec, on_progress=progress_relay(logger), on_line=logger.debug,
+        spec,
+        on_progress=progress_relay(logger),
+        on_line=logger.debug,
         on_command=lambda command: logger.info("launch: %s", command),
-    )  # fmt: skip
+    )
     log_loss_curve(tracking, result.train_losses, result.eval_loss_before, result.eval_loss_after)
     return result

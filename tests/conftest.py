@@ -102,7 +102,9 @@ def s3_server():
 
     port = free_port()
     exe = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
         "AWS_ACCESS_KEY_ID": "testing",
@@ -111,7 +113,13 @@ def s3_server():
     }
     import boto3
 
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
+    client = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -126,10 +134,16 @@ def s3_server():
     stop_process(proc)
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: int = 900, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, timeout: int = 900, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """Run the installed ``ladle`` command in a subprocess."""
     exe = Path(sys.executable).with_name("ladle")
     return subprocess.run(
-        [str(exe), *args], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})}, cwd=cwd or ROOT,
-    )  # fmt: skip
+        [str(exe), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=cwd or ROOT,
+    )

@@ -37,8 +37,17 @@ def print_json(obj) -> None:
     print(json.dumps(obj, default=str), flush=True)
 
 
-DEEPSPEED_CHOICES = {"1": "zero1", "2": "zero2", "3": "zero3", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
-                     "zero++": "zero++", "zero_pp": "zero++", "zeropp": "zero++"}  # fmt: skip
+DEEPSPEED_CHOICES = {
+    "1": "zero1",
+    "2": "zero2",
+    "3": "zero3",
+    "zero1": "zero1",
+    "zero2": "zero2",
+    "zero3": "zero3",
+    "zero++": "zero++",
+    "zero_pp": "zero++",
+    "zeropp": "zero++",
+}
 
 
 def deepspeed_override(value: str | None) -> list[str]:
@@ -53,5 +62,7 @@ def deepspeed_override(value: str | None) -> list[str]:
         return []
     name = DEEPSPEED_CHOICES.get(value.strip().lower())
     if name is None:
-        raise LadleError(f"--deepspeed = {value!r}: unknown ZeRO stage. Use zero1, zero2, zero3 or zero++ (alias zero_pp).")
+        raise LadleError(
+            f"--deepspeed = {value!r}: unknown ZeRO stage. Use zero1, zero2, zero3 or zero++ (alias zero_pp)."
+        )
     return [f"parallelism.strategy={name}"]

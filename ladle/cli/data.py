@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -38,8 +37,12 @@ def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSO
     try:
         with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task("prepare", rows=0)
-            prepared = prepare(cfg.data, resolve_base(cfg.base), storage.normalise(cfg.output),
-                               on_progress=lambda rows: progress.update(task, rows=rows))  # fmt: skip
+            prepared = prepare(
+                cfg.data,
+                resolve_base(cfg.base),
+                storage.normalise(cfg.output),
+                on_progress=lambda rows: progress.update(task, rows=rows),
+            )
     except LadleError as err:
         fail(err, as_json)
     report = prepared.report.model_dump()
@@ -57,7 +60,12 @@ def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSO
 
 
 @app.command("inspect")
-def inspect_cmd(config: str = CONFIG, n: int = typer.Option(3, "-n", help="Samples to show."), set_: list[str] = SET, as_json: bool = JSON) -> None:
+def inspect_cmd(
+    config: str = CONFIG,
+    n: int = typer.Option(3, "-n", help="Samples to show."),
+    set_: list[str] = SET,
+    as_json: bool = JSON,
+) -> None:
     """Files, detected format, record counts, the commonest problems, and a few parsed samples."""
     from ladle.data.inspect import inspect
 
@@ -79,7 +87,12 @@ def inspect_cmd(config: str = CONFIG, n: int = typer.Option(3, "-n", help="Sampl
 
 
 @app.command("show-mask")
-def show_mask_cmd(config: str = CONFIG, n: int = typer.Option(3, "-n", help="Rows to show."), set_: list[str] = SET, as_json: bool = JSON) -> None:
+def show_mask_cmd(
+    config: str = CONFIG,
+    n: int = typer.Option(3, "-n", help="Rows to show."),
+    set_: list[str] = SET,
+    as_json: bool = JSON,
+) -> None:
     """Render sample rows with the trained tokens highlighted (the trainer's own tokenization)."""
     from ladle.assets import resolve_base
     from ladle.data.inspect import mask_rows
@@ -93,8 +106,11 @@ def show_mask_cmd(config: str = CONFIG, n: int = typer.Option(3, "-n", help="Row
         print_json({"rows": rows})
         return
     for row in rows:
-        console.print(f"[bold]line {row['line']}[/] of {row['source']}: {row['trained']}/{row['total']} tokens trained"
-                      + (" (truncated)" if row["truncated"] else ""), highlight=False)  # fmt: skip
+        console.print(
+            f"[bold]line {row['line']}[/] of {row['source']}: {row['trained']}/{row['total']} tokens trained"
+            + (" (truncated)" if row["truncated"] else ""),
+            highlight=False,
+        )
         text = Text()
         for piece, trained in row["tokens"]:
             text.append(piece, style="bold black on green" if trained else "dim")

@@ -6,17 +6,32 @@ import json
 import platform
 import sys
 from importlib import metadata
-from typing import Optional
 
 import typer
 
 from ladle.cli.common import console, deepspeed_override, exit_with_error, fail, print_json
 from ladle.errors import LadleError
 
-PACKAGES = ("ladle", "torch", "transformers", "peft", "accelerate", "deepspeed", "prefect", "mlflow", "fsspec", "s3fs", "pydantic", "fastapi", "uvicorn")
+PACKAGES = (
+    "ladle",
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "deepspeed",
+    "prefect",
+    "mlflow",
+    "fsspec",
+    "s3fs",
+    "pydantic",
+    "fastapi",
+    "uvicorn",
+)
 
 
-def schema(markdown: bool = typer.Option(False, "--markdown", help="A reference table instead of JSON schema.")) -> None:
+def schema(
+    markdown: bool = typer.Option(False, "--markdown", help="A reference table instead of JSON schema."),
+) -> None:
     """Print the config's JSON schema (for editors), or its markdown reference."""
     from ladle.config import json_schema, markdown_reference
 
@@ -34,7 +49,12 @@ def env(as_json: bool = typer.Option(False, "--json", help="One JSON object.")) 
         except metadata.PackageNotFoundError:
             versions[name] = None
     topo = probe()
-    info = {"python": sys.version.split()[0], "platform": platform.platform(), "packages": versions, "topology": topo.model_dump()}
+    info = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "packages": versions,
+        "topology": topo.model_dump(),
+    }
     if as_json:
         print_json(info)
         return
@@ -55,17 +75,30 @@ def model_size(cfg, model: dict | None) -> dict:
     params, how = count_params(model)
     lora = cfg.training.lora
     trainable = lora_params(model, lora.r, lora.target_modules) if lora.enabled else params
-    return {"params": params, "trainable_params": trainable, "params_counted_by": how, "model_type": model.get("model_type")}
+    return {
+        "params": params,
+        "trainable_params": trainable,
+        "params_counted_by": how,
+        "model_type": model.get("model_type"),
+    }
 
 
 def plan(
     config: str = typer.Argument(..., help="YAML config file."),
-    gpus: Optional[str] = typer.Option(None, "--gpus", help="'auto' or 1..128."),
-    deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="zero1 | zero2 | zero3 | zero++ (alias zero_pp): sets parallelism.strategy."),
+    gpus: str | None = typer.Option(None, "--gpus", help="'auto' or 1..128."),
+    deepspeed: str | None = typer.Option(
+        None, "--deepspeed", help="zero1 | zero2 | zero3 | zero++ (alias zero_pp): sets parallelism.strategy."
+    ),
     set_: list[str] = typer.Option([], "--set", help="Override a field (dotted.path=value)."),
-    model_config: Optional[str] = typer.Option(None, "--model-config", help="config.json (or its folder) to size the model from."),
-    topology_file: Optional[str] = typer.Option(None, "--topology-file", help="Plan for a recorded machine (`nvidia-smi topo -m` output)."),
-    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="GiB per GPU of the recorded machine (for sizing)."),
+    model_config: str | None = typer.Option(
+        None, "--model-config", help="config.json (or its folder) to size the model from."
+    ),
+    topology_file: str | None = typer.Option(
+        None, "--topology-file", help="Plan for a recorded machine (`nvidia-smi topo -m` output)."
+    ),
+    gpu_memory: float | None = typer.Option(
+        None, "--gpu-memory", help="GiB per GPU of the recorded machine (for sizing)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:
     """Validate the config against this (or a recorded) machine and show the plan, with the launch command."""
@@ -74,7 +107,9 @@ def plan(
     from ladle.topology import probe, probe_file
 
     if gpu_memory is not None and not (0 < gpu_memory <= 4096):
-        exit_with_error(f"--gpu-memory = {gpu_memory}: GiB per GPU must be in (0, 4096], e.g. --gpu-memory 80.", as_json)
+        exit_with_error(
+            f"--gpu-memory = {gpu_memory}: GiB per GPU must be in (0, 4096], e.g. --gpu-memory 80.", as_json
+        )
     size: dict = {}
     try:
         cfg = load_config(config, [*deepspeed_override(deepspeed), *set_], gpus)
@@ -90,8 +125,11 @@ def plan(
         return
     console.print(made.to_markdown(), highlight=False)
     if size:
-        console.print(f"model: {size['model_type']}, {size['params']:,} parameters ({size['params_counted_by']}), "
-                      f"{size['trainable_params']:,} trainable", highlight=False)  # fmt: skip
+        console.print(
+            f"model: {size['model_type']}, {size['params']:,} parameters ({size['params_counted_by']}), "
+            f"{size['trainable_params']:,} trainable",
+            highlight=False,
+        )
     console.print(f"launch: {command}", highlight=False, soft_wrap=True)
 
 

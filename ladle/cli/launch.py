@@ -10,7 +10,9 @@ from ladle.errors import LadleError
 
 def launch(
     spec: str = typer.Argument(..., help="The run's spec.json (local path or URL), as printed by the train stage."),
-    node_rank: int = typer.Option(..., "--node-rank", min=1, help="This machine's rank, 1..nodes-1 (node 0 runs the pipeline)."),
+    node_rank: int = typer.Option(
+        ..., "--node-rank", min=1, help="This machine's rank, 1..nodes-1 (node 0 runs the pipeline)."
+    ),
 ) -> None:
     """Start this machine's training processes and wait for them."""
     from pydantic import ValidationError

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.table import Table
 
 from ladle.cli.common import console, fail, print_json
 from ladle.errors import LadleError
 
-KEYS = ("gpu_count", "interconnect", "all_pairs_nvlink", "nvlink_groups", "min_nvlink_bonds", "numa_nodes", "nics", "nodes", "source")
+KEYS = (
+    "gpu_count",
+    "interconnect",
+    "all_pairs_nvlink",
+    "nvlink_groups",
+    "min_nvlink_bonds",
+    "numa_nodes",
+    "nics",
+    "nodes",
+    "source",
+)
 
 
 def probe(
-    topology_file: Optional[str] = typer.Option(None, "--topology-file", help="Saved `nvidia-smi topo -m` output."),
+    topology_file: str | None = typer.Option(None, "--topology-file", help="Saved `nvidia-smi topo -m` output."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:
     """Show the GPUs, their interconnect and the node layout."""
@@ -33,7 +41,7 @@ def probe(
         table.add_row(key, str(getattr(topo, key)))
     console.print(table)
     if topo.links:
-        matrix = Table(title="links", *[""] + [f"GPU{i}" for i in range(topo.gpu_count)])
+        matrix = Table("", *[f"GPU{i}" for i in range(topo.gpu_count)], title="links")
         for i, row in enumerate(topo.links):
             matrix.add_row(f"GPU{i}", *row)
         console.print(matrix)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -38,12 +37,18 @@ def find(name: str, as_json: bool = False) -> Path:
         SystemExit: the name is not a recipe name, or no recipe has it.
     """
     if not NAME.match(name) or name.endswith(".yaml") and not NAME.match(name[:-5]):
-        exit_with_error(f"NAME = {name!r}: a recipe name is letters, digits, '.', '_' or '-' (no paths). "
-                        "See `ladle recipes list`.", as_json)  # fmt: skip
+        exit_with_error(
+            f"NAME = {name!r}: a recipe name is letters, digits, '.', '_' or '-' (no paths). See `ladle recipes list`.",
+            as_json,
+        )
     recipes = available()
     path = recipes.get(name.removesuffix(".yaml"))
     if path is None:
-        exit_with_error(f"NAME = {name!r}: no such recipe. Choose one of: {', '.join(recipes)}.", as_json, details={"recipes": list(recipes)})
+        exit_with_error(
+            f"NAME = {name!r}: no such recipe. Choose one of: {', '.join(recipes)}.",
+            as_json,
+            details={"recipes": list(recipes)},
+        )
     return path
 
 
@@ -75,7 +80,7 @@ def show(
 @app.command("use")
 def use(
     name: str = typer.Argument(..., help="Recipe name (see `ladle recipes list`)."),
-    to: Optional[Path] = typer.Option(None, "--to", help="Where to write it (default: ./NAME.yaml)."),
+    to: Path | None = typer.Option(None, "--to", help="Where to write it (default: ./NAME.yaml)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
 ) -> None:
     """Copy a recipe to edit (nothing is overwritten without --force)."""

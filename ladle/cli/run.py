@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.table import Table
 
@@ -24,9 +22,13 @@ def preflight(cfg, config: str):
 
 def run(
     config: str = typer.Argument(..., help="YAML config file (see recipes/)."),
-    gpus: Optional[str] = typer.Option(None, "--gpus", help="'auto' or 1..128; overrides parallelism.gpus."),
-    deepspeed: Optional[str] = typer.Option(None, "--deepspeed", help="zero1 | zero2 | zero3 | zero++ (alias zero_pp): sets parallelism.strategy."),
-    set_: list[str] = typer.Option([], "--set", help="Override a field: --set training.lr=1e-4 (value parsed as YAML)."),
+    gpus: str | None = typer.Option(None, "--gpus", help="'auto' or 1..128; overrides parallelism.gpus."),
+    deepspeed: str | None = typer.Option(
+        None, "--deepspeed", help="zero1 | zero2 | zero3 | zero++ (alias zero_pp): sets parallelism.strategy."
+    ),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Override a field: --set training.lr=1e-4 (value parsed as YAML)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object as the last line."),
 ) -> None:
     """Run probe -> plan -> prepare -> train -> merge -> evaluate -> deploy."""
@@ -75,9 +77,26 @@ def warm_tracking_store(cfg) -> None:
 
 def show_summary(summary: dict) -> None:
     table = Table(title="ladle run", show_header=False)
-    keys = ("strategy", "world_size", "train_loss_first", "train_loss_last", "eval_loss_before", "eval_loss_after",
-            "eval_accuracy_before", "eval_accuracy_after", "eval_examples", "tokens_per_s", "output_url",
-            "mlflow_run_id", "flow_run_id", "endpoint", "prompt", "answer", "expected", "answer_correct")  # fmt: skip
+    keys = (
+        "strategy",
+        "world_size",
+        "train_loss_first",
+        "train_loss_last",
+        "eval_loss_before",
+        "eval_loss_after",
+        "eval_accuracy_before",
+        "eval_accuracy_after",
+        "eval_examples",
+        "tokens_per_s",
+        "output_url",
+        "mlflow_run_id",
+        "flow_run_id",
+        "endpoint",
+        "prompt",
+        "answer",
+        "expected",
+        "answer_correct",
+    )
     for key in keys:
         value = summary[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))

@@ -6,13 +6,19 @@ text (tokenized as is, closed with EOS), or pre-tokenized ids.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 Messages = list[dict[str, str]]
 KNOWN_ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "model": "assistant", "system": "system"}  # fmt: skip
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
 
 
 class RowError(ValueError):

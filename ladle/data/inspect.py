@@ -29,7 +29,9 @@ def inspect(cfg: DataConfig, n: int = 3) -> dict:
             samples.append({"source": source, "line": position, "sample": asdict(sample)})
     sizes = [fs.size(path) for fs, path in map(storage.filesystem, files)]
     return {
-        "files": [{"url": url, "kind": sources.kind_of(url), "bytes": size} for url, size in zip(files, sizes)],
+        "files": [
+            {"url": url, "kind": sources.kind_of(url), "bytes": size} for url, size in zip(files, sizes, strict=False)
+        ],
         "format": fmt,
         "records": state["rows_read"],
         "invalid": sum(reasons.values()),
@@ -50,10 +52,21 @@ def mask_rows(cfg: DataConfig, tokenizer_dir: Path, n: int = 3) -> list[dict]:
         if not batch:
             break
         results = tokenize_batch(tokenizer, [item[3] for item in batch], cfg.train_on, cfg.seq_len, cfg.truncation)
-        for (source, _, line, _, _), (example, truncated) in zip(batch, results):
+        for (source, _, line, _, _), (example, truncated) in zip(batch, results, strict=False):
             if isinstance(example, RowError) or len(out) >= n:
                 continue
-            pieces = [(tokenizer.decode([tok]), label != IGNORE) for tok, label in zip(example.input_ids, example.labels)]
-            out.append({"source": source, "line": line, "truncated": truncated, "tokens": pieces,
-                        "trained": sum(t for _, t in pieces), "total": len(pieces)})  # fmt: skip
+            pieces = [
+                (tokenizer.decode([tok]), label != IGNORE)
+                for tok, label in zip(example.input_ids, example.labels, strict=False)
+            ]
+            out.append(
+                {
+                    "source": source,
+                    "line": line,
+                    "truncated": truncated,
+                    "tokens": pieces,
+                    "trained": sum(t for _, t in pieces),
+                    "total": len(pieces),
+                }
+            )
     return out

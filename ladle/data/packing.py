@@ -72,7 +72,11 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def pack_examples(examples, seq_len: int, pad_id: int, pack: bool = True) -> PackedRows:
     """Pack examples (each at most ``seq_len`` tokens) into padded rows of ``seq_len``."""
-    groups = first_fit_decreasing([len(e.input_ids) for e in examples], seq_len) if pack else [[i] for i in range(len(examples))]
+    groups = (
+        first_fit_decreasing([len(e.input_ids) for e in examples], seq_len)
+        if pack
+        else [[i] for i in range(len(examples))]
+    )
     rows = PackedRows()
     for group in groups:
         ids, labels, positions = [], [], []
@@ -104,7 +108,14 @@ class SplitWriter:
     """
 
     def __init__(self, url: str, name: str, seq_len: int, pad_id: int, pack: bool, window: int = 20000):
-        self.url, self.name, self.seq_len, self.pad_id, self.pack, self.window = url, name, seq_len, pad_id, pack, window
+        self.url, self.name, self.seq_len, self.pad_id, self.pack, self.window = (
+            url,
+            name,
+            seq_len,
+            pad_id,
+            pack,
+            window,
+        )
         self.shard_rows = max(256, (32 << 20) // (seq_len * 12))  # about 32 MiB of int32 per shard
         self.pending: list = []
         self.buffer: list[pa.Table] = []

@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from pydantic import BaseModel, Field
 
@@ -140,7 +140,13 @@ def _batched(items, size: int):
 
 def sample_key(sample: Sample) -> bytes:
     """Identity of a sample for exact deduplication."""
-    body = sample.messages if isinstance(sample, Chat) else sample.text if isinstance(sample, Text) else [sample.input_ids, sample.labels]
+    body = (
+        sample.messages
+        if isinstance(sample, Chat)
+        else sample.text
+        if isinstance(sample, Text)
+        else [sample.input_ids, sample.labels]
+    )
     return hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).digest()
 
 
@@ -160,11 +166,17 @@ class Collector:
         self.train = SplitWriter(url, "train", cfg.seq_len, pad, cfg.pack)
         self.eval = SplitWriter(url, "eval", cfg.seq_len, pad, cfg.pack)
         self.hist = LengthHistogram(cfg.seq_len)
-        self.counts = {"rows_read": 0, "truncations": 0, "too_long": 0, "duplicates_removed": 0,
-                       "tokens_total": 0, "tokens_trained": 0}  # fmt: skip
+        self.counts = {
+            "rows_read": 0,
+            "truncations": 0,
+            "too_long": 0,
+            "duplicates_removed": 0,
+            "tokens_total": 0,
+            "tokens_trained": 0,
+        }
         self.dropped: list[dict] = []
         # Every dropped row with its raw text, spooled to disk past 8 MiB: written as rejects.jsonl.
-        self.rejects = tempfile.SpooledTemporaryFile(max_size=8 << 20, mode="w+b")
+        self.rejects = tempfile.SpooledTemporaryFile(max_size=8 << 20, mode="w+b")  # noqa: SIM115 (lives with the collector)
         self.eval_samples: list[dict] = []
         self.seen: set[bytes] = set()
         self.reserve: Example | None = None  # guarantees one eval example on tiny data
@@ -172,14 +184,23 @@ class Collector:
 
     def drop(self, source: str, position: int, err: RowError, raw: object = None) -> None:
         self.dropped.append({"line": position, "reason": str(err), "source": source})
-        line = {"source": source, "line": position, "reason": str(err), "raw": raw if isinstance(raw, str) else json.dumps(raw, default=str)}
+        line = {
+            "source": source,
+            "line": position,
+            "reason": str(err),
+            "raw": raw if isinstance(raw, str) else json.dumps(raw, default=str),
+        }
         self.rejects.write((json.dumps(line, ensure_ascii=False) + "\n").encode())
         if isinstance(err, TooLong):
             self.counts["too_long"] += 1
 
     def keep_eval_sample(self, sample: Sample | None) -> None:
         """Keep a held-out conversation whose last turn is the assistant's (its reference answer)."""
-        if isinstance(sample, Chat) and sample.messages[-1]["role"] == "assistant" and len(self.eval_samples) < EVAL_SAMPLES_MAX:
+        if (
+            isinstance(sample, Chat)
+            and sample.messages[-1]["role"] == "assistant"
+            and len(self.eval_samples) < EVAL_SAMPLES_MAX
+        ):
             self.eval_samples.append({"messages": sample.messages})
 
     def duplicate(self, sample: Sample) -> bool:
@@ -226,7 +247,7 @@ def consume(collector: Collector, tokenizer, files: list[str], fmt: str, eval_si
             elif not collector.duplicate(sample):
                 good.append((source, file_index, position, sample, raw))
         results = tokenize_batch(tokenizer, [item[3] for item in good], cfg.train_on, cfg.seq_len, cfg.truncation)
-        for (source, file_index, position, sample, raw), (example, truncated) in zip(good, results):
+        for (source, file_index, position, sample, raw), (example, truncated) in zip(good, results, strict=False):
             if isinstance(example, RowError):
                 collector.drop(source, position, example, raw)
                 continue
@@ -236,7 +257,9 @@ def consume(collector: Collector, tokenizer, files: list[str], fmt: str, eval_si
             on_progress(collector.counts["rows_read"])
 
 
-def prepare(cfg: DataConfig, tokenizer_dir: Path, output_url: str, on_progress: Callable[[int], None] | None = None) -> PreparedDataset:
+def prepare(
+    cfg: DataConfig, tokenizer_dir: Path, output_url: str, on_progress: Callable[[int], None] | None = None
+) -> PreparedDataset:
     """Prepare (or find already prepared) the dataset for ``cfg``.
 
     Args:
@@ -264,12 +287,20 @@ def prepare(cfg: DataConfig, tokenizer_dir: Path, output_url: str, on_progress: 
     storage.write_json(storage.join(url, "report.json"), report.model_dump())
     rejects = write_rejects(collector, url)
     check_usable(cfg, report, rejects)
-    storage.write_bytes(storage.join(url, "length_histogram.png"), histogram_png(report.length_histogram, f"{fp} ({fmt})"))
+    storage.write_bytes(
+        storage.join(url, "length_histogram.png"), histogram_png(report.length_histogram, f"{fp} ({fmt})")
+    )
     samples = write_eval_samples(collector, url)
     prepared = PreparedDataset(
-        url=url, fingerprint=fp, seq_len=cfg.seq_len, train_rows=report.train_rows, eval_rows=report.eval_rows,
-        shards={"train": collector.train.shards, "eval": collector.eval.shards}, report=report, eval_samples=samples,
-    )  # fmt: skip
+        url=url,
+        fingerprint=fp,
+        seq_len=cfg.seq_len,
+        train_rows=report.train_rows,
+        eval_rows=report.eval_rows,
+        shards={"train": collector.train.shards, "eval": collector.eval.shards},
+        report=report,
+        eval_samples=samples,
+    )
     storage.write_json(storage.join(url, "manifest.json"), prepared.model_dump())
     storage.mark_complete(url)
     return prepared
@@ -298,21 +329,33 @@ def load_tokenizer(tokenizer_dir: Path):
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if not tokenizer.chat_template:
-        raise LadleError(f"base = {str(tokenizer_dir)!r}: the tokenizer has no chat template. Use a chat/instruct tokenizer.")
+        raise LadleError(
+            f"base = {str(tokenizer_dir)!r}: the tokenizer has no chat template. Use a chat/instruct tokenizer."
+        )
     return tokenizer
 
 
 def build_report(c: Collector, fmt: str, files: list[str]) -> DataReport:
     train, evals = c.train, c.eval
     return DataReport(
-        rows_read=c.counts["rows_read"], rows_used=train.examples + evals.examples, dropped=c.dropped,
-        invalid_rows=len(c.dropped) - c.counts["too_long"], too_long=c.counts["too_long"],
-        duplicates_removed=c.counts["duplicates_removed"], train_examples=train.examples, eval_examples=evals.examples,
-        tokens_total=c.counts["tokens_total"], tokens_trained=c.counts["tokens_trained"],
-        truncations=c.counts["truncations"], train_rows=train.total_rows, eval_rows=evals.total_rows,
+        rows_read=c.counts["rows_read"],
+        rows_used=train.examples + evals.examples,
+        dropped=c.dropped,
+        invalid_rows=len(c.dropped) - c.counts["too_long"],
+        too_long=c.counts["too_long"],
+        duplicates_removed=c.counts["duplicates_removed"],
+        train_examples=train.examples,
+        eval_examples=evals.examples,
+        tokens_total=c.counts["tokens_total"],
+        tokens_trained=c.counts["tokens_trained"],
+        truncations=c.counts["truncations"],
+        train_rows=train.total_rows,
+        eval_rows=evals.total_rows,
         packing_efficiency=round(train.real_tokens / max(1, train.total_rows * c.cfg.seq_len), 4),
-        format=fmt, sources=files, length_histogram=c.hist.as_dict(),
-    )  # fmt: skip
+        format=fmt,
+        sources=files,
+        length_histogram=c.hist.as_dict(),
+    )
 
 
 def check_usable(cfg: DataConfig, report: DataReport, rejects: str | None = None) -> None:

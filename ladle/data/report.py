@@ -55,7 +55,13 @@ def histogram_png(hist: dict, title: str) -> bytes:
 
     edges, counts = hist["edges"], hist["counts"]
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    ax.bar(edges[:-1], counts, width=[b - a for a, b in zip(edges, edges[1:])], align="edge", edgecolor="white")
+    ax.bar(
+        edges[:-1],
+        counts,
+        width=[b - a for a, b in zip(edges, edges[1:], strict=False)],
+        align="edge",
+        edgecolor="white",
+    )
     ax.set_xlabel("example length (tokens)")
     ax.set_ylabel("examples")
     ax.set_title(title)

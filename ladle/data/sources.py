@@ -13,7 +13,7 @@ import csv
 import hashlib
 import io
 import json
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import fsspec
 
@@ -84,7 +84,11 @@ def _decode(raw: bytes) -> dict | RowError:
         row = json.loads(text)
     except json.JSONDecodeError as exc:
         return _with_raw(RowError(f"malformed JSON ({exc.msg})"), raw)
-    return row if isinstance(row, dict) else _with_raw(RowError(f"a row must be a JSON object, got {type(row).__name__}"), raw)
+    return (
+        row
+        if isinstance(row, dict)
+        else _with_raw(RowError(f"a row must be a JSON object, got {type(row).__name__}"), raw)
+    )
 
 
 def _with_raw(err: RowError, raw: bytes) -> RowError:
@@ -106,7 +110,9 @@ def read_json(url: str) -> Iterator[Record]:
     try:
         rows = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LadleError(f"data file {url!r}: not a JSON document ({exc}). Use a JSON array of objects, or JSONL.") from None
+        raise LadleError(
+            f"data file {url!r}: not a JSON document ({exc}). Use a JSON array of objects, or JSONL."
+        ) from None
     if isinstance(rows, dict):
         rows = [rows]
     if not isinstance(rows, list):

@@ -81,7 +81,9 @@ def _fit(ids: list[int], labels: list[int], seq_len: int, truncation: str) -> tu
     return Example(ids, labels), False
 
 
-def tokenize_batch(tokenizer, samples: list[Sample], train_on: str, seq_len: int, truncation: str) -> list[tuple[Example | RowError, bool]]:
+def tokenize_batch(
+    tokenizer, samples: list[Sample], train_on: str, seq_len: int, truncation: str
+) -> list[tuple[Example | RowError, bool]]:
     """Tokenize samples together (one fast-tokenizer call); per sample, an example or the reason it failed.
 
     Returns:
@@ -104,7 +106,11 @@ def tokenize_batch(tokenizer, samples: list[Sample], train_on: str, seq_len: int
     if texts:
         enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         for j, i in enumerate(where):
-            out[i] = _guard(lambda j=j: _label(tokenizer, enc["input_ids"][j], enc["offset_mapping"][j], spans[j], seq_len, truncation))
+            out[i] = _guard(
+                lambda j=j: _label(
+                    tokenizer, enc["input_ids"][j], enc["offset_mapping"][j], spans[j], seq_len, truncation
+                )
+            )
     return out  # type: ignore[return-value]
 
 
@@ -119,5 +125,7 @@ def _label(tokenizer, ids, offsets, spans, seq_len, truncation) -> tuple[Example
     bos = tokenizer.bos_token_id
     if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
         raise RowError("BOS token doubled (the text or template adds it twice)")
-    labels = [tok if any(s <= start < e for s, e in spans) else IGNORE for tok, (start, _) in zip(ids, offsets)]
+    labels = [
+        tok if any(s <= start < e for s, e in spans) else IGNORE for tok, (start, _) in zip(ids, offsets, strict=False)
+    ]
     return _fit(list(ids), labels, seq_len, truncation)

@@ -9,7 +9,9 @@ from ladle.errors import LadleError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ladle.serve", description="Serve a model folder over an OpenAI-compatible API.")
+    parser = argparse.ArgumentParser(
+        prog="python -m ladle.serve", description="Serve a model folder over an OpenAI-compatible API."
+    )
     parser.add_argument("--model", required=True, help="Local Hugging Face model folder.")
     parser.add_argument("--name", default=None, help="Model id reported by the API (default: the folder name).")
     parser.add_argument("--backend", default="transformers", choices=["transformers", "mii"])

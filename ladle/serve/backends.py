@@ -55,9 +55,13 @@ class TransformersBackend(Backend):
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         with self.lock, self.torch.no_grad():
             out = self.model.generate(
-                ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=max_tokens,
-                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id, **sampling,
-            )  # fmt: skip
+                ids,
+                attention_mask=self.torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.tokenizer.eos_token_id,
+                **sampling,
+            )
         new = out[0, ids.shape[1] :].tolist()
         finished = bool(new) and new[-1] == self.tokenizer.eos_token_id
         text_out = self.tokenizer.decode(new, skip_special_tokens=True)
@@ -104,7 +108,9 @@ class MiiBackend(Backend):
             kwargs["temperature"] = temperature
         with self.lock:
             response = self.pipe([prompt], **kwargs)[0]
-        return Generation(response.generated_text, response.prompt_length, response.generated_length, response.finish_reason)
+        return Generation(
+            response.generated_text, response.prompt_length, response.generated_length, response.finish_reason
+        )
 
     def chat(self, messages, max_tokens, temperature):
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -44,8 +44,21 @@ def local_model_dir(merged: MergedModel) -> Path:
 
 
 def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int) -> list[str]:
-    return [sys.executable, "-m", "ladle.serve", "--model", str(model_dir), "--name", name,
-            "--backend", cfg.backend, "--host", cfg.host, "--port", str(port)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "ladle.serve",
+        "--model",
+        str(model_dir),
+        "--name",
+        name,
+        "--backend",
+        cfg.backend,
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+    ]
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
@@ -97,9 +110,13 @@ def deploy(merged: MergedModel, cfg: ServeConfig, name: str, held_out: list[list
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            server_argv(model_dir, name, cfg, port), stdout=log, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, start_new_session=cfg.keep_running,
-        )  # fmt: skip
+            server_argv(model_dir, name, cfg, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+            start_new_session=cfg.keep_running,
+        )
     messages, expected = smoke_conversation(cfg, held_out or [])
     try:
         wait_healthy(proc, url, cfg.health_timeout_s, log_path)
@@ -110,9 +127,18 @@ def deploy(merged: MergedModel, cfg: ServeConfig, name: str, held_out: list[list
     if not cfg.keep_running:
         stop_process(proc, grace_s=20)
     correct = None if expected is None else answer.strip() == expected.strip()
-    return Endpoint(url=url, model=name, backend=cfg.backend, pid=proc.pid if cfg.keep_running else None,
-                    prompt=messages[-1]["content"], answer=answer, expected=expected, answer_correct=correct,
-                    running=cfg.keep_running, log=str(log_path))  # fmt: skip
+    return Endpoint(
+        url=url,
+        model=name,
+        backend=cfg.backend,
+        pid=proc.pid if cfg.keep_running else None,
+        prompt=messages[-1]["content"],
+        answer=answer,
+        expected=expected,
+        answer_correct=correct,
+        running=cfg.keep_running,
+        log=str(log_path),
+    )
 
 
 def smoke(url: str, name: str, cfg: ServeConfig, messages: list[dict]) -> str:

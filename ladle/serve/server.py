@@ -66,10 +66,13 @@ def create_app(backend: Backend, model_name: str) -> FastAPI:
         check_model(req.model)
         gen = await run_in_threadpool(backend.complete, req.prompt, req.max_tokens, req.temperature)
         return {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model_name, "usage": usage(gen),
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "usage": usage(gen),
             "choices": [{"index": 0, "text": gen.text, "finish_reason": gen.finish_reason}],
-        }  # fmt: skip
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest) -> dict:
@@ -77,9 +80,14 @@ def create_app(backend: Backend, model_name: str) -> FastAPI:
         messages = [m.model_dump() for m in req.messages]
         gen = await run_in_threadpool(backend.chat, messages, req.max_tokens, req.temperature)
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model_name, "usage": usage(gen),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text}, "finish_reason": gen.finish_reason}],
-        }  # fmt: skip
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "usage": usage(gen),
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": gen.text}, "finish_reason": gen.finish_reason}
+            ],
+        }
 
     return app

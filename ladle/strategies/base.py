@@ -9,7 +9,8 @@ class and registering it in ``ladle.strategies``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ladle.config import LadleConfig
@@ -36,6 +37,7 @@ class Strategy(ABC):
         Raises:
             ValueError: the rendered launcher config is rejected.
         """
+        return None  # most strategies render nothing that needs a second check
 
     def launcher_args(self, plan: Plan) -> list[str]:
         """Arguments for ``accelerate launch`` that select this strategy."""
@@ -103,10 +105,17 @@ class Strategy(ABC):
 
         from ladle.train.checkpoint import inner, state_options
 
-        set_state_dict(model, inner(optimizer), model_state_dict=payload["model"], optim_state_dict=payload["optimizer"],
-                       options=state_options(strict=False))  # fmt: skip
+        set_state_dict(
+            model,
+            inner(optimizer),
+            model_state_dict=payload["model"],
+            optim_state_dict=payload["optimizer"],
+            options=state_options(strict=False),
+        )
 
-    def forward_backward(self, accelerator, model, data, batch: list[int], plan: Plan, denominator: int, loss_fn) -> float:
+    def forward_backward(
+        self, accelerator, model, data, batch: list[int], plan: Plan, denominator: int, loss_fn
+    ) -> float:
         """Forward and backward of this rank's share of the global ``batch`` (row indices).
 
         ``loss_fn(model, data, rows, device)`` returns the summed token loss of ``rows`` and their

@@ -31,5 +31,7 @@ class DDP(Strategy):
         from torch.nn.parallel import DistributedDataParallel
 
         if plan.world_size > 1 and not isinstance(model, DistributedDataParallel):
-            raise RuntimeError(f"strategy ddp planned for {plan.world_size} ranks but the model is {type(model).__name__}")
+            raise RuntimeError(
+                f"strategy ddp planned for {plan.world_size} ranks but the model is {type(model).__name__}"
+            )
         return {"wrapper": type(model).__name__, "parameter_share": 1.0}

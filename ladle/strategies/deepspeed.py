@@ -75,13 +75,15 @@ class ZeRO(Strategy):
             zero["offload_optimizer"] = offload(opts["offload_optimizer"], opts)
         if self.stage == 3:
             zero.pop("allgather_bucket_size")
-            zero.update({
-                "stage3_prefetch_bucket_size": int(opts["stage3_prefetch_bucket_size"]),
-                "stage3_max_live_parameters": int(opts["stage3_max_live_parameters"]),
-                "stage3_max_reuse_distance": int(opts["stage3_max_reuse_distance"]),
-                "sub_group_size": int(opts["sub_group_size"]),
-                "stage3_gather_16bit_weights_on_model_save": True,
-            })  # fmt: skip
+            zero.update(
+                {
+                    "stage3_prefetch_bucket_size": int(opts["stage3_prefetch_bucket_size"]),
+                    "stage3_max_live_parameters": int(opts["stage3_max_live_parameters"]),
+                    "stage3_max_reuse_distance": int(opts["stage3_max_reuse_distance"]),
+                    "sub_group_size": int(opts["sub_group_size"]),
+                    "stage3_gather_16bit_weights_on_model_save": True,
+                }
+            )
             if opts["offload_param"] != "none":
                 zero["offload_param"] = offload(opts["offload_param"], opts)
         reasons = []
@@ -140,10 +142,13 @@ class ZeRO(Strategy):
         if world > 1 and state_share > 1 / world + 0.05:
             raise RuntimeError(f"{self.name} planned but this rank holds {state_share:.0%} of the optimizer state")
         return {
-            "wrapper": "DeepSpeedEngine", "zero_stage": self.stage, "parameter_share": param_share,
-            "optimizer_state_share": state_share, "gradients_partitioned": self.stage >= 2,
+            "wrapper": "DeepSpeedEngine",
+            "zero_stage": self.stage,
+            "parameter_share": param_share,
+            "optimizer_state_share": state_share,
+            "gradients_partitioned": self.stage >= 2,
             "trainable_numel": total,
-        }  # fmt: skip
+        }
 
     def no_sync(self, accelerator, model):
         return nullcontext()  # the engine knows the accumulation boundary from its config
@@ -235,24 +240,35 @@ class ZeROPlusPlus(ZeRO):
         weights, grads = opts["quantized_weights"], opts["quantized_gradients"]
         if weights is None:
             weights = plan.device == "cuda" and plan.dtype != "bfloat16"
-            why = ("CPU run: DeepSpeed's quantizer kernels are CUDA-only" if plan.device == "cpu" else
-                   "bfloat16 run: qwZ dequantizes to float16, which bf16 layers reject" if plan.dtype == "bfloat16"
-                   else "int8 all-gather halves weight traffic")  # fmt: skip
+            why = (
+                "CPU run: DeepSpeed's quantizer kernels are CUDA-only"
+                if plan.device == "cpu"
+                else "bfloat16 run: qwZ dequantizes to float16, which bf16 layers reject"
+                if plan.dtype == "bfloat16"
+                else "int8 all-gather halves weight traffic"
+            )
             reasons.append(f"zero++ quantized weights {'on' if weights else 'off'} (auto): {why}")
         if grads is None:
             grads = plan.device == "cuda"
             why = "int4 reduce-scatter quarters gradient traffic" if grads else "CPU run: CUDA-only kernels"
             reasons.append(f"zero++ quantized gradients {'on' if grads else 'off'} (auto): {why}")
-        zero.update({"zero_quantized_weights": bool(weights), "zero_quantized_gradients": bool(grads),
-                     "zero_hpz_partition_size": int(hpz)})  # fmt: skip
+        zero.update(
+            {
+                "zero_quantized_weights": bool(weights),
+                "zero_quantized_gradients": bool(grads),
+                "zero_hpz_partition_size": int(hpz),
+            }
+        )
         return config, reasons
 
     def check_applied(self, accelerator, model, plan) -> dict:
         verified = super().check_applied(accelerator, model, plan)
         planned = plan.launcher_config["zero_optimization"]
-        running = {"zero_hpz_partition_size": model.zero_hpz_partition_size(),
-                   "zero_quantized_weights": model.zero_quantized_weights(),
-                   "zero_quantized_gradients": model.zero_quantized_gradients()}  # fmt: skip
+        running = {
+            "zero_hpz_partition_size": model.zero_hpz_partition_size(),
+            "zero_quantized_weights": model.zero_quantized_weights(),
+            "zero_quantized_gradients": model.zero_quantized_gradients(),
+        }
         for key, value in running.items():
             if value != planned[key]:
                 raise RuntimeError(f"zero++ planned {key}={planned[key]} but DeepSpeed runs {value}")
@@ -260,9 +276,15 @@ class ZeROPlusPlus(ZeRO):
         if hpz > 1:
             secondary = [p for p in model.module.parameters() if getattr(p, "ds_secondary_tensor", None) is None]
             if secondary:
-                raise RuntimeError(f"zero++ planned hpZ {hpz} but {len(secondary)} parameter(s) have no secondary shard")
-        return {**verified, "hpz_partition_size": hpz, "quantized_weights": running["zero_quantized_weights"],
-                "quantized_gradients": running["zero_quantized_gradients"]}  # fmt: skip
+                raise RuntimeError(
+                    f"zero++ planned hpZ {hpz} but {len(secondary)} parameter(s) have no secondary shard"
+                )
+        return {
+            **verified,
+            "hpz_partition_size": hpz,
+            "quantized_weights": running["zero_quantized_weights"],
+            "quantized_gradients": running["zero_quantized_gradients"],
+        }
 
 
 def offload(device: str, opts: dict) -> dict:

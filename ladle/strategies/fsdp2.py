@@ -11,6 +11,7 @@ verifies that every parameter really is sharded.
 from __future__ import annotations
 
 from contextlib import contextmanager
+
 from ladle.strategies.base import Strategy
 
 
@@ -32,12 +33,16 @@ def compile_problems(topo) -> list[str]:
 
     problems = []
     if topo.gpu_count == 0:
-        problems.append("parallelism.fsdp2.compile = true: per-block torch.compile is supported on CUDA only and this "
-                        "host has no GPU. Set parallelism.fsdp2.compile=false.")  # fmt: skip
+        problems.append(
+            "parallelism.fsdp2.compile = true: per-block torch.compile is supported on CUDA only and this "
+            "host has no GPU. Set parallelism.fsdp2.compile=false."
+        )
     for package, wanted in (("torch", (2, 2)), ("accelerate", (0, 27))):
         if not at_least(package, wanted):
-            problems.append(f"parallelism.fsdp2.compile = true: needs {package} >= {'.'.join(map(str, wanted))}. "
-                            f"Upgrade {package} or set parallelism.fsdp2.compile=false.")  # fmt: skip
+            problems.append(
+                f"parallelism.fsdp2.compile = true: needs {package} >= {'.'.join(map(str, wanted))}. "
+                f"Upgrade {package} or set parallelism.fsdp2.compile=false."
+            )
     return problems
 
 
@@ -74,13 +79,20 @@ class FSDP2(Strategy):
         config = {
             "mesh": {"replicate": replicate, "shard": shard} if replicate > 1 else {"shard": plan.world_size},
             "reshard_after_forward": opts["reshard_after_forward"],
-            "mixed_precision": {"param_dtype": plan.dtype if plan.device == "cuda" else "float32", "reduce_dtype": "float32"},
-            "cpu_offload": opts["cpu_offload"], "compile": opts["compile"], "units": "each *DecoderLayer, then the root",
-        }  # fmt: skip
+            "mixed_precision": {
+                "param_dtype": plan.dtype if plan.device == "cuda" else "float32",
+                "reduce_dtype": "float32",
+            },
+            "cpu_offload": opts["cpu_offload"],
+            "compile": opts["compile"],
+            "units": "each *DecoderLayer, then the root",
+        }
         reasons = []
         if replicate > 1:
-            reasons.append(f"fsdp2 HSDP mesh {replicate} x {shard}: parameters sharded over {shard} ranks, "
-                           f"replicated {replicate} times; gradients all-reduced across replicas")  # fmt: skip
+            reasons.append(
+                f"fsdp2 HSDP mesh {replicate} x {shard}: parameters sharded over {shard} ranks, "
+                f"replicated {replicate} times; gradients all-reduced across replicas"
+            )
         return config, reasons
 
     def wrap(self, accelerator, model, make_optimizer, plan):
@@ -91,8 +103,11 @@ class FSDP2(Strategy):
         model.to(accelerator.device)
         replicate = replicas(plan)
         if replicate > 1:  # HSDP: dim 0 replicates, dim 1 shards (FSDP2 reads a 2-D mesh this way)
-            mesh = init_device_mesh(accelerator.device.type, (replicate, accelerator.num_processes // replicate),
-                                    mesh_dim_names=("replicate", "shard"))  # fmt: skip
+            mesh = init_device_mesh(
+                accelerator.device.type,
+                (replicate, accelerator.num_processes // replicate),
+                mesh_dim_names=("replicate", "shard"),
+            )
         else:
             mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
         compute = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
@@ -122,10 +137,15 @@ class FSDP2(Strategy):
             raise RuntimeError(f"fsdp2 planned but {len(plain)} parameter(s) are not sharded, e.g. {plain[0]}")
         replicate = replicas(plan)
         expected = "(Replicate(), Shard(0))" if replicate > 1 else "(Shard(0),)"
+
         def placed_right(p) -> bool:
             if replicate > 1:
-                return len(p.placements) == 2 and isinstance(p.placements[0], Replicate) and \
-                    isinstance(p.placements[1], Shard) and p.placements[1].dim == 0  # fmt: skip
+                return (
+                    len(p.placements) == 2
+                    and isinstance(p.placements[0], Replicate)
+                    and isinstance(p.placements[1], Shard)
+                    and p.placements[1].dim == 0
+                )
             return all(isinstance(pl, Shard) and pl.dim == 0 for pl in p.placements)
 
         wrong = [p.placements for p in params if not placed_right(p)]
@@ -133,9 +153,15 @@ class FSDP2(Strategy):
             raise RuntimeError(f"fsdp2 planned but parameters are placed {wrong[0]}, not {expected}")
         local = sum(p.to_local().numel() for p in params)
         total = sum(p.numel() for p in params)
-        return {"wrapper": "FSDP2" if replicate == 1 else "FSDP2 (HSDP)", "parameter_share": local / total,
-                "local_numel": local, "total_numel": total, "sharded_parameters": len(params),
-                "decoder_layers_sharded": len(decoder_layers(model)), "mesh": [replicate, plan.world_size // replicate]}  # fmt: skip
+        return {
+            "wrapper": "FSDP2" if replicate == 1 else "FSDP2 (HSDP)",
+            "parameter_share": local / total,
+            "local_numel": local,
+            "total_numel": total,
+            "sharded_parameters": len(params),
+            "decoder_layers_sharded": len(decoder_layers(model)),
+            "mesh": [replicate, plan.world_size // replicate],
+        }
 
     @contextmanager
     def no_sync(self, accelerator, model):

@@ -52,10 +52,16 @@ class Pipeline(Strategy):
 
     def configure(self, cfg, plan) -> tuple[dict, list[str]]:
         pp = cfg.parallelism.pipeline
-        config = {"stages": pp.stages, "schedule": pp.schedule, "microbatches": plan.gradient_accumulation,
-                  "microbatch_rows": plan.micro_batch_size}  # fmt: skip
-        reasons = [f"pipeline {pp.schedule}: {pp.stages} stages, each step {plan.gradient_accumulation} microbatches "
-                   f"of {plan.micro_batch_size} rows"]  # fmt: skip
+        config = {
+            "stages": pp.stages,
+            "schedule": pp.schedule,
+            "microbatches": plan.gradient_accumulation,
+            "microbatch_rows": plan.micro_batch_size,
+        }
+        reasons = [
+            f"pipeline {pp.schedule}: {pp.stages} stages, each step {plan.gradient_accumulation} microbatches "
+            f"of {plan.micro_batch_size} rows"
+        ]
         return config, reasons
 
     def wrap(self, accelerator, model, make_optimizer, plan):
@@ -92,8 +98,14 @@ class Pipeline(Strategy):
         total = float(accelerator.reduce(total, reduction="sum")[0])
         if len(part.layer_ids) == 0:
             raise RuntimeError(f"pipeline stage {model.stage} holds no decoder layers (too many stages for the model)")
-        return {"wrapper": "PipelineStage", "stage": model.stage, "stages": model.stages, "schedule": model.kind,
-                "layers_on_rank0": part.layer_ids, "parameter_share": local / total}  # fmt: skip
+        return {
+            "wrapper": "PipelineStage",
+            "stage": model.stage,
+            "stages": model.stages,
+            "schedule": model.kind,
+            "layers_on_rank0": part.layer_ids,
+            "parameter_share": local / total,
+        }
 
     def no_sync(self, accelerator, model):
         from contextlib import nullcontext
@@ -106,8 +118,12 @@ class Pipeline(Strategy):
         index = torch.tensor(batch, dtype=torch.long)
         device = accelerator.device
         model.loss.denominator = float(denominator)
-        losses = model.run(data["input_ids"][index].to(device), data["labels"][index].to(device),
-                           data["position_ids"][index].to(device), train=True)  # fmt: skip
+        losses = model.run(
+            data["input_ids"][index].to(device),
+            data["labels"][index].to(device),
+            data["position_ids"][index].to(device),
+            train=True,
+        )
         return sum(float(x) for x in losses) * denominator  # the raw token sum; zero off the last stage
 
     def optimizer_step(self, accelerator, model, optimizer, max_grad_norm: float) -> None:
@@ -168,24 +184,32 @@ class Pipeline(Strategy):
     native_checkpoint = True
 
     def save_state(self, model, optimizer, folder: str, tag: str) -> dict:
-        import torch
-
         from pathlib import Path
+
+        import torch
 
         target = Path(folder) / tag
         target.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.stage_module.state_dict(), "optimizer": optimizer.state_dict(),
-                    "layers": model.stage_module.layer_ids}, target / f"stage-{model.stage:03d}.pt")  # fmt: skip
+        torch.save(
+            {
+                "model": model.stage_module.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "layers": model.stage_module.layer_ids,
+            },
+            target / f"stage-{model.stage:03d}.pt",
+        )
         return {}  # everything is in this rank's file
 
     def load_state(self, model, optimizer, payload: dict, folder: str | None, tag: str) -> None:
-        import torch
-
         from pathlib import Path
+
+        import torch
 
         state = torch.load(Path(folder) / tag / f"stage-{model.stage:03d}.pt", weights_only=False)
         if state["layers"] != model.stage_module.layer_ids:
-            raise RuntimeError(f"pipeline checkpoint stage {model.stage} holds layers {state['layers']}, this run "
-                               f"{model.stage_module.layer_ids}")  # fmt: skip
+            raise RuntimeError(
+                f"pipeline checkpoint stage {model.stage} holds layers {state['layers']}, this run "
+                f"{model.stage_module.layer_ids}"
+            )
         model.stage_module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

@@ -52,11 +52,14 @@ class StageModule(nn.Module):
         inner = lm.model
         hidden = inner.embed_tokens(x) if self.first else x
         # position_ids restart at 0 per packed example; the mask keeps attention inside each example.
-        mask = create_causal_mask(config=lm.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-                                  position_ids=position_ids)  # fmt: skip
+        mask = create_causal_mask(
+            config=lm.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=position_ids
+        )
         rotary = inner.rotary_emb(hidden, position_ids=position_ids)
         for layer in inner.layers.values():
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids, use_cache=False)
+            hidden = layer(
+                hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids, use_cache=False
+            )
         if self.last:
             hidden = lm.lm_head(inner.norm(hidden))
         return hidden
@@ -72,16 +75,29 @@ class TokenLoss:
         import torch.nn.functional as F
 
         targets = labels[:, 1:]
-        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=IGNORE, reduction="sum")  # fmt: skip
+        loss = F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.size(-1)),
+            targets.reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
+        )
         return loss / self.denominator
 
 
 class PipelineModel(nn.Module):
     """This rank's stage, its schedule and loss (what the worker holds as ``model``)."""
 
-    def __init__(self, stage_module: StageModule, schedule, loss: TokenLoss, stage: int, stages: int, kind: str,
-                 hf_config, peft_config):  # fmt: skip
+    def __init__(
+        self,
+        stage_module: StageModule,
+        schedule,
+        loss: TokenLoss,
+        stage: int,
+        stages: int,
+        kind: str,
+        hf_config,
+        peft_config,
+    ):
         super().__init__()
         self.stage_module = stage_module
         self.schedule, self.loss, self.stage, self.stages, self.kind = schedule, loss, stage, stages, kind

@@ -31,7 +31,9 @@ class TensorParallel(Strategy):
                 "tensor-parallel (sharded) projections. Set training.lora.enabled=false, or use fsdp2/zero3."
             )
         if world_size < 2:
-            problems.append("parallelism.strategy = tp: tensor parallelism needs at least 2 processes. Use ddp for one.")
+            problems.append(
+                "parallelism.strategy = tp: tensor parallelism needs at least 2 processes. Use ddp for one."
+            )
         return problems
 
     def validate_model(self, model: dict, world_size: int) -> list[str]:
@@ -65,8 +67,12 @@ class TensorParallel(Strategy):
             raise RuntimeError("tp planned but no parameter is a sharded DTensor (the model has no tp_plan?)")
         local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
         total = sum(p.numel() for p in params)
-        return {"wrapper": "tp_plan", "tp_degree": accelerator.num_processes, "sharded_parameters": len(sharded),
-                "parameter_share": local / total}  # fmt: skip
+        return {
+            "wrapper": "tp_plan",
+            "tp_degree": accelerator.num_processes,
+            "sharded_parameters": len(sharded),
+            "parameter_share": local / total,
+        }
 
     def hf_model(self, accelerator, model):
         from ladle.strategies.skeleton import meta_skeleton

@@ -86,9 +86,16 @@ def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses,
     strategy = strategies.get(plan.strategy)
     target = step_dir(root, step)
     rngs = gather_object([rng_state()])
-    payload = {"step": step, "scheduler": scheduler.state_dict(), "rng": rngs, "losses": losses,
-               "eval_before": eval_before, "strategy": plan.strategy, "world_size": plan.world_size,
-               "format": "native" if strategy.native_checkpoint else "full"}  # fmt: skip
+    payload = {
+        "step": step,
+        "scheduler": scheduler.state_dict(),
+        "rng": rngs,
+        "losses": losses,
+        "eval_before": eval_before,
+        "strategy": plan.strategy,
+        "world_size": plan.world_size,
+        "format": "native" if strategy.native_checkpoint else "full",
+    }
     if accelerator.is_main_process:
         storage.remove(target)  # a partial folder from a crashed attempt
     accelerator.wait_for_everyone()

@@ -8,8 +8,8 @@ import os
 import shlex
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ladle import storage
 from ladle.processes import free_port  # noqa: F401 - also imported from here by callers

@@ -38,4 +38,6 @@ class TrainResult(BaseModel):
     adapter_url: str | None = Field(description="Saved LoRA adapter folder (null for full fine-tunes).")
     model_url: str | None = Field(description="Saved full model folder (full fine-tunes).")
     peak_memory_mib: float = Field(0.0, description="Largest per-rank peak: CUDA allocated on GPUs, RSS on CPU.")
-    sharding: dict = Field(default_factory=dict, description="What the strategy verified in the worker (e.g. per-rank parameter share).")
+    sharding: dict = Field(
+        default_factory=dict, description="What the strategy verified in the worker (e.g. per-rank parameter share)."
+    )

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,9 +61,11 @@ def load_model(spec: TrainSpec, accelerator: Accelerator):
         if storage == "auto":
             storage = plan.dtype if plan.strategy in ("fsdp2", "zero3", "zero++") else "uint8"
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=dtype,
             bnb_4bit_quant_storage=getattr(torch, storage),
-        )  # fmt: skip
+        )
     model = AutoModelForCausalLM.from_pretrained(spec.base_dir, **kwargs)
     model.config.use_cache = False
     if cfg.training.gradient_checkpointing:
@@ -77,16 +79,21 @@ def load_model(spec: TrainSpec, accelerator: Accelerator):
     return get_peft_model(
         model,
         LoraConfig(
-            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-            target_modules=lora.target_modules, modules_to_save=lora.modules_to_save or None,
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            modules_to_save=lora.modules_to_save or None,
             task_type="CAUSAL_LM",
         ),
-    )  # fmt: skip
+    )
 
 
 def load_split(spec: TrainSpec, name: str) -> dict[str, torch.Tensor]:
     """A packed split (all its shards, in order) as tensors: input_ids, labels, position_ids, real_tokens."""
-    parts = [read_rows(storage.read_bytes(storage.join(spec.dataset.url, shard))) for shard in spec.dataset.shards[name]]
+    parts = [
+        read_rows(storage.read_bytes(storage.join(spec.dataset.url, shard))) for shard in spec.dataset.shards[name]
+    ]
     return {key: torch.tensor([v for part in parts for v in part[key]], dtype=torch.long) for key in parts[0]}
 
 
@@ -127,7 +134,9 @@ def build_scheduler(optimizer, cfg, steps: int):
     from transformers import get_scheduler
 
     name = "constant_with_warmup" if cfg.training.scheduler == "constant" else cfg.training.scheduler
-    return get_scheduler(name, checkpoint.inner(optimizer), num_warmup_steps=cfg.training.warmup_steps, num_training_steps=steps)
+    return get_scheduler(
+        name, checkpoint.inner(optimizer), num_warmup_steps=cfg.training.warmup_steps, num_training_steps=steps
+    )
 
 
 def train_step(accelerator, model, optimizer, scheduler, data, step: int, spec: TrainSpec) -> float:
@@ -207,25 +216,44 @@ def setup(spec: TrainSpec) -> Session:
     strategy = strategies.get(plan.strategy)
     accelerator = Accelerator(cpu=plan.device == "cpu", **strategy.accelerator_kwargs(plan))
     if accelerator.num_processes != plan.world_size:
-        raise RuntimeError(f"planned world size {plan.world_size} but the launcher started {accelerator.num_processes} process(es)")
+        raise RuntimeError(
+            f"planned world size {plan.world_size} but the launcher started {accelerator.num_processes} process(es)"
+        )
     torch.manual_seed(cfg.training.seed)
     train, evals = load_split(spec, "train"), load_split(spec, "eval")
     rows = len(train["input_ids"])
     if rows < plan.global_batch_size:
         raise RuntimeError(f"{rows} packed training rows cannot fill one global batch of {plan.global_batch_size}")
     steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
-    model, optimizer = strategy.wrap(accelerator, load_model(spec, accelerator), lambda m: build_optimizer(m, cfg), plan)
+    model, optimizer = strategy.wrap(
+        accelerator, load_model(spec, accelerator), lambda m: build_optimizer(m, cfg), plan
+    )
     sharding = strategy.check_applied(accelerator, model, plan)
     scheduler = build_scheduler(optimizer, cfg, steps)
-    state = checkpoint.load_latest(accelerator, storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan)
+    state = checkpoint.load_latest(
+        accelerator, storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan
+    )
     log = mlflow_logger(spec, accelerator)
     if state:
         eval_before = state.eval_before
     else:
         eval_before = evaluate(accelerator, model, evals, spec)
         log({"eval_loss": eval_before}, 0)
-    return Session(spec, accelerator, model, optimizer, scheduler, train, evals, steps,
-                   state.step if state else 0, list(state.losses) if state else [], eval_before, log, sharding)  # fmt: skip
+    return Session(
+        spec,
+        accelerator,
+        model,
+        optimizer,
+        scheduler,
+        train,
+        evals,
+        steps,
+        state.step if state else 0,
+        list(state.losses) if state else [],
+        eval_before,
+        log,
+        sharding,
+    )
 
 
 def train_loop(s: Session) -> tuple[int, float]:
@@ -237,8 +265,16 @@ def train_loop(s: Session) -> tuple[int, float]:
     plan, cfg, acc = s.spec.plan, s.spec.config, s.accelerator
     ckpt_root = storage.join(s.spec.run_url, "checkpoints")
     rows = len(s.train["input_ids"])
-    emit(acc, "start", steps=s.steps, world_size=acc.num_processes, resumed_from=s.start,
-         strategy=plan.strategy, backend=str(acc.state.distributed_type), eval_loss=s.eval_before)  # fmt: skip
+    emit(
+        acc,
+        "start",
+        steps=s.steps,
+        world_size=acc.num_processes,
+        resumed_from=s.start,
+        strategy=plan.strategy,
+        backend=str(acc.state.distributed_type),
+        eval_loss=s.eval_before,
+    )
     s.model.train()
     tokens, seconds = 0, 0.0
     for step in range(s.start, s.steps):
@@ -251,8 +287,16 @@ def train_loop(s: Session) -> tuple[int, float]:
         s.losses.append(loss)
         lr = s.scheduler.get_last_lr()[0]
         s.log({"train_loss": loss, "lr": lr, "tokens_per_s": step_tokens / elapsed}, step + 1)
-        emit(acc, "step", step=step + 1, steps=s.steps, loss=round(loss, 6), lr=lr,
-             tokens_per_s=round(step_tokens / elapsed, 1), elapsed_s=round(seconds, 3))  # fmt: skip
+        emit(
+            acc,
+            "step",
+            step=step + 1,
+            steps=s.steps,
+            loss=round(loss, 6),
+            lr=lr,
+            tokens_per_s=round(step_tokens / elapsed, 1),
+            elapsed_s=round(seconds, 3),
+        )
         if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < s.steps:
             s.log({"eval_loss": evaluate(acc, s.model, s.evals, s.spec)}, step + 1)
         if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
@@ -280,14 +324,24 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
     adapter_url, model_url = save_outputs(acc, s.model, s.spec)
     losses = s.losses
     result = TrainResult(
-        strategy=s.spec.plan.strategy, world_size=acc.num_processes,
+        strategy=s.spec.plan.strategy,
+        world_size=acc.num_processes,
         backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else "none",
-        steps=s.steps, resumed_from_step=s.start, train_losses=losses,
-        train_loss_first=losses[0] if losses else float("nan"), train_loss_last=losses[-1] if losses else float("nan"),
-        eval_loss_before=s.eval_before, eval_loss_after=eval_after, real_tokens=tokens,
-        tokens_per_s=tokens / seconds if seconds else 0.0, train_seconds=seconds,
-        adapter_url=adapter_url, model_url=model_url, sharding=s.sharding, peak_memory_mib=peak_memory_mib(acc),
-    )  # fmt: skip
+        steps=s.steps,
+        resumed_from_step=s.start,
+        train_losses=losses,
+        train_loss_first=losses[0] if losses else float("nan"),
+        train_loss_last=losses[-1] if losses else float("nan"),
+        eval_loss_before=s.eval_before,
+        eval_loss_after=eval_after,
+        real_tokens=tokens,
+        tokens_per_s=tokens / seconds if seconds else 0.0,
+        train_seconds=seconds,
+        adapter_url=adapter_url,
+        model_url=model_url,
+        sharding=s.sharding,
+        peak_memory_mib=peak_memory_mib(acc),
+    )
     if acc.is_main_process:
         storage.write_json(storage.join(s.spec.run_url, "train_result.json"), result.model_dump())
     emit(acc, "done", **result.model_dump(exclude={"train_losses"}))

@@ -42,7 +42,9 @@ def test_bad_config_values(overrides, fragments):
 def test_empty_dataset(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    assert_clean_error(run_cli("run", RECIPE, "--set", f"data.path={empty}", timeout=120), "the dataset is empty (0 rows)")
+    assert_clean_error(
+        run_cli("run", RECIPE, "--set", f"data.path={empty}", timeout=120), "the dataset is empty (0 rows)"
+    )
 
 
 @pytest.mark.parametrize("gpus", ["0", "-1", "true", "two", "129"])
@@ -69,8 +71,12 @@ def test_error_inside_the_flow_is_one_line(tmp_path):
     """Found by the prepare stage, inside Prefect: still one line, no traceback; --json carries every bad row."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(f"{{broken {i}\n" for i in range(5)))
-    done = run_cli("run", RECIPE, "--json", "--set", f"data.path={bad}", "--set", f"output={tmp_path / 'out'}", timeout=300)
-    line = assert_clean_error(done, "no usable training rows (read 5, dropped 5; line 1: malformed JSON", "rejects.jsonl")
+    done = run_cli(
+        "run", RECIPE, "--json", "--set", f"data.path={bad}", "--set", f"output={tmp_path / 'out'}", timeout=300
+    )
+    line = assert_clean_error(
+        done, "no usable training rows (read 5, dropped 5; line 1: malformed JSON", "rejects.jsonl"
+    )
     assert line.startswith(f"error: data.path = '{bad}'")
     failed = json.loads(done.stdout.strip().splitlines()[-1])
     assert failed["status"] == "failed" and [row["line"] for row in failed["bad_rows"]] == [1, 2, 3, 4, 5]
@@ -92,7 +98,11 @@ def test_bad_embedded_server_budget_is_one_line():
     """Prefect itself would fail to import on it, with a traceback; ladle checks it first.
     (A budget that runs out is tested on the server handle itself: tests/unit/test_prefect_api.py.)"""
     done = run_cli("run", RECIPE, env={"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "soon"}, timeout=120)
-    assert_clean_error(done, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS = 'soon': must be a positive whole number", "or unset it")
+    assert_clean_error(
+        done,
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS = 'soon': must be a positive whole number",
+        "or unset it",
+    )
 
 
 def test_schema_and_env_commands():
@@ -105,13 +115,18 @@ def test_schema_and_env_commands():
 
 def test_data_commands(tmp_path):
     rows = tmp_path / "rows.jsonl"
-    rows.write_text('{"instruction": "Add 1 and 2.", "output": "3"}\n{oops\n' + '{"instruction": "Add 2 and 2.", "output": "4"}\n' * 200)
+    rows.write_text(
+        '{"instruction": "Add 1 and 2.", "output": "3"}\n{oops\n'
+        + '{"instruction": "Add 2 and 2.", "output": "4"}\n' * 200
+    )
     overrides = ["--set", f"data.path={rows}", "--set", f"output={tmp_path / 'out'}"]
     prepared = run_cli("data", "prepare", RECIPE, *overrides, "--json", timeout=120)
     assert prepared.returncode == 0, prepared.stderr[-2000:]
     report = json.loads(prepared.stdout.strip().splitlines()[-1])
     assert (report["rows_read"], report["rows_used"], report["dropped"][0]["line"]) == (202, 201, 2)
-    inspected = json.loads(run_cli("data", "inspect", RECIPE, *overrides, "--json", timeout=120).stdout.strip().splitlines()[-1])
+    inspected = json.loads(
+        run_cli("data", "inspect", RECIPE, *overrides, "--json", timeout=120).stdout.strip().splitlines()[-1]
+    )
     assert (inspected["format"], inspected["records"], inspected["invalid"]) == ("alpaca", 202, 1)
     masked = run_cli("data", "show-mask", RECIPE, *overrides, "-n", "1", "--json", timeout=120)
     row = json.loads(masked.stdout.strip().splitlines()[-1])["rows"][0]
@@ -132,11 +147,29 @@ def test_launch_bad_input(tmp_path):
 
 
 def test_plan_reports_model_size(tmp_path):
-    config = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}  # fmt: skip
+    config = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     lora = ["--set", "training.lora.r=8", "--set", "training.lora.target_modules=[q_proj,v_proj]"]
-    done = run_cli("plan", RECIPE, "--model-config", str(tmp_path), *lora, "--set", "parallelism.strategy=ddp", "--json", timeout=60)
+    done = run_cli(
+        "plan",
+        RECIPE,
+        "--model-config",
+        str(tmp_path),
+        *lora,
+        "--set",
+        "parallelism.strategy=ddp",
+        "--json",
+        timeout=60,
+    )
     plan = json.loads(done.stdout.strip().splitlines()[-1])
     assert (plan["params"], plan["trainable_params"], plan["strategy"]) == (8_030_261_248, 3_407_872, "ddp")
     # an 8B base in float32 is 30 GiB per CPU process: the explicit choice wins, with the numbers
@@ -156,9 +189,13 @@ def test_probe_and_plan_against_a_recorded_machine(tmp_path):
 
     recorded = tmp_path / "topo.txt"
     recorded.write_text(PAIRS_4)
-    topo = json.loads(run_cli("probe", "--topology-file", str(recorded), "--json", timeout=60).stdout.strip().splitlines()[-1])
+    topo = json.loads(
+        run_cli("probe", "--topology-file", str(recorded), "--json", timeout=60).stdout.strip().splitlines()[-1]
+    )
     assert (topo["gpu_count"], topo["interconnect"], topo["nvlink_groups"]) == (4, "partial-nvlink", [[0, 1], [2, 3]])
-    plan = json.loads(run_cli("plan", RECIPE, "--topology-file", str(recorded), "--json", timeout=60).stdout.strip().splitlines()[-1])
+    plan = json.loads(
+        run_cli("plan", RECIPE, "--topology-file", str(recorded), "--json", timeout=60).stdout.strip().splitlines()[-1]
+    )
     assert (plan["device"], plan["world_size"], plan["backend"]) == ("cuda", 4, "nccl")
     too_many = run_cli("plan", RECIPE, "--topology-file", str(recorded), "--gpus", "8", timeout=60)
     assert_clean_error(too_many, "parallelism.gpus = 8: this host has 4 visible GPU(s)", f"ladle run {RECIPE} --gpus 4")

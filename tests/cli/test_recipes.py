@@ -10,8 +10,16 @@ from tests.cli.test_bad_input import assert_clean_error
 from tests.conftest import run_cli
 from tests.unit.test_topo_matrix import NVSWITCH_8
 
-SHIPPED = ["deepseek-v3-pipeline", "llama3-70b-fsdp2", "llama3-8b-lora", "llama3-8b-qlora", "llama3.2-1b-lora",
-           "llama3.2-1b-qlora", "qwen3-32b-zeropp", "tiny-cpu"]  # fmt: skip
+SHIPPED = [
+    "deepseek-v3-pipeline",
+    "llama3-70b-fsdp2",
+    "llama3-8b-lora",
+    "llama3-8b-qlora",
+    "llama3.2-1b-lora",
+    "llama3.2-1b-qlora",
+    "qwen3-32b-zeropp",
+    "tiny-cpu",
+]
 
 
 def test_recipes_list_show_use(tmp_path):
@@ -37,7 +45,9 @@ def test_unknown_recipe_lists_the_choices():
 def test_plan_a_recipe_on_a_recorded_machine_sizes_it(tmp_path):
     topo = tmp_path / "topo.txt"
     topo.write_text(NVSWITCH_8)
-    done = run_cli("plan", "recipes/llama3-70b-fsdp2.yaml", "--topology-file", str(topo), "--gpu-memory", "80", "--json")
+    done = run_cli(
+        "plan", "recipes/llama3-70b-fsdp2.yaml", "--topology-file", str(topo), "--gpu-memory", "80", "--json"
+    )
     made = json.loads(done.stdout.strip().splitlines()[-1])
     assert made["strategy"] == "fsdp2" and made["params"] == 70_553_706_496 and made["world_size"] == 8
     by_name = {c["strategy"]: c for c in made["candidates"]}
@@ -50,16 +60,23 @@ def test_plan_a_recipe_on_a_recorded_machine_sizes_it(tmp_path):
 def test_deepspeed_flag_sets_the_strategy_and_prints_the_json(tmp_path):
     topo = tmp_path / "topo.txt"
     topo.write_text(NVSWITCH_8)
-    done = run_cli("plan", "recipes/llama3-8b-lora.yaml", "--topology-file", str(topo), "--deepspeed", "zero_pp", "--json")
+    done = run_cli(
+        "plan", "recipes/llama3-8b-lora.yaml", "--topology-file", str(topo), "--deepspeed", "zero_pp", "--json"
+    )
     made = json.loads(done.stdout.strip().splitlines()[-1])
     assert made["strategy"] == "zero++" and made["launcher_config"]["zero_optimization"]["stage"] == 3
-    assert_clean_error(run_cli("plan", "recipes/tiny-cpu.yaml", "--deepspeed", "4"), "--deepspeed = '4': unknown ZeRO stage")
+    assert_clean_error(
+        run_cli("plan", "recipes/tiny-cpu.yaml", "--deepspeed", "4"), "--deepspeed = '4': unknown ZeRO stage"
+    )
     assert_clean_error(run_cli("plan", "recipes/tiny-cpu.yaml", "--gpu-memory", "-3"), "--gpu-memory = -3.0")
 
 
 def test_a_shipped_config_without_weights_cannot_train():
-    assert_clean_error(run_cli("run", "recipes/llama3.2-1b-lora.yaml", "--set", "data.path=ladle://demo-alpaca"),
-                       "has a config.json but no weights", "--set base=/path/to/model")  # fmt: skip
+    assert_clean_error(
+        run_cli("run", "recipes/llama3.2-1b-lora.yaml", "--set", "data.path=ladle://demo-alpaca"),
+        "has a config.json but no weights",
+        "--set base=/path/to/model",
+    )
 
 
 def test_plan_and_probe_never_import_torch_or_transformers(tmp_path):
@@ -89,8 +106,19 @@ def test_a_plan_that_does_not_fit_still_reports_its_numbers_in_json(tmp_path):
     """DeepSeek-V3 on one 8x80 GiB node: the failure object carries the model size and every candidate."""
     topo = tmp_path / "topo.txt"
     topo.write_text(NVSWITCH_8)
-    done = run_cli("plan", "recipes/deepseek-v3-pipeline.yaml", "--topology-file", str(topo), "--gpu-memory", "80",
-                   "--set", "parallelism.nodes=1", "--set", "parallelism.strategy=auto", "--json")  # fmt: skip
+    done = run_cli(
+        "plan",
+        "recipes/deepseek-v3-pipeline.yaml",
+        "--topology-file",
+        str(topo),
+        "--gpu-memory",
+        "80",
+        "--set",
+        "parallelism.nodes=1",
+        "--set",
+        "parallelism.strategy=auto",
+        "--json",
+    )
     assert_clean_error(done, "parallelism.strategy = auto: no strategy fits 72.0 GiB usable of 80.0 GiB per rank")
     failed = json.loads(done.stdout.strip().splitlines()[-1])
     assert failed["status"] == "failed" and failed["params"] == 671_026_404_352 and failed["trainable_params"] > 0

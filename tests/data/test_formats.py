@@ -51,25 +51,41 @@ def prepared_row(tmp_path, tiny_model, data, **opts):
 
 
 ALPACA = {"instruction": "Add 2 and 3.", "input": "now", "output": "5"}
-SHAREGPT = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
-                              {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "Bye"},
-                              {"from": "gpt", "value": "Bye now"}]}  # fmt: skip
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello"},
+        {"from": "human", "value": "Bye"},
+        {"from": "gpt", "value": "Bye now"},
+    ]
+}
 MESSAGES = {"messages": [{"role": "user", "content": "Reverse: ab"}, {"role": "assistant", "content": "ba"}]}
 
 
 def expected_alpaca(t):
-    return reference(t, [("<s><|user|>\nAdd 2 and 3.\nnow<|end|>\n<|assistant|>\n", False), ("5<|end|>", True), ("\n", False)])
+    return reference(
+        t, [("<s><|user|>\nAdd 2 and 3.\nnow<|end|>\n<|assistant|>\n", False), ("5<|end|>", True), ("\n", False)]
+    )
 
 
 def expected_sharegpt(t):
-    return reference(t, [
-        ("<s><|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n", False), ("Hello<|end|>", True),
-        ("\n<|user|>\nBye<|end|>\n<|assistant|>\n", False), ("Bye now<|end|>", True), ("\n", False),
-    ])  # fmt: skip
+    return reference(
+        t,
+        [
+            ("<s><|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n", False),
+            ("Hello<|end|>", True),
+            ("\n<|user|>\nBye<|end|>\n<|assistant|>\n", False),
+            ("Bye now<|end|>", True),
+            ("\n", False),
+        ],
+    )
 
 
 def expected_messages(t):
-    return reference(t, [("<s><|user|>\nReverse: ab<|end|>\n<|assistant|>\n", False), ("ba<|end|>", True), ("\n", False)])
+    return reference(
+        t, [("<s><|user|>\nReverse: ab<|end|>\n<|assistant|>\n", False), ("ba<|end|>", True), ("\n", False)]
+    )
 
 
 @pytest.mark.parametrize(
@@ -88,7 +104,9 @@ def test_chat_formats_match_reference(tmp_path, tiny_model, tokenizer, kind, row
 
 
 def test_plain_text_trains_every_token(tmp_path, tiny_model, tokenizer):
-    ids, labels, report = prepared_row(tmp_path, tiny_model, write(tmp_path / "d.jsonl", "jsonl", [{"text": "ka lo mi"}]))
+    ids, labels, report = prepared_row(
+        tmp_path, tiny_model, write(tmp_path / "d.jsonl", "jsonl", [{"text": "ka lo mi"}])
+    )
     assert (ids, labels) == reference(tokenizer, [("<s>ka lo mi<|end|>", True)])
     assert report.format == "text"
 
@@ -97,7 +115,9 @@ def test_pretokenized_with_and_without_labels(tmp_path, tiny_model):
     rows = [{"input_ids": [1, 40, 41, 42, 2], "labels": [-100, -100, 41, 42, 2]}]
     ids, labels, report = prepared_row(tmp_path, tiny_model, write(tmp_path / "a.jsonl", "jsonl", rows))
     assert (ids, labels, report.format) == ([1, 40, 41, 42, 2], [-100, -100, 41, 42, 2], "tokenized")
-    ids, labels, _ = prepared_row(tmp_path, tiny_model, write(tmp_path / "b.jsonl", "jsonl", [{"input_ids": [1, 7, 8]}]))
+    ids, labels, _ = prepared_row(
+        tmp_path, tiny_model, write(tmp_path / "b.jsonl", "jsonl", [{"input_ids": [1, 7, 8]}])
+    )
     assert labels == [-100, 7, 8]
 
 
@@ -122,7 +142,11 @@ def test_bad_records_per_format(tmp_path, tiny_model):
         {"conversations": [{"from": "gpt", "value": "x"}]},
     ]
     data = write(tmp_path / "d.jsonl", "jsonl", rows)
-    report = prepare(DataConfig(path=str(data), format="messages", eval_ratio=0, max_bad_fraction=1.0), tiny_model, str(tmp_path / "o")).report
+    report = prepare(
+        DataConfig(path=str(data), format="messages", eval_ratio=0, max_bad_fraction=1.0),
+        tiny_model,
+        str(tmp_path / "o"),
+    ).report
     assert [(d["line"], d["reason"]) for d in report.dropped] == [
         (2, "empty conversation"),
         (3, "messages[0].role = 'robot': unknown role (known: system, user, assistant)"),
@@ -139,7 +163,9 @@ def test_file_not_of_its_declared_format(tmp_path, tiny_model):
         prepare(DataConfig(path=str(fake)), tiny_model, str(tmp_path / "o"))
     csv_as_jsonl = tmp_path / "d.jsonl"
     csv_as_jsonl.write_text("instruction,output\nAdd 1 and 1.,2\n")
-    report_error = pytest.raises(LadleError, match=r"no usable training rows \(read 2, dropped 2; line 1: malformed JSON")
+    report_error = pytest.raises(
+        LadleError, match=r"no usable training rows \(read 2, dropped 2; line 1: malformed JSON"
+    )
     with report_error:
         prepare(DataConfig(path=str(csv_as_jsonl), format="alpaca"), tiny_model, str(tmp_path / "o"))
 
@@ -149,7 +175,9 @@ def test_truncation_policies(tmp_path, tiny_model):
     data = write(tmp_path / "d.jsonl", "jsonl", [ALPACA, long])
     cut = prepare(DataConfig(path=str(data), seq_len=64, eval_ratio=0), tiny_model, str(tmp_path / "a")).report
     assert (cut.truncations, cut.rows_used, cut.too_long) == (1, 2, 0)
-    dropped = prepare(DataConfig(path=str(data), seq_len=64, eval_ratio=0, truncation="drop"), tiny_model, str(tmp_path / "b")).report
+    dropped = prepare(
+        DataConfig(path=str(data), seq_len=64, eval_ratio=0, truncation="drop"), tiny_model, str(tmp_path / "b")
+    ).report
     assert (dropped.truncations, dropped.rows_used, dropped.too_long, dropped.invalid_rows) == (0, 1, 1, 0)
     assert dropped.dropped[0]["line"] == 2 and dropped.dropped[0]["reason"].startswith("too long:")
 
@@ -166,11 +194,18 @@ def test_globs_and_memory_urls(tmp_path, tiny_model):
 
     for i in range(3):
         write(tmp_path / f"part-{i}.jsonl", "jsonl", [{"instruction": f"Add {i} and 1.", "output": str(i + 1)}])
-    report = prepare(DataConfig(path=str(tmp_path / "part-*.jsonl"), eval_ratio=0), tiny_model, str(tmp_path / "o")).report
+    report = prepare(
+        DataConfig(path=str(tmp_path / "part-*.jsonl"), eval_ratio=0), tiny_model, str(tmp_path / "o")
+    ).report
     assert report.rows_used == 3 and len(report.sources) == 3
     with fsspec.open("memory://ladle-test/rows.jsonl", "w") as fh:
         fh.write(json.dumps(ALPACA) + "\n")
-    assert prepare(DataConfig(path="memory://ladle-test/rows.jsonl", eval_ratio=0), tiny_model, str(tmp_path / "m")).report.rows_used == 1
+    assert (
+        prepare(
+            DataConfig(path="memory://ladle-test/rows.jsonl", eval_ratio=0), tiny_model, str(tmp_path / "m")
+        ).report.rows_used
+        == 1
+    )
 
 
 def test_s3_input(tmp_path, tiny_model, s3_server, monkeypatch):
@@ -180,7 +215,9 @@ def test_s3_input(tmp_path, tiny_model, s3_server, monkeypatch):
         monkeypatch.setenv(key, value)
     for i in range(2):
         with fsspec.open(f"s3://ladle/input/part-{i}.jsonl", "w") as fh:
-            fh.write("".join(json.dumps({"instruction": f"Add {i} and {j}.", "output": str(i + j)}) + "\n" for j in range(5)))
+            fh.write(
+                "".join(json.dumps({"instruction": f"Add {i} and {j}.", "output": str(i + j)}) + "\n" for j in range(5))
+            )
     prepared = prepare(DataConfig(path="s3://ladle/input/part-*.jsonl", eval_ratio=0.2), tiny_model, "s3://ladle/prep")
     assert prepared.report.rows_used == 10 and prepared.report.sources[0].startswith("s3://ladle/input/part-0")
     assert storage.is_complete(prepared.url)
@@ -188,8 +225,12 @@ def test_s3_input(tmp_path, tiny_model, s3_server, monkeypatch):
 
 def test_doubled_bos_is_reported(tmp_path, tiny_model):
     data = write(tmp_path / "d.jsonl", "jsonl", [{"text": "ka lo"}, {"text": "<s>ka lo"}])
-    report = prepare(DataConfig(path=str(data), eval_ratio=0, max_bad_fraction=0.5), tiny_model, str(tmp_path / "o")).report
-    assert report.dropped == [{"line": 2, "reason": "BOS token doubled (the text or template adds it twice)", "source": str(data)}]
+    report = prepare(
+        DataConfig(path=str(data), eval_ratio=0, max_bad_fraction=0.5), tiny_model, str(tmp_path / "o")
+    ).report
+    assert report.dropped == [
+        {"line": 2, "reason": "BOS token doubled (the text or template adds it twice)", "source": str(data)}
+    ]
 
 
 def test_separate_eval_file(tmp_path, tiny_model):

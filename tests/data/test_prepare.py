@@ -5,18 +5,18 @@ import torch
 
 from ladle import storage
 from ladle.config import DataConfig
-from ladle.data.packing import first_fit_decreasing, pack_examples, read_rows
 from ladle.data.formats import Chat
+from ladle.data.packing import first_fit_decreasing, pack_examples, read_rows
 from ladle.data.prepare import IGNORE, check_not_empty, fingerprint, prepare
 from ladle.data.tokenize import tokenize_batch
+from ladle.errors import LadleError
 
 
 def render_example(tokenizer, messages, train_on, seq_len, truncation="right"):
-    (result, truncated), = tokenize_batch(tokenizer, [Chat(messages)], train_on, seq_len, truncation)
+    ((result, truncated),) = tokenize_batch(tokenizer, [Chat(messages)], train_on, seq_len, truncation)
     if isinstance(result, Exception):
         raise result
     return result, truncated
-from ladle.errors import LadleError
 
 
 def write_jsonl(path, rows):
@@ -45,7 +45,9 @@ def test_multi_turn_trains_every_assistant_turn(tokenizer):
         {"role": "assistant", "content": "Bye now"},
     ]
     example, _ = render_example(tokenizer, messages, "response", 256)
-    trained = tokenizer.decode([t for t, label in zip(example.input_ids, example.labels) if label != IGNORE])
+    trained = tokenizer.decode(
+        [t for t, label in zip(example.input_ids, example.labels, strict=False) if label != IGNORE]
+    )
     assert trained == "Hello<|end|>Bye now<|end|>"
 
 
@@ -64,7 +66,11 @@ def test_first_fit_decreasing():
 def test_packing_keeps_every_token_and_resets_positions(tokenizer):
     from ladle.data.prepare import Example
 
-    examples = [Example([1, 7, 8], [IGNORE, 7, 8]), Example([1, 9], [IGNORE, 9]), Example([1, 5, 6, 4], [IGNORE, 5, 6, 4])]
+    examples = [
+        Example([1, 7, 8], [IGNORE, 7, 8]),
+        Example([1, 9], [IGNORE, 9]),
+        Example([1, 5, 6, 4], [IGNORE, 5, 6, 4]),
+    ]
     rows = pack_examples(examples, 8, pad_id=0)
     assert len(rows) == 2
     assert rows.real_tokens == 9
@@ -90,13 +96,17 @@ def test_packed_loss_equals_token_weighted_loss_of_sequences(tiny_model, tokeniz
     as_tensors = lambda rows: {k: torch.tensor(v) for k, v in rows.__dict__.items() if k != "real_tokens_per_row"}  # noqa: E731
     with torch.no_grad():
         packed_sum, packed_count = token_loss(model, as_tensors(packed), [0], "cpu")
-        sums = [token_loss(model, as_tensors(pack_examples([e], 128, tokenizer.pad_token_id)), [0], "cpu") for e in examples]
+        sums = [
+            token_loss(model, as_tensors(pack_examples([e], 128, tokenizer.pad_token_id)), [0], "cpu") for e in examples
+        ]
     assert packed_count == sum(c for _, c in sums)
     assert torch.allclose(packed_sum, sum(s for s, _ in sums), rtol=1e-5, atol=1e-5)
 
 
 def test_prepare_writes_shards_manifest_and_report(tiny_model, tmp_path):
-    data = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"Add {i} and 1.", "input": "", "output": str(i + 1)} for i in range(50)])
+    data = write_jsonl(
+        tmp_path / "d.jsonl", [{"instruction": f"Add {i} and 1.", "input": "", "output": str(i + 1)} for i in range(50)]
+    )
     cfg = DataConfig(path=str(data), eval_ratio=0.2, seq_len=64)
     prepared = prepare(cfg, tiny_model, str(tmp_path / "out"))
     assert storage.is_complete(prepared.url)
@@ -112,7 +122,14 @@ def test_prepare_writes_shards_manifest_and_report(tiny_model, tmp_path):
 
 def test_bad_rows_reported_with_line_numbers(tiny_model, tmp_path):
     good = [json.dumps({"instruction": "Add 1 and 1.", "input": "", "output": "2"})] * 8
-    lines = good[:2] + ["{not json"] + good[2:4] + ["", json.dumps({"instruction": "x"})] + good[4:] + [json.dumps({"instruction": 3, "output": "y"})]
+    lines = (
+        good[:2]
+        + ["{not json"]
+        + good[2:4]
+        + ["", json.dumps({"instruction": "x"})]
+        + good[4:]
+        + [json.dumps({"instruction": 3, "output": "y"})]
+    )
     data = tmp_path / "d.jsonl"
     data.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe\n")
     cfg = DataConfig(path=str(data), eval_ratio=0.0, seq_len=64, max_bad_fraction=0.5)
@@ -128,7 +145,9 @@ def test_bad_rows_reported_with_line_numbers(tiny_model, tmp_path):
 
 def test_too_many_bad_rows_fail_with_the_count(tiny_model, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "Add 1 and 1.", "output": "2"}] * 9 + ["{bad"])
-    with pytest.raises(LadleError, match=r"1 of 10 rows unusable \(10.0% > data.max_bad_fraction=0.01; line 10: malformed JSON"):
+    with pytest.raises(
+        LadleError, match=r"1 of 10 rows unusable \(10.0% > data.max_bad_fraction=0.01; line 10: malformed JSON"
+    ):
         prepare(DataConfig(path=str(data), seq_len=64), tiny_model, str(tmp_path / "out"))
 
 

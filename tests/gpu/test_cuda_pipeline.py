@@ -17,8 +17,17 @@ pytestmark = [
 
 
 def test_pipeline_on_one_gpu(tmp_path):
-    done = run_cli("run", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--gpus", "1", "--json",
-                   "--set", f"output={tmp_path}", "--set", "training.max_steps=30")  # fmt: skip
+    done = run_cli(
+        "run",
+        str(ROOT / "recipes" / "tiny-cpu.yaml"),
+        "--gpus",
+        "1",
+        "--json",
+        "--set",
+        f"output={tmp_path}",
+        "--set",
+        "training.max_steps=30",
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert (summary["world_size"], summary["strategy"]) == (1, "ddp")

@@ -71,7 +71,14 @@ def check_mlflow(summary: dict, steps: int, model_name: str) -> None:
     assert run.data.metrics["eval_accuracy_after"] == summary["eval_accuracy_after"]
     assert run.data.metrics["eval_accuracy_before"] == summary["eval_accuracy_before"]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "plan.json", "data_report.json", "loss_curve.png", "length_histogram.png", "evaluation.json"} <= artifacts
+    assert {
+        "config.yaml",
+        "plan.json",
+        "data_report.json",
+        "loss_curve.png",
+        "length_histogram.png",
+        "evaluation.json",
+    } <= artifacts
     versions = client.search_model_versions(f"name='{model_name}'")
     mine = [v for v in versions if v.run_id == run.info.run_id]
     assert len(mine) == 1 and mine[0].source == summary["merged_model_url"]

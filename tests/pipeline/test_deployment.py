@@ -1,7 +1,7 @@
 """A deployment run through a real Prefect server and a process worker.
 
-    prefect server start  ->  prefect deploy (deployments/prefect.yaml)  ->  prefect worker start
-    ->  prefect deployment run 'finetune-recipe/tiny-cpu'  ->  flow run COMPLETED, model served
+prefect server start  ->  prefect deploy (deployments/prefect.yaml)  ->  prefect worker start
+->  prefect deployment run 'finetune-recipe/tiny-cpu'  ->  flow run COMPLETED, model served
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ladle.train.run import free_port
 from ladle import storage
+from ladle.train.run import free_port
 from tests.conftest import ROOT, stop_process
 from tests.pipeline import checks
 
@@ -35,10 +35,20 @@ def prefect(*args: str, env: dict, timeout: int = 180) -> subprocess.CompletedPr
 def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-server")
     port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "LADLE_REPO": str(ROOT)}  # fmt: skip
-    log = open(home / "server.log", "w")
-    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "LADLE_REPO": str(ROOT),
+    }
+    with open(home / "server.log", "w") as log:  # the child keeps its own copy of the descriptor
+        server = subprocess.Popen(
+            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + 180
     while True:
         try:
@@ -70,10 +80,16 @@ def test_deployment_runs_through_server_and_worker(prefect_server, s3_server, mo
     started = prefect("deployment", "run", "finetune-recipe/tiny-cpu", "--params", json.dumps(params), env=env)
     flow_run_id = next(line.split()[-1] for line in started.stdout.splitlines() if "UUID" in line)
 
-    worker_log = open(tmp_path / "worker.log", "w")
     # Its own session: the worker's flow-run processes (and their training processes) stop with it.
-    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "ladle-local"], env=env, cwd=ROOT, stdout=worker_log,
-                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    with open(tmp_path / "worker.log", "w") as worker_log:
+        worker = subprocess.Popen(
+            [PREFECT, "worker", "start", "--pool", "ladle-local"],
+            env=env,
+            cwd=ROOT,
+            stdout=worker_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 600
         while (state := flow_run_state(env, flow_run_id)) not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
@@ -99,7 +115,9 @@ def test_deployment_runs_through_server_and_worker(prefect_server, s3_server, mo
     assert tags["prefect.parent_flow_run_id"] == flow_run_id
 
     flt = {"artifacts": {"flow_run_id": {"any_": [summary["flow_run_id"]]}}}
-    artifacts = {a["key"]: a for a in httpx.post(f"{env['PREFECT_API_URL']}/artifacts/filter", json=flt, timeout=10).json()}
+    artifacts = {
+        a["key"]: a for a in httpx.post(f"{env['PREFECT_API_URL']}/artifacts/filter", json=flt, timeout=10).json()
+    }
     assert {"plan", "data-report", "mlflow-run", "topology", "train-progress", "eval-examples"} <= set(artifacts)
     assert "strategy | ddp" in artifacts["plan"]["data"]
     assert summary["mlflow_run_id"] in artifacts["mlflow-run"]["data"]
@@ -119,9 +137,19 @@ def test_ladle_run_uses_the_configured_server_and_starts_none(prefect_server, tm
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{broken\n")
-    before = {r["id"] for r in httpx.post(f"{prefect_server['PREFECT_API_URL']}/flow_runs/filter", json={}, timeout=10).json()}
-    done = run_cli("run", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--json", "--set", f"data.path={bad}",
-                   "--set", f"output={tmp_path / 'out'}", env=prefect_server)  # fmt: skip
+    before = {
+        r["id"] for r in httpx.post(f"{prefect_server['PREFECT_API_URL']}/flow_runs/filter", json={}, timeout=10).json()
+    }
+    done = run_cli(
+        "run",
+        str(ROOT / "recipes" / "tiny-cpu.yaml"),
+        "--json",
+        "--set",
+        f"data.path={bad}",
+        "--set",
+        f"output={tmp_path / 'out'}",
+        env=prefect_server,
+    )
     failed = json.loads(done.stdout.strip().splitlines()[-1])
     assert failed["status"] == "failed" and "no usable training rows" in failed["error"], done.stderr[-3000:]
     assert failed["prefect_api_startup_s"] is None and failed["prefect_api_waited_s"] is None

@@ -19,8 +19,14 @@ def offline_greedy(model_dir, messages, max_new_tokens):
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
     with torch.no_grad():
-        out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            ids,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def test_health_and_models(client):
@@ -41,7 +47,14 @@ def test_completion(client):
 
 
 def test_bad_requests(client):
-    assert client.post("/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "x"}]}).status_code == 404
+    assert (
+        client.post(
+            "/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "x"}]}
+        ).status_code
+        == 404
+    )
     assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 422
-    assert client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}).status_code == 422
+    assert (
+        client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}).status_code == 422
+    )
     assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}).status_code == 422

@@ -10,8 +10,12 @@ from ladle.flows.recipe import apply_blocks
 def test_named_blocks_overlay_the_config(prefect_harness, tmp_path, monkeypatch):
     for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.delenv(key, raising=False)  # restored (to absent) after the test
-    ArtifactStore(url="s3://team-bucket/ladle", endpoint_url="http://127.0.0.1:9", access_key_id=SecretStr("AK"),
-                  secret_access_key=SecretStr("SK")).save("team-store", overwrite=True)  # fmt: skip
+    ArtifactStore(
+        url="s3://team-bucket/ladle",
+        endpoint_url="http://127.0.0.1:9",
+        access_key_id=SecretStr("AK"),
+        secret_access_key=SecretStr("SK"),
+    ).save("team-store", overwrite=True)
     MlflowServer(tracking_uri=f"sqlite:///{tmp_path}/m.db").save("team-mlflow", overwrite=True)
     ComputeTarget(gpus=4, cpu_processes=3).save("team-compute", overwrite=True)
     cfg = build_config({"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}}, [])

@@ -14,11 +14,15 @@ def prepare_twice(first, second):
 
 
 def config(data, out, **data_opts):
-    return build_config({"base": "ladle://tiny-llama", "data": {"path": str(data), **data_opts}, "output": str(out)}, [])
+    return build_config(
+        {"base": "ladle://tiny-llama", "data": {"path": str(data), **data_opts}, "output": str(out)}, []
+    )
 
 
 def write(path, n):
-    path.write_text("".join(json.dumps({"instruction": f"Add {i} and 2.", "output": str(i + 2)}) + "\n" for i in range(n)))
+    path.write_text(
+        "".join(json.dumps({"instruction": f"Add {i} and 2.", "output": str(i + 2)}) + "\n" for i in range(n))
+    )
 
 
 def test_prepare_cache_hit_and_misses(prefect_harness, tiny_model, tmp_path):

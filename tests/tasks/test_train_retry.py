@@ -35,7 +35,9 @@ def kill_a_rank_after_checkpoint(run_url: str, step: int, killed: list) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if step in complete_steps(storage.join(run_url, "checkpoints")):
-            workers = [p for p in psutil.Process().children(recursive=True) if "ladle.train.worker" in " ".join(p.cmdline())]
+            workers = [
+                p for p in psutil.Process().children(recursive=True) if "ladle.train.worker" in " ".join(p.cmdline())
+            ]
             if workers:
                 workers[-1].send_signal(signal.SIGKILL)
                 killed.append(workers[-1].pid)
@@ -45,10 +47,20 @@ def kill_a_rank_after_checkpoint(run_url: str, step: int, killed: list) -> None:
 
 def test_killed_rank_is_retried_and_resumes_exactly(prefect_harness, tmp_path, tiny_model):
     cfg = build_config(
-        {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca", "seq_len": 128}, "output": str(tmp_path),
-         "training": {"max_steps": 20, "lr": 3e-3, "micro_batch_size": 2, "checkpoint_every": 4, "lora": {"dropout": 0.1}}},
+        {
+            "base": "ladle://tiny-llama",
+            "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
+            "output": str(tmp_path),
+            "training": {
+                "max_steps": 20,
+                "lr": 3e-3,
+                "micro_batch_size": 2,
+                "checkpoint_every": 4,
+                "lora": {"dropout": 0.1},
+            },
+        },
         [],
-    )  # fmt: skip
+    )
     plan = make_plan(cfg, probe(env={}, query_output=""))
     dataset = prepare(cfg.data, resolve_base(cfg.base), str(tmp_path))
     track = start_run(cfg, None, "retry-test")
@@ -62,5 +74,9 @@ def test_killed_rank_is_retried_and_resumes_exactly(prefect_harness, tmp_path, t
 
     assert killed, "no training process was killed"
     assert result.resumed_from_step >= 4  # the retry found a complete checkpoint
-    reference = launch(TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(tiny_model), run_url=str(tmp_path / "runs" / "clean")))
+    reference = launch(
+        TrainSpec(
+            config=cfg, plan=plan, dataset=dataset, base_dir=str(tiny_model), run_url=str(tmp_path / "runs" / "clean")
+        )
+    )
     assert result.train_losses == pytest.approx(reference.train_losses, abs=1e-5)

@@ -8,7 +8,9 @@ def test_merged_logits_equal_base_plus_adapter(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", modules_to_save=["lm_head"]))
+    peft_model = get_peft_model(
+        base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", modules_to_save=["lm_head"])
+    )
     torch.manual_seed(0)
     with torch.no_grad():  # B starts at zero; give the adapter a real effect
         for name, param in peft_model.named_parameters():
@@ -22,7 +24,9 @@ def test_merged_logits_equal_base_plus_adapter(tiny_model, tmp_path):
     merge_adapter(tiny_model, tmp_path / "adapter", tmp_path / "merged")
 
     ids = torch.tensor([[1, 4, 30, 31, 32, 2, 5, 40, 41]])
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), tmp_path / "adapter").eval()
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), tmp_path / "adapter"
+    ).eval()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference(input_ids=ids).logits

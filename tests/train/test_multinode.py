@@ -24,10 +24,14 @@ CPU = probe(env={}, query_output="")
 
 def config(**parallelism):
     return build_config(
-        {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
-         "parallelism": parallelism, "training": {"max_steps": 4, "lr": 3e-3, "micro_batch_size": 2}},
+        {
+            "base": "ladle://tiny-llama",
+            "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
+            "parallelism": parallelism,
+            "training": {"max_steps": 4, "lr": 3e-3, "micro_batch_size": 2},
+        },
         [],
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +40,15 @@ def single_node(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("single")
     single = config(cpu_processes=2)
     dataset = prepare(single.data, resolve_base(single.base), str(root))
-    return dataset, launch(TrainSpec(config=single, plan=make_plan(single, CPU), dataset=dataset,
-                                     base_dir=str(tiny_model), run_url=str(root / "single")))  # fmt: skip
+    return dataset, launch(
+        TrainSpec(
+            config=single,
+            plan=make_plan(single, CPU),
+            dataset=dataset,
+            base_dir=str(tiny_model),
+            run_url=str(root / "single"),
+        )
+    )
 
 
 def test_two_nodes_on_loopback_match_one_node_with_two_processes(tmp_path, tiny_model, single_node):
@@ -45,7 +56,9 @@ def test_two_nodes_on_loopback_match_one_node_with_two_processes(tmp_path, tiny_
     plan = make_plan(multi, CPU)
     assert (plan.world_size, plan.num_machines, plan.processes_per_machine) == (2, 2, 1)
     dataset = prepare(multi.data, resolve_base(multi.base), str(tmp_path))
-    spec = TrainSpec(config=multi, plan=plan, dataset=dataset, base_dir=str(tiny_model), run_url=str(tmp_path / "multi"))
+    spec = TrainSpec(
+        config=multi, plan=plan, dataset=dataset, base_dir=str(tiny_model), run_url=str(tmp_path / "multi")
+    )
 
     commands: list[str] = []
     node1 = None
@@ -55,8 +68,12 @@ def test_two_nodes_on_loopback_match_one_node_with_two_processes(tmp_path, tiny_
         commands.append(command)
         if command.startswith("waiting for node 1"):
             ladle = str(Path(sys.executable).with_name("ladle"))
-            node1 = subprocess.Popen([ladle, "launch", str(tmp_path / "multi" / "spec.json"), "--node-rank", "1"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            node1 = subprocess.Popen(
+                [ladle, "launch", str(tmp_path / "multi" / "spec.json"), "--node-rank", "1"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
 
     try:
         result = launch(spec, on_command=start_node1)
@@ -92,8 +109,14 @@ def test_zeropp_across_two_nodes_shards_a_secondary_copy_within_each(tmp_path, t
 
     def start_node1(command: str) -> None:
         if command.startswith("waiting for node 1"):
-            node1.append(subprocess.Popen([ladle, "launch", str(tmp_path / "zpp" / "spec.json"), "--node-rank", "1"],
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+            node1.append(
+                subprocess.Popen(
+                    [ladle, "launch", str(tmp_path / "zpp" / "spec.json"), "--node-rank", "1"],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
 
     try:
         result = launch(spec, on_command=start_node1)
@@ -109,5 +132,14 @@ def test_zeropp_across_two_nodes_shards_a_secondary_copy_within_each(tmp_path, t
 
 def test_hpz_must_divide_the_world():
     with pytest.raises(ConfigError, match=r"hpz_partition_size = 3: must divide the world size 4"):
-        make_plan(build_config({"base": "b", "data": {"path": "d"}, "parallelism": {
-            "strategy": "zero_pp", "cpu_processes": 4, "deepspeed": {"hpz_partition_size": 3}}}, []), CPU)
+        make_plan(
+            build_config(
+                {
+                    "base": "b",
+                    "data": {"path": "d"},
+                    "parallelism": {"strategy": "zero_pp", "cpu_processes": 4, "deepspeed": {"hpz_partition_size": 3}},
+                },
+                [],
+            ),
+            CPU,
+        )

@@ -18,11 +18,20 @@ from ladle.train.spec import TrainSpec
 @pytest.mark.pipeline
 def test_resume_from_checkpoint_matches_uninterrupted_run(tiny_model, tmp_path):
     cfg = build_config(
-        {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
-         "training": {"max_steps": 8, "lr": 3e-3, "checkpoint_every": 4, "micro_batch_size": 2,
-                      "global_batch_size": 8, "lora": {"dropout": 0.1}}},
+        {
+            "base": "ladle://tiny-llama",
+            "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
+            "training": {
+                "max_steps": 8,
+                "lr": 3e-3,
+                "checkpoint_every": 4,
+                "micro_batch_size": 2,
+                "global_batch_size": 8,
+                "lora": {"dropout": 0.1},
+            },
+        },
         [],
-    )  # fmt: skip  (dropout makes the RNG state matter; accumulation 2 exercises no_sync)
+    )  # dropout makes the RNG state matter; accumulation 2 exercises no_sync
     plan = make_plan(cfg, probe(env={}, query_output=""))
     dataset = prepare(cfg.data, resolve_base(cfg.base), str(tmp_path))
     spec = TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(tiny_model), run_url=str(tmp_path / "run"))

@@ -13,7 +13,9 @@ def test_order_is_deterministic_and_covers_an_epoch_without_repeats():
     epoch = [i for s in range(schedule.steps_per_epoch(rows, gb)) for i in schedule.global_batch_rows(s, rows, gb, 7)]
     assert len(epoch) == len(set(epoch)) == 48
     assert schedule.global_batch_rows(2, rows, gb, 7) == schedule.global_batch_rows(2, rows, gb, 7)
-    assert schedule.global_batch_rows(6, rows, gb, 7) != schedule.global_batch_rows(0, rows, gb, 7)  # next epoch reshuffles
+    assert schedule.global_batch_rows(6, rows, gb, 7) != schedule.global_batch_rows(
+        0, rows, gb, 7
+    )  # next epoch reshuffles
 
 
 def test_total_steps():

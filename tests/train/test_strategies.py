@@ -26,15 +26,30 @@ STEPS = 6
 
 def spec_for(strategy: str, root, *overrides: str) -> TrainSpec:
     cfg = build_config(
-        {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
-         "parallelism": {"strategy": strategy, "pipeline": {"allow_cpu": True}},
-         "training": {"max_steps": STEPS, "lr": 3e-3, "micro_batch_size": 2, "global_batch_size": 8, "checkpoint_every": 3,
-                      "lora": {"target_modules": "all-linear", "modules_to_save": ["lm_head"]}}},
+        {
+            "base": "ladle://tiny-llama",
+            "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
+            "parallelism": {"strategy": strategy, "pipeline": {"allow_cpu": True}},
+            "training": {
+                "max_steps": STEPS,
+                "lr": 3e-3,
+                "micro_batch_size": 2,
+                "global_batch_size": 8,
+                "checkpoint_every": 3,
+                "lora": {"target_modules": "all-linear", "modules_to_save": ["lm_head"]},
+            },
+        },
         list(overrides),
-    )  # fmt: skip  (global batch 8 = 2 micro x 2 ranks x 2 accumulation: exercises no_sync)
+    )  # global batch 8 = 2 micro x 2 ranks x 2 accumulation: exercises no_sync
     plan = make_plan(cfg, probe(env={}, query_output=""))
     dataset = prepare(cfg.data, resolve_base(cfg.base), str(root))
-    return TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(resolve_base(cfg.base)), run_url=str(root / (strategy + "".join(overrides))))
+    return TrainSpec(
+        config=cfg,
+        plan=plan,
+        dataset=dataset,
+        base_dir=str(resolve_base(cfg.base)),
+        run_url=str(root / (strategy + "".join(overrides))),
+    )
 
 
 SHARDED = ("zero1", "zero2", "zero3", "zero++", "fsdp2", "pipeline")
@@ -65,15 +80,26 @@ def pipeline_stage0_share(model_dir) -> float:
 
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     half = base.config.num_hidden_layers // 2
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", modules_to_save=["lm_head"]))
+    model = get_peft_model(
+        base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", modules_to_save=["lm_head"])
+    )
     mine = [f".layers.{i}." for i in range(half)] + ["embed_tokens"]
     held = sum(p.numel() for n, p in model.named_parameters() if any(m in n for m in mine))
     return held / sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize(("name", "param_share", "state_share"),
-                         [("ddp", 1.0, None), ("zero1", 1.0, 0.5), ("zero2", 1.0, 0.5), ("zero3", 0.5, 0.5),
-                          ("zero++", 0.5, 0.5), ("fsdp2", 0.5, None), ("pipeline", "stage 0", None)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "param_share", "state_share"),
+    [
+        ("ddp", 1.0, None),
+        ("zero1", 1.0, 0.5),
+        ("zero2", 1.0, 0.5),
+        ("zero3", 0.5, 0.5),
+        ("zero++", 0.5, 0.5),
+        ("fsdp2", 0.5, None),
+        ("pipeline", "stage 0", None),
+    ],
+)
 def test_sharding_is_real(runs, name, param_share, state_share, tiny_model):
     sharding = runs[name][0].sharding
     if param_share == "stage 0":  # the embedding and layers 0-1 of 4, with their adapters, counted on the model itself
@@ -90,7 +116,11 @@ def test_sharding_is_real(runs, name, param_share, state_share, tiny_model):
     if name == "pipeline":  # rank 0: embedding + layers 0-1; rank 1: layers 2-3 + norm + head
         assert (sharding["stages"], sharding["schedule"], sharding["layers_on_rank0"]) == (2, "1f1b", [0, 1])
     if name == "zero++":  # one machine: hpZ off; CPU: no quantizer kernels (the plan says so)
-        assert (sharding["hpz_partition_size"], sharding["quantized_weights"], sharding["quantized_gradients"]) == (1, False, False)
+        assert (sharding["hpz_partition_size"], sharding["quantized_weights"], sharding["quantized_gradients"]) == (
+            1,
+            False,
+            False,
+        )
         reasons = " ".join(runs[name][1].plan.reasons)
         assert "hpZ off: one machine" in reasons and "quantizer kernels are CUDA-only" in reasons
 
@@ -119,8 +149,19 @@ def test_native_checkpoint_refuses_another_strategy(runs, tmp_path):
     from ladle.train.run import TrainingFailed
 
     _, spec = runs["zero2"]
-    other = spec.model_copy(update={"plan": spec.plan.model_copy(update={"strategy": "zero1", "launcher_config": {
-        **spec.plan.launcher_config, "zero_optimization": {**spec.plan.launcher_config["zero_optimization"], "stage": 1}}})})
+    other = spec.model_copy(
+        update={
+            "plan": spec.plan.model_copy(
+                update={
+                    "strategy": "zero1",
+                    "launcher_config": {
+                        **spec.plan.launcher_config,
+                        "zero_optimization": {**spec.plan.launcher_config["zero_optimization"], "stage": 1},
+                    },
+                }
+            )
+        }
+    )
     with pytest.raises(TrainingFailed, match=r"written by zero2 on 2 rank\(s\) \(native format\); this run is zero1"):
         launch(other)
 
@@ -170,8 +211,14 @@ def test_full_finetune_consolidates_to_the_same_safetensors(full_runs, name, tmp
 def test_hsdp_shards_within_groups_and_matches_ddp(runs, tmp_path):
     """4 processes as 2 replica groups x 2 shards (FSDP2 on a 2-D mesh): each rank holds half the
     parameters, placed (Replicate, Shard(0)), and the losses are DDP's (same global batch)."""
-    spec = spec_for("fsdp2", tmp_path, "parallelism.cpu_processes=4", "parallelism.fsdp2.replicate=2",
-                    "training.micro_batch_size=1", "training.checkpoint_every=0")  # fmt: skip
+    spec = spec_for(
+        "fsdp2",
+        tmp_path,
+        "parallelism.cpu_processes=4",
+        "parallelism.fsdp2.replicate=2",
+        "training.micro_batch_size=1",
+        "training.checkpoint_every=0",
+    )
     assert spec.plan.launcher_config["mesh"] == {"replicate": 2, "shard": 2}
     # Uneven on purpose: a rank with fewer eval rows must still join every sharded forward (it once hung here).
     assert spec.dataset.eval_rows % 4 != 0

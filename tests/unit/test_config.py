@@ -58,7 +58,9 @@ def test_malformed_override():
         build_config(MINIMAL, ["training.lr"])
 
 
-@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("AUTO", "auto"), ("1", 1), (8, 8), (str(MAX_GPU_COUNT), MAX_GPU_COUNT)])
+@pytest.mark.parametrize(
+    "value, expected", [("auto", "auto"), ("AUTO", "auto"), ("1", 1), (8, 8), (str(MAX_GPU_COUNT), MAX_GPU_COUNT)]
+)
 def test_gpus_accepted(value, expected):
     assert parse_gpus(value) == expected
 
@@ -82,6 +84,7 @@ def test_schema_describes_every_field():
         for name, prop in node.get("properties", {}).items():
             if "description" not in prop:
                 missing.append(f"{path}{name}")
+
     walk(schema, "")
     for name, definition in schema.get("$defs", {}).items():
         walk(definition, f"{name}.")
@@ -103,4 +106,6 @@ def test_model_roundtrip():
 def test_generated_reference_is_current():
     from ladle.config import markdown_reference
 
-    assert (ROOT / "docs" / "config.md").read_text() == markdown_reference(), "run: ladle schema --markdown > docs/config.md"
+    assert (ROOT / "docs" / "config.md").read_text() == markdown_reference(), (
+        "run: ladle schema --markdown > docs/config.md"
+    )

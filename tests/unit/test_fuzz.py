@@ -13,12 +13,35 @@ from tests.unit.test_topology import A100_X8
 
 MINIMAL = {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}}
 HOSTS = [probe(env={}, query_output=""), probe(env={}, query_output=A100_X8)]
-PATHS = ["parallelism.gpus", "parallelism.strategy", "parallelism.cpu_processes", "parallelism.nodes", "parallelism.main_port",
-         "training.micro_batch_size", "training.global_batch_size", "training.lr", "training.dtype", "training.lora.r",
-         "training.lora.target_modules", "training.quantization.mode", "data.seq_len", "data.format", "serve.backend", "output",
-         "parallelism.fsdp2.cpu_offload", "nonsense.key", "training"]  # fmt: skip
-VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True), st.text(max_size=12),
-                   st.sampled_from(["auto", "ddp", "fsdp2", "nf4", "mii", "bfloat16", "float16", "[q_proj]", "{}", "memory://x"]))  # fmt: skip
+PATHS = [
+    "parallelism.gpus",
+    "parallelism.strategy",
+    "parallelism.cpu_processes",
+    "parallelism.nodes",
+    "parallelism.main_port",
+    "training.micro_batch_size",
+    "training.global_batch_size",
+    "training.lr",
+    "training.dtype",
+    "training.lora.r",
+    "training.lora.target_modules",
+    "training.quantization.mode",
+    "data.seq_len",
+    "data.format",
+    "serve.backend",
+    "output",
+    "parallelism.fsdp2.cpu_offload",
+    "nonsense.key",
+    "training",
+]
+VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=True),
+    st.text(max_size=12),
+    st.sampled_from(["auto", "ddp", "fsdp2", "nf4", "mii", "bfloat16", "float16", "[q_proj]", "{}", "memory://x"]),
+)
 
 
 @given(st.one_of(st.text(max_size=8), st.integers(-1000, 1000), st.booleans(), st.floats(), st.none()))
@@ -31,7 +54,11 @@ def test_gpus_parse_or_value_error(value):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(PATHS), VALUES), max_size=5), st.sampled_from([0, 1]), st.one_of(st.none(), st.text(max_size=5)))
+@given(
+    st.lists(st.tuples(st.sampled_from(PATHS), VALUES), max_size=5),
+    st.sampled_from([0, 1]),
+    st.one_of(st.none(), st.text(max_size=5)),
+)
 def test_configs_plan_or_fail_cleanly(overrides, host, gpus):
     sets = [f"{path}={value}" for path, value in overrides]
     try:

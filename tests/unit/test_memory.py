@@ -11,8 +11,12 @@ from ladle.params import count_params
 from tests.unit.test_params import LLAMA3_8B, MISTRAL_7B, QWEN2_7B
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-MODELS = [LLAMA3_8B, QWEN2_7B, MISTRAL_7B, {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
-                                             "num_hidden_layers": 80, "num_attention_heads": 64}]  # the last is Llama-3-70B's shape
+MODELS = [
+    LLAMA3_8B,
+    QWEN2_7B,
+    MISTRAL_7B,
+    {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64},
+]  # the last is Llama-3-70B's shape
 LAYOUTS = [(1, 1), (8, 1), (4, 2), (8, 4)]
 
 

@@ -26,7 +26,9 @@ class RecordedNVML:
     NVML_FEATURE_ENABLED = 1
     NVMLError = NVMLError
 
-    def __init__(self, name: str, memory_gib: int, cc: tuple[int, int], links: list[list], ancestor: list[list[int]] | None):
+    def __init__(
+        self, name: str, memory_gib: int, cc: tuple[int, int], links: list[list], ancestor: list[list[int]] | None
+    ):
         self.name, self.memory, self.cc, self.links, self.ancestor = name, memory_gib * 2**30, cc, links, ancestor
 
     def nvmlDeviceGetCount(self):
@@ -68,15 +70,23 @@ class RecordedNVML:
 
 
 H100_SXM = RecordedNVML("NVIDIA H100 80GB HBM3", 80, (9, 0), [["switch"] * 18 for _ in range(8)], None)
-BRIDGED_4 = RecordedNVML("NVIDIA RTX A6000", 48, (8, 6), [[1] * 4, [0] * 4, [3] * 4, [2] * 4],
-                         [[0, 0, 30, 30], [0, 0, 30, 30], [30, 30, 0, 0], [30, 30, 0, 0]])  # fmt: skip
+BRIDGED_4 = RecordedNVML(
+    "NVIDIA RTX A6000",
+    48,
+    (8, 6),
+    [[1] * 4, [0] * 4, [3] * 4, [2] * 4],
+    [[0, 0, 30, 30], [0, 0, 30, 30], [30, 30, 0, 0], [30, 30, 0, 0]],
+)
 CONSUMER = RecordedNVML("NVIDIA GeForce RTX 4090", 24, (8, 9), [[], []], [[0, 30], [30, 0]])
 
 FACTS = ("gpu_count", "links", "all_pairs_nvlink", "nvlink_groups", "min_nvlink_bonds", "interconnect")
 
 
-@pytest.mark.parametrize(("nvml", "matrix"), [(H100_SXM, NVSWITCH_8), (BRIDGED_4, PAIRS_4), (CONSUMER, CONSUMER_2)],
-                         ids=["nvswitch-8", "bridged-pairs-4", "consumer-2"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("nvml", "matrix"),
+    [(H100_SXM, NVSWITCH_8), (BRIDGED_4, PAIRS_4), (CONSUMER, CONSUMER_2)],
+    ids=["nvswitch-8", "bridged-pairs-4", "consumer-2"],
+)
 def test_nvml_gives_the_same_facts_as_the_matrix(nvml, matrix):
     topo = probe(env={}, nvml=nvml)
     expected = parse(matrix).model_dump()

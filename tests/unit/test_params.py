@@ -6,28 +6,84 @@ import pytest
 
 from ladle.params import FAMILIES, count_params, lora_params, meta_count
 
-SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "vocab_size": 128, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 EXTRA = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
-                  "decoder_sparse_step": 1, "mlp_only_layers": [1]},
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [0]},
-    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
-                    "first_k_dense_replace": 1, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
-                    "qk_nope_head_dim": 8, "v_head_dim": 8, "n_group": 2, "topk_group": 1},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    },
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+    },
+    "deepseek_v3": {
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "n_group": 2,
+        "topk_group": 1,
+    },
     "gemma2": {"head_dim": 16},
     "llama": {"tie_word_embeddings": True, "attention_bias": True},
     "qwen3": {"head_dim": 24},
-}  # fmt: skip
+}
 
 # Published hyperparameters of real models (from their config.json files).
-LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}
-QWEN2_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-            "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
-MISTRAL_7B = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "tie_word_embeddings": False}  # fmt: skip
+LLAMA3_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
+QWEN2_7B = {
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
+MISTRAL_7B = {
+    "model_type": "mistral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -38,14 +94,18 @@ def test_formula_matches_meta_instantiation(family):
     assert counted == meta_count(config)
 
 
-@pytest.mark.parametrize("config, published", [(LLAMA3_8B, 8_030_261_248), (QWEN2_7B, 7_615_616_512), (MISTRAL_7B, 7_241_732_096)])
+@pytest.mark.parametrize(
+    "config, published", [(LLAMA3_8B, 8_030_261_248), (QWEN2_7B, 7_615_616_512), (MISTRAL_7B, 7_241_732_096)]
+)
 def test_real_configs(config, published):
     counted, _ = count_params(config)
     assert counted == published == meta_count(config)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "phi3", "deepseek_v3", "mixtral"])
-@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "all-linear", ["o_proj", "down_proj", "qkv_proj", "kv_b_proj"]])
+@pytest.mark.parametrize(
+    "targets", [["q_proj", "v_proj"], "all-linear", ["o_proj", "down_proj", "qkv_proj", "kv_b_proj"]]
+)
 def test_lora_counts_match_peft(family, targets):
     import torch
     from peft import LoraConfig, get_peft_model

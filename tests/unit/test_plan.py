@@ -82,17 +82,29 @@ def test_memory_output_rejected():
 def test_fsdp2_is_selectable_and_carries_its_options():
     plan = plan_for(CPU, "parallelism.strategy=fsdp2", "parallelism.fsdp2.reshard_after_forward=false")
     assert plan.strategy == "fsdp2"
-    assert plan.strategy_options == {"reshard_after_forward": False, "cpu_offload": False, "replicate": 1, "compile": False}
-    assert "--multi_gpu" in plan.launcher_argv(["spec.json"])  # fully_shard is applied by ladle, not accelerate's plugin
+    assert plan.strategy_options == {
+        "reshard_after_forward": False,
+        "cpu_offload": False,
+        "replicate": 1,
+        "compile": False,
+    }
+    assert "--multi_gpu" in plan.launcher_argv(
+        ["spec.json"]
+    )  # fully_shard is applied by ladle, not accelerate's plugin
 
 
 def test_fsdp2_cpu_offload_needs_cuda():
-    with pytest.raises(ConfigError, match=r"parallelism.fsdp2.cpu_offload = true: .*Set parallelism.fsdp2.cpu_offload=false"):
+    with pytest.raises(
+        ConfigError, match=r"parallelism.fsdp2.cpu_offload = true: .*Set parallelism.fsdp2.cpu_offload=false"
+    ):
         plan_for(CPU, "parallelism.strategy=fsdp2", "parallelism.fsdp2.cpu_offload=true")
 
 
 def test_unknown_strategy_lists_the_choices():
-    with pytest.raises(ConfigError, match=r"parallelism.strategy = \"zero9\": Input should be 'auto', 'ddp', 'zero1', 'zero2', 'zero3', 'zero\+\+', 'fsdp2', 'pipeline' or 'tp'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parallelism.strategy = \"zero9\": Input should be 'auto', 'ddp', 'zero1', 'zero2', 'zero3', 'zero\+\+', 'fsdp2', 'pipeline' or 'tp'",
+    ):
         plan_for(CPU, "parallelism.strategy=zero9")
 
 
@@ -104,13 +116,24 @@ def ds_config(topo, *overrides, gpus=None):
 def test_zero_renders_a_deepspeed_config_that_deepspeed_accepts(stage):
     from ladle.strategies.deepspeed import validate_with_deepspeed
 
-    plan = plan_for(A100, f"parallelism.strategy=zero{stage}", "training.global_batch_size=64", "training.max_grad_norm=0.5")
+    plan = plan_for(
+        A100, f"parallelism.strategy=zero{stage}", "training.global_batch_size=64", "training.max_grad_norm=0.5"
+    )
     config = plan.launcher_config
     assert config["zero_optimization"]["stage"] == stage
-    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (64, 4, 2)
+    assert (
+        config["train_batch_size"],
+        config["train_micro_batch_size_per_gpu"],
+        config["gradient_accumulation_steps"],
+    ) == (64, 4, 2)
     assert config["gradient_clipping"] == 0.5 and config["bf16"] == {"enabled": True}
-    integers = ("reduce_bucket_size", "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                "stage3_prefetch_bucket_size")  # fmt: skip
+    integers = (
+        "reduce_bucket_size",
+        "sub_group_size",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "stage3_prefetch_bucket_size",
+    )
     for key in integers:
         if key in config["zero_optimization"]:
             assert type(config["zero_optimization"][key]) is int, key
@@ -127,13 +150,22 @@ def test_deepspeed_config_model_rejects_what_deepspeed_rejects():
 
 
 def test_zero_offload_renders_and_needs_cuda():
-    zero = ds_config(A100, "parallelism.strategy=zero3", "parallelism.deepspeed.offload_optimizer=cpu",
-                     "parallelism.deepspeed.offload_param=nvme", "parallelism.deepspeed.nvme_path=/nvme")["zero_optimization"]  # fmt: skip
+    zero = ds_config(
+        A100,
+        "parallelism.strategy=zero3",
+        "parallelism.deepspeed.offload_optimizer=cpu",
+        "parallelism.deepspeed.offload_param=nvme",
+        "parallelism.deepspeed.nvme_path=/nvme",
+    )["zero_optimization"]
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert zero["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme"}
     with pytest.raises(ConfigError) as err:
-        plan_for(CPU, "parallelism.strategy=zero2", "parallelism.deepspeed.offload_optimizer=cpu",
-                 "parallelism.deepspeed.offload_param=nvme")  # fmt: skip
+        plan_for(
+            CPU,
+            "parallelism.strategy=zero2",
+            "parallelism.deepspeed.offload_optimizer=cpu",
+            "parallelism.deepspeed.offload_param=nvme",
+        )
     text = str(err.value)
     assert "parallelism.deepspeed.offload_optimizer = cpu: offloading moves state off CUDA devices" in text
     assert "offload_param = nvme: needs a folder" in text
@@ -144,12 +176,21 @@ def test_zeropp_on_gpus_quantizes_and_resolves_the_bf16_conflict():
     bf16 = plan_for(A100, "parallelism.strategy=zero_pp")
     zero = bf16.launcher_config["zero_optimization"]
     assert bf16.strategy == "zero++" and zero["stage"] == 3
-    assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"], zero["zero_hpz_partition_size"]) == (False, True, 1)
+    assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"], zero["zero_hpz_partition_size"]) == (
+        False,
+        True,
+        1,
+    )
     assert any("quantized weights off (auto): bfloat16 run" in r for r in bf16.reasons)
     fp16 = plan_for(A100, "parallelism.strategy=zero++", "training.dtype=float16").launcher_config["zero_optimization"]
     assert fp16["zero_quantized_weights"] is True
     with pytest.raises(ConfigError, match=r"quantized_weights = true with training.dtype = bfloat16: qwZ dequantizes"):
-        plan_for(A100, "parallelism.strategy=zero++", "training.dtype=bfloat16", "parallelism.deepspeed.quantized_weights=true")
+        plan_for(
+            A100,
+            "parallelism.strategy=zero++",
+            "training.dtype=bfloat16",
+            "parallelism.deepspeed.quantized_weights=true",
+        )
     with pytest.raises(ConfigError, match=r"quantized_gradients = true: ZeRO\+\+ quantization runs DeepSpeed's CUDA"):
         plan_for(CPU, "parallelism.strategy=zero++", "parallelism.deepspeed.quantized_gradients=true")
 
@@ -172,28 +213,42 @@ def problems_of(topo, *overrides, gpus=None) -> str:
 
 def test_fsdp2_compile_needs_fsdp2_and_cuda_and_deepspeed_compile_is_rejected():
     assert "per-block torch.compile is supported on CUDA only" in problems_of(
-        CPU, "parallelism.strategy=fsdp2", "parallelism.fsdp2.compile=true")
+        CPU, "parallelism.strategy=fsdp2", "parallelism.fsdp2.compile=true"
+    )
     text = problems_of(A100, "parallelism.strategy=zero3", "parallelism.fsdp2.compile=true")
-    assert "parallelism.fsdp2.compile = true with parallelism.strategy = zero3: DeepSpeed with torch.compile is rejected" in text
-    assert "compile is wired for fsdp2 only, not ddp" in problems_of(A100, "parallelism.strategy=ddp", "parallelism.fsdp2.compile=true")
+    assert (
+        "parallelism.fsdp2.compile = true with parallelism.strategy = zero3: DeepSpeed with torch.compile is rejected"
+        in text
+    )
+    assert "compile is wired for fsdp2 only, not ddp" in problems_of(
+        A100, "parallelism.strategy=ddp", "parallelism.fsdp2.compile=true"
+    )
     made = plan_for(A100, "parallelism.strategy=fsdp2", "parallelism.fsdp2.compile=true")
     assert made.strategy_options["compile"] is True
 
 
 def test_pipeline_validators():
     assert "parallelism.pipeline.stages = 1: a pipeline needs at least 2 stages" in problems_of(
-        A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=1", gpus="1")
+        A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=1", gpus="1"
+    )
     assert "Set parallelism.pipeline.allow_cpu=true" in problems_of(CPU, "parallelism.strategy=pipeline")
-    more = problems_of(T4, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4", "training.global_batch_size=16")
+    more = problems_of(
+        T4, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4", "training.global_batch_size=16"
+    )
     assert "parallelism.pipeline.stages = 4: ladle runs one pipeline, one stage per process, but the plan has 2" in more
     assert "--set parallelism.pipeline.stages=2" in more
     fewer = problems_of(A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4", gpus="8")
     assert "Train on 4 GPUs: --gpus 4 (or --gpus auto)" in fewer
-    adapted = plan_for(A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4", "training.global_batch_size=16")
-    assert adapted.world_size == 4 and any("--gpus auto adapts to one pipeline of 4 stages" in r for r in adapted.reasons)
+    adapted = plan_for(
+        A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4", "training.global_batch_size=16"
+    )
+    assert adapted.world_size == 4 and any(
+        "--gpus auto adapts to one pipeline of 4 stages" in r for r in adapted.reasons
+    )
     assert adapted.gradient_accumulation == 4  # 16 rows / 4 micro: the microbatches of one pipeline
     assert "1f1b needs at least one microbatch per stage (2 < 4)" in problems_of(
-        A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4", "training.global_batch_size=8")
+        A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4", "training.global_batch_size=8"
+    )
     filled = plan_for(A100, "parallelism.strategy=pipeline", "parallelism.pipeline.stages=4")
     assert (filled.global_batch_size, filled.gradient_accumulation) == (16, 4)  # default: one microbatch per stage
     with pytest.raises(ConfigError, match="Input should be less than or equal to 16"):
@@ -201,8 +256,12 @@ def test_pipeline_validators():
 
 
 def test_qlora_with_sharding_needs_float_storage():
-    text = problems_of(A100, "parallelism.strategy=fsdp2", "training.quantization.mode=nf4",
-                       "training.quantization.storage_dtype=uint8")  # fmt: skip
+    text = problems_of(
+        A100,
+        "parallelism.strategy=fsdp2",
+        "training.quantization.mode=nf4",
+        "training.quantization.storage_dtype=uint8",
+    )
     assert "training.quantization.storage_dtype = uint8 with parallelism.strategy = fsdp2" in text
     assert plan_for(A100, "parallelism.strategy=fsdp2", "training.quantization.mode=nf4").strategy == "fsdp2"
 
@@ -216,20 +275,35 @@ def test_config_path_with_shell_metacharacters_stays_one_argv_item():
 
 
 def test_hsdp_mesh_comes_from_the_plan():
-    made = plan_for(A100, "parallelism.strategy=fsdp2", "parallelism.fsdp2.replicate=0", "parallelism.nodes=2",
-                    "parallelism.main_port=29500")  # fmt: skip
+    made = plan_for(
+        A100,
+        "parallelism.strategy=fsdp2",
+        "parallelism.fsdp2.replicate=0",
+        "parallelism.nodes=2",
+        "parallelism.main_port=29500",
+    )
     assert made.launcher_config["mesh"] == {"replicate": 2, "shard": 8}
     assert any(r.startswith("fsdp2 HSDP mesh 2 x 8") for r in made.reasons)
     assert "parallelism.fsdp2.replicate = 3: must divide the world size 8" in problems_of(
-        A100, "parallelism.strategy=fsdp2", "parallelism.fsdp2.replicate=3")
+        A100, "parallelism.strategy=fsdp2", "parallelism.fsdp2.replicate=3"
+    )
     assert plan_for(A100, "parallelism.strategy=fsdp2").launcher_config["mesh"] == {"shard": 8}
 
 
 def test_tensor_parallel_validators():
-    assert "peft's LoRA layers cannot wrap tensor-parallel (sharded) projections" in problems_of(A100, "parallelism.strategy=tp")
+    assert "peft's LoRA layers cannot wrap tensor-parallel (sharded) projections" in problems_of(
+        A100, "parallelism.strategy=tp"
+    )
     cfg = build_config(MINIMAL, ["parallelism.strategy=tp", "training.lora.enabled=false"])
-    model = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 2,
-             "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 1000}  # fmt: skip
+    model = {
+        "model_type": "llama",
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "vocab_size": 1000,
+    }
     with pytest.raises(ConfigError) as err:
         make_plan(cfg, A100, model=model)
     text = str(err.value)

@@ -28,8 +28,11 @@ def handle(tmp_path, code: str) -> EmbeddedApi:
 def test_a_server_that_never_answers_runs_out_of_budget_and_is_stopped(tmp_path):
     api = handle(tmp_path, "import time; time.sleep(120)")
     proc = api.proc
-    with pytest.raises(ApiUnavailable, match=r"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS = 1: the temporary "
-                       r"Prefect API server did not answer in time .*set PREFECT_API_URL="):  # fmt: skip
+    with pytest.raises(
+        ApiUnavailable,
+        match=r"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS = 1: the temporary "
+        r"Prefect API server did not answer in time .*set PREFECT_API_URL=",
+    ):
         api.wait(1)
     assert proc.poll() is not None and api.proc is None  # stopped, not left behind
 

@@ -10,7 +10,9 @@ import psutil
 
 from ladle.processes import stop_process
 
-STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"
+STUBBORN = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"
+)
 
 
 def test_a_process_that_ignores_sigterm_is_killed_after_the_grace_period():

@@ -13,7 +13,10 @@ from ladle.plan import make_plan
 from ladle.topology import probe_file
 from tests.unit.test_topo_matrix import CONSUMER_2, NVSWITCH_8, PCIE_8
 
-MODELS = {name: read_config(f"recipes/models/{name}") for name in ("llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-32b")}
+MODELS = {
+    name: read_config(f"recipes/models/{name}")
+    for name in ("llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-32b")
+}
 
 
 @pytest.fixture(scope="module")
@@ -24,18 +27,24 @@ def machines(tmp_path_factory):
         (root / name).write_text(text)
         return probe_file(str(root / name), env={}, gpu_memory_gib=gib)
 
-    return {"8x80 nvswitch": machine(NVSWITCH_8, 80, "a"), "8x48 pcie": machine(PCIE_8, 48, "b"),
-            "2x24 pcie": machine(CONSUMER_2, 24, "c")}  # fmt: skip
+    return {
+        "8x80 nvswitch": machine(NVSWITCH_8, 80, "a"),
+        "8x48 pcie": machine(PCIE_8, 48, "b"),
+        "2x24 pcie": machine(CONSUMER_2, 24, "c"),
+    }
 
 
 def plan(machines, machine: str, model: str, kind: str, *overrides: str, nodes: int = 1):
     extra = {"full": ["training.lora.enabled=false"], "lora": [], "qlora": ["training.quantization.mode=nf4"]}[kind]
     cfg = build_config(
-        {"base": "b", "data": {"path": "d", "seq_len": 2048},
-         "training": {"micro_batch_size": 1, "gradient_checkpointing": True, "dtype": "bfloat16"},
-         "parallelism": {"nodes": nodes, "main_port": 29500}},
+        {
+            "base": "b",
+            "data": {"path": "d", "seq_len": 2048},
+            "training": {"micro_batch_size": 1, "gradient_checkpointing": True, "dtype": "bfloat16"},
+            "parallelism": {"nodes": nodes, "main_port": 29500},
+        },
         [*extra, *overrides],
-    )  # fmt: skip
+    )
     return make_plan(cfg, machines[machine], "job.yaml", model=MODELS[model])
 
 
@@ -49,15 +58,18 @@ def test_activation_coefficients_match_a_measured_llama_block(dims, dtype_name):
 
     h, i, heads, kv_heads = dims
     dtype = getattr(torch, dtype_name)
-    config = LlamaConfig(hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         num_hidden_layers=1)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=1
+    )
     config._attn_implementation = "sdpa"
     layer = LlamaDecoderLayer(config, 0).to(dtype)
     b, s = 2, 64
     x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
     positions = torch.arange(s).unsqueeze(0).expand(b, s)
     rotary = tuple(t.to(dtype) for t in LlamaRotaryEmbedding(config)(x, positions))
-    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {t.untyped_storage().data_ptr() for t in rotary}
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {
+        t.untyped_storage().data_ptr() for t in rotary
+    }
     saved: dict[int, int] = {}
 
     def pack(t):
@@ -78,13 +90,19 @@ CASES = [
     ("2x24 pcie", "llama-3.2-1b", "full", "zero1", ["optimizer state sharded", "faster ddp do not fit"]),
     ("8x80 nvswitch", "llama-3.1-8b", "full", "fsdp2", ["nvswitch: all-gathers are cheap", "faster ddp do not fit"]),
     ("8x48 pcie", "llama-3.1-8b", "full", "zero2", ["gradients sharded too", "faster ddp, zero1 do not fit"]),
-    ("8x80 nvswitch", "llama-3.1-70b", "full", "zero3", ["zero3+offload: last resort", "faster ddp, fsdp2, zero1, zero2, zero3, pipeline do not fit"]),
+    (
+        "8x80 nvswitch",
+        "llama-3.1-70b",
+        "full",
+        "zero3",
+        ["zero3+offload: last resort", "faster ddp, fsdp2, zero1, zero2, zero3, pipeline do not fit"],
+    ),
     ("8x80 nvswitch", "llama-3.1-70b", "lora", "fsdp2", ["frozen base does not fit whole", "faster ddp do not fit"]),
     ("8x80 nvswitch", "llama-3.1-70b", "qlora", "ddp", ["adapter gradients are tiny"]),
     ("8x48 pcie", "llama-3.1-70b", "qlora", "fsdp2", ["FSDP2 shards it", "faster ddp do not fit"]),
     ("8x80 nvswitch", "llama-3.1-8b", "lora", "ddp", ["adapter gradients are tiny", "within 72.0 GiB"]),
     ("2x24 pcie", "llama-3.1-8b", "qlora", "ddp", ["within 21.6 GiB usable of 24.0 GiB"]),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("machine", "model", "kind", "chosen", "words"), CASES)
@@ -136,8 +154,18 @@ def test_unknown_model_size_says_so(machines):
     assert made.strategy == "ddp" and "model size unknown" in made.reasons[1]
 
 
-@pytest.mark.parametrize("recipe", ["llama3-70b-fsdp2", "qwen3-32b-zeropp", "deepseek-v3-pipeline", "llama3-8b-lora",
-                                    "llama3-8b-qlora", "llama3.2-1b-lora", "llama3.2-1b-qlora"])  # fmt: skip
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "llama3-70b-fsdp2",
+        "qwen3-32b-zeropp",
+        "deepseek-v3-pipeline",
+        "llama3-8b-lora",
+        "llama3-8b-qlora",
+        "llama3.2-1b-lora",
+        "llama3.2-1b-qlora",
+    ],
+)
 @pytest.mark.parametrize("gib", [80, 141])
 def test_every_recipe_plans_on_recorded_8_gpu_machines(machines, recipe, gib, tmp_path):
     from ladle.config import load_config
@@ -168,18 +196,30 @@ def test_multinode_candidates_include_hsdp_sharded_per_machine(machines):
     assert "only one gradient all-reduce per step crosses the network" in by_name["fsdp2+hsdp"]["why"]
 
 
-@pytest.mark.parametrize(("machine", "model", "kind", "global_batch"),
-                         [("8x80 nvswitch", "llama-3.1-8b", "lora", 256), ("2x24 pcie", "llama-3.2-1b", "qlora", 0),
-                          ("8x48 pcie", "llama-3.1-8b", "full", 64)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("machine", "model", "kind", "global_batch"),
+    [
+        ("8x80 nvswitch", "llama-3.1-8b", "lora", 256),
+        ("2x24 pcie", "llama-3.2-1b", "qlora", 0),
+        ("8x48 pcie", "llama-3.1-8b", "full", 64),
+    ],
+)
 def test_auto_micro_batch_is_the_largest_that_fits_and_divides(machines, machine, model, kind, global_batch):
-    made = plan(machines, machine, model, kind, "training.micro_batch_size=auto",
-                f"training.global_batch_size={global_batch}")  # fmt: skip
+    made = plan(
+        machines, machine, model, kind, "training.micro_batch_size=auto", f"training.global_batch_size={global_batch}"
+    )
     micro = made.micro_batch_size
     reason = next(r for r in made.reasons if r.startswith(f"micro-batch {micro}:"))
     assert "the largest of 64/32/16/8/4/2/1 that fits" in reason
     assert made.global_batch_size == micro * made.world_size * made.gradient_accumulation
     if micro < 64:  # the next size up either does not fit or does not divide the batch
-        bigger = plan(machines, machine, model, kind, f"training.micro_batch_size={micro * 2}",
-                      f"parallelism.strategy={made.strategy}")  # fmt: skip
+        bigger = plan(
+            machines,
+            machine,
+            model,
+            kind,
+            f"training.micro_batch_size={micro * 2}",
+            f"parallelism.strategy={made.strategy}",
+        )
         bigger_fits = not any("needs" in w for w in bigger.warnings)
         assert not bigger_fits or (global_batch and global_batch % (micro * 2 * made.world_size))

@@ -20,13 +20,20 @@ Legend:
 """
 
 
-def matrix(links: list[list[str]], nics: dict[str, list[str]] | None = None, affinity: list[tuple[str, str]] | None = None,
-           gpu_numa: bool | list[str] = False, sep: str = "\t") -> str:  # fmt: skip
+def matrix(
+    links: list[list[str]],
+    nics: dict[str, list[str]] | None = None,
+    affinity: list[tuple[str, str]] | None = None,
+    gpu_numa: bool | list[str] = False,
+    sep: str = "\t",
+) -> str:
     """Render a matrix the way nvidia-smi lays it out."""
     n = len(links)
     nics = nics or {}
     names = [f"GPU{i}" for i in range(n)] + list(nics)
-    header = [""] + names + (["CPU Affinity", "NUMA Affinity"] if affinity else []) + (["GPU NUMA ID"] if gpu_numa else [])
+    header = (
+        [""] + names + (["CPU Affinity", "NUMA Affinity"] if affinity else []) + (["GPU NUMA ID"] if gpu_numa else [])
+    )
     lines = [sep.join(header)]
     for i, row in enumerate(links):
         cells = [f"GPU{i}", *row, *[nics[k][i] for k in nics]]
@@ -44,15 +51,28 @@ def full(n: int, code: str) -> list[list[str]]:
     return [["X" if i == j else code for j in range(n)] for i in range(n)]
 
 
-NVSWITCH_8 = matrix(full(8, "NV18"), nics={f"NIC{k}": ["PXB" if i // 2 == k else "SYS" for i in range(8)] for k in range(4)},
-                    affinity=[("0-47,96-143", "0")] * 4 + [("48-95,144-191", "1")] * 4, gpu_numa=True)  # fmt: skip
-PAIRS_4 = matrix([["X", "NV4", "PHB", "PHB"], ["NV4", "X", "PHB", "PHB"], ["PHB", "PHB", "X", "NV4"], ["PHB", "PHB", "NV4", "X"]],
-                 affinity=[("0-15", "0")] * 2 + [("16-31", "1")] * 2)  # fmt: skip
-PCIE_8 = matrix([["X" if i == j else "NODE" if i // 4 == j // 4 else "SYS" for j in range(8)] for i in range(8)],
-                affinity=[("0-23", "0")] * 4 + [("24-47", "1")] * 4, sep="    ")  # fmt: skip
+NVSWITCH_8 = matrix(
+    full(8, "NV18"),
+    nics={f"NIC{k}": ["PXB" if i // 2 == k else "SYS" for i in range(8)] for k in range(4)},
+    affinity=[("0-47,96-143", "0")] * 4 + [("48-95,144-191", "1")] * 4,
+    gpu_numa=True,
+)
+PAIRS_4 = matrix(
+    [["X", "NV4", "PHB", "PHB"], ["NV4", "X", "PHB", "PHB"], ["PHB", "PHB", "X", "NV4"], ["PHB", "PHB", "NV4", "X"]],
+    affinity=[("0-15", "0")] * 2 + [("16-31", "1")] * 2,
+)
+PCIE_8 = matrix(
+    [["X" if i == j else "NODE" if i // 4 == j // 4 else "SYS" for j in range(8)] for i in range(8)],
+    affinity=[("0-23", "0")] * 4 + [("24-47", "1")] * 4,
+    sep="    ",
+)
 CONSUMER_2 = matrix(full(2, "PHB"), affinity=[("0-15", "N/A")] * 2)
-MIXED_4 = matrix([["X", "NV2", "NV1", "SYS"], ["NV2", "X", "NV1", "NV2"], ["NV1", "NV1", "X", "NV2"], ["SYS", "NV2", "NV2", "X"]])
-MLX = matrix(full(2, "NV12"), nics={"mlx5_0": ["PIX", "SYS"], "mlx5_1": ["SYS", "PIX"]}, affinity=[("0-7", "0"), ("8-15", "1")])
+MIXED_4 = matrix(
+    [["X", "NV2", "NV1", "SYS"], ["NV2", "X", "NV1", "NV2"], ["NV1", "NV1", "X", "NV2"], ["SYS", "NV2", "NV2", "X"]]
+)
+MLX = matrix(
+    full(2, "NV12"), nics={"mlx5_0": ["PIX", "SYS"], "mlx5_1": ["SYS", "PIX"]}, affinity=[("0-7", "0"), ("8-15", "1")]
+)
 
 
 @pytest.mark.parametrize(
@@ -69,21 +89,35 @@ MLX = matrix(full(2, "NV12"), nics={"mlx5_0": ["PIX", "SYS"], "mlx5_1": ["SYS", 
 )
 def test_facts(text, count, interconnect, groups, bonds, numa, nics):
     topo = parse(text)
-    assert (topo.gpu_count, topo.interconnect, topo.nvlink_groups, topo.min_nvlink_bonds, topo.numa_nodes, topo.nics) == (
-        count, interconnect, groups, bonds, numa, nics)  # fmt: skip
+    assert (
+        topo.gpu_count,
+        topo.interconnect,
+        topo.nvlink_groups,
+        topo.min_nvlink_bonds,
+        topo.numa_nodes,
+        topo.nics,
+    ) == (count, interconnect, groups, bonds, numa, nics)
     assert topo.all_pairs_nvlink == (interconnect == "nvswitch")
     assert all(topo.links[i][i] == "X" for i in range(count))
 
 
 # Grace Hopper (4x GH200, NVLink between all): each GPU's NUMA Affinity is a list (its CPU's node,
 # then its memory and MIG nodes) and GPU NUMA ID is the GPU memory's own node.
-GH200_4 = matrix(full(4, "NV6"), affinity=[(f"{72 * i}-{72 * i + 71}", f"{i},{4 + 8 * i}-{11 + 8 * i}") for i in range(4)],
-                 gpu_numa=[str(4 + 8 * i) for i in range(4)])  # fmt: skip
+GH200_4 = matrix(
+    full(4, "NV6"),
+    affinity=[(f"{72 * i}-{72 * i + 71}", f"{i},{4 + 8 * i}-{11 + 8 * i}") for i in range(4)],
+    gpu_numa=[str(4 + 8 * i) for i in range(4)],
+)
 
 
 def test_grace_hopper_numa_lists_and_gpu_numa_id():
     assert parse(GH200_4).numa_nodes == [4, 12, 20, 28]  # GPU NUMA ID wins when it is a number
-    without_id = GH200_4.replace("\t4\n", "\tN/A\n").replace("\t12\n", "\tN/A\n").replace("\t20\n", "\tN/A\n").replace("\t28\n", "\tN/A\n")
+    without_id = (
+        GH200_4.replace("\t4\n", "\tN/A\n")
+        .replace("\t12\n", "\tN/A\n")
+        .replace("\t20\n", "\tN/A\n")
+        .replace("\t28\n", "\tN/A\n")
+    )
     assert parse(without_id).numa_nodes == [0, 1, 2, 3]  # else the affinity list's first node (the CPU's)
     assert parse(GH200_4).interconnect == "nvswitch"
 
@@ -102,7 +136,14 @@ def test_real_pastes(name):
     from pathlib import Path
 
     topo = parse((Path(__file__).parent / "topo_pastes" / name).read_text())
-    assert (topo.gpu_count, topo.interconnect, topo.nvlink_groups, topo.min_nvlink_bonds, topo.numa_nodes, topo.nics) == REAL_PASTES[name]
+    assert (
+        topo.gpu_count,
+        topo.interconnect,
+        topo.nvlink_groups,
+        topo.min_nvlink_bonds,
+        topo.numa_nodes,
+        topo.nics,
+    ) == REAL_PASTES[name]
 
 
 def test_ansi_codes_with_and_without_esc_byte_and_indentation():
