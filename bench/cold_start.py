@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from tests.unit.test_topo_matrix import NVSWITCH_8
+    from tests.helpers import NVSWITCH_8
 
     ladle = str(Path(sys.executable).with_name("ladle"))
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,7 +6,11 @@ import datetime as dt
 import json
 import os
 import platform
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers import train_spec  # noqa: E402, F401 - the suite's spec set-up, shared with the benches
 
 OUT = Path(__file__).resolve().parent / "out"
 

@@ -17,16 +17,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save  # noqa: E402
+from common import save, train_spec  # noqa: E402
 
-from ladle.assets import resolve_base  # noqa: E402
 from ladle.config import build_config  # noqa: E402
-from ladle.data.prepare import prepare  # noqa: E402
-from ladle.plan import make_plan  # noqa: E402
 from ladle.strategies import REGISTRY  # noqa: E402
 from ladle.topology import probe  # noqa: E402
 from ladle.train.run import launch  # noqa: E402
-from ladle.train.spec import TrainSpec  # noqa: E402
 
 
 def main() -> None:
@@ -63,14 +59,7 @@ def main() -> None:
                     },
                     [],
                 )
-                base = resolve_base(cfg.base)
-                spec = TrainSpec(
-                    config=cfg,
-                    plan=make_plan(cfg, probe()),
-                    dataset=prepare(cfg.data, base, tmp),
-                    base_dir=str(base),
-                    run_url=f"{tmp}/runs/{name}-{rep}",
-                )
+                spec = train_spec(cfg, Path(tmp), f"runs/{name}-{rep}", topo=probe())
                 result = launch(spec)
                 rows.append(
                     {

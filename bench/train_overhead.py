@@ -20,17 +20,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save  # noqa: E402
+from common import save, train_spec  # noqa: E402
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from prefect import flow  # noqa: E402
 
 from ladle import storage, tracking  # noqa: E402
-from ladle.assets import resolve_base  # noqa: E402
 from ladle.config import build_config  # noqa: E402
-from ladle.data.prepare import prepare  # noqa: E402
-from ladle.plan import make_plan  # noqa: E402
 from ladle.tasks.train import train_task  # noqa: E402
 from ladle.topology import probe  # noqa: E402
 from ladle.train.run import free_port, worker_env  # noqa: E402
@@ -79,15 +76,13 @@ def main() -> None:
             },
             [],
         )
-        plan = make_plan(cfg, probe())
-        base = resolve_base(cfg.base)
-        dataset = prepare(cfg.data, base, tmp)
+        prepared = train_spec(cfg, Path(tmp), "runs", topo=probe())
         track = tracking.start_run(cfg, None, "bench-train-overhead")
         rows = []
         for rep in range(args.reps):
             for variant in ("bare", "flow") if rep % 2 == 0 else ("flow", "bare"):
                 run_url = f"{tmp}/runs/{variant}-{rep}"
-                spec = TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(base), run_url=run_url)
+                spec = prepared.model_copy(update={"run_url": run_url})
                 result, wall = bare(spec) if variant == "bare" else through_flow(spec, track)
                 rows.append({"variant": variant, "rep": rep, "tokens_per_s": result.tokens_per_s, "stage_wall_s": wall})
                 print(f"rep {rep} {variant:<4} {result.tokens_per_s:8.0f} tok/s  stage {wall:6.2f} s", flush=True)

@@ -31,16 +31,14 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save  # noqa: E402
+from common import save, train_spec  # noqa: E402
 from prepare_vs_trl import write_inputs  # noqa: E402
 
 from ladle.assets import tiny_model_dir  # noqa: E402
 from ladle.config import build_config  # noqa: E402
-from ladle.data.prepare import prepare  # noqa: E402
 from ladle.plan import make_plan  # noqa: E402
 from ladle.topology import probe  # noqa: E402
 from ladle.train.run import free_port, launch  # noqa: E402
-from ladle.train.spec import TrainSpec  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -72,11 +70,7 @@ def ladle_config(alpaca: Path, tmp: Path, steps: int):
 
 def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int) -> dict:
     cfg = ladle_config(alpaca, tmp, steps)
-    base = tiny_model_dir()
-    dataset = prepare(cfg.data, base, str(tmp))
-    spec = TrainSpec(
-        config=cfg, plan=make_plan(cfg, probe()), dataset=dataset, base_dir=str(base), run_url=str(tmp / f"ladle-{rep}")
-    )
+    spec = train_spec(cfg, tmp, f"ladle-{rep}", topo=probe())
     result = launch(spec)
     return {
         "tokens": result.real_tokens,

@@ -33,17 +33,17 @@ def apply_blocks(
 
 @flow(name="finetune-recipe", description="Run the fine-tune pipeline on a recipe file, with overrides.")
 def finetune_recipe(
-    recipe: str = "recipes/tiny-cpu.yaml",
+    recipe: str = "tiny-cpu",
     gpus: str = "auto",
     overrides: list[str] | None = None,
     artifact_store: str | None = None,
     mlflow_server: str | None = None,
     compute: str | None = None,
 ) -> dict:
-    """Load ``recipe`` (relative to the working directory), apply ``--set``-style overrides and blocks, run.
+    """Load ``recipe`` (a YAML path relative to the working directory, or a shipped recipe name), apply ``--set``-style overrides and blocks, run.
 
     Args:
-        recipe: path of the YAML config.
+        recipe: path of the YAML config, or the name of a shipped recipe (`ladle recipes list`).
         gpus: 'auto' or 1..128.
         overrides: dotted overrides, e.g. ["training.max_steps=50"].
         artifact_store / mlflow_server / compute: names of saved ladle blocks.

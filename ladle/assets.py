@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+from importlib.resources import files
 from pathlib import Path
 
 from ladle import storage
@@ -52,13 +54,43 @@ def tiny_model_dir() -> Path:
 BUILTINS = {"tiny-llama": tiny_model_dir, "demo-alpaca": demo_data_file}
 
 
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 MODEL_CONFIGS = "models/"
+RECIPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def recipes_dir() -> Path:
+    """The shipped recipes and model configs: package data of ``ladle.recipes`` (installed with the wheel;
+    the repository's ``recipes/`` folder in a checkout)."""
+    return Path(str(files("ladle.recipes")))
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """Every shipped recipe by name."""
+    return {p.stem: p for p in sorted(recipes_dir().glob("*.yaml"))}
+
+
+def recipe_path(name: str) -> Path:
+    """The shipped recipe called ``name`` (``.yaml`` optional); names are plain words, never paths.
+
+    Raises:
+        LadleError: the name is not a recipe name, or no recipe has it.
+    """
+    stem = name.removesuffix(".yaml")
+    if not RECIPE_NAME.match(stem):
+        raise LadleError(
+            f"NAME = {name!r}: a recipe name is letters, digits, '.', '_' or '-' (no paths). See `ladle recipes list`."
+        )
+    recipes = shipped_recipes()
+    if stem not in recipes:
+        raise LadleError(
+            f"NAME = {name!r}: no such recipe. Choose one of: {', '.join(recipes)}.", details={"recipes": list(recipes)}
+        )
+    return recipes[stem]
 
 
 def shipped_model_configs() -> list[str]:
     """Names of the shipped ``config.json``-only model folders (``ladle://models/NAME``)."""
-    root = RECIPES_DIR / "models"
+    root = recipes_dir() / "models"
     return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
 
 
@@ -75,7 +107,7 @@ def resolve_builtin(url: str, field: str) -> str:
         if model not in shipped_model_configs():
             known = ", ".join(BUILTIN_SCHEME + MODEL_CONFIGS + m for m in shipped_model_configs())
             raise LadleError(f"{field} = {url!r}: no such shipped model config. Use one of {known}.")
-        return str(RECIPES_DIR / "models" / model)
+        return str(recipes_dir() / "models" / model)
     if name not in BUILTINS:
         known = ", ".join(BUILTIN_SCHEME + k for k in BUILTINS)
         raise LadleError(f"{field} = {url!r}: unknown built-in asset. Use one of {known}.")

@@ -12,16 +12,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, field_validator
 
+from ladle import strategies
 from ladle.errors import ConfigError, LadleError
+from ladle.schema import Section
+from ladle.serve import backends
 
 SCHEMA_VERSION = 1
 MAX_GPU_COUNT = 128
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class DataConfig(Section):
@@ -137,96 +136,41 @@ class TrainingConfig(Section):
 GpuCount = Annotated[int, Field(ge=1, le=MAX_GPU_COUNT)]
 
 
-class DDPOptions(Section):
-    bucket_cap_mb: int = Field(25, ge=1, description="DDP gradient bucket size in MiB.")
-    find_unused_parameters: bool = Field(False, description="Let DDP tolerate parameters without gradients.")
+def registry_choices(registry: dict, preamble: str, first: tuple[str, ...] = ()):
+    """A ``json_schema_extra`` that lists ``registry``'s names (and aliases) when a schema is generated,
+    so a strategy or backend registered after import is documented and offered like the shipped ones."""
+
+    def extra(schema: dict) -> None:
+        items = [f"{name}{alias_note(obj)}: {obj.summary}" for name, obj in registry.items()]
+        schema["enum"] = [*first, *registry]
+        schema["description"] = preamble + "; ".join(items) + "."
+
+    return extra
 
 
-class FSDP2Options(Section):
-    reshard_after_forward: bool = Field(
-        True, description="Free each layer's gathered parameters after its forward (less memory, one more all-gather)."
-    )
-    cpu_offload: bool = Field(False, description="Keep parameters and optimizer state in CPU memory (CUDA runs only).")
-    replicate: int = Field(
-        1,
-        ge=0,
-        le=1024,
-        description="HSDP: replica groups (data-parallel replicate degree); parameters are "
-        "sharded within each group of world/replicate ranks and gradients all-reduced across groups. 1: plain "
-        "FSDP (shard over all ranks). 0: one group per machine (shard inside the node, replicate across nodes).",
-    )
-    compile: bool = Field(
-        False,
-        description="use_fsdp2_compile: torch.compile each decoder block in place before sharding (CUDA, "
-        "torch >= 2.2, accelerate >= 0.27). FSDP2 only; DeepSpeed with torch.compile is rejected.",
-    )
+def alias_note(obj) -> str:
+    aliases = getattr(obj, "aliases", ())
+    return f" (alias {', '.join(aliases)})" if aliases else ""
 
 
-ZERO_STRATEGIES = ("zero1", "zero2", "zero3", "zero++")
-STRATEGY_ALIASES = {"zero_pp": "zero++", "zeropp": "zero++", "zero-pp": "zero++"}
+def choice_error(value: Any, choices: list[str]) -> ValueError:
+    """The message pydantic gives a ``Literal`` field, for a field whose choices come from a registry."""
+    quoted = [repr(c) for c in choices]
+    return ValueError(f"Input should be {', '.join(quoted[:-1])} or {quoted[-1]}")
 
 
-class DeepSpeedOptions(Section):
-    offload_optimizer: Literal["none", "cpu", "nvme"] = Field(
-        "none", description="ZeRO-Offload of optimizer state (and its step) to CPU or NVMe. CUDA runs only."
-    )
-    offload_param: Literal["none", "cpu", "nvme"] = Field(
-        "none", description="ZeRO-Infinity parameter offload to CPU or NVMe. Stage 3 (zero3, zero++) and CUDA only."
-    )
-    nvme_path: str | None = Field(None, description="Local NVMe folder for `nvme` offload.")
-    overlap_comm: bool = Field(True, description="Overlap gradient reduction with the backward pass.")
-    reduce_bucket_size: int = Field(
-        500_000_000, ge=1, description="Elements reduced per bucket (written to the DeepSpeed JSON as an integer)."
-    )
-    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, description="Stage 3: elements prefetched ahead.")
-    stage3_max_live_parameters: int = Field(
-        1_000_000_000, ge=0, description="Stage 3: gathered parameters kept alive before release, in elements."
-    )
-    stage3_max_reuse_distance: int = Field(
-        1_000_000_000, ge=0, description="Stage 3: keep a gathered parameter if it is reused within this many elements."
-    )
-    sub_group_size: int = Field(1_000_000_000, ge=1, description="Stage 3: optimizer step sub-group, in elements.")
-    hpz_partition_size: int = Field(
-        0,
-        ge=0,
-        le=1024,
-        description="ZeRO++ hpZ secondary weight partition (ranks). 0: processes per machine "
-        "on a multi-machine run, off (1) on one machine. Must divide the world size.",
-    )
-    quantized_weights: bool | None = Field(
-        None,
-        description="ZeRO++ qwZ (int8 weight all-gather). null: on for CUDA float16/float32 runs, off with "
-        "bfloat16 (its dequantized weights come back as float16) and on CPU (no CUDA quantizer kernels).",
-    )
-    quantized_gradients: bool | None = Field(
-        None, description="ZeRO++ qgZ (int4 gradient reduce-scatter). null: on for CUDA runs, off on CPU."
-    )
+STRATEGY_PREAMBLE = "Distribution strategy. auto: the planner chooses and says why. "
 
 
-class PipelineOptions(Section):
-    stages: int = Field(2, ge=1, le=16, description="Pipeline stages (pipeline_stages), one per process; >= 2.")
-    schedule: Literal["1f1b", "gpipe"] = Field(
-        "1f1b",
-        description="1f1b: one-forward-one-backward, activations of at most `stages` microbatches alive; "
-        "gpipe: all forwards, then all backwards.",
-    )
-    allow_cpu: bool = Field(
-        False, description="Run the stages as CPU gloo processes (for testing on a machine without GPUs)."
-    )
-
-
-class ParallelismConfig(Section):
+class ParallelismBase(Section):
     gpus: Literal["auto"] | GpuCount = Field(
         "auto",
         description=f"GPUs to train on: `auto` (all visible; a CPU run when there are none) or 1..{MAX_GPU_COUNT}.",
     )
-    strategy: Literal["auto", "ddp", "zero1", "zero2", "zero3", "zero++", "fsdp2", "pipeline", "tp"] = Field(
+    strategy: str = Field(
         "auto",
-        description="Distribution strategy. auto: the planner chooses and says why. ddp: full replica per rank; "
-        "zero1/zero2/zero3: DeepSpeed ZeRO sharding optimizer state / + gradients / + parameters; zero++ "
-        "(alias zero_pp): ZeRO-3 with quantized communication and hpZ; fsdp2: torch fully_shard per decoder layer; "
-        "pipeline: decoder layers split into stages (torch.distributed.pipelining); tp: tensor parallel (transformers "
-        "tp_plan), full fine-tunes.",
+        description=STRATEGY_PREAMBLE + "Any registered strategy (`ladle schema --markdown` lists them).",
+        json_schema_extra=registry_choices(strategies.REGISTRY, STRATEGY_PREAMBLE, ("auto",)),
     )
     cpu_processes: int = Field(
         2, ge=1, le=64, description="Processes per machine for a CPU (gloo) run, used when no GPU is present."
@@ -244,17 +188,14 @@ class ParallelismConfig(Section):
     main_port: int = Field(
         0, ge=0, le=65535, description="Rendezvous port on the main machine. 0: a free port (single machine only)."
     )
-    ddp: DDPOptions = Field(default_factory=DDPOptions, description="DDP options.")
-    fsdp2: FSDP2Options = Field(default_factory=FSDP2Options, description="FSDP2 options.")
-    pipeline: PipelineOptions = Field(default_factory=PipelineOptions, description="Pipeline-parallel options.")
-    deepspeed: DeepSpeedOptions = Field(
-        default_factory=DeepSpeedOptions, description="DeepSpeed ZeRO options (zero1, zero2, zero3, zero++)."
-    )
 
     @field_validator("strategy", mode="before")
     @classmethod
-    def _alias_strategy(cls, value: Any) -> Any:
-        return STRATEGY_ALIASES.get(value, value) if isinstance(value, str) else value
+    def _known_strategy(cls, value: Any) -> Any:
+        name = strategies.resolve(value) if isinstance(value, str) else None
+        if name is None and value != "auto":
+            raise choice_error(value, ["auto", *strategies.REGISTRY])
+        return name or value
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -262,9 +203,32 @@ class ParallelismConfig(Section):
         return parse_gpus(value)
 
 
+def options_fields() -> dict[str, Any]:
+    """One field per strategy options section (``parallelism.deepspeed`` ...), owned by the strategies."""
+    fields = {}
+    for section, owner in strategies.sections().items():
+        users = ", ".join(s.name for s in strategies.REGISTRY.values() if s.options_section == section)
+        model = owner.options_model
+        fields[section] = (model, Field(default_factory=model, description=f"Options of {users}."))
+    return fields
+
+
+ParallelismConfig = create_model(
+    "ParallelismConfig",
+    __base__=ParallelismBase,
+    __doc__="GPUs, processes and the strategy, with each strategy's options section.",
+    **options_fields(),
+)
+
+
+BACKEND_PREAMBLE = "Inference backend. "
+
+
 class ServeConfig(Section):
-    backend: Literal["transformers", "mii"] = Field(
-        "transformers", description="Inference backend. `mii` (DeepSpeed-MII) needs CUDA GPUs."
+    backend: str = Field(
+        default_factory=lambda: next(iter(backends.REGISTRY)),  # the first registered: runs anywhere
+        description=BACKEND_PREAMBLE + "Any registered backend (`ladle schema --markdown` lists them).",
+        json_schema_extra=registry_choices(backends.REGISTRY, BACKEND_PREAMBLE),
     )
     host: str = Field("127.0.0.1", description="Address the server binds.")
     port: int = Field(0, ge=0, le=65535, description="Port. 0: pick a free one.")
@@ -281,6 +245,13 @@ class ServeConfig(Section):
         description="Leave the server running after the smoke request (its PID is reported). "
         "false: stop it when the pipeline ends.",
     )
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _known_backend(cls, value: Any) -> Any:
+        if not isinstance(value, str) or value not in backends.REGISTRY:
+            raise choice_error(value, list(backends.REGISTRY))
+        return value
 
 
 class EvalConfig(Section):
@@ -370,15 +341,23 @@ def _short(value: Any) -> str:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None, gpus: str | None = None) -> LadleConfig:
-    """Load a YAML config, apply ``--set`` overrides and ``--gpus``, validate.
+    """Load a YAML config (a file, or a shipped recipe by name), apply ``--set`` overrides and ``--gpus``, validate.
 
     Raises:
         LadleError: the file is missing or not YAML.
         ConfigError: the tree does not validate (every problem listed).
     """
+    from ladle.assets import shipped_recipes
+
     path = Path(path)
     if not path.is_file():
-        raise LadleError(f"config = {str(path)!r}: no such file. Pass the path of a YAML config (see recipes/).")
+        recipe = shipped_recipes().get(str(path).removesuffix(".yaml"))
+        if recipe is None:
+            raise LadleError(
+                f"config = {str(path)!r}: no such file. Pass the path of a YAML config, or the name of a shipped "
+                "recipe (`ladle recipes list`)."
+            )
+        path = recipe
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
@@ -474,8 +453,12 @@ def _reference_rows(model: type[BaseModel], prefix: str) -> list[str]:
         default = (
             "required" if field.is_required() else json.dumps(field.get_default(call_default_factory=True), default=str)
         )
-        kind = _type_name(annotation).replace("|", "\\|")
-        rows.append(f"| `{path}` | {kind} | `{default}` | {field.description} |")
+        kind, description = _type_name(annotation), field.description
+        if callable(field.json_schema_extra):  # choices from a registry, listed as they are now
+            schema = {"description": description}
+            field.json_schema_extra(schema)
+            kind, description = " | ".join(schema["enum"]), schema["description"]
+        rows.append(f"| `{path}` | {kind.replace('|', chr(92) + '|')} | `{default}` | {description} |")
     return rows
 
 

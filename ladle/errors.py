@@ -14,11 +14,18 @@ class LadleError(Exception):
     The message follows ``<field.path> = <value>: <what is wrong>. <how to fix>.``
     ``details`` holds what was computed before the failure (bad rows, plan
     candidates, ...); ``--json`` commands add it to their failure object.
+    ``exit_code`` is the CLI's: 2 for bad input (the default), 1 for a run that failed.
     """
 
-    def __init__(self, message: str, *, details: dict | None = None):
+    def __init__(self, message: str, *, details: dict | None = None, exit_code: int = 2):
         super().__init__(message)
         self.details: dict = details or {}
+        self.exit_code = exit_code
+
+    def add_details(self, **computed) -> LadleError:
+        """Attach what the caller computed before the failure (the error's own details win); returns self."""
+        self.details = {**computed, **self.details}
+        return self
 
 
 class ConfigError(LadleError):

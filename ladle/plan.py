@@ -10,14 +10,19 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
-from ladle import strategies
+from ladle import sizing, strategies
 from ladle.config import LadleConfig
 from ladle.errors import ConfigError, LadleError
+from ladle.serve import backends
+from ladle.strategies import Candidate, Strategy, Target
 from ladle.topology import Topology
+
+T = TypeVar("T")
 
 DEFAULT_PORT = 29500
 
@@ -168,153 +173,163 @@ def local_model_config(cfg: LadleConfig, override: str | None = None) -> dict | 
     return read_config(base) if Path(base, "config.json").is_file() else None
 
 
+@dataclass(frozen=True)
+class Decision(Generic[T]):
+    """One planning step's result: its value, why, and what it warns about, refuses or lets win."""
+
+    value: T
+    reasons: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The strategy to run, the option values the sizing set for it, and every candidate it weighed."""
+
+    strategy: Strategy
+    updates: dict[str, Any]
+    candidates: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Sized:
+    """A candidate with its per-rank memory on this machine."""
+
+    candidate: Candidate
+    estimate: sizing.Estimate
+    fits: bool
+
+    def row(self, why: str | None = None) -> dict[str, Any]:
+        est = self.estimate
+        return {
+            "strategy": est.strategy,
+            "per_rank_gib": round(est.total / sizing.GIB, 2),
+            "fits": self.fits,
+            "breakdown": est.summary(),
+            "why": why or self.candidate.why,
+        }
+
+
 def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", model: dict | None = None) -> Plan:
     """Decide world size, strategy, batch layout and dtype for ``cfg`` on ``topo``.
 
     ``model`` is the base's ``config.json``; with it the strategy is sized by the memory model
-    (``ladle.sizing``), without it ``auto`` means DDP and the plan says the size was unknown.
+    (each strategy's ``estimate``), without it ``auto`` means the default strategy and the plan
+    says the size was unknown.
 
     Raises:
         ConfigError: every problem found, each with its field, value and fix.
     """
-    problems: list[str] = []
-    reasons: list[str] = []
-    overrides: list[str] = []
-    warnings = list(topo.warnings)
-    device, per_machine = choose_world(cfg, topo, config_ref, problems, reasons, warnings)
-    nodes = choose_nodes(cfg, topo, problems, reasons)
-    world = per_machine * nodes
-    dtype = choose_dtype(cfg, topo, device, [], [])
-    candidates: list[dict] = []
-    strategy, adjust = choose_strategy(
-        cfg, topo, device, per_machine, nodes, dtype, model, reasons, overrides, warnings, problems, candidates
+    world = choose_world(cfg, topo, config_ref)
+    device, asked = world.value
+    nodes = choose_nodes(cfg, topo)
+    dtype = choose_dtype(cfg, topo, device)
+    chosen = choose_strategy(cfg, topo, Target(device, asked, nodes.value, dtype.value), model)
+    strategy = chosen.value.strategy
+    cfg = strategy.with_options(cfg, chosen.value.updates)  # a copy: the caller's config is left as it was
+    options = strategy.options(cfg)
+    per_machine, adapted = strategy.processes(cfg, device, asked)
+    layout = Decision(per_machine, (adapted,) if adapted else ())
+    target = Target(device, per_machine, nodes.value, dtype.value)
+    replicas = strategy.data_parallel_degree(target.world_size, options)
+    micro = choose_micro(cfg, topo, target, model, strategy, replicas)
+    batch = choose_batch(cfg, micro.value, replicas, strategy.default_accumulation(options))
+    accumulation, global_batch = batch.value
+    checks = Decision(
+        None,
+        problems=(
+            *check_strategy(cfg, topo, target, model, strategy, micro.value, accumulation, global_batch),
+            *check_features(cfg, device, strategy),
+        ),
     )
-    if adjust:  # settings the sizing chose (recorded in the reasons); the caller's config is left as it was
-        cfg = cfg.model_copy(deep=True)
-        for section, field, value in adjust:
-            setattr(getattr(cfg.parallelism, section), field, value)
-    if (
-        strategy == "pipeline"
-        and device == "cuda"
-        and cfg.parallelism.gpus == "auto"
-        and per_machine > cfg.parallelism.pipeline.stages
-    ):
-        per_machine = world = cfg.parallelism.pipeline.stages
-        reasons.append(f"{per_machine} process(es): --gpus auto adapts to one pipeline of {per_machine} stages")
-    problems += strategies.get(strategy).validate(cfg, topo, world)
-    if model is not None:
-        problems += strategies.get(strategy).validate_model(model, world)
-    if cfg.parallelism.fsdp2.compile and strategy != "fsdp2":
-        what = (
-            "DeepSpeed with torch.compile is rejected (its engine hooks break under compiled graphs)"
-            if strategy.startswith("zero")
-            else f"compile is wired for fsdp2 only, not {strategy}"
-        )
-        problems.append(
-            f"parallelism.fsdp2.compile = true with parallelism.strategy = {strategy}: {what}. "
-            "Set parallelism.strategy=fsdp2 or parallelism.fsdp2.compile=false."
-        )
-    replicas = 1 if strategy in ("pipeline", "tp") else world  # a pipeline's or tp group's ranks share one batch
-    micro = choose_micro(cfg, topo, device, per_machine, nodes, dtype, model, strategy, replicas, reasons, warnings)
-    # With no global batch asked for, one pipeline gets one microbatch per stage (what 1F1B needs to fill it).
-    fill = cfg.parallelism.pipeline.stages if strategy == "pipeline" else 1
-    micro, accum, global_batch = choose_batch(cfg, micro, replicas, problems, reasons, default_accumulation=fill)
-    if (
-        strategy == "pipeline"
-        and cfg.parallelism.pipeline.schedule == "1f1b"
-        and accum < cfg.parallelism.pipeline.stages
-    ):
-        problems.append(
-            f"training.global_batch_size = {global_batch}: 1f1b needs at least one microbatch per stage "
-            f"({accum} < {cfg.parallelism.pipeline.stages}). Use global_batch_size="
-            f"{micro * cfg.parallelism.pipeline.stages} or more, or parallelism.pipeline.schedule=gpipe."
-        )
-    dtype = choose_dtype(cfg, topo, device, problems, reasons)
-    problems += check_device_features(cfg, device)
+    steps = (world, nodes, chosen, layout, micro, batch, dtype, checks)
+    reasons = [r for step in steps for r in step.reasons]
+    warnings = [*topo.warnings, *(w for step in steps for w in step.warnings)]
+    problems = [p for step in steps for p in step.problems]
+    candidates = list(chosen.value.candidates)
     if problems:
         # What was decided so far travels with the error: `ladle plan --json` shows why nothing fits.
         raise ConfigError(
             problems,
             details={
                 "device": device,
-                "world_size": world,
-                "dtype": dtype,
+                "world_size": target.world_size,
+                "dtype": dtype.value,
                 "reasons": reasons,
                 "warnings": warnings,
                 "candidates": candidates,
             },
         )
     plan = Plan(
-        strategy=strategy,
-        strategy_options=strategy_options(cfg, strategy),
+        strategy=strategy.name,
+        strategy_options=options.model_dump() if options is not None else {},
         device=device,
         backend="nccl" if device == "cuda" else "gloo",
-        world_size=world,
-        num_machines=nodes,
+        world_size=target.world_size,
+        num_machines=target.nodes,
         processes_per_machine=per_machine,
         main_address=cfg.parallelism.main_address,
         main_port=cfg.parallelism.main_port,
-        micro_batch_size=micro,
-        gradient_accumulation=accum,
+        micro_batch_size=micro.value,
+        gradient_accumulation=accumulation,
         global_batch_size=global_batch,
-        dtype=dtype,
+        dtype=dtype.value,
         reasons=reasons,
-        overrides=overrides,
+        overrides=[o for step in steps for o in step.overrides],
         warnings=warnings,
         candidates=candidates,
     )
-    plan.launcher_config, resolved = strategies.get(strategy).configure(cfg, plan)
+    plan.launcher_config, resolved = strategy.configure(cfg, plan)
     plan.reasons += resolved
     return plan
 
 
-def choose_nodes(cfg, topo, problems, reasons) -> int:
+def choose_nodes(cfg: LadleConfig, topo: Topology) -> Decision[int]:
     """Machines taking part: the config's ``parallelism.nodes``, else the launcher environment's."""
     nodes = cfg.parallelism.nodes if cfg.parallelism.nodes > 1 else topo.nodes
-    if nodes > 1:
-        if cfg.parallelism.main_port == 0:
-            problems.append(
-                f"parallelism.main_port = 0: a {nodes}-node run needs a fixed rendezvous port that every node "
-                "can reach. Set parallelism.main_port (e.g. 29500) and parallelism.main_address."
-            )
-        reasons.append(f"{nodes} nodes: rendezvous at {cfg.parallelism.main_address}:{cfg.parallelism.main_port}")
-    return nodes
+    if nodes == 1:
+        return Decision(1)
+    address, port = cfg.parallelism.main_address, cfg.parallelism.main_port
+    problems = ()
+    if port == 0:
+        problems = (
+            f"parallelism.main_port = 0: a {nodes}-node run needs a fixed rendezvous port that every node "
+            "can reach. Set parallelism.main_port (e.g. 29500) and parallelism.main_address.",
+        )
+    return Decision(nodes, (f"{nodes} nodes: rendezvous at {address}:{port}",), problems=problems)
 
 
-def choose_world(cfg, topo, config_ref, problems, reasons, warnings) -> tuple[str, int]:
+def choose_world(cfg: LadleConfig, topo: Topology, config_ref: str) -> Decision[tuple[str, int]]:
     """Device and processes per machine."""
     gpus = cfg.parallelism.gpus
     if topo.gpu_count == 0:
         procs = cfg.parallelism.cpu_processes
+        problems = ()
         if gpus != "auto":
             fixed = shlex.join(["ladle", "run", config_ref, "--gpus", "auto"])
-            problems.append(
+            problems = (
                 f"parallelism.gpus = {gpus}: this host has no CUDA GPU (nvidia-smi found none). "
-                f"Run on a GPU host, or train on CPU with: {fixed}"
+                f"Run on a GPU host, or train on CPU with: {fixed}",
             )
-        warnings.append(
+        warning = (
             f"--gpus auto found no GPU: planning a CPU run of {procs} gloo process(es) (parallelism.cpu_processes)"
         )
-        reasons.append(f"{procs} process(es) per machine: CPU host, parallelism.cpu_processes={procs}")
-        return "cpu", procs
+        reason = f"{procs} process(es) per machine: CPU host, parallelism.cpu_processes={procs}"
+        return Decision(("cpu", procs), (reason,), (warning,), problems)
     if gpus == "auto":
-        reasons.append(
-            f"{topo.gpu_count} process(es) per machine: --gpus auto uses all {topo.gpu_count} visible GPU(s)"
-        )
-        return "cuda", topo.gpu_count
+        reason = f"{topo.gpu_count} process(es) per machine: --gpus auto uses all {topo.gpu_count} visible GPU(s)"
+        return Decision(("cuda", topo.gpu_count), (reason,))
+    problems = ()
     if gpus > topo.gpu_count:
         fixed = shlex.join(["ladle", "run", config_ref, "--gpus", str(topo.gpu_count)])
-        problems.append(
+        problems = (
             f"parallelism.gpus = {gpus}: this host has {topo.gpu_count} visible GPU(s). "
-            f"Ask for at most {topo.gpu_count}, e.g.: {fixed} (or --gpus auto)"
+            f"Ask for at most {topo.gpu_count}, e.g.: {fixed} (or --gpus auto)",
         )
-    reasons.append(f"{gpus} process(es) per machine: --gpus {gpus} (of {topo.gpu_count} visible)")
-    return "cuda", gpus
-
-
-def strategy_options(cfg: LadleConfig, strategy: str) -> dict:
-    section = strategies.options_section(strategy)
-    return getattr(cfg.parallelism, section).model_dump() if section else {}
+    reason = f"{gpus} process(es) per machine: --gpus {gpus} (of {topo.gpu_count} visible)"
+    return Decision(("cuda", gpus), (reason,), problems=problems)
 
 
 def device_bytes(topo: Topology, device: str, per_machine: int) -> int | None:
@@ -328,235 +343,214 @@ def device_bytes(topo: Topology, device: str, per_machine: int) -> int | None:
         return None
 
 
-def sizing_job(cfg: LadleConfig, model: dict, per_machine: int, nodes: int, dtype: str, micro: int, device: str):
-    from ladle import params, sizing
+def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> sizing.Job:
+    """What the memory model sizes: the base's shape, what is trained, and the batch on ``target``.
+
+    Raises:
+        LadleError: the model's config.json lacks what sizing needs.
+    """
+    from ladle import params
 
     lora = cfg.training.lora
     trainable = params.lora_params(model, lora.r, lora.target_modules) if lora.enabled else None
-    shape = sizing.shape_from_config(model, trainable)
+    world = target.world_size
     return sizing.Job(
-        shape=shape,
+        shape=sizing.shape_from_config(model, trainable),
         lora=lora.enabled,
         qlora=cfg.training.quantization.mode != "none",
         micro_batch=micro,
         seq_len=cfg.data.seq_len,
-        dtype_bytes=4 if dtype == "float32" else 2,
+        dtype_bytes=4 if target.dtype == "float32" else 2,
         checkpointing=cfg.training.gradient_checkpointing,
-        gpus_per_node=per_machine,
-        nodes=nodes,
-        microbatches=max(1, (cfg.training.global_batch_size or micro * per_machine * nodes) // micro),
-        cuda=device == "cuda",
+        gpus_per_node=target.processes_per_machine,
+        nodes=target.nodes,
+        microbatches=max(1, (cfg.training.global_batch_size or micro * world) // micro),
+        cuda=target.device == "cuda",
     )
 
 
-def choose_strategy(
-    cfg, topo, device, per_machine, nodes, dtype, model, reasons, overrides, warnings, problems, candidates
-) -> tuple[str, list]:
-    """The explicit strategy, or the fastest candidate that fits with headroom (every candidate recorded),
-    and the ``(section, field, value)`` settings that candidate needs."""
-    from ladle import sizing
+def size_candidates(cfg: LadleConfig, job: sizing.Job, interconnect: str, capacity: int) -> list[Sized]:
+    """Every registered strategy's candidates for ``job``, fastest first, each sized with its options."""
+    ranked = sorted(
+        (c for s in strategies.REGISTRY.values() for c in s.candidates(job, interconnect, cfg)), key=lambda c: c.rank
+    )
+    out = []
+    for candidate in ranked:
+        if candidate.needs_cuda and not job.cuda:
+            continue
+        strategy = candidate.strategy
+        est = strategy.estimate(job, strategy.options(strategy.with_options(cfg, candidate.options)))
+        out.append(Sized(candidate, est, est.fits(capacity)))
+    return out
 
+
+def choose_strategy(cfg: LadleConfig, topo: Topology, target: Target, model: dict | None) -> Decision[Chosen]:
+    """The explicit strategy, or the fastest candidate that fits with headroom (every candidate recorded),
+    with the option values that candidate sets."""
     explicit = cfg.parallelism.strategy
-    if explicit != "auto":
-        overrides.append(f"parallelism.strategy = {explicit} (explicit)")
-    capacity = device_bytes(topo, device, per_machine)
+    overrides = (f"parallelism.strategy = {explicit} (explicit)",) if explicit != "auto" else ()
+    fallback = Chosen(strategies.default() if explicit == "auto" else strategies.get(explicit), {})
+    capacity = device_bytes(topo, target.device, target.processes_per_machine)
     if model is None or capacity is None:
-        missing = (
-            "model size unknown (no config.json at hand: a local base folder, or --model-config)"
-            if model is None
-            else "device memory unknown (pass --gpu-memory with --topology-file)"
-        )
-        if explicit == "auto":
-            reasons.append(f"strategy ddp: {missing}, so the default with the least communication")
-        return (explicit if explicit != "auto" else "ddp"), []
+        if model is None:
+            missing = "model size unknown (no config.json at hand: a local base folder, or --model-config)"
+        else:
+            missing = "device memory unknown (pass --gpu-memory with --topology-file)"
+        why = f"strategy {fallback.strategy.name}: {missing}, so the default with the least communication"
+        return Decision(fallback, (why,) if explicit == "auto" else (), overrides=overrides)
     try:
         micro = 1 if cfg.training.micro_batch_size == "auto" else cfg.training.micro_batch_size
-        job = sizing_job(cfg, model, per_machine, nodes, dtype, micro, device)
+        job = sizing_job(cfg, model, target, micro)
     except LadleError as err:
-        warnings.append(f"memory not sized: {err}")
-        return (explicit if explicit != "auto" else "ddp"), []
-    chosen = None
-    for name, offload, why in sizing.preference(job, topo.interconnect):
-        if name == "pipeline" and not pipeline_possible(cfg, job, device):
-            continue
-        if offload and device != "cuda":
-            continue
-        est = sizing.estimate(job, name, offload)
-        fits = est.fits(capacity)
-        candidates.append(
-            {
-                "strategy": est.strategy,
-                "per_rank_gib": round(est.total / sizing.GIB, 2),
-                "fits": fits,
-                "breakdown": est.summary(),
-                "why": why,
-            }
-        )
-        if fits and chosen is None:
-            chosen = (name.removesuffix("+hsdp"), offload, why, est)
+        return Decision(fallback, warnings=(f"memory not sized: {err}",), overrides=overrides)
+    sized = size_candidates(cfg, job, topo.interconnect, capacity)
+    first = next((s for s in sized if s.fits), None)
     limit = f"{sizing.gib(sizing.HEADROOM * capacity)} usable of {sizing.gib(capacity)} per rank"
     if explicit != "auto":
-        mine = next((c for c in candidates if c["strategy"] == explicit), None)
-        ds, fsdp = cfg.parallelism.deepspeed, cfg.parallelism.fsdp2
-        offloads = (
-            (fsdp.cpu_offload, fsdp.cpu_offload)
-            if explicit == "fsdp2"
-            else (ds.offload_optimizer != "none", ds.offload_param != "none")
-            if explicit.startswith("zero")
-            else (False, False)
-        )
-        if mine is None or any(offloads):
-            mine_est = sizing.estimate(job, explicit, *offloads)
-            mine = {
-                "strategy": mine_est.strategy,
-                "per_rank_gib": round(mine_est.total / sizing.GIB, 2),
-                "fits": mine_est.fits(capacity),
-                "breakdown": mine_est.summary(),
-                "why": "explicit",
-            }
-            candidates.insert(0, mine)
-        if not mine["fits"]:
-            better = f"; {chosen[0]} would fit ({chosen[3].summary()})" if chosen else ""
-            warnings.append(f"parallelism.strategy = {explicit} needs {mine['breakdown']}, more than {limit}{better}")
-        else:
-            reasons.append(f"strategy {explicit} (explicit): needs {mine['breakdown']}, within {limit}")
-        return explicit, []
-    if chosen is None:
-        smallest = min(candidates, key=lambda c: c["per_rank_gib"])
-        problems.append(
+        return explicit_strategy(cfg, job, fallback.strategy, sized, first, capacity, limit, overrides)
+    rows = tuple(s.row() for s in sized)
+    if first is None:
+        smallest = min(rows, key=lambda r: r["per_rank_gib"])
+        problem = (
             f"parallelism.strategy = auto: no strategy fits {limit}; the smallest is {smallest['strategy']} at "
             f"{smallest['breakdown']}. Train fewer weights (training.lora.enabled=true, or QLoRA with "
             "training.quantization.mode=nf4), set training.gradient_checkpointing=true, lower "
             "training.micro_batch_size or data.seq_len, or add GPUs/nodes."
         )
-        return "ddp", []
-    name, offload, why, est = chosen  # name: the strategy (fsdp2+hsdp runs as fsdp2 with replicate groups)
-    slower = [c["strategy"] for c in candidates[: candidates.index(next(c for c in candidates if c["fits"]))]]
+        return Decision(Chosen(fallback.strategy, {}, rows), problems=(problem,))
+    slower = [s.estimate.strategy for s in sized[: sized.index(first)]]
     skipped = f"; faster {', '.join(slower)} do not fit" if slower else ""
-    reasons.append(f"strategy {est.strategy}: {why}; needs {est.summary()}, within {limit}{skipped}")
-    adjust = []
-    if offload:
-        warnings.append(f"{name} with optimizer offload: the optimizer step runs on the host (slow)")
-        adjust.append(("deepspeed", "offload_optimizer", "cpu"))
-    if est.strategy.startswith("fsdp2+hsdp"):
-        adjust.append(("fsdp2", "replicate", 0))
-    if name == "pipeline":
-        adjust.append(("pipeline", "stages", job.world))
-        reasons.append(f"pipeline of {job.world} stages: one per process")
-    return name, adjust
+    est, candidate = first.estimate, first.candidate
+    reasons = (f"strategy {est.strategy}: {candidate.why}; needs {est.summary()}, within {limit}{skipped}",)
+    reasons += (candidate.reason,) if candidate.reason else ()
+    warnings = (candidate.warning,) if candidate.warning else ()
+    return Decision(Chosen(candidate.strategy, candidate.options, rows), reasons, warnings)
 
 
-def pipeline_possible(cfg, job, device) -> bool:
-    return (
-        2 <= job.world <= 16
-        and job.shape.layers >= job.world
-        and (device == "cuda" or cfg.parallelism.pipeline.allow_cpu)
-    )
+def explicit_strategy(cfg, job, strategy, sized, first, capacity, limit, overrides) -> Decision[Chosen]:
+    """The named strategy with its configured options, sized; a warning when it does not fit."""
+    est = strategy.estimate(job, strategy.options(cfg))
+    rows = [s.row() for s in sized]
+    same = next((s for s in sized if s.estimate == est and s.candidate.strategy is strategy), None)
+    mine = same.row() if same else Sized(Candidate(strategy, -1, "explicit"), est, est.fits(capacity)).row()
+    if same is None:
+        rows.insert(0, mine)
+    chosen = Chosen(strategy, {}, tuple(rows))
+    if not mine["fits"]:
+        better = f"; {first.candidate.strategy.name} would fit ({first.estimate.summary()})" if first else ""
+        warning = f"parallelism.strategy = {strategy.name} needs {mine['breakdown']}, more than {limit}{better}"
+        return Decision(chosen, warnings=(warning,), overrides=overrides)
+    reason = f"strategy {strategy.name} (explicit): needs {mine['breakdown']}, within {limit}"
+    return Decision(chosen, (reason,), overrides=overrides)
 
 
 MICRO_CHOICES = (64, 32, 16, 8, 4, 2, 1)
 
 
-def choose_micro(cfg, topo, device, per_machine, nodes, dtype, model, strategy, replicas, reasons, warnings) -> int:
+def choose_micro(cfg, topo, target: Target, model, strategy: Strategy, replicas: int) -> Decision[int]:
     """``training.micro_batch_size``, or for ``auto`` the largest that fits the chosen strategy and divides the batch."""
-    from ladle import sizing
-
     asked = cfg.training.micro_batch_size
     if asked != "auto":
-        return asked
-    capacity = device_bytes(topo, device, per_machine)
+        return Decision(asked)
+    capacity = device_bytes(topo, target.device, target.processes_per_machine)
     wanted = cfg.training.global_batch_size
     if model is None or capacity is None:
-        reasons.append("micro-batch 1: auto, but the model size or device memory is unknown")
-        return 1
-    ds, fsdp = cfg.parallelism.deepspeed, cfg.parallelism.fsdp2
-    label = strategy + ("+hsdp" if strategy == "fsdp2" and fsdp.replicate != 1 else "")
-    offloads = (
-        (fsdp.cpu_offload, fsdp.cpu_offload)
-        if strategy == "fsdp2"
-        else (ds.offload_optimizer != "none", ds.offload_param != "none")
-        if strategy.startswith("zero")
-        else (False, False)
-    )
+        return Decision(1, ("micro-batch 1: auto, but the model size or device memory is unknown",))
+    options = strategy.options(cfg)
     for micro in MICRO_CHOICES:
         if wanted and wanted % (micro * replicas):
             continue
-        est = sizing.estimate(sizing_job(cfg, model, per_machine, nodes, dtype, micro, device), label, *offloads)
+        est = strategy.estimate(sizing_job(cfg, model, target, micro), options)
         if est.fits(capacity):
             divides = f" and divides the global batch {wanted}" if wanted else ""
-            reasons.append(
-                f"micro-batch {micro}: the largest of {'/'.join(map(str, MICRO_CHOICES))} that fits "
-                f"({est.summary()}){divides}"
+            choices = "/".join(map(str, MICRO_CHOICES))
+            return Decision(
+                micro, (f"micro-batch {micro}: the largest of {choices} that fits ({est.summary()}){divides}",)
             )
-            return micro
-    warnings.append("micro-batch 1: auto found no micro-batch that fits; even 1 row per process exceeds the device")
-    return 1
+    return Decision(
+        1, warnings=("micro-batch 1: auto found no micro-batch that fits; even 1 row per process exceeds the device",)
+    )
 
 
-def choose_batch(cfg, micro, world, problems, reasons, default_accumulation: int = 1) -> tuple[int, int, int]:
-    """Accumulation (pipeline: microbatches per step) and global batch for ``world`` data-parallel replicas."""
-    per_step = micro * world
+def choose_batch(
+    cfg: LadleConfig, micro: int, replicas: int, default_accumulation: int = 1
+) -> Decision[tuple[int, int]]:
+    """Accumulation (pipeline: microbatches per step) and global batch for ``replicas`` data-parallel replicas."""
+    per_step = micro * replicas
     wanted = cfg.training.global_batch_size or per_step * default_accumulation
     if wanted % per_step:
         lower, upper = max(per_step, wanted // per_step * per_step), (wanted // per_step + 1) * per_step
-        problems.append(
+        problem = (
             f"training.global_batch_size = {wanted}: not a multiple of micro_batch_size x data-parallel ranks "
-            f"({micro} x {world} = {per_step}). Use {lower} or {upper}."
+            f"({micro} x {replicas} = {per_step}). Use {lower} or {upper}."
         )
-        return micro, 1, wanted
+        return Decision((1, wanted), problems=(problem,))
     accum = wanted // per_step
-    reasons.append(f"gradient accumulation {accum}: global batch {wanted} / ({micro} micro x {world} ranks)")
-    return micro, accum, wanted
+    return Decision(
+        (accum, wanted), (f"gradient accumulation {accum}: global batch {wanted} / ({micro} micro x {replicas} ranks)",)
+    )
 
 
-def choose_dtype(cfg, topo, device, problems, reasons) -> str:
+def choose_dtype(cfg: LadleConfig, topo: Topology, device: str) -> Decision[str]:
+    """``training.dtype``, or for ``auto`` float32 on CPU and the widest 16-bit type every GPU computes in."""
     asked = cfg.training.dtype
     if device == "cpu":
+        problems = ()
         if asked == "float16":
-            problems.append("training.dtype = float16: float16 training needs CUDA. Use float32 or bfloat16 on CPU.")
+            problems = ("training.dtype = float16: float16 training needs CUDA. Use float32 or bfloat16 on CPU.",)
         dtype = "float32" if asked == "auto" else asked
-        reasons.append(f"dtype {dtype}: CPU run" + (" (auto)" if asked == "auto" else " (explicit)"))
-        return dtype
+        return Decision(
+            dtype, (f"dtype {dtype}: CPU run" + (" (auto)" if asked == "auto" else " (explicit)"),), problems=problems
+        )
     if asked != "auto":
-        return asked
+        return Decision(asked)
     caps = [float(g.compute_capability or 0) for g in topo.gpus]
     dtype = "bfloat16" if caps and min(caps) >= 8.0 else "float16"
-    reasons.append(f"dtype {dtype}: lowest compute capability {min(caps) if caps else 'unknown'} (bf16 needs >= 8.0)")
-    return dtype
+    return Decision(
+        dtype, (f"dtype {dtype}: lowest compute capability {min(caps) if caps else 'unknown'} (bf16 needs >= 8.0)",)
+    )
 
 
-def check_device_features(cfg: LadleConfig, device: str) -> list[str]:
-    """Features that need CUDA, checked before anything starts."""
+def check_strategy(
+    cfg, topo, target: Target, model, strategy: Strategy, micro: int, accumulation: int, global_batch: int
+) -> list[str]:
+    """The chosen strategy's own checks, and any other strategy's options that it would ignore."""
+    problems = strategy.validate(cfg, topo, target)
+    if model is not None:
+        problems += strategy.validate_model(model, target.world_size)
+    problems += strategy.validate_batch(strategy.options(cfg), micro, accumulation, global_batch)
+    for other in strategies.REGISTRY.values():
+        problems += other.validate_unused(cfg, strategy)
+    return problems
+
+
+def check_features(cfg: LadleConfig, device: str, strategy: Strategy) -> list[str]:
+    """Features that need CUDA or a particular strategy, checked before anything starts."""
     problems = []
-    if device == "cpu" and cfg.training.quantization.mode != "none":
+    quant = cfg.training.quantization
+    if device == "cpu" and quant.mode != "none":
         problems.append(
-            f"training.quantization.mode = {cfg.training.quantization.mode}: 4-bit QLoRA needs CUDA and "
+            f"training.quantization.mode = {quant.mode}: 4-bit QLoRA needs CUDA and "
             "bitsandbytes; this host has no GPU. Set training.quantization.mode=none or run on a GPU host."
         )
-    if device == "cpu" and cfg.serve.backend == "mii":
-        problems.append(
-            "serve.backend = mii: DeepSpeed-MII has no CPU path and this host has no CUDA GPU. "
-            "Use serve.backend=transformers or deploy on a GPU host."
-        )
+    problems += backends.get(cfg.serve.backend).host_problems(has_cuda=device == "cuda")
     if cfg.output.startswith("memory://"):
         problems.append(
             f"output = {cfg.output}: training runs in separate processes, which cannot see this process's "
             "in-memory filesystem. Use a local folder or an object store URL (s3://...)."
         )
-    quant = cfg.training.quantization
-    if (
-        quant.mode != "none"
-        and quant.storage_dtype == "uint8"
-        and cfg.parallelism.strategy in ("fsdp2", "zero3", "zero++")
-    ):
+    if quant.mode != "none" and quant.storage_dtype == "uint8" and strategy.shards_tensors:
+        # The planned strategy, not the config's field: `auto` may have chosen a sharded one.
+        asked = cfg.parallelism.strategy
+        named = strategy.name if asked == strategy.name else f"{asked} (planned: {strategy.name})"
         problems.append(
-            f"training.quantization.storage_dtype = uint8 with parallelism.strategy = {cfg.parallelism.strategy}: "
+            f"training.quantization.storage_dtype = uint8 with parallelism.strategy = {named}: "
             "sharding needs the packed 4-bit weights in a float dtype. Set training.quantization.storage_dtype="
             "bfloat16 (or auto)."
         )
-    if cfg.training.quantization.mode != "none" and not cfg.training.lora.enabled:
+    if quant.mode != "none" and not cfg.training.lora.enabled:
         problems.append(
-            f"training.quantization.mode = {cfg.training.quantization.mode}: a 4-bit base cannot be trained "
+            f"training.quantization.mode = {quant.mode}: a 4-bit base cannot be trained "
             "directly. Set training.lora.enabled=true (QLoRA) or quantization.mode=none."
         )
     return problems

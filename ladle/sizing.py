@@ -1,6 +1,7 @@
-"""Per-rank memory of a whole training step, per strategy, and the ranking the planner chooses from.
+"""Per-rank memory of a whole training step: the parts every strategy's estimate is made of.
 
-Model states come from ``ladle.memory`` (DeepSpeed's layout, tested against its
+Each strategy composes these in its ``estimate`` (``ladle.strategies``); model
+states come from ``ladle.memory`` (DeepSpeed's layout, tested against its
 estimators). On top of them:
 
 - Activations saved for backward, per token per decoder layer. The coefficients
@@ -111,6 +112,22 @@ class Estimate:
     note: str = ""
     context: int = CONTEXT_BYTES
 
+    @classmethod
+    def of(cls, label: str, states: memory.ModelStates, activations: int, logits: int, job: Job, note: str = ""):
+        """An estimate from model states plus activations and logits (the CUDA context on GPUs)."""
+        return cls(
+            label,
+            states.weights,
+            states.gradients,
+            states.optimizer,
+            states.gathered,
+            activations,
+            logits,
+            states.host,
+            note,
+            CONTEXT_BYTES if job.cuda else 0,
+        )
+
     @property
     def total(self) -> int:
         return (
@@ -165,163 +182,17 @@ class Job:
         return self.gpus_per_node * self.nodes
 
 
-SHARDS_BASE = ("fsdp2", "zero3", "zero++", "pipeline")  # a frozen base split across ranks
-
-
-def model_states(
-    job: Job, strategy: str, offload: bool = False, offload_params: bool = False, hsdp: bool = False
-) -> memory.ModelStates:
-    s, world = job.shape, job.gpus_per_node if hsdp else job.world
-    if job.lora:
-        base = memory.lora(s.params, s.trainable, world, shard_base=strategy in SHARDS_BASE)
-        if job.dtype_bytes == 4:  # a float32 run (CPU) keeps the frozen base in 4 bytes, not 2
-            base = memory.ModelStates(base.weights * 2, base.gradients, base.optimizer, 0)
-        if offload_params:
-            base = memory.ModelStates(
-                memory.WEIGHT_16 * s.trainable,
-                base.gradients,
-                base.optimizer,
-                0,
-                memory.WEIGHT_16 * s.params // job.nodes,
-            )
-        if job.qlora:  # 4-bit linear weights; only the 16-bit embeddings and head keep 2 bytes
-            shard = world if strategy in SHARDS_BASE else 1
-            quantized = int((s.linear_params * NF4_BYTES + s.embedding_params * memory.WEIGHT_16) / shard)
-            base = memory.ModelStates(quantized + memory.WEIGHT_16 * s.trainable, base.gradients, base.optimizer, 0)
-        return base
-    if strategy == "ddp":
-        return memory.ddp(s.params)
-    if strategy == "zero1":
-        return memory.zero1(s.params, world)
-    if strategy == "zero2":
-        return memory.zero2(s.params, job.gpus_per_node, job.nodes, offload_optimizer=offload)
-    if strategy == "pipeline":  # each stage a full replica of its slice
-        return memory.ddp(s.params // world)
-    largest = max(s.layer_params, s.embedding_params // 2)
-    states = memory.zero3(
-        s.params,
-        largest,
-        job.gpus_per_node,
-        1 if hsdp else job.nodes,
-        offload_optimizer=offload or offload_params,
-        offload_params=offload_params,
-    )
-    if strategy == "fsdp2":  # the root unit (embeddings + head) stays gathered between forward and backward
-        return memory.ModelStates(
-            states.weights,
-            states.gradients,
-            states.optimizer,
-            states.gathered + memory.WEIGHT_16 * s.embedding_params,
-            states.host,
-        )
-    if strategy == "zero++" and job.nodes > 1:  # hpZ: a secondary 16-bit copy sharded within the node
-        return memory.ModelStates(
-            states.weights + memory.WEIGHT_16 * s.params // job.gpus_per_node,
-            states.gradients,
-            states.optimizer,
-            states.gathered,
-            states.host,
-        )
-    return states
-
-
-def estimate(job: Job, strategy: str, offload: bool = False, offload_params: bool = False) -> Estimate:
-    """Per-rank memory of one training step of ``job`` under ``strategy`` (``offload``: optimizer state on the
-    host; ``offload_params``: parameters too, as ZeRO-Infinity or FSDP2's CPUOffloadPolicy do;
-    ``fsdp2+hsdp``: FSDP2 sharded within each machine, replicated across machines)."""
+def lora_states(job: Job, base_ranks: int, offload_params: bool = False) -> memory.ModelStates:
+    """LoRA (and QLoRA) states per rank: the frozen base divided over ``base_ranks`` ranks, states for
+    the adapters only; ``offload_params`` keeps the base in host memory."""
     s = job.shape
-    hsdp = strategy.endswith("+hsdp")
-    strategy = strategy.removesuffix("+hsdp")
-    states = model_states(job, strategy, offload, offload_params, hsdp=hsdp)
-    tokens = job.micro_batch * job.seq_len
-    layers = s.layers
-    note = ""
-    if strategy == "pipeline":
-        layers = -(-s.layers // job.world)
-        in_flight = min(job.microbatches, job.world)  # 1F1B: at most `stages` microbatches alive on stage 0
-        acts = in_flight * activation_bytes(s, tokens, layers, job.dtype_bytes, job.checkpointing)
-        note = f"{job.world} stages of {layers} layers, {in_flight} microbatches in flight"
-    else:
-        acts = activation_bytes(s, tokens, layers, job.dtype_bytes, job.checkpointing)
-    name = strategy + ("+hsdp" if hsdp else "") + ("+offload" if offload or offload_params else "")
-    return Estimate(
-        name,
-        states.weights,
-        states.gradients,
-        states.optimizer,
-        states.gathered,
-        acts,
-        logits_bytes(s, tokens, job.dtype_bytes),
-        states.host,
-        note,
-        CONTEXT_BYTES if job.cuda else 0,
-    )
-
-
-def preference(job: Job, interconnect: str) -> list[tuple[str, bool, str]]:
-    """Candidates fastest first for this machine: (strategy, offload, why it sits there).
-
-    Communication per step, in units of one all-reduce of the trained weights: DDP, ZeRO-1 and ZeRO-2
-    move 1 (reduce-scatter + all-gather); ZeRO-3 and FSDP2 1.5 (weights gathered again for backward);
-    offload adds a host round trip over PCIe every step. LoRA trains few weights, so communication is
-    small whatever the strategy and only the frozen base's memory matters.
-    """
-    if job.world == 1:
-        return [
-            ("ddp", False, "one device: no communication"),
-            ("zero2", True, "one device too small: optimizer state and its step move to host memory"),
-        ]
-    if job.lora:
-        return [
-            ("ddp", False, "adapter gradients are tiny, so one all-reduce per step is the least communication"),
-            ("fsdp2", False, "the frozen base does not fit whole on a device; FSDP2 shards it"),
-            ("zero3", False, "the frozen base does not fit whole on a device; ZeRO-3 shards it"),
-        ]
-    fast = interconnect in ("nvswitch",)
-    order = [("ddp", False, "a full replica fits, and one gradient all-reduce is the least communication")]
-    if job.nodes > 1:
-        order += [
-            (
-                "zero++",
-                False,
-                "across machines hpZ keeps weight all-gathers inside each node and qwZ/qgZ "
-                "quantize what crosses the network",
-            ),
-            (
-                "fsdp2+hsdp",
-                False,
-                "HSDP: parameters sharded inside each machine, so only one gradient "
-                "all-reduce per step crosses the network",
-            ),
-        ]
-    if fast:
-        order += [
-            (
-                "fsdp2",
-                False,
-                f"{interconnect}: all-gathers are cheap, so full sharding costs little and frees the most memory",
-            )
-        ]
-    order += [
-        ("zero1", False, "optimizer state sharded: same traffic as DDP"),
-        ("zero2", False, "gradients sharded too: still DDP's traffic"),
-    ]
-    if not fast:
-        order += [
-            (
-                "fsdp2",
-                False,
-                f"{interconnect}: full sharding's extra all-gather is costly here, so it comes after ZeRO-1/2",
-            )
-        ]
-    order += [
-        ("zero3", False, "DeepSpeed's full sharding"),
-        (
-            "pipeline",
-            False,
-            "the model does not fit one node's devices even fully sharded: split layers "
-            "into stages; only activations cross the links",
-        ),
-    ]
-    order += [("zero3", True, "last resort: optimizer state and step on the host (PCIe-bound)")]
-    return order
+    base = memory.lora(s.params, s.trainable, base_ranks, shard_base=base_ranks > 1)
+    if job.dtype_bytes == 4:  # a float32 run (CPU) keeps the frozen base in 4 bytes, not 2
+        base = memory.ModelStates(base.weights * 2, base.gradients, base.optimizer, 0)
+    if offload_params:
+        host = memory.WEIGHT_16 * s.params // job.nodes
+        base = memory.ModelStates(memory.WEIGHT_16 * s.trainable, base.gradients, base.optimizer, 0, host)
+    if job.qlora:  # 4-bit linear weights; only the 16-bit embeddings and head keep 2 bytes
+        quantized = int((s.linear_params * NF4_BYTES + s.embedding_params * memory.WEIGHT_16) / base_ranks)
+        base = memory.ModelStates(quantized + memory.WEIGHT_16 * s.trainable, base.gradients, base.optimizer, 0)
+    return base

@@ -15,7 +15,6 @@ import pytest
 
 from ladle.processes import stop_process  # noqa: F401 - the suite's one shutdown path
 
-ROOT = Path(__file__).resolve().parents[1]
 _SESSION = Path(tempfile.mkdtemp(prefix="ladle-tests-"))
 # Set before anything imports prefect, and inherited by every subprocess.
 os.environ["LADLE_HOME"] = str(_SESSION / "ladle-home")
@@ -48,21 +47,6 @@ def no_environment_leaks():
     if dict(os.environ) != before:
         os.environ.clear()
         os.environ.update(before)
-
-
-def stop_pid(pid: int, grace_s: float = 15.0) -> None:
-    """``stop_process`` for a process known only by its pid (e.g. a server left running on purpose)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        proc.terminate()
-        proc.wait(timeout=grace_s)
-    except psutil.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
-    except psutil.NoSuchProcess:
-        pass
 
 
 @pytest.fixture(scope="session")
@@ -132,18 +116,3 @@ def s3_server():
             time.sleep(0.3)
     yield env
     stop_process(proc)
-
-
-def run_cli(
-    *args: str, env: dict | None = None, timeout: int = 900, cwd: Path | None = None
-) -> subprocess.CompletedProcess:
-    """Run the installed ``ladle`` command in a subprocess."""
-    exe = Path(sys.executable).with_name("ladle")
-    return subprocess.run(
-        [str(exe), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-        cwd=cwd or ROOT,
-    )

@@ -7,44 +7,29 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from ladle.cli.common import console, fail, print_json
-from ladle.errors import LadleError
+from ladle.cli.common import CONFIG, JSON, SET, command, console, load, print_json
 
 app = typer.Typer(help="Prepare and look at training data.", no_args_is_help=True)
-CONFIG = typer.Argument(..., help="YAML config file.")
-SET = typer.Option([], "--set", help="Override a field (dotted.path=value).")
-JSON = typer.Option(False, "--json", help="One JSON object as the last line.")
-
-
-def _config(config: str, overrides: list[str], as_json: bool):
-    from ladle.config import load_config
-
-    try:
-        return load_config(config, overrides)
-    except LadleError as err:
-        fail(err, as_json)
 
 
 @app.command("prepare")
+@command
 def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSON) -> None:
     """Prepare the dataset into the artifact store and print its report."""
     from ladle import storage
     from ladle.assets import resolve_base
     from ladle.data.prepare import prepare
 
-    cfg = _config(config, set_, as_json)
+    cfg = load(config, set_)
     columns = (SpinnerColumn(), TextColumn("preparing: {task.fields[rows]:,} records read"), TimeElapsedColumn())
-    try:
-        with Progress(*columns, console=console, transient=True) as progress:
-            task = progress.add_task("prepare", rows=0)
-            prepared = prepare(
-                cfg.data,
-                resolve_base(cfg.base),
-                storage.normalise(cfg.output),
-                on_progress=lambda rows: progress.update(task, rows=rows),
-            )
-    except LadleError as err:
-        fail(err, as_json)
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("prepare", rows=0)
+        prepared = prepare(
+            cfg.data,
+            resolve_base(cfg.base),
+            storage.normalise(cfg.output),
+            on_progress=lambda rows: progress.update(task, rows=rows),
+        )
     report = prepared.report.model_dump()
     if as_json:
         print_json({**report, "url": prepared.url, "fingerprint": prepared.fingerprint})
@@ -60,6 +45,7 @@ def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSO
 
 
 @app.command("inspect")
+@command
 def inspect_cmd(
     config: str = CONFIG,
     n: int = typer.Option(3, "-n", help="Samples to show."),
@@ -69,11 +55,8 @@ def inspect_cmd(
     """Files, detected format, record counts, the commonest problems, and a few parsed samples."""
     from ladle.data.inspect import inspect
 
-    cfg = _config(config, set_, as_json)
-    try:
-        info = inspect(cfg.data, n)
-    except LadleError as err:
-        fail(err, as_json)
+    cfg = load(config, set_)
+    info = inspect(cfg.data, n)
     if as_json:
         print_json(info)
         return
@@ -87,6 +70,7 @@ def inspect_cmd(
 
 
 @app.command("show-mask")
+@command
 def show_mask_cmd(
     config: str = CONFIG,
     n: int = typer.Option(3, "-n", help="Rows to show."),
@@ -97,11 +81,8 @@ def show_mask_cmd(
     from ladle.assets import resolve_base
     from ladle.data.inspect import mask_rows
 
-    cfg = _config(config, set_, as_json)
-    try:
-        rows = mask_rows(cfg.data, resolve_base(cfg.base), n)
-    except LadleError as err:
-        fail(err, as_json)
+    cfg = load(config, set_)
+    rows = mask_rows(cfg.data, resolve_base(cfg.base), n)
     if as_json:
         print_json({"rows": rows})
         return

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from ladle.cli.common import exit_with_error
+from ladle.cli.common import command
 from ladle.errors import LadleError
 
 
+@command
 def launch(
     spec: str = typer.Argument(..., help="The run's spec.json (local path or URL), as printed by the train stage."),
     node_rank: int = typer.Option(
@@ -21,14 +22,12 @@ def launch(
     from ladle.train.run import run_node
     from ladle.train.spec import TrainSpec
 
+    if not storage.exists(spec):
+        raise LadleError(f"SPEC = {spec!r}: no such file. Pass the spec.json path printed by the train stage.")
     try:
-        if not storage.exists(spec):
-            raise LadleError(f"SPEC = {spec!r}: no such file. Pass the spec.json path printed by the train stage.")
         nodes = TrainSpec.model_validate_json(storage.read_bytes(spec)).plan.num_machines
     except ValidationError:
-        exit_with_error(f"SPEC = {spec!r}: not a ladle training spec.")
-    except LadleError as err:
-        exit_with_error(str(err))
+        raise LadleError(f"SPEC = {spec!r}: not a ladle training spec.") from None
     if node_rank >= nodes:
-        exit_with_error(f"--node-rank = {node_rank}: the run has {nodes} node(s), so ranks are 1..{nodes - 1}.")
+        raise LadleError(f"--node-rank = {node_rank}: the run has {nodes} node(s), so ranks are 1..{nodes - 1}.")
     raise SystemExit(run_node(spec, node_rank))

@@ -1,28 +1,28 @@
-"""The ``ladle`` command: thin handlers that call the library."""
+"""The ``ladle`` command: thin handlers that call the library, one module per command or group."""
 
 from __future__ import annotations
 
 import typer
 
-from ladle.cli import data, info, recipes
+from ladle.cli import data, recipes
+from ladle.cli.env import env
 from ladle.cli.launch import launch
+from ladle.cli.plan import plan
 from ladle.cli.probe import probe
 from ladle.cli.run import run
+from ladle.cli.schema import schema
+from ladle.cli.serve import serve
 
 app = typer.Typer(
     name="ladle",
-    help="Fine-tune a model from a YAML file and serve it: probe -> plan -> prepare -> train -> merge -> deploy.",
+    help="Fine-tune a model from a YAML file and serve it: probe -> plan -> prepare -> train -> merge -> "
+    "evaluate -> deploy.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command("run")(run)
-app.command("plan")(info.plan)
-app.command("probe")(probe)
-app.command("launch")(launch)
-app.command("schema")(info.schema)
-app.command("env")(info.env)
-app.command("serve")(info.serve)
+for handler in (run, plan, probe, launch, schema, env, serve):
+    app.command(handler.__name__)(handler)
 app.add_typer(data.app, name="data")
 app.add_typer(recipes.app, name="recipes")
 

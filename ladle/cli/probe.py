@@ -5,8 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from ladle.cli.common import console, fail, print_json
-from ladle.errors import LadleError
+from ladle.cli.common import JSON, command, console, print_json
 
 KEYS = (
     "gpu_count",
@@ -21,18 +20,16 @@ KEYS = (
 )
 
 
+@command
 def probe(
     topology_file: str | None = typer.Option(None, "--topology-file", help="Saved `nvidia-smi topo -m` output."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+    as_json: bool = JSON,
 ) -> None:
     """Show the GPUs, their interconnect and the node layout."""
     from ladle.topology import probe as probe_machine
     from ladle.topology import probe_file
 
-    try:
-        topo = probe_file(topology_file) if topology_file else probe_machine()
-    except LadleError as err:
-        fail(err, as_json)
+    topo = probe_file(topology_file) if topology_file else probe_machine()
     if as_json:
         print_json(topo.model_dump())
         return

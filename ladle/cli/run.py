@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import typer
 from rich.table import Table
 
-from ladle.cli.common import console, deepspeed_override, exit_with_error, fail, print_json
+from ladle.cli.common import CONFIG, DEEPSPEED, GPUS, JSON, SET, command, console, load, print_json
 from ladle.errors import LadleError, find_ladle_error
 
 
@@ -20,26 +19,21 @@ def preflight(cfg, config: str):
     return cfg
 
 
+@command
 def run(
-    config: str = typer.Argument(..., help="YAML config file (see recipes/)."),
-    gpus: str | None = typer.Option(None, "--gpus", help="'auto' or 1..128; overrides parallelism.gpus."),
-    deepspeed: str | None = typer.Option(
-        None, "--deepspeed", help="zero1 | zero2 | zero3 | zero++ (alias zero_pp): sets parallelism.strategy."
-    ),
-    set_: list[str] = typer.Option(
-        [], "--set", help="Override a field: --set training.lr=1e-4 (value parsed as YAML)."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object as the last line."),
+    config: str = CONFIG,
+    gpus: str | None = GPUS,
+    deepspeed: str | None = DEEPSPEED,
+    set_: list[str] = SET,
+    as_json: bool = JSON,
 ) -> None:
     """Run probe -> plan -> prepare -> train -> merge -> evaluate -> deploy."""
     from ladle.assets import ladle_home
-    from ladle.config import load_config
     from ladle.flows.api import PrefectApi
 
-    api = None
+    api = PrefectApi(ladle_home() / "logs")
     try:
-        api = PrefectApi(ladle_home() / "logs")
-        cfg = load_config(config, [*deepspeed_override(deepspeed), *set_], gpus)
+        cfg = load(config, set_, gpus, deepspeed)
         # A config that parses is worth a server: it boots while the inputs are checked and the rest loads.
         api.start()
         preflight(cfg, config)
@@ -50,16 +44,15 @@ def run(
         with api.session():
             state = finetune(cfg, config_ref=config, return_state=True)
     except LadleError as err:
-        fail(err, as_json, **(api.timings() if api else {}))
+        raise err.add_details(**api.timings()) from None
     finally:
-        if api is not None:
-            api.stop()
+        api.stop()
     if not state.is_completed():
         exc = state.result(raise_on_failure=False)
         user_error = find_ladle_error(exc if isinstance(exc, BaseException) else None)
         if user_error:
-            fail(user_error, as_json, **api.timings())
-        exit_with_error(f"pipeline failed: {exc}", as_json, code=1, details=api.timings())
+            raise user_error.add_details(**api.timings()) from None
+        raise LadleError(f"pipeline failed: {exc}", details=api.timings(), exit_code=1)
     summary = {**state.result(), **api.timings()}
     if as_json:
         print_json(summary)

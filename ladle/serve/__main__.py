@@ -1,4 +1,4 @@
-"""``python -m ladle.serve --model DIR [--backend transformers|mii] [--host H] [--port P]``."""
+"""``python -m ladle.serve --model DIR [--backend NAME] [--option K=V ...] [--host H] [--port P]``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ladle.errors import LadleError
+from ladle.serve import backends
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,17 +15,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", required=True, help="Local Hugging Face model folder.")
     parser.add_argument("--name", default=None, help="Model id reported by the API (default: the folder name).")
-    parser.add_argument("--backend", default="transformers", choices=["transformers", "mii"])
+    parser.add_argument("--backend", default=next(iter(backends.REGISTRY)), choices=list(backends.REGISTRY))
+    parser.add_argument("--option", action="append", default=[], help="A backend option, NAME=VALUE (repeatable).")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
     import uvicorn
 
-    from ladle.serve.backends import BACKENDS
     from ladle.serve.server import create_app
 
     try:
-        backend = BACKENDS[args.backend](args.model)
+        kind = backends.get(args.backend)
+        backend = kind.start(args.model, **kind.parse_options(args.option))
     except LadleError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

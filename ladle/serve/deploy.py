@@ -16,7 +16,7 @@ from ladle.assets import ladle_home
 from ladle.config import ServeConfig
 from ladle.merge import MergedModel
 from ladle.processes import free_port, stop_process
-from ladle.serve.backends import check_mii_host
+from ladle.serve import backends
 
 
 class Endpoint(BaseModel):
@@ -100,8 +100,7 @@ def deploy(merged: MergedModel, cfg: ServeConfig, name: str, held_out: list[list
         LadleError: the backend cannot run on this host.
         DeployFailed: the server did not become healthy or the smoke request failed.
     """
-    if cfg.backend == "mii":
-        check_mii_host()
+    backends.get(cfg.backend).check_host()
     model_dir = local_model_dir(merged)
     port = cfg.port or free_port()
     url = f"http://{cfg.host}:{port}"

@@ -1,30 +1,170 @@
-"""The strategy interface: validate, render launcher arguments, wrap the model.
+"""The strategy interface: everything one strategy knows, from sizing to saving its state.
 
-A strategy is one small class. ``validate`` runs in the planner (no process or
-GPU touched); ``launcher_args`` renders its part of the ``accelerate launch``
-argv; ``wrap`` runs inside each training process. Adding a strategy is adding a
-class and registering it in ``ladle.strategies``.
+A strategy is one small class. Its planner side (no torch import, no process
+or GPU touched) names it, validates it against the machine, sizes its per-rank
+memory, ranks it for an interconnect and node count, and renders its launcher
+config; its worker side wraps the model inside each training process, checks
+that what runs is what was planned, and saves and loads its state. Adding a
+strategy is adding a class and registering it in ``ladle.strategies``: the
+config's strategy type, the CLI's choices and the docs come from the registry.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from ladle import memory, sizing
 
 if TYPE_CHECKING:
     from ladle.config import LadleConfig
     from ladle.plan import Plan
+    from ladle.schema import Section
     from ladle.topology import Topology
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the planner settled before the strategy's checks: device, processes and dtype."""
+
+    device: str
+    processes_per_machine: int
+    nodes: int
+    dtype: str
+
+    @property
+    def world_size(self) -> int:
+        return self.processes_per_machine * self.nodes
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a strategy that the sizing weighs.
+
+    ``rank`` orders candidates fastest first for this machine (lower is faster); ``options`` are the
+    option values this variant sets over the config's (e.g. optimizer offload); ``why`` is its place;
+    ``needs_cuda`` drops it on CPU hosts; ``reason`` and ``warning`` are added to the plan when it is chosen.
+    """
+
+    strategy: Strategy
+    rank: int
+    why: str
+    options: dict[str, Any] = field(default_factory=dict)
+    needs_cuda: bool = False
+    reason: str | None = None
+    warning: str | None = None
 
 
 class Strategy(ABC):
     name: str
     summary: str
+    aliases: tuple[str, ...] = ()
+    """Other names the config and the CLI accept for this strategy."""
+    engine: str = "torch"
+    """The library that runs it; the CLI's ``--deepspeed NAME`` flag offers the ``deepspeed`` ones."""
+    shortcuts: tuple[str, ...] = ()
+    """Names accepted by the engine's CLI flag only (``--deepspeed 3``): ambiguous in a config."""
+    options_model: type[Section] | None = None
+    """Its options, the config section ``parallelism.<options_section>`` (None: it has none)."""
+    options_section: str | None = None
+    shards_tensors: bool = False
+    """Parameters are flat-sharded float tensors (FSDP2, ZeRO-3): a 4-bit base must be stored in a float dtype."""
+    compile_note: str | None = None
+    """Why ``torch.compile`` cannot run with this strategy (None: the generic reason)."""
+
+    # -- planner side: options ---------------------------------------------------------------------
+
+    def options(self, cfg: LadleConfig) -> Section | None:
+        """This strategy's option section of ``cfg`` (None when it has none)."""
+        return getattr(cfg.parallelism, self.options_section) if self.options_section else None
+
+    def with_options(self, cfg: LadleConfig, updates: dict[str, Any]) -> LadleConfig:
+        """A copy of ``cfg`` whose option section carries ``updates`` (validated); ``cfg`` is unchanged."""
+        if not updates:
+            return cfg
+        section = self.options(cfg).model_validate({**self.options(cfg).model_dump(), **updates})
+        parallelism = cfg.parallelism.model_copy(update={self.options_section: section})
+        return cfg.model_copy(update={"parallelism": parallelism})
+
+    def offload(self, options: Section | None) -> tuple[bool, bool]:
+        """Whether ``options`` move (optimizer state, parameters) to host memory."""
+        return False, False
+
+    def label(self, options: Section | None) -> str:
+        """The candidate's name in the plan: the strategy plus the variant its options select."""
+        return self.name + ("+offload" if any(self.offload(options)) else "")
+
+    # -- planner side: layout ----------------------------------------------------------------------
+
+    def processes(self, cfg: LadleConfig, device: str, per_machine: int) -> tuple[int, str | None]:
+        """Processes per machine this strategy runs (``per_machine`` unless it adapts it), and why it changed."""
+        return per_machine, None
+
+    def data_parallel_degree(self, world_size: int, options: Section | None) -> int:
+        """Replicas reading different rows; the rest of the ranks share a replica's batch."""
+        return world_size
+
+    def default_accumulation(self, options: Section | None) -> int:
+        """Gradient accumulation (microbatches per step) when no global batch is asked for."""
+        return 1
+
+    # -- planner side: checks ----------------------------------------------------------------------
 
     @abstractmethod
-    def validate(self, cfg: LadleConfig, topo: Topology, world_size: int) -> list[str]:
+    def validate(self, cfg: LadleConfig, topo: Topology, target: Target) -> list[str]:
         """Problems that stop this strategy on this machine (field = value: why. fix.)."""
+
+    def validate_model(self, model: dict, world_size: int) -> list[str]:
+        """Problems with this model's shape for this strategy (the planner has the config.json)."""
+        return []
+
+    def validate_batch(self, options: Section | None, micro: int, accumulation: int, global_batch: int) -> list[str]:
+        """Problems with the batch layout the planner settled on."""
+        return []
+
+    def validate_unused(self, cfg: LadleConfig, chosen: Strategy) -> list[str]:
+        """Problems with this strategy's options when ``chosen`` runs instead (an option that would be ignored)."""
+        return []
+
+    # -- planner side: sizing ----------------------------------------------------------------------
+
+    def candidates(self, job: sizing.Job, interconnect: str, cfg: LadleConfig) -> list[Candidate]:
+        """The variants of this strategy worth sizing for ``job`` on ``interconnect``, with their rank.
+
+        Communication per step, in units of one all-reduce of the trained weights, sets the rank:
+        DDP, ZeRO-1 and ZeRO-2 move 1 (reduce-scatter + all-gather); ZeRO-3 and FSDP2 1.5 (weights
+        gathered again for backward); offload adds a host round trip over PCIe every step. LoRA
+        trains few weights, so its communication is small whatever the strategy and only the frozen
+        base's memory matters. A strategy with no candidates is used only when named explicitly.
+        """
+        return []
+
+    def model_states(self, job: sizing.Job, options: Section | None) -> memory.ModelStates:
+        """Per-rank weights, gradients and optimizer state of a full fine-tune (default: a full replica)."""
+        return memory.ddp(job.shape.params)
+
+    def lora_base_ranks(self, job: sizing.Job, options: Section | None) -> int:
+        """Ranks the frozen base of a LoRA run is divided over (1: each rank holds all of it)."""
+        return 1
+
+    def activations(self, job: sizing.Job, options: Section | None) -> tuple[int, str]:
+        """Activation bytes alive on a rank at the end of one micro-batch's forward, and how they were counted."""
+        tokens = job.micro_batch * job.seq_len
+        return sizing.activation_bytes(job.shape, tokens, job.shape.layers, job.dtype_bytes, job.checkpointing), ""
+
+    def estimate(self, job: sizing.Job, options: Section | None) -> sizing.Estimate:
+        """Per-rank memory of one training step of ``job`` with ``options``."""
+        if job.lora:
+            states = sizing.lora_states(job, self.lora_base_ranks(job, options), self.offload(options)[1])
+        else:
+            states = self.model_states(job, options)
+        acts, note = self.activations(job, options)
+        logits = sizing.logits_bytes(job.shape, job.micro_batch * job.seq_len, job.dtype_bytes)
+        return sizing.Estimate.of(self.label(options), states, acts, logits, job, note)
+
+    # -- planner side: rendering -------------------------------------------------------------------
 
     def configure(self, cfg: LadleConfig, plan: Plan) -> tuple[dict, list[str]]:
         """The strategy's launcher config (e.g. the DeepSpeed JSON), rendered from the plan, and the reasons
@@ -79,8 +219,6 @@ class Strategy(ABC):
         """The unsharded state dict, gathered collectively (every rank calls this); complete on rank 0."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        from ladle.train.checkpoint import state_options
-
         return get_model_state_dict(model, options=state_options(trainable_only=trainable_only))
 
     native_checkpoint = False
@@ -93,8 +231,6 @@ class Strategy(ABC):
         ``state.pt`` (complete on rank 0)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from ladle.train.checkpoint import inner, state_options
-
         model_state, optim_state = get_state_dict(model, inner(optimizer), options=state_options())
         return {"model": model_state, "optimizer": optim_state}
 
@@ -102,8 +238,6 @@ class Strategy(ABC):
         """Restore what ``save_state`` wrote: ``payload`` is ``state.pt``; ``folder`` holds the checkpoint's
         files (None when the strategy writes none)."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        from ladle.train.checkpoint import inner, state_options
 
         set_state_dict(
             model,
@@ -170,10 +304,19 @@ class Strategy(ABC):
         """Extra ``from_pretrained`` arguments (e.g. a tensor-parallel plan and mesh)."""
         return {}
 
-    def validate_model(self, model: dict, world_size: int) -> list[str]:
-        """Problems with this model's shape for this strategy (the planner has the config.json)."""
-        return []
-
     def hf_model(self, accelerator, model):
         """The Hugging Face (or peft) model object whose ``save_pretrained`` writes the output."""
         return accelerator.unwrap_model(model)
+
+
+def state_options(trainable_only: bool = True, **extra):
+    """Full (unsharded) state, gathered to CPU on rank 0: the same checkpoint layout
+    whatever the strategy (DDP replica or FSDP2 shards)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only, **extra)
+
+
+def inner(optimizer):
+    """The torch optimizer under accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)

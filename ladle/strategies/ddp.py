@@ -4,15 +4,34 @@ from __future__ import annotations
 
 from typing import Any
 
-from ladle.strategies.base import Strategy
+from pydantic import Field
+
+from ladle.schema import Section
+from ladle.strategies.base import Candidate, Strategy
+
+
+class DDPOptions(Section):
+    bucket_cap_mb: int = Field(25, ge=1, description="DDP gradient bucket size in MiB.")
+    find_unused_parameters: bool = Field(False, description="Let DDP tolerate parameters without gradients.")
 
 
 class DDP(Strategy):
     name = "ddp"
     summary = "data parallel, full replica per rank, gradients all-reduced"
+    options_model = DDPOptions
+    options_section = "ddp"
 
-    def validate(self, cfg, topo, world_size: int) -> list[str]:
+    def validate(self, cfg, topo, target) -> list[str]:
         return []
+
+    def candidates(self, job, interconnect, cfg) -> list[Candidate]:
+        if job.world == 1:
+            why = "one device: no communication"
+        elif job.lora:
+            why = "adapter gradients are tiny, so one all-reduce per step is the least communication"
+        else:
+            why = "a full replica fits, and one gradient all-reduce is the least communication"
+        return [Candidate(self, 0, why)]
 
     def accelerator_kwargs(self, plan) -> dict[str, Any]:
         from accelerate.utils import DistributedDataParallelKwargs

@@ -18,19 +18,67 @@ mid-run (a compile killed halfway leaves a lock that hangs every later run).
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Literal
 
-from ladle.strategies.base import Strategy
+from pydantic import Field
+
+from ladle import memory
+from ladle.schema import Section
+from ladle.strategies.base import Candidate, Strategy
 
 NO_PRINT = 10**9
+
+
+class DeepSpeedOptions(Section):
+    offload_optimizer: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="ZeRO-Offload of optimizer state (and its step) to CPU or NVMe. CUDA runs only."
+    )
+    offload_param: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="ZeRO-Infinity parameter offload to CPU or NVMe. Stage 3 (zero3, zero++) and CUDA only."
+    )
+    nvme_path: str | None = Field(None, description="Local NVMe folder for `nvme` offload.")
+    overlap_comm: bool = Field(True, description="Overlap gradient reduction with the backward pass.")
+    reduce_bucket_size: int = Field(
+        500_000_000, ge=1, description="Elements reduced per bucket (written to the DeepSpeed JSON as an integer)."
+    )
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, description="Stage 3: elements prefetched ahead.")
+    stage3_max_live_parameters: int = Field(
+        1_000_000_000, ge=0, description="Stage 3: gathered parameters kept alive before release, in elements."
+    )
+    stage3_max_reuse_distance: int = Field(
+        1_000_000_000, ge=0, description="Stage 3: keep a gathered parameter if it is reused within this many elements."
+    )
+    sub_group_size: int = Field(1_000_000_000, ge=1, description="Stage 3: optimizer step sub-group, in elements.")
+    hpz_partition_size: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="ZeRO++ hpZ secondary weight partition (ranks). 0: processes per machine "
+        "on a multi-machine run, off (1) on one machine. Must divide the world size.",
+    )
+    quantized_weights: bool | None = Field(
+        None,
+        description="ZeRO++ qwZ (int8 weight all-gather). null: on for CUDA float16/float32 runs, off with "
+        "bfloat16 (its dequantized weights come back as float16) and on CPU (no CUDA quantizer kernels).",
+    )
+    quantized_gradients: bool | None = Field(
+        None, description="ZeRO++ qgZ (int4 gradient reduce-scatter). null: on for CUDA runs, off on CPU."
+    )
 
 
 class ZeRO(Strategy):
     """DeepSpeed ZeRO at a fixed stage."""
 
+    engine = "deepspeed"
+    options_model = DeepSpeedOptions
+    options_section = "deepspeed"
+    compile_note = "DeepSpeed with torch.compile is rejected (its engine hooks break under compiled graphs)"
+
     def __init__(self, stage: int):
         self.stage = stage
         self.name = f"zero{stage}"
+        self.shortcuts = (str(stage),)
+        self.shards_tensors = stage == 3
         self.summary = {
             1: "DeepSpeed ZeRO-1: optimizer state sharded across ranks",
             2: "DeepSpeed ZeRO-2: optimizer state and gradients sharded",
@@ -39,7 +87,43 @@ class ZeRO(Strategy):
 
     # -- planner side (no DeepSpeed import) ---------------------------------
 
-    def validate(self, cfg, topo, world_size: int) -> list[str]:
+    def offload(self, options) -> tuple[bool, bool]:
+        return options.offload_optimizer != "none", options.offload_param != "none"
+
+    def candidates(self, job, interconnect, cfg) -> list[Candidate]:
+        host = {"offload_optimizer": "cpu"}
+        slow = f"{self.name} with optimizer offload: the optimizer step runs on the host (slow)"
+        if job.world == 1:
+            why = "one device too small: optimizer state and its step move to host memory"
+            return [Candidate(self, 10, why, host, needs_cuda=True, warning=slow)] if self.stage == 2 else []
+        if job.lora:
+            why = "the frozen base does not fit whole on a device; ZeRO-3 shards it"
+            return [Candidate(self, 20, why)] if self.stage == 3 else []
+        if self.stage == 1:
+            return [Candidate(self, 30, "optimizer state sharded: same traffic as DDP")]
+        if self.stage == 2:
+            return [Candidate(self, 31, "gradients sharded too: still DDP's traffic")]
+        last = "last resort: optimizer state and step on the host (PCIe-bound)"
+        return [
+            Candidate(self, 40, "DeepSpeed's full sharding"),
+            Candidate(self, 90, last, host, needs_cuda=True, warning=slow),
+        ]
+
+    def model_states(self, job, options) -> memory.ModelStates:
+        s, offload = job.shape, self.offload(options)
+        if self.stage == 1:
+            return memory.zero1(s.params, job.world)
+        if self.stage == 2:
+            return memory.zero2(s.params, job.gpus_per_node, job.nodes, offload_optimizer=offload[0])
+        largest = max(s.layer_params, s.embedding_params // 2)
+        return memory.zero3(
+            s.params, largest, job.gpus_per_node, job.nodes, offload_optimizer=any(offload), offload_params=offload[1]
+        )
+
+    def lora_base_ranks(self, job, options) -> int:
+        return job.world if self.stage == 3 else 1
+
+    def validate(self, cfg, topo, target) -> list[str]:
         ds = cfg.parallelism.deepspeed
         problems = []
         for field in ("offload_optimizer", "offload_param"):
@@ -196,13 +280,32 @@ class ZeRO(Strategy):
 class ZeROPlusPlus(ZeRO):
     """ZeRO-3 with quantized weight all-gather (qwZ), quantized gradients (qgZ) and hpZ."""
 
+    aliases = ("zero_pp", "zeropp", "zero-pp")
+
     def __init__(self):
         super().__init__(3)
         self.name = "zero++"
+        self.shortcuts = ()
         self.summary = "DeepSpeed ZeRO++: ZeRO-3 with int8 weight all-gather, int4 gradients, hpZ secondary shards"
 
-    def validate(self, cfg, topo, world_size: int) -> list[str]:
-        problems = super().validate(cfg, topo, world_size)
+    def candidates(self, job, interconnect, cfg) -> list[Candidate]:
+        if job.world == 1 or job.lora or job.nodes == 1:
+            return []
+        why = "across machines hpZ keeps weight all-gathers inside each node and qwZ/qgZ quantize what crosses the network"
+        return [Candidate(self, 10, why)]
+
+    def model_states(self, job, options) -> memory.ModelStates:
+        states = super().model_states(job, options)
+        if job.nodes == 1:
+            return states
+        # hpZ: a secondary 16-bit copy of the weights, sharded within the node
+        secondary = memory.WEIGHT_16 * job.shape.params // job.gpus_per_node
+        return memory.ModelStates(
+            states.weights + secondary, states.gradients, states.optimizer, states.gathered, states.host
+        )
+
+    def validate(self, cfg, topo, target) -> list[str]:
+        problems = super().validate(cfg, topo, target)
         ds = cfg.parallelism.deepspeed
         for field in ("quantized_weights", "quantized_gradients"):
             if getattr(ds, field) and topo.gpu_count == 0:
@@ -210,16 +313,17 @@ class ZeROPlusPlus(ZeRO):
                     f"parallelism.deepspeed.{field} = true: ZeRO++ quantization runs DeepSpeed's CUDA quantizer "
                     f"kernels and this host has no GPU. Set parallelism.deepspeed.{field}=null (auto) or false."
                 )
-        if ds.quantized_weights and cfg.training.dtype == "bfloat16":
+        if ds.quantized_weights and target.dtype == "bfloat16":  # the resolved dtype: `auto` may mean bf16
+            asked = "" if cfg.training.dtype == "bfloat16" else f" ({cfg.training.dtype}: resolved to bfloat16)"
             problems.append(
-                "parallelism.deepspeed.quantized_weights = true with training.dtype = bfloat16: qwZ dequantizes "
-                "weights to float16, which bf16 layers reject. Set quantized_weights=null (auto: off with bf16) "
-                "or training.dtype=float16."
+                f"parallelism.deepspeed.quantized_weights = true with training.dtype = bfloat16{asked}: qwZ "
+                "dequantizes weights to float16, which bf16 layers reject. Set quantized_weights=null (auto: off "
+                "with bf16) or training.dtype=float16."
             )
         hpz = ds.hpz_partition_size
-        if hpz > 1 and world_size % hpz:
+        if hpz > 1 and target.world_size % hpz:
             problems.append(
-                f"parallelism.deepspeed.hpz_partition_size = {hpz}: must divide the world size {world_size}. "
+                f"parallelism.deepspeed.hpz_partition_size = {hpz}: must divide the world size {target.world_size}. "
                 "Use the processes per machine, or 0 (auto)."
             )
         return problems

@@ -12,7 +12,31 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ladle.strategies.base import Strategy
+from pydantic import Field
+
+from ladle import memory
+from ladle.schema import Section
+from ladle.strategies.base import Candidate, Strategy
+
+
+class FSDP2Options(Section):
+    reshard_after_forward: bool = Field(
+        True, description="Free each layer's gathered parameters after its forward (less memory, one more all-gather)."
+    )
+    cpu_offload: bool = Field(False, description="Keep parameters and optimizer state in CPU memory (CUDA runs only).")
+    replicate: int = Field(
+        1,
+        ge=0,
+        le=1024,
+        description="HSDP: replica groups (data-parallel replicate degree); parameters are "
+        "sharded within each group of world/replicate ranks and gradients all-reduced across groups. 1: plain "
+        "FSDP (shard over all ranks). 0: one group per machine (shard inside the node, replicate across nodes).",
+    )
+    compile: bool = Field(
+        False,
+        description="use_fsdp2_compile: torch.compile each decoder block in place before sharding (CUDA, "
+        "torch >= 2.2, accelerate >= 0.27). FSDP2 only; DeepSpeed with torch.compile is rejected.",
+    )
 
 
 def decoder_layers(model) -> list:
@@ -52,13 +76,70 @@ def replicas(plan) -> int:
     return plan.num_machines if replicate == 0 else replicate
 
 
+FAST_LINKS = ("nvswitch",)  # interconnects on which all-gathers are cheap
+
+
 class FSDP2(Strategy):
     name = "fsdp2"
     summary = "fully sharded data parallel (fully_shard): parameters, gradients and optimizer state sharded"
+    options_model = FSDP2Options
+    options_section = "fsdp2"
+    shards_tensors = True
 
-    def validate(self, cfg, topo, world_size: int) -> list[str]:
+    def offload(self, options) -> tuple[bool, bool]:
+        return options.cpu_offload, options.cpu_offload  # CPUOffloadPolicy moves parameters and optimizer state
+
+    def label(self, options) -> str:
+        hsdp = "+hsdp" if options.replicate != 1 else ""
+        return self.name + hsdp + ("+offload" if options.cpu_offload else "")
+
+    def candidates(self, job, interconnect, cfg) -> list[Candidate]:
+        if job.world == 1:
+            return []
+        if job.lora:
+            return [Candidate(self, 10, "the frozen base does not fit whole on a device; FSDP2 shards it")]
+        out = []
+        if job.nodes > 1:
+            why = "HSDP: parameters sharded inside each machine, so only one gradient all-reduce per step crosses the network"
+            out.append(Candidate(self, 15, why, {"replicate": 0}))
+        if interconnect in FAST_LINKS:
+            why = f"{interconnect}: all-gathers are cheap, so full sharding costs little and frees the most memory"
+            return [*out, Candidate(self, 20, why)]
+        why = f"{interconnect}: full sharding's extra all-gather is costly here, so it comes after ZeRO-1/2"
+        return [*out, Candidate(self, 35, why)]
+
+    def model_states(self, job, options) -> memory.ModelStates:
+        s, hsdp, offload = job.shape, options.replicate != 1, options.cpu_offload
+        largest = max(s.layer_params, s.embedding_params // 2)
+        states = memory.zero3(
+            s.params,
+            largest,
+            job.gpus_per_node,
+            1 if hsdp else job.nodes,
+            offload_optimizer=offload,
+            offload_params=offload,
+        )
+        # The root unit (embeddings + head) stays gathered between forward and backward.
+        root = memory.WEIGHT_16 * s.embedding_params
+        return memory.ModelStates(
+            states.weights, states.gradients, states.optimizer, states.gathered + root, states.host
+        )
+
+    def lora_base_ranks(self, job, options) -> int:
+        return job.gpus_per_node if options.replicate != 1 else job.world
+
+    def validate_unused(self, cfg, chosen) -> list[str]:
+        if not cfg.parallelism.fsdp2.compile or chosen is self:
+            return []
+        what = chosen.compile_note or f"compile is wired for fsdp2 only, not {chosen.name}"
+        return [
+            f"parallelism.fsdp2.compile = true with parallelism.strategy = {chosen.name}: {what}. "
+            "Set parallelism.strategy=fsdp2 or parallelism.fsdp2.compile=false."
+        ]
+
+    def validate(self, cfg, topo, target) -> list[str]:
         problems = []
-        replicate = cfg.parallelism.fsdp2.replicate
+        replicate, world_size = cfg.parallelism.fsdp2.replicate, target.world_size
         if replicate > 1 and (replicate > world_size or world_size % replicate):
             problems.append(
                 f"parallelism.fsdp2.replicate = {replicate}: must divide the world size {world_size} "

@@ -17,15 +17,81 @@ off) and equal the single-process gradients.
 
 from __future__ import annotations
 
-from ladle.strategies.base import Strategy
+from typing import Literal
+
+from pydantic import Field
+
+from ladle import memory, sizing
+from ladle.schema import Section
+from ladle.strategies.base import Candidate, Strategy
+
+
+class PipelineOptions(Section):
+    stages: int = Field(2, ge=1, le=16, description="Pipeline stages (pipeline_stages), one per process; >= 2.")
+    schedule: Literal["1f1b", "gpipe"] = Field(
+        "1f1b",
+        description="1f1b: one-forward-one-backward, activations of at most `stages` microbatches alive; "
+        "gpipe: all forwards, then all backwards.",
+    )
+    allow_cpu: bool = Field(
+        False, description="Run the stages as CPU gloo processes (for testing on a machine without GPUs)."
+    )
 
 
 class Pipeline(Strategy):
     name = "pipeline"
     summary = "pipeline parallel (torch.distributed.pipelining): decoder layers split into stages, one per rank"
+    options_model = PipelineOptions
+    options_section = "pipeline"
 
-    def validate(self, cfg, topo, world_size: int) -> list[str]:
-        pp = cfg.parallelism.pipeline
+    # -- planner side --------------------------------------------------------
+
+    def processes(self, cfg, device: str, per_machine: int) -> tuple[int, str | None]:
+        stages = cfg.parallelism.pipeline.stages
+        if device == "cuda" and cfg.parallelism.gpus == "auto" and per_machine > stages:
+            return stages, f"{stages} process(es): --gpus auto adapts to one pipeline of {stages} stages"
+        return per_machine, None
+
+    def data_parallel_degree(self, world_size: int, options) -> int:
+        return 1  # one pipeline: its stages share one batch
+
+    def default_accumulation(self, options) -> int:
+        return options.stages  # one microbatch per stage fills the pipeline (what 1F1B needs)
+
+    def validate_batch(self, options, micro: int, accumulation: int, global_batch: int) -> list[str]:
+        if options.schedule != "1f1b" or accumulation >= options.stages:
+            return []
+        return [
+            f"training.global_batch_size = {global_batch}: 1f1b needs at least one microbatch per stage "
+            f"({accumulation} < {options.stages}). Use global_batch_size={micro * options.stages} or more, "
+            "or parallelism.pipeline.schedule=gpipe."
+        ]
+
+    def candidates(self, job, interconnect, cfg) -> list[Candidate]:
+        possible = 2 <= job.world <= 16 and job.shape.layers >= job.world
+        if job.lora or not possible or not (job.cuda or cfg.parallelism.pipeline.allow_cpu):
+            return []
+        why = (
+            "the model does not fit one node's devices even fully sharded: split layers into stages; only "
+            "activations cross the links"
+        )
+        reason = f"pipeline of {job.world} stages: one per process"
+        return [Candidate(self, 50, why, {"stages": job.world}, reason=reason)]
+
+    def model_states(self, job, options) -> memory.ModelStates:
+        return memory.ddp(job.shape.params // job.world)  # each stage a full replica of its slice
+
+    def lora_base_ranks(self, job, options) -> int:
+        return job.world
+
+    def activations(self, job, options) -> tuple[int, str]:
+        s, tokens, layers = job.shape, job.micro_batch * job.seq_len, -(-job.shape.layers // job.world)
+        in_flight = min(job.microbatches, job.world)  # 1F1B: at most `stages` microbatches alive on stage 0
+        acts = in_flight * sizing.activation_bytes(s, tokens, layers, job.dtype_bytes, job.checkpointing)
+        return acts, f"{job.world} stages of {layers} layers, {in_flight} microbatches in flight"
+
+    def validate(self, cfg, topo, target) -> list[str]:
+        pp, world_size = cfg.parallelism.pipeline, target.world_size
         problems = []
         if pp.stages < 2:
             problems.append(

@@ -16,6 +16,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
+from ladle import memory
 from ladle.strategies.base import Strategy
 
 
@@ -23,7 +24,21 @@ class TensorParallel(Strategy):
     name = "tp"
     summary = "tensor parallel (transformers tp_plan on a DTensor mesh): every layer's weights split across ranks"
 
-    def validate(self, cfg, topo, world_size: int) -> list[str]:
+    # -- planner side --------------------------------------------------------
+
+    def data_parallel_degree(self, world_size: int, options) -> int:
+        return 1  # every rank of the group reads the same rows
+
+    def model_states(self, job, options) -> memory.ModelStates:
+        """The decoder layers' projections are split over the ranks with their gradients and optimizer
+        state; the embeddings and head are kept whole on each rank (the upper bound: the head's output is
+        gathered). Nothing is gathered whole, unlike ZeRO-3."""
+        s = job.shape
+        per_rank = s.layer_params * s.layers // job.world + s.embedding_params
+        return memory.ddp(per_rank)
+
+    def validate(self, cfg, topo, target) -> list[str]:
+        world_size = target.world_size
         problems = []
         if cfg.training.lora.enabled:
             problems.append(

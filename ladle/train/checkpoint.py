@@ -1,12 +1,15 @@
 """Resumable checkpoints, written so that a crash never leaves one that looks complete.
 
-A checkpoint is ``<run>/checkpoints/step-NNNNNNNN/state.pt`` plus the store's
-``_COMPLETE`` marker, written last. It holds the trainable weights, optimizer
-and scheduler state, every rank's RNG state and the loss history; the data
-position is the step number itself (see ``ladle.train.schedule``). For
-DeepSpeed the weights and optimizer state are DeepSpeed's own per-rank files
-under ``engine/`` (partitioned state is never gathered to one rank), so such a
-checkpoint resumes only with the same strategy and world size.
+A checkpoint is ``<run>/checkpoints/step-NNNNNNNN/`` with ``state.pt`` and the
+store's ``_COMPLETE`` marker, written last. ``state.pt`` holds the scheduler
+state, every rank's RNG state, the loss history and the strategy's ``format``;
+the data position is the step number itself (see ``ladle.train.schedule``).
+Where the weights and optimizer state go is the strategy's choice
+(``Strategy.save_state``): strategy-neutral ones gather the full trainable state
+into ``state.pt``, which any such strategy resumes from; native ones (DeepSpeed's
+per-rank engine files, one file per pipeline stage) write their own files under
+``engine/``, never gathered to one rank, so they resume only with the same
+strategy and world size. The caller passes the plan's strategy object.
 """
 
 from __future__ import annotations
@@ -43,19 +46,6 @@ def complete_steps(root: str) -> list[int]:
     return sorted(steps)
 
 
-def state_options(trainable_only: bool = True, **extra):
-    """Full (unsharded) state, gathered to CPU on rank 0: the same checkpoint layout
-    whatever the strategy (DDP replica or FSDP2 shards)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only, **extra)
-
-
-def inner(optimizer):
-    """The torch optimizer under accelerate's wrapper."""
-    return getattr(optimizer, "optimizer", optimizer)
-
-
 def rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -70,7 +60,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses, eval_before, plan) -> None:
+def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses, eval_before, plan, strategy) -> None:
     """Gather every rank's RNG and the training state (collectives), then mark the step complete.
 
     Strategy-neutral strategies gather the full trainable state and rank 0 writes it; strategies with
@@ -81,9 +71,6 @@ def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses,
 
     from accelerate.utils import gather_object
 
-    from ladle import strategies
-
-    strategy = strategies.get(plan.strategy)
     target = step_dir(root, step)
     rngs = gather_object([rng_state()])
     payload = {
@@ -113,22 +100,20 @@ def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses,
     accelerator.wait_for_everyone()
 
 
-def load_latest(accelerator, root: str, model, optimizer, scheduler, plan) -> ResumeState | None:
-    """Restore the newest complete checkpoint into the wrapped model, optimizer and scheduler (all ranks).
+def load_latest(accelerator, root: str, model, optimizer, scheduler, plan, strategy) -> ResumeState | None:
+    """Restore the newest complete checkpoint into the wrapped model, optimizer and scheduler (all ranks);
+    ``strategy`` is the plan's, which reads its own files.
 
     Raises:
         RuntimeError: the checkpoint was written in a native format by another strategy or world size.
     """
     import tempfile
 
-    from ladle import strategies
-
     steps = complete_steps(root)
     if not steps:
         return None
     target = step_dir(root, steps[-1])
     payload = torch.load(io.BytesIO(storage.read_bytes(storage.join(target, "state.pt"))), weights_only=False)
-    strategy = strategies.get(plan.strategy)
     fmt = payload.get("format", "full")
     wanted = "native" if strategy.native_checkpoint else "full"
     same_run_shape = payload.get("strategy") == plan.strategy and payload.get("world_size") == plan.world_size

@@ -2,9 +2,11 @@
 
     accelerate launch ... -m ladle.train.worker SPEC.json
 
-It loads the base through the ordinary Hugging Face path, applies LoRA with
-peft, wraps the model with the planned strategy, reads the packed dataset from
-the artifact store and trains. Loss is the token-weighted mean over the whole
+It reads the packed dataset from the artifact store, loads the base through
+the ordinary Hugging Face path (with the strategy's loading arguments), applies
+LoRA with peft, wraps the model with the planned strategy (which builds the
+optimizer over its shards), checks that the wrapping really happened, resumes
+from the newest complete checkpoint if there is one, and trains. Loss is the token-weighted mean over the whole
 global batch, so it is the same whatever the world size or accumulation. Rank 0
 alone writes progress lines, MLflow metrics, checkpoints and outputs.
 """
@@ -24,6 +26,7 @@ from accelerate import Accelerator
 
 from ladle import storage, strategies
 from ladle.data.packing import read_rows
+from ladle.strategies.base import inner
 from ladle.train import checkpoint, schedule
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
@@ -58,8 +61,8 @@ def load_model(spec: TrainSpec, accelerator: Accelerator):
         from transformers import BitsAndBytesConfig
 
         storage = cfg.training.quantization.storage_dtype
-        if storage == "auto":
-            storage = plan.dtype if plan.strategy in ("fsdp2", "zero3", "zero++") else "uint8"
+        if storage == "auto":  # sharded tensors must be floats; otherwise bitsandbytes' packed uint8
+            storage = plan.dtype if strategies.get(plan.strategy).shards_tensors else "uint8"
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
@@ -134,9 +137,7 @@ def build_scheduler(optimizer, cfg, steps: int):
     from transformers import get_scheduler
 
     name = "constant_with_warmup" if cfg.training.scheduler == "constant" else cfg.training.scheduler
-    return get_scheduler(
-        name, checkpoint.inner(optimizer), num_warmup_steps=cfg.training.warmup_steps, num_training_steps=steps
-    )
+    return get_scheduler(name, inner(optimizer), num_warmup_steps=cfg.training.warmup_steps, num_training_steps=steps)
 
 
 def train_step(accelerator, model, optimizer, scheduler, data, step: int, spec: TrainSpec) -> float:
@@ -211,7 +212,8 @@ class Session:
 
 
 def setup(spec: TrainSpec) -> Session:
-    """Accelerator -> data -> model (+LoRA) -> optimizer -> resume -> strategy wrap -> first eval."""
+    """Accelerator -> data -> model (+LoRA) -> strategy wrap (+optimizer) -> check applied -> scheduler ->
+    resume -> first eval (skipped on resume: the checkpoint carries it)."""
     plan, cfg = spec.plan, spec.config
     strategy = strategies.get(plan.strategy)
     accelerator = Accelerator(cpu=plan.device == "cpu", **strategy.accelerator_kwargs(plan))
@@ -231,7 +233,7 @@ def setup(spec: TrainSpec) -> Session:
     sharding = strategy.check_applied(accelerator, model, plan)
     scheduler = build_scheduler(optimizer, cfg, steps)
     state = checkpoint.load_latest(
-        accelerator, storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan
+        accelerator, storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan, strategy
     )
     log = mlflow_logger(spec, accelerator)
     if state:
@@ -300,7 +302,18 @@ def train_loop(s: Session) -> tuple[int, float]:
         if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < s.steps:
             s.log({"eval_loss": evaluate(acc, s.model, s.evals, s.spec)}, step + 1)
         if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
-            checkpoint.save(acc, ckpt_root, step + 1, s.model, s.optimizer, s.scheduler, s.losses, s.eval_before, plan)
+            checkpoint.save(
+                acc,
+                ckpt_root,
+                step + 1,
+                s.model,
+                s.optimizer,
+                s.scheduler,
+                s.losses,
+                s.eval_before,
+                plan,
+                strategies.get(plan.strategy),
+            )
     return tokens, seconds
 
 

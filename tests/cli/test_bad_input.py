@@ -7,20 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.helpers import ROOT, assert_clean_error, run_cli
 
 RECIPE = str(ROOT / "recipes" / "tiny-cpu.yaml")
-
-
-def assert_clean_error(done, *fragments: str) -> str:
-    assert done.returncode != 0
-    output = done.stdout + done.stderr
-    assert "Traceback" not in output, output[-3000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, done.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-    return errors[0]
 
 
 @pytest.mark.parametrize(
@@ -185,7 +174,7 @@ def test_plan_reports_model_size(tmp_path):
 
 
 def test_probe_and_plan_against_a_recorded_machine(tmp_path):
-    from tests.unit.test_topo_matrix import PAIRS_4
+    from tests.helpers import PAIRS_4
 
     recorded = tmp_path / "topo.txt"
     recorded.write_text(PAIRS_4)

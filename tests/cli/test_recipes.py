@@ -6,9 +6,7 @@ import json
 
 import pytest
 
-from tests.cli.test_bad_input import assert_clean_error
-from tests.conftest import run_cli
-from tests.unit.test_topo_matrix import NVSWITCH_8
+from tests.helpers import NVSWITCH_8, assert_clean_error, run_cli
 
 SHIPPED = [
     "deepseek-v3-pipeline",

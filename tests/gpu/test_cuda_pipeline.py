@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.helpers import ROOT, run_cli
 from tests.pipeline import checks
 
 pytestmark = [

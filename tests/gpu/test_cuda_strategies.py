@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.train.test_strategies import spec_for
+from tests.helpers import strategy_spec
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,9 +16,10 @@ pytestmark = [
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "zero++", "fsdp2"])
 def test_strategy_trains_on_one_gpu(name, tmp_path, tiny_model):
+    from ladle.topology import probe
     from ladle.train.run import launch
 
-    spec = spec_for(name, tmp_path, "parallelism.gpus=1", "training.global_batch_size=4")
+    spec = strategy_spec(name, tmp_path, "parallelism.gpus=1", "training.global_batch_size=4", topo=probe())
     assert (spec.plan.device, spec.plan.backend, spec.plan.world_size) == ("cuda", "nccl", 1)
     result = launch(spec)
     assert (result.strategy, result.world_size) == (name, 1)

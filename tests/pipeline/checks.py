@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ladle import storage
-from tests.serve.test_server import offline_greedy
+from tests.helpers import offline_greedy
 
 
 def local_copy(url: str) -> Path:

@@ -17,8 +17,9 @@ import httpx
 import pytest
 
 from ladle import storage
+from ladle.processes import stop_process
 from ladle.train.run import free_port
-from tests.conftest import ROOT, stop_process
+from tests.helpers import ROOT
 from tests.pipeline import checks
 
 pytestmark = pytest.mark.pipeline
@@ -133,7 +134,7 @@ def test_ladle_run_uses_the_configured_server_and_starts_none(prefect_server, tm
     The run fails inside the flow (a data error found by the prepare task), which proves the same
     routing as a full run at a fraction of its time; full runs through that server are the test above.
     """
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{broken\n")

@@ -10,7 +10,7 @@ import pytest
 
 from ladle import storage
 from ladle.train.checkpoint import complete_steps
-from tests.conftest import ROOT, run_cli
+from tests.helpers import ROOT, run_cli
 from tests.pipeline import checks
 
 pytestmark = pytest.mark.pipeline

@@ -5,7 +5,7 @@ from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.merge import MergedModel
 from ladle.serve.deploy import deploy
-from tests.conftest import stop_pid
+from tests.helpers import stop_pid
 
 
 def test_keep_running_leaves_a_healthy_server(tiny_model):

@@ -1,32 +1,14 @@
 import pytest
-import torch
 from fastapi.testclient import TestClient
 
 from ladle.serve.backends import TransformersBackend
 from ladle.serve.server import create_app
+from tests.helpers import offline_greedy
 
 
 @pytest.fixture(scope="module")
 def client(tiny_model):
     return TestClient(create_app(TransformersBackend(str(tiny_model)), "tiny"))
-
-
-def offline_greedy(model_dir, messages, max_new_tokens):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
-    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def test_health_and_models(client):

@@ -11,16 +11,12 @@ import pytest
 from prefect import flow
 
 from ladle import storage
-from ladle.assets import resolve_base
 from ladle.config import build_config
-from ladle.data.prepare import prepare
-from ladle.plan import make_plan
 from ladle.tasks.train import train_task
-from ladle.topology import probe
 from ladle.tracking import start_run
 from ladle.train.checkpoint import complete_steps
 from ladle.train.run import launch
-from ladle.train.spec import TrainSpec
+from tests.helpers import train_spec
 
 pytestmark = pytest.mark.pipeline
 
@@ -61,8 +57,8 @@ def test_killed_rank_is_retried_and_resumes_exactly(prefect_harness, tmp_path, t
         },
         [],
     )
-    plan = make_plan(cfg, probe(env={}, query_output=""))
-    dataset = prepare(cfg.data, resolve_base(cfg.base), str(tmp_path))
+    spec = train_spec(cfg, tmp_path, "runs/clean")
+    plan, dataset = spec.plan, spec.dataset
     track = start_run(cfg, None, "retry-test")
     run_url = str(tmp_path / "runs" / "killed")
 
@@ -74,9 +70,5 @@ def test_killed_rank_is_retried_and_resumes_exactly(prefect_harness, tmp_path, t
 
     assert killed, "no training process was killed"
     assert result.resumed_from_step >= 4  # the retry found a complete checkpoint
-    reference = launch(
-        TrainSpec(
-            config=cfg, plan=plan, dataset=dataset, base_dir=str(tiny_model), run_url=str(tmp_path / "runs" / "clean")
-        )
-    )
+    reference = launch(spec)
     assert result.train_losses == pytest.approx(reference.train_losses, abs=1e-5)

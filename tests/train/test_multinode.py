@@ -8,15 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from ladle.assets import resolve_base
 from ladle.config import build_config
-from ladle.data.prepare import prepare
 from ladle.errors import ConfigError
 from ladle.plan import make_plan
+from ladle.processes import stop_process
 from ladle.topology import probe
 from ladle.train.run import free_port, launch
-from ladle.train.spec import TrainSpec
-from tests.conftest import stop_process
+from tests.helpers import train_spec
 
 pytestmark = pytest.mark.pipeline
 CPU = probe(env={}, query_output="")
@@ -37,28 +35,15 @@ def config(**parallelism):
 @pytest.fixture(scope="module")
 def single_node(tmp_path_factory, tiny_model):
     """One machine, 2 processes, global batch 4: the losses every multi-node layout must reproduce."""
-    root = tmp_path_factory.mktemp("single")
-    single = config(cpu_processes=2)
-    dataset = prepare(single.data, resolve_base(single.base), str(root))
-    return dataset, launch(
-        TrainSpec(
-            config=single,
-            plan=make_plan(single, CPU),
-            dataset=dataset,
-            base_dir=str(tiny_model),
-            run_url=str(root / "single"),
-        )
-    )
+    spec = train_spec(config(cpu_processes=2), tmp_path_factory.mktemp("single"), "single")
+    return spec.dataset, launch(spec)
 
 
 def test_two_nodes_on_loopback_match_one_node_with_two_processes(tmp_path, tiny_model, single_node):
     multi = config(nodes=2, cpu_processes=1, main_port=free_port())
-    plan = make_plan(multi, CPU)
+    spec = train_spec(multi, tmp_path, "multi")
+    plan = spec.plan
     assert (plan.world_size, plan.num_machines, plan.processes_per_machine) == (2, 2, 1)
-    dataset = prepare(multi.data, resolve_base(multi.base), str(tmp_path))
-    spec = TrainSpec(
-        config=multi, plan=plan, dataset=dataset, base_dir=str(tiny_model), run_url=str(tmp_path / "multi")
-    )
 
     commands: list[str] = []
     node1 = None
@@ -98,12 +83,10 @@ def test_zeropp_across_two_nodes_shards_a_secondary_copy_within_each(tmp_path, t
     the gathers go)."""
     multi = config(nodes=2, cpu_processes=2, main_port=free_port(), strategy="zero++")
     multi.training.micro_batch_size = 1  # 1 row x 4 ranks: the reference's global batch of 4
-    plan = make_plan(multi, CPU)
-    zero = plan.launcher_config["zero_optimization"]
+    spec = train_spec(multi, tmp_path, "zpp")
+    zero = spec.plan.launcher_config["zero_optimization"]
     assert (zero["stage"], zero["zero_hpz_partition_size"], zero["zero_quantized_weights"]) == (3, 2, False)
-    assert any("hpZ partition 2: a secondary copy" in r for r in plan.reasons)
-    dataset = prepare(multi.data, resolve_base(multi.base), str(tmp_path))
-    spec = TrainSpec(config=multi, plan=plan, dataset=dataset, base_dir=str(tiny_model), run_url=str(tmp_path / "zpp"))
+    assert any("hpZ partition 2: a secondary copy" in r for r in spec.plan.reasons)
     ladle = str(Path(sys.executable).with_name("ladle"))
     node1 = []
 

@@ -5,14 +5,10 @@ from __future__ import annotations
 import pytest
 
 from ladle import storage
-from ladle.assets import resolve_base
 from ladle.config import build_config
-from ladle.data.prepare import prepare
-from ladle.plan import make_plan
-from ladle.topology import probe
 from ladle.train.checkpoint import complete_steps, step_dir
 from ladle.train.run import launch
-from ladle.train.spec import TrainSpec
+from tests.helpers import train_spec
 
 
 @pytest.mark.pipeline
@@ -32,9 +28,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tiny_model, tmp_path):
         },
         [],
     )  # dropout makes the RNG state matter; accumulation 2 exercises no_sync
-    plan = make_plan(cfg, probe(env={}, query_output=""))
-    dataset = prepare(cfg.data, resolve_base(cfg.base), str(tmp_path))
-    spec = TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(tiny_model), run_url=str(tmp_path / "run"))
+    spec = train_spec(cfg, tmp_path)
 
     full = launch(spec)
     root = storage.join(spec.run_url, "checkpoints")

@@ -10,46 +10,18 @@ import torch
 from safetensors.torch import load_file
 
 from ladle import storage
-from ladle.assets import resolve_base
-from ladle.config import build_config
-from ladle.data.prepare import prepare
 from ladle.merge import merge_adapter
-from ladle.plan import make_plan
-from ladle.topology import probe
 from ladle.train.checkpoint import step_dir
 from ladle.train.run import launch
 from ladle.train.spec import TrainSpec
+from tests.helpers import strategy_spec
 
 pytestmark = pytest.mark.pipeline
 STEPS = 6
 
 
 def spec_for(strategy: str, root, *overrides: str) -> TrainSpec:
-    cfg = build_config(
-        {
-            "base": "ladle://tiny-llama",
-            "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
-            "parallelism": {"strategy": strategy, "pipeline": {"allow_cpu": True}},
-            "training": {
-                "max_steps": STEPS,
-                "lr": 3e-3,
-                "micro_batch_size": 2,
-                "global_batch_size": 8,
-                "checkpoint_every": 3,
-                "lora": {"target_modules": "all-linear", "modules_to_save": ["lm_head"]},
-            },
-        },
-        list(overrides),
-    )  # global batch 8 = 2 micro x 2 ranks x 2 accumulation: exercises no_sync
-    plan = make_plan(cfg, probe(env={}, query_output=""))
-    dataset = prepare(cfg.data, resolve_base(cfg.base), str(root))
-    return TrainSpec(
-        config=cfg,
-        plan=plan,
-        dataset=dataset,
-        base_dir=str(resolve_base(cfg.base)),
-        run_url=str(root / (strategy + "".join(overrides))),
-    )
+    return strategy_spec(strategy, root, *overrides, steps=STEPS)
 
 
 SHARDED = ("zero1", "zero2", "zero3", "zero++", "fsdp2", "pipeline")

@@ -4,7 +4,7 @@ import pytest
 
 from ladle.config import MAX_GPU_COUNT, LadleConfig, build_config, json_schema, load_config, parse_gpus
 from ladle.errors import ConfigError, LadleError
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 MINIMAL = {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}}
 

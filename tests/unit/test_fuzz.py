@@ -9,7 +9,7 @@ from ladle.config import MAX_GPU_COUNT, build_config, parse_gpus
 from ladle.errors import LadleError
 from ladle.plan import make_plan
 from ladle.topology import probe
-from tests.unit.test_topology import A100_X8
+from tests.helpers import A100_X8
 
 MINIMAL = {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}}
 HOSTS = [probe(env={}, query_output=""), probe(env={}, query_output=A100_X8)]

@@ -8,7 +8,7 @@ import pytest
 
 from ladle import memory
 from ladle.params import count_params
-from tests.unit.test_params import LLAMA3_8B, MISTRAL_7B, QWEN2_7B
+from tests.helpers import LLAMA3_8B, MISTRAL_7B, QWEN2_7B
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 MODELS = [

@@ -9,7 +9,7 @@ import pytest
 
 from ladle.topo_matrix import parse
 from ladle.topology import probe
-from tests.unit.test_topo_matrix import CONSUMER_2, NVSWITCH_8, PAIRS_4
+from tests.helpers import CONSUMER_2, NVSWITCH_8, PAIRS_4
 
 
 class NVMLError(Exception):

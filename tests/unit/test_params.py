@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ladle.params import FAMILIES, count_params, lora_params, meta_count
+from tests.helpers import LLAMA3_8B, MISTRAL_7B, QWEN2_7B
 
 SMALL = {
     "hidden_size": 64,
@@ -51,38 +52,6 @@ EXTRA = {
     "gemma2": {"head_dim": 16},
     "llama": {"tie_word_embeddings": True, "attention_bias": True},
     "qwen3": {"head_dim": 24},
-}
-
-# Published hyperparameters of real models (from their config.json files).
-LLAMA3_8B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "tie_word_embeddings": False,
-}
-QWEN2_7B = {
-    "model_type": "qwen2",
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "vocab_size": 152064,
-    "tie_word_embeddings": False,
-}
-MISTRAL_7B = {
-    "model_type": "mistral",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 32000,
-    "tie_word_embeddings": False,
 }
 
 

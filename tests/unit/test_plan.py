@@ -6,7 +6,7 @@ from ladle.config import build_config
 from ladle.errors import ConfigError
 from ladle.plan import make_plan
 from ladle.topology import probe
-from tests.unit.test_topology import A100_X8, T4_X2
+from tests.helpers import A100_X8, T4_X2
 
 MINIMAL = {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}}
 CPU = probe(env={}, query_output="")

@@ -11,7 +11,7 @@ from ladle.errors import ConfigError
 from ladle.params import read_config
 from ladle.plan import make_plan
 from ladle.topology import probe_file
-from tests.unit.test_topo_matrix import CONSUMER_2, NVSWITCH_8, PCIE_8
+from tests.helpers import CONSUMER_2, NVSWITCH_8, PCIE_8
 
 MODELS = {
     name: read_config(f"recipes/models/{name}")

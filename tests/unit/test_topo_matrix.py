@@ -6,67 +6,8 @@ import pytest
 
 from ladle.errors import LadleError
 from ladle.topo_matrix import cliques, parse
+from tests.helpers import CONSUMER_2, NVSWITCH_8, PAIRS_4, PCIE_8, full, matrix
 
-LEGEND = """
-Legend:
-
-  X    = Self
-  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)
-  NODE = Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node
-  PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)
-  PXB  = Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)
-  PIX  = Connection traversing at most a single PCIe bridge
-  NV#  = Connection traversing a bonded set of # NVLinks
-"""
-
-
-def matrix(
-    links: list[list[str]],
-    nics: dict[str, list[str]] | None = None,
-    affinity: list[tuple[str, str]] | None = None,
-    gpu_numa: bool | list[str] = False,
-    sep: str = "\t",
-) -> str:
-    """Render a matrix the way nvidia-smi lays it out."""
-    n = len(links)
-    nics = nics or {}
-    names = [f"GPU{i}" for i in range(n)] + list(nics)
-    header = (
-        [""] + names + (["CPU Affinity", "NUMA Affinity"] if affinity else []) + (["GPU NUMA ID"] if gpu_numa else [])
-    )
-    lines = [sep.join(header)]
-    for i, row in enumerate(links):
-        cells = [f"GPU{i}", *row, *[nics[k][i] for k in nics]]
-        if affinity:
-            cells += list(affinity[i])
-        if gpu_numa:
-            cells.append(gpu_numa[i] if isinstance(gpu_numa, list) else "N/A")
-        lines.append(sep.join(cells))
-    for k, col in nics.items():
-        lines.append(sep.join([k, *col, *["X" if k == j else "SYS" for j in nics]]))
-    return "\n".join(lines) + "\n" + LEGEND
-
-
-def full(n: int, code: str) -> list[list[str]]:
-    return [["X" if i == j else code for j in range(n)] for i in range(n)]
-
-
-NVSWITCH_8 = matrix(
-    full(8, "NV18"),
-    nics={f"NIC{k}": ["PXB" if i // 2 == k else "SYS" for i in range(8)] for k in range(4)},
-    affinity=[("0-47,96-143", "0")] * 4 + [("48-95,144-191", "1")] * 4,
-    gpu_numa=True,
-)
-PAIRS_4 = matrix(
-    [["X", "NV4", "PHB", "PHB"], ["NV4", "X", "PHB", "PHB"], ["PHB", "PHB", "X", "NV4"], ["PHB", "PHB", "NV4", "X"]],
-    affinity=[("0-15", "0")] * 2 + [("16-31", "1")] * 2,
-)
-PCIE_8 = matrix(
-    [["X" if i == j else "NODE" if i // 4 == j // 4 else "SYS" for j in range(8)] for i in range(8)],
-    affinity=[("0-23", "0")] * 4 + [("24-47", "1")] * 4,
-    sep="    ",
-)
-CONSUMER_2 = matrix(full(2, "PHB"), affinity=[("0-15", "N/A")] * 2)
 MIXED_4 = matrix(
     [["X", "NV2", "NV1", "SYS"], ["NV2", "X", "NV1", "NV2"], ["NV1", "NV1", "X", "NV2"], ["SYS", "NV2", "NV2", "X"]]
 )

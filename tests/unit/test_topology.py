@@ -1,9 +1,5 @@
 from ladle.topology import parse_gpu_query, probe
-
-# Recorded from `nvidia-smi --query-gpu=index,name,memory.total,compute_cap --format=csv,noheader,nounits`
-# on an 8x A100 SXM4 80GB node.
-A100_X8 = "\n".join(f"{i}, NVIDIA A100-SXM4-80GB, 81920, 8.0" for i in range(8)) + "\n"
-T4_X2 = "0, Tesla T4, 15360, 7.5\n1, Tesla T4, 15360, 7.5\n"
+from tests.helpers import A100_X8, T4_X2
 
 
 def test_cpu_host_reports_no_gpus_with_warning():

@@ -1,0 +1,221 @@
+"""What several test modules (and the bench scripts) share: recorded machines, published model
+shapes, the CLI runner, and the train-spec set-up. Test modules import from here, never from each other."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# -- recorded machines ------------------------------------------------------------------------------
+
+# Recorded from `nvidia-smi --query-gpu=index,name,memory.total,compute_cap --format=csv,noheader,nounits`
+# on an 8x A100 SXM4 80GB node.
+A100_X8 = "\n".join(f"{i}, NVIDIA A100-SXM4-80GB, 81920, 8.0" for i in range(8)) + "\n"
+T4_X2 = "0, Tesla T4, 15360, 7.5\n1, Tesla T4, 15360, 7.5\n"
+
+
+LEGEND = """
+Legend:
+
+  X    = Self
+  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)
+  NODE = Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node
+  PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)
+  PXB  = Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)
+  PIX  = Connection traversing at most a single PCIe bridge
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+
+
+def matrix(
+    links: list[list[str]],
+    nics: dict[str, list[str]] | None = None,
+    affinity: list[tuple[str, str]] | None = None,
+    gpu_numa: bool | list[str] = False,
+    sep: str = "\t",
+) -> str:
+    """Render a matrix the way nvidia-smi lays it out."""
+    n = len(links)
+    nics = nics or {}
+    names = [f"GPU{i}" for i in range(n)] + list(nics)
+    header = (
+        [""] + names + (["CPU Affinity", "NUMA Affinity"] if affinity else []) + (["GPU NUMA ID"] if gpu_numa else [])
+    )
+    lines = [sep.join(header)]
+    for i, row in enumerate(links):
+        cells = [f"GPU{i}", *row, *[nics[k][i] for k in nics]]
+        if affinity:
+            cells += list(affinity[i])
+        if gpu_numa:
+            cells.append(gpu_numa[i] if isinstance(gpu_numa, list) else "N/A")
+        lines.append(sep.join(cells))
+    for k, col in nics.items():
+        lines.append(sep.join([k, *col, *["X" if k == j else "SYS" for j in nics]]))
+    return "\n".join(lines) + "\n" + LEGEND
+
+
+def full(n: int, code: str) -> list[list[str]]:
+    return [["X" if i == j else code for j in range(n)] for i in range(n)]
+
+
+NVSWITCH_8 = matrix(
+    full(8, "NV18"),
+    nics={f"NIC{k}": ["PXB" if i // 2 == k else "SYS" for i in range(8)] for k in range(4)},
+    affinity=[("0-47,96-143", "0")] * 4 + [("48-95,144-191", "1")] * 4,
+    gpu_numa=True,
+)
+PAIRS_4 = matrix(
+    [["X", "NV4", "PHB", "PHB"], ["NV4", "X", "PHB", "PHB"], ["PHB", "PHB", "X", "NV4"], ["PHB", "PHB", "NV4", "X"]],
+    affinity=[("0-15", "0")] * 2 + [("16-31", "1")] * 2,
+)
+PCIE_8 = matrix(
+    [["X" if i == j else "NODE" if i // 4 == j // 4 else "SYS" for j in range(8)] for i in range(8)],
+    affinity=[("0-23", "0")] * 4 + [("24-47", "1")] * 4,
+    sep="    ",
+)
+CONSUMER_2 = matrix(full(2, "PHB"), affinity=[("0-15", "N/A")] * 2)
+
+
+# -- published model shapes ------------------------------------------------------------------------
+
+# Published hyperparameters of real models (from their config.json files).
+LLAMA3_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
+QWEN2_7B = {
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
+MISTRAL_7B = {
+    "model_type": "mistral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+}
+
+
+# -- processes and the CLI -------------------------------------------------------------------------
+
+
+def stop_pid(pid: int, grace_s: float = 15.0) -> None:
+    """``stop_process`` for a process known only by its pid (e.g. a server left running on purpose)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        proc.terminate()
+        proc.wait(timeout=grace_s)
+    except psutil.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def run_cli(
+    *args: str, env: dict | None = None, timeout: int = 900, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run the installed ``ladle`` command in a subprocess."""
+    exe = Path(sys.executable).with_name("ladle")
+    return subprocess.run(
+        [str(exe), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=cwd or ROOT,
+    )
+
+
+def assert_clean_error(done, *fragments: str) -> str:
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+# -- models and training ---------------------------------------------------------------------------
+
+
+def offline_greedy(model_dir, messages, max_new_tokens):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def train_spec(cfg, root: Path, run: str = "run", topo=None):
+    """A ``TrainSpec`` for ``cfg``: planned for ``topo`` (default: this machine as a CPU host), its
+    dataset prepared under ``root``, its outputs under ``root/run``."""
+    from ladle.assets import resolve_base
+    from ladle.data.prepare import prepare
+    from ladle.plan import make_plan
+    from ladle.topology import probe
+    from ladle.train.spec import TrainSpec
+
+    base = resolve_base(cfg.base)
+    plan = make_plan(cfg, topo or probe(env={}, query_output=""))
+    dataset = prepare(cfg.data, base, str(root))
+    return TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(base), run_url=str(Path(root) / run))
+
+
+def strategy_spec(strategy: str, root: Path, *overrides: str, steps: int = 6, topo=None):
+    """The strategy suite's run: LoRA on every linear layer plus a trained head, global batch 8 = 2 micro x
+    2 ranks x 2 accumulation (exercises no_sync), a checkpoint every 3 steps; outputs under a folder named
+    after the strategy and overrides."""
+    from ladle.config import build_config
+
+    cfg = build_config(
+        {
+            "base": "ladle://tiny-llama",
+            "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
+            "parallelism": {"strategy": strategy, "pipeline": {"allow_cpu": True}},
+            "training": {
+                "max_steps": steps,
+                "lr": 3e-3,
+                "micro_batch_size": 2,
+                "global_batch_size": 8,
+                "checkpoint_every": 3,
+                "lora": {"target_modules": "all-linear", "modules_to_save": ["lm_head"]},
+            },
+        },
+        list(overrides),
+    )
+    return train_spec(cfg, Path(root), strategy + "".join(overrides), topo)
