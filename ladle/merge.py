@@ -43,7 +43,7 @@ def count_saved(folder: Path) -> int:
     total = 0
     for file in folder.glob("*.safetensors"):
         with safe_open(file, framework="pt") as f:
-            total += sum(_prod(f.get_slice(name).get_shape()) for name in f)
+            total += sum(_prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118 (not iterable)
     return total
 
 

@@ -135,44 +135,6 @@ class Plan(BaseModel):
         return "\n".join(lines) + "\n"
 
 
-def check_inputs(cfg: LadleConfig) -> dict:
-    """The base holds a model and every data source holds a record (cheap reads only); returns the
-    base's ``config.json`` for sizing.
-
-    Shared by the CLI (before Prefect starts) and the validate task (for deployments).
-
-    Raises:
-        LadleError: naming the field, the value and the fix.
-    """
-    from ladle.assets import resolve_base
-    from ladle.data.prepare import check_not_empty
-    from ladle.params import read_config
-
-    base = resolve_base(cfg.base)
-    check_not_empty(cfg.data.path)
-    if cfg.data.eval_path:
-        check_not_empty(cfg.data.eval_path, "data.eval_path")
-    return read_config(base)
-
-
-def local_model_config(cfg: LadleConfig, override: str | None = None) -> dict | None:
-    """``--model-config``, else the base's config.json when it is already on this machine (nothing is created
-    or downloaded: planning stays fast); None when neither is at hand."""
-    from pathlib import Path
-
-    from ladle.assets import ASSET_VERSION, BUILTIN_SCHEME, MODEL_CONFIGS, ladle_home, resolve_builtin
-    from ladle.params import read_config
-
-    if override:
-        return read_config(override)
-    base = cfg.base
-    if base.startswith(BUILTIN_SCHEME + MODEL_CONFIGS):
-        base = resolve_builtin(base, "base")
-    elif base.startswith(BUILTIN_SCHEME):
-        base = str(ladle_home() / "assets" / f"{base.removeprefix(BUILTIN_SCHEME)}-{ASSET_VERSION}")
-    return read_config(base) if Path(base, "config.json").is_file() else None
-
-
 @dataclass(frozen=True)
 class Decision(Generic[T]):
     """One planning step's result: its value, why, and what it warns about, refuses or lets win."""
@@ -245,10 +207,29 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
         ),
     )
     steps = (world, nodes, chosen, layout, micro, batch, dtype, checks)
+    return build_plan(cfg, topo, strategy, target, micro.value, batch.value, steps, list(chosen.value.candidates))
+
+
+def build_plan(
+    cfg: LadleConfig,
+    topo: Topology,
+    strategy: Strategy,
+    target: Target,
+    micro: int,
+    batch: tuple[int, int],
+    steps: tuple[Decision, ...],
+    candidates: list[dict],
+) -> Plan:
+    """The plan from the decisions' values and reasons, with the strategy's launcher config.
+
+    Raises:
+        ConfigError: every problem any decision found, with what was decided so far in its details.
+    """
     reasons = [r for step in steps for r in step.reasons]
     warnings = [*topo.warnings, *(w for step in steps for w in step.warnings)]
     problems = [p for step in steps for p in step.problems]
-    candidates = list(chosen.value.candidates)
+    device, (accumulation, global_batch) = target.device, batch
+    options = strategy.options(cfg)
     if problems:
         # What was decided so far travels with the error: `ladle plan --json` shows why nothing fits.
         raise ConfigError(
@@ -256,7 +237,7 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
             details={
                 "device": device,
                 "world_size": target.world_size,
-                "dtype": dtype.value,
+                "dtype": target.dtype,
                 "reasons": reasons,
                 "warnings": warnings,
                 "candidates": candidates,
@@ -269,13 +250,13 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
         backend="nccl" if device == "cuda" else "gloo",
         world_size=target.world_size,
         num_machines=target.nodes,
-        processes_per_machine=per_machine,
+        processes_per_machine=target.processes_per_machine,
         main_address=cfg.parallelism.main_address,
         main_port=cfg.parallelism.main_port,
-        micro_batch_size=micro.value,
+        micro_batch_size=micro,
         gradient_accumulation=accumulation,
         global_batch_size=global_batch,
-        dtype=dtype.value,
+        dtype=target.dtype,
         reasons=reasons,
         overrides=[o for step in steps for o in step.overrides],
         warnings=warnings,

@@ -6,7 +6,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from ladle.config import LadleConfig, flatten
-from ladle.plan import Plan, check_inputs, make_plan
+from ladle.inputs import check_inputs
+from ladle.plan import Plan, make_plan
 from ladle.topology import Topology
 from ladle.tracking import Tracking, log_json, log_params
 

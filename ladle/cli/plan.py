@@ -43,7 +43,8 @@ def plan(
     as_json: bool = JSON,
 ) -> None:
     """Validate the config against this (or a recorded) machine and show the plan, with the launch command."""
-    from ladle.plan import local_model_config, make_plan
+    from ladle.inputs import local_model_config
+    from ladle.plan import make_plan
     from ladle.topology import probe, probe_file
 
     if gpu_memory is not None and not (0 < gpu_memory <= 4096):

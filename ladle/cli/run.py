@@ -10,7 +10,8 @@ from ladle.errors import LadleError, find_ladle_error
 
 def preflight(cfg, config: str):
     """Check the machine, base and data against the config before the flow starts."""
-    from ladle.plan import check_inputs, make_plan
+    from ladle.inputs import check_inputs
+    from ladle.plan import make_plan
     from ladle.topology import probe
 
     plan = make_plan(cfg, probe(), config, model=check_inputs(cfg))

@@ -1,75 +1,33 @@
-"""Registry of strategies: the only place strategy names map to code.
+"""Strategies: one class per strategy, each registered by its own module.
 
-``register`` adds a strategy object; the config's ``parallelism.strategy`` type,
-the CLI's ``--deepspeed`` choices, the planner's candidates and the docs all read
-this registry, so a new strategy is one class plus its ``register`` call.
+Every module of this package except ``base`` and ``registry`` is a strategy module: it defines its
+class and calls ``register`` at import, and importing the package imports them all (in name order), so
+adding a strategy is adding one file. Strategy modules import no torch at module level (planning stays
+fast); what the worker needs from torch lives in ``runtime``. The config's ``parallelism.strategy``
+type, the CLI's ``--deepspeed`` choices, the planner's candidates and the docs read the registry.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from ladle.strategies.base import Candidate, Strategy, Target
-from ladle.strategies.ddp import DDP
-from ladle.strategies.deepspeed import ZeRO, ZeROPlusPlus
-from ladle.strategies.fsdp2 import FSDP2
-from ladle.strategies.pipeline import Pipeline
-from ladle.strategies.tensor import TensorParallel
+from ladle.strategies.registry import REGISTRY, default, get, register, resolve, sections, unregister
 
-__all__ = ["Candidate", "Strategy", "Target", "REGISTRY", "register", "unregister", "get", "resolve", "default"]
+__all__ = [
+    "REGISTRY",
+    "Candidate",
+    "Strategy",
+    "Target",
+    "default",
+    "get",
+    "register",
+    "resolve",
+    "sections",
+    "unregister",
+]
 
-REGISTRY: dict[str, Strategy] = {}
-
-
-def register(strategy: Strategy) -> Strategy:
-    """Add ``strategy`` under its name and aliases.
-
-    Raises:
-        ValueError: the name or an alias is taken, or its options section is taken by an unrelated model.
-    """
-    taken = {n for s in REGISTRY.values() for n in (s.name, *s.aliases)}
-    clash = sorted(taken & {strategy.name, *strategy.aliases})
-    if clash:
-        raise ValueError(f"strategy {strategy.name!r}: the name(s) {clash} are already registered")
-    section = strategy.options_section
-    owner = next((s for s in REGISTRY.values() if s.options_section == section and section), None)
-    if owner is not None and owner.options_model is not strategy.options_model:
-        raise ValueError(f"strategy {strategy.name!r}: options section {section!r} belongs to {owner.name}")
-    REGISTRY[strategy.name] = strategy
-    return strategy
-
-
-def unregister(name: str) -> None:
-    """Remove a registered strategy (tests that register their own)."""
-    REGISTRY.pop(name, None)
-
-
-def resolve(name: str) -> str | None:
-    """The registered name that ``name`` (a name or an alias, any case) stands for; None if none does."""
-    wanted = name.strip().lower()
-    return next((s.name for s in REGISTRY.values() if wanted in (s.name, *s.aliases)), None)
-
-
-def get(name: str) -> Strategy:
-    """The registered strategy called ``name``.
-
-    Raises:
-        KeyError: no such strategy (the config validates names before this).
-    """
-    return REGISTRY[name]
-
-
-def default() -> Strategy:
-    """The strategy used when nothing can be sized: the first registered (least communication)."""
-    return next(iter(REGISTRY.values()))
-
-
-def sections() -> dict[str, Strategy]:
-    """Each options section and the first strategy that owns it, in registry order."""
-    out: dict[str, Strategy] = {}
-    for strategy in REGISTRY.values():
-        if strategy.options_section:
-            out.setdefault(strategy.options_section, strategy)
-    return out
-
-
-for _strategy in (DDP(), ZeRO(1), ZeRO(2), ZeRO(3), ZeROPlusPlus(), FSDP2(), Pipeline(), TensorParallel()):
-    register(_strategy)
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.ispkg):
+    if _module not in ("base", "registry"):
+        importlib.import_module(f"{__name__}.{_module}")

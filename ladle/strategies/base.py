@@ -73,6 +73,8 @@ class Strategy(ABC):
     """Parameters are flat-sharded float tensors (FSDP2, ZeRO-3): a 4-bit base must be stored in a float dtype."""
     compile_note: str | None = None
     """Why ``torch.compile`` cannot run with this strategy (None: the generic reason)."""
+    fallback: bool = False
+    """The strategy used when the job cannot be sized (exactly one registered strategy sets it)."""
 
     # -- planner side: options ---------------------------------------------------------------------
 

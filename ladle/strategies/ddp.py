@@ -8,6 +8,7 @@ from pydantic import Field
 
 from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy
+from ladle.strategies.registry import register
 
 
 class DDPOptions(Section):
@@ -20,6 +21,7 @@ class DDP(Strategy):
     summary = "data parallel, full replica per rank, gradients all-reduced"
     options_model = DDPOptions
     options_section = "ddp"
+    fallback = True  # the least communication, when nothing can be sized
 
     def validate(self, cfg, topo, target) -> list[str]:
         return []
@@ -54,3 +56,6 @@ class DDP(Strategy):
                 f"strategy ddp planned for {plan.world_size} ranks but the model is {type(model).__name__}"
             )
         return {"wrapper": type(model).__name__, "parameter_share": 1.0}
+
+
+register(DDP())

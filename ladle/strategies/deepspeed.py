@@ -25,6 +25,7 @@ from pydantic import Field
 from ladle import memory
 from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy
+from ladle.strategies.registry import register
 
 NO_PRINT = 10**9
 
@@ -415,3 +416,8 @@ def validate_with_deepspeed(config: dict, world_size: int) -> None:
 
     one_rank = {**config, "train_batch_size": config["train_batch_size"] // world_size}
     DeepSpeedConfig(one_rank)
+
+
+for _stage in (1, 2, 3):
+    register(ZeRO(_stage))
+register(ZeROPlusPlus())

@@ -17,6 +17,7 @@ from pydantic import Field
 from ladle import memory
 from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy
+from ladle.strategies.registry import register
 
 
 class FSDP2Options(Section):
@@ -251,3 +252,6 @@ class FSDP2(Strategy):
             yield
         finally:
             model.set_requires_gradient_sync(True)
+
+
+register(FSDP2())

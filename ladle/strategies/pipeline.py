@@ -24,6 +24,7 @@ from pydantic import Field
 from ladle import memory, sizing
 from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy
+from ladle.strategies.registry import register
 
 
 class PipelineOptions(Section):
@@ -133,7 +134,7 @@ class Pipeline(Strategy):
     def wrap(self, accelerator, model, make_optimizer, plan):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        from ladle.strategies.pipeline_stage import PipelineModel, StageModule, TokenLoss, causal_lm
+        from ladle.strategies.runtime.pipeline_stage import PipelineModel, StageModule, TokenLoss, causal_lm
 
         lm = causal_lm(model)
         if getattr(lm.config, "tie_word_embeddings", False) and any(
@@ -216,7 +217,7 @@ class Pipeline(Strategy):
     def _evaluate(self, accelerator, model, data, micro: int) -> float:
         import torch
 
-        from ladle.strategies.pipeline_stage import IGNORE
+        from ladle.strategies.runtime.pipeline_stage import IGNORE
 
         rows = len(data["input_ids"])
         chunk = micro * model.schedule._n_microbatches
@@ -279,3 +280,6 @@ class Pipeline(Strategy):
             )
         model.stage_module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+
+
+register(Pipeline())

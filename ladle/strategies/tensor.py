@@ -18,6 +18,7 @@ from typing import Any
 
 from ladle import memory
 from ladle.strategies.base import Strategy
+from ladle.strategies.registry import register
 
 
 class TensorParallel(Strategy):
@@ -90,7 +91,7 @@ class TensorParallel(Strategy):
         }
 
     def hf_model(self, accelerator, model):
-        from ladle.strategies.skeleton import meta_skeleton
+        from ladle.strategies.runtime.skeleton import meta_skeleton
 
         return meta_skeleton(model.config)
 
@@ -99,3 +100,6 @@ class TensorParallel(Strategy):
 
     def no_sync(self, accelerator, model):
         return nullcontext()
+
+
+register(TensorParallel())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, assert_clean_error, run_cli
+from tests.helpers import LLAMA3_8B, ROOT, assert_clean_error, run_cli
 
 RECIPE = str(ROOT / "recipes" / "tiny-cpu.yaml")
 
@@ -136,17 +136,7 @@ def test_launch_bad_input(tmp_path):
 
 
 def test_plan_reports_model_size(tmp_path):
-    config = {
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "tie_word_embeddings": False,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
     lora = ["--set", "training.lora.r=8", "--set", "training.lora.target_modules=[q_proj,v_proj]"]
     done = run_cli(
         "plan",

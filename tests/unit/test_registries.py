@@ -177,8 +177,11 @@ def test_qlora_integer_storage_is_refused_when_auto_picks_a_sharded_strategy():
     cfg = build_config({**MINIMAL, "training": training}, [])
     assert make_plan(cfg, T4, model=model).strategy == "fsdp2"
     with pytest.raises(ConfigError, match=r"storage_dtype = uint8 with parallelism.strategy = auto \(planned: fsdp2\)"):
-        make_plan(build_config({**MINIMAL, "training": training}, ["training.quantization.storage_dtype=uint8"]), T4,
-                  model=model)  # fmt: skip
+        make_plan(
+            build_config({**MINIMAL, "training": training}, ["training.quantization.storage_dtype=uint8"]),
+            T4,
+            model=model,
+        )
 
 
 def test_tensor_parallel_is_sized_as_split_layers_not_as_zero3():
@@ -191,8 +194,9 @@ def test_tensor_parallel_is_sized_as_split_layers_not_as_zero3():
     per_rank = s.layer_params * s.layers // 8 + s.embedding_params
     assert (tp.weights, tp.gradients, tp.optimizer, tp.gathered) == (2 * per_rank, 2 * per_rank, 16 * per_rank, 0)
     assert tp.total != zero3.total and zero3.gathered > 0
-    planned = make_plan(build_config(MINIMAL, ["parallelism.strategy=tp", "training.lora.enabled=false"]), A100,
-                        model=model).candidates[0]  # fmt: skip
+    planned = make_plan(
+        build_config(MINIMAL, ["parallelism.strategy=tp", "training.lora.enabled=false"]), A100, model=model
+    ).candidates[0]
     assert planned["strategy"] == "tp" and "gathered" not in planned["breakdown"]
 
 
@@ -201,15 +205,21 @@ def test_zeropp_explicit_qwz_is_refused_when_auto_dtype_resolves_to_bf16():
     cfg = build_config({**MINIMAL, "parallelism": {"strategy": "zero++", "deepspeed": {"quantized_weights": True}}}, [])
     with pytest.raises(ConfigError, match=r"training.dtype = bfloat16 \(auto: resolved to bfloat16\): qwZ"):
         make_plan(cfg, A100)
-    fp16 = build_config({**MINIMAL, "parallelism": {"strategy": "zero++", "deepspeed": {"quantized_weights": True}}},
-                        ["training.dtype=float16"])  # fmt: skip
+    fp16 = build_config(
+        {**MINIMAL, "parallelism": {"strategy": "zero++", "deepspeed": {"quantized_weights": True}}},
+        ["training.dtype=float16"],
+    )
     assert make_plan(fp16, A100).launcher_config["zero_optimization"]["zero_quantized_weights"] is True
 
 
 # -- the package's import graph ---------------------------------------------------------------------------
 
-PACKAGES = {"ladle": ROOT / "ladle", "ladle.flows": ROOT / "flows", "ladle.tasks": ROOT / "tasks",
-            "ladle.blocks": ROOT / "blocks"}  # fmt: skip
+PACKAGES = {
+    "ladle": ROOT / "ladle",
+    "ladle.flows": ROOT / "flows",
+    "ladle.tasks": ROOT / "tasks",
+    "ladle.blocks": ROOT / "blocks",
+}
 
 
 def module_files() -> dict[str, Path]:
@@ -225,9 +235,11 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """Modules of the package that ``name`` imports anywhere (functions included), except under TYPE_CHECKING."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     typing_only = {
-        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
         for n in ast.walk(node)
-    }  # fmt: skip
+    }
     found = set()
     for node in ast.walk(tree):
         if id(node) in typing_only or not isinstance(node, ast.Import | ast.ImportFrom):

@@ -169,7 +169,7 @@ def test_unknown_model_size_says_so(machines):
 @pytest.mark.parametrize("gib", [80, 141])
 def test_every_recipe_plans_on_recorded_8_gpu_machines(machines, recipe, gib, tmp_path):
     from ladle.config import load_config
-    from ladle.plan import local_model_config
+    from ladle.inputs import local_model_config
 
     cfg = load_config(f"recipes/{recipe}.yaml")
     (tmp_path / "topo.txt").write_text(NVSWITCH_8)

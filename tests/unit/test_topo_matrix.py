@@ -16,6 +16,11 @@ MLX = matrix(
 )
 
 
+def facts(topo) -> tuple:
+    """What the planner reads from a matrix."""
+    return topo.gpu_count, topo.interconnect, topo.nvlink_groups, topo.min_nvlink_bonds, topo.numa_nodes, topo.nics
+
+
 @pytest.mark.parametrize(
     "text, count, interconnect, groups, bonds, numa, nics",
     [
@@ -30,14 +35,7 @@ MLX = matrix(
 )
 def test_facts(text, count, interconnect, groups, bonds, numa, nics):
     topo = parse(text)
-    assert (
-        topo.gpu_count,
-        topo.interconnect,
-        topo.nvlink_groups,
-        topo.min_nvlink_bonds,
-        topo.numa_nodes,
-        topo.nics,
-    ) == (count, interconnect, groups, bonds, numa, nics)
+    assert facts(topo) == (count, interconnect, groups, bonds, numa, nics)
     assert topo.all_pairs_nvlink == (interconnect == "nvswitch")
     assert all(topo.links[i][i] == "X" for i in range(count))
 
@@ -76,15 +74,7 @@ REAL_PASTES = {
 def test_real_pastes(name):
     from pathlib import Path
 
-    topo = parse((Path(__file__).parent / "topo_pastes" / name).read_text())
-    assert (
-        topo.gpu_count,
-        topo.interconnect,
-        topo.nvlink_groups,
-        topo.min_nvlink_bonds,
-        topo.numa_nodes,
-        topo.nics,
-    ) == REAL_PASTES[name]
+    assert facts(parse((Path(__file__).parent / "topo_pastes" / name).read_text())) == REAL_PASTES[name]
 
 
 def test_ansi_codes_with_and_without_esc_byte_and_indentation():
