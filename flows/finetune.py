@@ -16,7 +16,7 @@ from ladle.tasks.deploy import deploy_task
 from ladle.tasks.evaluate import evaluate_task
 from ladle.tasks.merge import merge_task
 from ladle.tasks.plan import plan_task
-from ladle.tasks.prepare import prepare_task, publish_report
+from ladle.tasks.prepare import prepare_cached, publish_report
 from ladle.tasks.probe import probe_task
 from ladle.tasks.train import train_task
 
@@ -55,7 +55,7 @@ def finetune(config: LadleConfig, config_ref: str = "CONFIG") -> dict:
         clock.lap("probe")
         plan = plan_task(config, topo, track, config_ref)
         clock.lap("plan")
-        prepared = prepare_task(config)
+        prepared = prepare_cached(config)
         publish_report(prepared, track)
         clock.lap("prepare")
         result = train_task(config, plan, prepared, run_url, track)

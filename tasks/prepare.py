@@ -21,6 +21,17 @@ def prepare_cache_key(context, parameters) -> str:
     return f"prepare-{fingerprint(cfg.data, resolve_base(cfg.base))}-{storage.normalise(cfg.output)}"
 
 
+def prepare_cached(cfg: LadleConfig, **call):
+    """``prepare_task``, refreshing its cache record when the dataset it would point at is gone.
+
+    A dataset deleted since it was cached (``make clean``, a wiped bucket) is prepared again and the record
+    rewritten, instead of the cache handing back a folder that no longer exists.
+    """
+    url = storage.join(storage.normalise(cfg.output), "datasets", fingerprint(cfg.data, resolve_base(cfg.base)))
+    task_ = prepare_task if storage.is_complete(url) else prepare_task.with_options(refresh_cache=True)
+    return task_(cfg, **call)
+
+
 @task(
     name="prepare-dataset",
     cache_key_fn=prepare_cache_key,

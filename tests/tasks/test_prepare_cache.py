@@ -3,13 +3,13 @@ import json
 from prefect import flow
 
 from ladle.config import build_config
-from ladle.tasks.prepare import prepare_task
+from ladle.tasks.prepare import prepare_cached
 
 
 @flow
 def prepare_twice(first, second):
-    a = prepare_task(first, return_state=True)
-    b = prepare_task(second, return_state=True)
+    a = prepare_cached(first, return_state=True)
+    b = prepare_cached(second, return_state=True)
     return a.name, b.name, a.result().fingerprint, b.result().fingerprint
 
 
@@ -40,3 +40,20 @@ def test_prepare_cache_hit_and_misses(prefect_harness, tiny_model, tmp_path):
     write(data, 41)
     changed_data, again, fp4, _ = prepare_twice(cfg, cfg)
     assert (changed_data, again) == ("Completed", "Cached") and fp4 not in (fp1, fp3)
+
+
+def test_a_deleted_dataset_is_prepared_again_not_taken_from_the_cache(prefect_harness, tiny_model, tmp_path):
+    """`make clean` removes runs/; the cache must not hand back the folder it deleted."""
+    import shutil
+
+    from ladle import storage
+
+    data = tmp_path / "d.jsonl"
+    write(data, 40)
+    cfg = config(data, tmp_path / "out", seq_len=64)
+    first, second, _, _ = prepare_twice(cfg, cfg)
+    assert (first, second) == ("Completed", "Cached")
+    shutil.rmtree(tmp_path / "out")
+    again, cached, fp, _ = prepare_twice(cfg, cfg)
+    assert (again, cached) == ("Completed", "Cached")
+    assert storage.is_complete(str(tmp_path / "out" / "datasets" / fp))
