@@ -232,7 +232,26 @@ class ServeConfig(Section):
     )
     host: str = Field("127.0.0.1", description="Address the server binds.")
     port: int = Field(0, ge=0, le=65535, description="Port. 0: pick a free one.")
-    max_new_tokens: int = Field(32, ge=1, le=8192, description="Default completion length, in tokens.")
+    max_new_tokens: int = Field(
+        32,
+        ge=1,
+        le=8192,
+        description="Default completion length (a request's max_tokens when it sends none), in tokens.",
+    )
+    max_batch_size: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="Requests generated together (backends that batch: transformers). 1: one at a time.",
+    )
+    api_key_env: str | None = Field(
+        None,
+        description="Environment variable holding the API key clients must send as `Authorization: Bearer`. "
+        "null: no key. The key itself never appears in the config, logs or artifacts.",
+    )
+    drain_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="On SIGTERM, seconds in-flight requests may take to finish before exit."
+    )
     health_timeout_s: float = Field(180.0, gt=0, description="Seconds to wait for /health before failing.")
     smoke_prompt: str | None = Field(
         None,

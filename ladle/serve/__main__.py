@@ -19,19 +19,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--option", action="append", default=[], help="A backend option, NAME=VALUE (repeatable).")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="Default max_tokens of a request.")
+    parser.add_argument("--api-key-env", default=None, help="Environment variable holding the API key.")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="Seconds SIGTERM waits for requests.")
     args = parser.parse_args(argv)
     import uvicorn
 
-    from ladle.serve.server import create_app
+    from ladle.serve.server import Settings, api_key_from_env, create_app
 
     try:
+        key = api_key_from_env(args.api_key_env)
         kind = backends.get(args.backend)
         backend = kind.start(args.model, **kind.parse_options(args.option))
-    except LadleError as err:
+    except (LadleError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     name = args.name or args.model.rstrip("/").rsplit("/", 1)[-1]
-    uvicorn.run(create_app(backend, name), host=args.host, port=args.port, log_level="warning")
+    app = create_app(backend, Settings(name, args.max_new_tokens, key))
+    # SIGTERM: uvicorn stops accepting, lets in-flight requests finish (up to --drain-timeout), exits 0.
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=True,
+        timeout_graceful_shutdown=args.drain_timeout,
+    )
     return 0
 
 

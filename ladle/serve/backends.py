@@ -13,18 +13,9 @@ from __future__ import annotations
 import importlib.util
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ladle.errors import LadleError
-
-
-@dataclass
-class Generation:
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
 
 
 class Backend(ABC):
@@ -95,56 +86,71 @@ class Backend(ABC):
         cls.check_host()
         return cls(model_dir, **options)
 
-    @abstractmethod
-    def complete(self, prompt: str, max_tokens: int, temperature: float) -> Generation:
-        """Continue raw ``prompt`` text."""
+    context_length: int
+    """Tokens the model attends over: a prompt plus its completion must fit."""
+    max_batch: int = 1
+    """Requests generated together."""
 
     @abstractmethod
-    def chat(self, messages: list[dict], max_tokens: int, temperature: float) -> Generation:
-        """Answer a conversation through the model's chat template."""
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of raw ``prompt`` text."""
+
+    @abstractmethod
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the assistant's turn."""
+
+    @abstractmethod
+    def submit(self, job) -> None:
+        """Queue ``job`` (a ``ladle.serve.engine.Job``); its ``emit`` receives ``text``, then ``done`` or ``error``."""
+
+    def ready(self) -> bool:
+        """Whether requests are being served (the model is loaded and its generation loop alive)."""
+        return True
+
+    def queue_depth(self) -> int:
+        """Requests waiting for a batch."""
+        return 0
 
 
 class TransformersBackend(Backend):
-    """Hugging Face ``generate``; greedy when temperature is 0. One request at a time per model."""
+    """Hugging Face ``generate`` on CPU or GPU, with concurrent requests batched (``ladle.serve.engine``)."""
 
     name = "transformers"
     title = "transformers"
-    summary = "Hugging Face generate, on CPU or GPU"
+    summary = "Hugging Face generate on CPU or GPU, concurrent requests batched"
+    options = {"max_batch": int}
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, max_batch: int = 32):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.torch = torch
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        from ladle.serve.engine import Engine
+
+        if not 1 <= max_batch <= 1024:
+            raise LadleError(f"max_batch = {max_batch}: must be 1..1024 (serve.max_batch_size).")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
-        self.lock = threading.Lock()
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        self.context_length = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        self.max_batch = max_batch
+        self.engine = Engine(model, self.tokenizer, device, max_batch)
 
-    def _generate(self, text: str, max_tokens: int, temperature: float) -> Generation:
-        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(self.device)
-        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-        with self.lock, self.torch.no_grad():
-            out = self.model.generate(
-                ids,
-                attention_mask=self.torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                pad_token_id=self.tokenizer.pad_token_id,
-                eos_token_id=self.tokenizer.eos_token_id,
-                **sampling,
-            )
-        new = out[0, ids.shape[1] :].tolist()
-        finished = bool(new) and new[-1] == self.tokenizer.eos_token_id
-        text_out = self.tokenizer.decode(new, skip_special_tokens=True)
-        return Generation(text_out, ids.shape[1], len(new), "stop" if finished else "length")
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt, add_special_tokens=False).input_ids
 
-    def complete(self, prompt, max_tokens, temperature):
-        return self._generate(prompt, max_tokens, temperature)
-
-    def chat(self, messages, max_tokens, temperature):
+    def encode_chat(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self._generate(text, max_tokens, temperature)
+        return self.encode(text)
+
+    def submit(self, job) -> None:
+        self.engine.submit(job)
+
+    def ready(self) -> bool:
+        return self.engine.alive()
+
+    def queue_depth(self) -> int:
+        return self.engine.jobs.qsize()
 
 
 class MiiBackend(Backend):
@@ -164,21 +170,39 @@ class MiiBackend(Backend):
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.pipe = mii.pipeline(model_dir, tensor_parallel=tensor_parallel)
+        self.context_length = int(getattr(getattr(self.pipe, "model_config", None), "max_seq_length", 0) or 2048)
         self.lock = threading.Lock()
 
-    def complete(self, prompt, max_tokens, temperature):
-        kwargs = {"max_new_tokens": max_tokens, "do_sample": temperature > 0}
-        if temperature > 0:
-            kwargs["temperature"] = temperature
-        with self.lock:
-            response = self.pipe([prompt], **kwargs)[0]
-        return Generation(
-            response.generated_text, response.prompt_length, response.generated_length, response.finish_reason
-        )
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt, add_special_tokens=False).input_ids
 
-    def chat(self, messages, max_tokens, temperature):
+    def encode_chat(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.complete(text, max_tokens, temperature)
+        return self.encode(text)
+
+    def submit(self, job) -> None:
+        threading.Thread(target=self._run, args=(job,), daemon=True).start()
+
+    def _run(self, job) -> None:
+        """One request through the (in-process) MII pipeline; its text arrives whole."""
+        kwargs = {"max_new_tokens": job.max_new_tokens, "do_sample": job.temperature > 0, "stop": job.stop or None}
+        if job.temperature > 0:
+            kwargs.update(temperature=job.temperature, top_p=job.top_p)
+        try:
+            with self.lock:
+                response = self.pipe([self.tokenizer.decode(job.ids)], **kwargs)[0]
+        except Exception as exc:
+            job.emit("error", {"message": f"{type(exc).__name__}: {exc}"})
+            return
+        job.emit("text", {"text": response.generated_text})
+        job.emit(
+            "done",
+            {
+                "finish_reason": "length" if response.finish_reason == "length" else "stop",
+                "prompt_tokens": response.prompt_length,
+                "completion_tokens": response.generated_length,
+            },
+        )
 
 
 REGISTRY: dict[str, type[Backend]] = {}

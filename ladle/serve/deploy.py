@@ -44,7 +44,7 @@ def local_model_dir(merged: MergedModel) -> Path:
 
 
 def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int) -> list[str]:
-    return [
+    argv = [
         sys.executable,
         "-m",
         "ladle.serve",
@@ -58,7 +58,16 @@ def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int) -> list
         cfg.host,
         "--port",
         str(port),
+        "--max-new-tokens",
+        str(cfg.max_new_tokens),
+        "--drain-timeout",
+        str(cfg.drain_timeout_s),
     ]
+    if "max_batch" in backends.get(cfg.backend).options:
+        argv += ["--option", f"max_batch={cfg.max_batch_size}"]
+    if cfg.api_key_env:
+        argv += ["--api-key-env", cfg.api_key_env]
+    return argv
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
@@ -68,7 +77,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Pat
             out = log_path.read_text(errors="replace")
             raise DeployFailed(f"server exited with code {proc.returncode} before it was healthy:\n{out[-3000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:  # loaded, generation loop running
                 return
         except httpx.HTTPError:
             pass
@@ -143,7 +152,8 @@ def deploy(merged: MergedModel, cfg: ServeConfig, name: str, held_out: list[list
 def smoke(url: str, name: str, cfg: ServeConfig, messages: list[dict]) -> str:
     """One greedy chat completion; returns the reply text."""
     body = {"model": name, "messages": messages, "max_tokens": cfg.max_new_tokens, "temperature": 0}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    headers = {"Authorization": f"Bearer {os.environ[cfg.api_key_env]}"} if cfg.api_key_env else {}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
     if response.status_code != 200:
         raise DeployFailed(f"smoke request got HTTP {response.status_code}: {response.text[:500]}")
     return response.json()["choices"][0]["message"]["content"]

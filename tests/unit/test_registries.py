@@ -134,11 +134,14 @@ class GpuOnly(backends.Backend):
     summary = "a test backend that needs CUDA"
     requires_cuda = True
 
-    def complete(self, prompt, max_tokens, temperature):
-        raise NotImplementedError
+    def encode(self, prompt):
+        raise NotImplementedError("never started: the host check refuses it here")
 
-    def chat(self, messages, max_tokens, temperature):
-        raise NotImplementedError
+    def encode_chat(self, messages):
+        raise NotImplementedError("never started: the host check refuses it here")
+
+    def submit(self, job):
+        raise NotImplementedError("never started: the host check refuses it here")
 
 
 def test_a_new_backend_is_accepted_and_checked_by_the_one_host_check():
