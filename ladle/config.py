@@ -249,6 +249,22 @@ class ServeConfig(Section):
         description="Environment variable holding the API key clients must send as `Authorization: Bearer`. "
         "null: no key. The key itself never appears in the config, logs or artifacts.",
     )
+    tensor_parallel: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Backends that shard the model (mii): GPUs per replica. 0: every GPU the server sees.",
+    )
+    replica_num: int = Field(
+        1, ge=1, le=64, description="Backends with replicas (mii): model copies behind one endpoint."
+    )
+    start_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=7200,
+        description="Backends that start their own server processes (mii): seconds before the start is given up "
+        "and its processes are killed (MII itself would wait forever).",
+    )
     drain_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="On SIGTERM, seconds in-flight requests may take to finish before exit."
     )

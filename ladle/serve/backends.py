@@ -11,8 +11,9 @@ and choosing it on a host without it is an error, never a silent fallback.
 from __future__ import annotations
 
 import importlib.util
-import threading
+import json
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any, ClassVar
 
 from ladle.errors import LadleError
@@ -154,24 +155,49 @@ class TransformersBackend(Backend):
 
 
 class MiiBackend(Backend):
-    """DeepSpeed-MII pipeline (GPU only)."""
+    """A persistent DeepSpeed-MII deployment (GPU only): ``mii.serve`` starts MII's own server processes
+    (tensor-parallel ranks x replicas, under DeepSpeed's launcher) and its load balancer; requests go to it
+    through MII's client, whose FastGen engine batches them continuously. The deployment lives in this
+    server's process group, so stopping the server stops it."""
 
     name = "mii"
     title = "DeepSpeed-MII"
-    summary = "DeepSpeed-MII (needs CUDA GPUs)"
+    summary = "a persistent DeepSpeed-MII (FastGen) deployment, tensor parallel (needs CUDA GPUs)"
     requires_cuda = True
     package = "mii"
     requirement = "deepspeed-mii"
-    options = {"tensor_parallel": int}
+    options = {"tensor_parallel": int, "replica_num": int, "start_timeout_s": float, "max_batch": int}
 
-    def __init__(self, model_dir: str, tensor_parallel: int = 1):
+    def __init__(
+        self,
+        model_dir: str,
+        tensor_parallel: int = 0,
+        replica_num: int = 1,
+        start_timeout_s: float = 600.0,
+        max_batch: int = 32,
+    ):
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
         import mii
+        import torch
         from transformers import AutoTokenizer
 
+        from ladle.serve.fastgen import check_architecture, start_within
+
+        check_architecture(model_dir)
+        tp = tensor_parallel or torch.cuda.device_count()  # 0: every GPU this server was given
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.pipe = mii.pipeline(model_dir, tensor_parallel=tensor_parallel)
-        self.context_length = int(getattr(getattr(self.pipe, "model_config", None), "max_seq_length", 0) or 2048)
-        self.lock = threading.Lock()
+        name = f"ladle-{os.getpid()}"
+        self.client = start_within(
+            lambda: mii.serve(model_dir, deployment_name=name, tensor_parallel=tp, replica_num=replica_num),
+            start_timeout_s,
+            f"the DeepSpeed-MII deployment (tensor_parallel={tp}, replica_num={replica_num})",
+        )
+        config = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8"))
+        self.context_length = int(config.get("max_position_embeddings") or 2048)
+        self.max_batch = max_batch
+        self.pool = ThreadPoolExecutor(max_batch, thread_name_prefix="ladle-mii")  # MII batches concurrent calls
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=False).input_ids
@@ -181,25 +207,31 @@ class MiiBackend(Backend):
         return self.encode(text)
 
     def submit(self, job) -> None:
-        threading.Thread(target=self._run, args=(job,), daemon=True).start()
+        self.pool.submit(self._run, job)
 
     def _run(self, job) -> None:
-        """One request through the (in-process) MII pipeline; its text arrives whole."""
-        kwargs = {"max_new_tokens": job.max_new_tokens, "do_sample": job.temperature > 0, "stop": job.stop or None}
+        """One request through the deployment, its text streamed as MII produces it."""
+        kwargs = {"max_new_tokens": job.max_new_tokens, "do_sample": job.temperature > 0}
         if job.temperature > 0:
             kwargs.update(temperature=job.temperature, top_p=job.top_p)
+        if job.stop:
+            kwargs["stop"] = job.stop
+
+        def streamed(responses) -> None:
+            for response in responses:
+                if response.generated_text:
+                    job.emit("text", {"text": response.generated_text})
+
         try:
-            with self.lock:
-                response = self.pipe([self.tokenizer.decode(job.ids)], **kwargs)[0]
+            (response,) = self.client.generate([self.tokenizer.decode(job.ids)], streaming_fn=streamed, **kwargs)
         except Exception as exc:
             job.emit("error", {"message": f"{type(exc).__name__}: {exc}"})
             return
-        job.emit("text", {"text": response.generated_text})
         job.emit(
             "done",
             {
-                "finish_reason": "length" if response.finish_reason == "length" else "stop",
-                "prompt_tokens": response.prompt_length,
+                "finish_reason": "length" if str(response.finish_reason).endswith("length") else "stop",
+                "prompt_tokens": len(job.ids),
                 "completion_tokens": response.generated_length,
             },
         )

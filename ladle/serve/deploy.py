@@ -43,6 +43,16 @@ def local_model_dir(merged: MergedModel) -> Path:
     return storage.cached_copy(merged.url, ladle_home() / "served" / merged.sha256[:16])
 
 
+def backend_options(cfg: ServeConfig) -> dict:
+    """The ``serve.*`` settings a backend may accept as options, by the option's name."""
+    return {
+        "max_batch": cfg.max_batch_size,
+        "tensor_parallel": cfg.tensor_parallel,
+        "replica_num": cfg.replica_num,
+        "start_timeout_s": cfg.start_timeout_s,
+    }
+
+
 def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int) -> list[str]:
     argv = [
         sys.executable,
@@ -63,8 +73,10 @@ def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int) -> list
         "--drain-timeout",
         str(cfg.drain_timeout_s),
     ]
-    if "max_batch" in backends.get(cfg.backend).options:
-        argv += ["--option", f"max_batch={cfg.max_batch_size}"]
+    accepted = backends.get(cfg.backend).options
+    for option, value in backend_options(cfg).items():
+        if option in accepted:
+            argv += ["--option", f"{option}={value}"]
     if cfg.api_key_env:
         argv += ["--api-key-env", cfg.api_key_env]
     return argv
@@ -123,17 +135,17 @@ def deploy(merged: MergedModel, cfg: ServeConfig, name: str, held_out: list[list
             stderr=subprocess.STDOUT,
             text=True,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-            start_new_session=cfg.keep_running,
+            start_new_session=True,  # its own process group: whatever it spawns (MII's servers) stops with it
         )
     messages, expected = smoke_conversation(cfg, held_out or [])
     try:
         wait_healthy(proc, url, cfg.health_timeout_s, log_path)
         answer = smoke(url, name, cfg, messages)
     except BaseException:
-        stop_process(proc, grace_s=20)
+        stop_process(proc, grace_s=20, group=True)
         raise
     if not cfg.keep_running:
-        stop_process(proc, grace_s=20)
+        stop_process(proc, grace_s=cfg.drain_timeout_s + 10, group=True)
     correct = None if expected is None else answer.strip() == expected.strip()
     return Endpoint(
         url=url,

@@ -1,0 +1,178 @@
+"""Serving under concurrent load: ladle's server (batched) vs the same server with batching off (batch 1)
+vs ``transformers serve --continuous-batching`` (the peer a user would pick), side by side in one run.
+
+    .venv/bin/python bench/serve_load.py [--model DIR] [--seconds 8] [--levels 1,8,32,64]
+
+Each server serves the same model folder (default: the newest demo merged model under runs/) on CPU in
+float32; clients send greedy streaming chat requests (max_tokens 32) for a fixed time at each concurrency.
+Reported per server and concurrency: output tokens/s, p50/p99 request latency, p50 time to first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save  # noqa: E402
+
+from ladle.processes import free_port, stop_process  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    f"Translate the colours to numbers.\n{' '.join(c)}"
+    for c in (("blue", "red", "blue"), ("red", "red"), ("green", "blue", "red", "red"), ("blue",))
+]
+
+
+def servers(model: Path, port: int) -> dict[str, list[str]]:
+    bin_dir = Path(sys.executable).parent
+    ladle = [sys.executable, "-m", "ladle.serve", "--model", str(model), "--name", "m", "--port", str(port)]
+    return {
+        "ladle (batched, 32)": [*ladle, "--option", "max_batch=32"],
+        "ladle (batch 1)": [*ladle, "--option", "max_batch=1"],
+        "transformers serve --continuous-batching": [
+            str(bin_dir / "transformers"),
+            "serve",
+            str(model),
+            "--continuous-batching",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+    }
+
+
+def wait_up(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited:\n{log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("server did not start")
+
+
+def one_request(http: httpx.Client, url: str, model: str, prompt: str) -> tuple[float, float, int]:
+    """Latency, time to first token, and output tokens of one streaming greedy chat request."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 32,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    began, first, chunks, usage = time.monotonic(), None, 0, None
+    with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                usage = data["usage"]["completion_tokens"]
+            if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
+                first = first or time.monotonic()
+                chunks += 1
+    end = time.monotonic()
+    return end - began, (first or end) - began, usage if usage is not None else chunks
+
+
+def load(url: str, model: str, clients: int, seconds: float) -> dict:
+    results, errors, lock = [], [], threading.Lock()
+
+    def client(i: int) -> None:
+        with httpx.Client(timeout=300) as http:
+            until, n = time.monotonic() + seconds, 0
+            while time.monotonic() < until:
+                try:
+                    got = one_request(http, url, model, PROMPTS[(i + n) % len(PROMPTS)])
+                except Exception as exc:
+                    with lock:
+                        errors.append(repr(exc))
+                    continue
+                with lock:
+                    results.append(got)
+                n += 1
+
+    began = time.monotonic()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - began
+    latencies = sorted(r[0] for r in results)
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "errors": len(errors),
+        "wall_s": round(wall, 2),
+        "tokens_per_s": round(sum(r[2] for r in results) / wall, 1),
+        "p50_latency_s": round(statistics.median(latencies), 3) if latencies else None,
+        "p99_latency_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3)
+        if latencies
+        else None,
+        "p50_ttft_s": round(statistics.median(r[1] for r in results), 3) if results else None,
+    }
+
+
+def newest_merged() -> Path:
+    found = sorted((ROOT / "runs").glob("*/runs/*/merged/config.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit("no merged demo model under runs/: run `make demo` first, or pass --model DIR")
+    return found[-1].parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--levels", default="1,8,32,64")
+    args = parser.parse_args()
+    model = args.model or newest_merged()
+    levels = [int(x) for x in args.levels.split(",")]
+    rows = []
+    for name, argv in servers(model, 0).items():
+        port = free_port()
+        argv = [a if a != "0" else str(port) for a in argv]
+        with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_up(url, proc, Path(log.name))
+            model_id = "m" if name.startswith("ladle") else str(model)
+            load(url, model_id, 2, 2.0)  # warm up
+            for clients in levels:
+                row = {"server": name, **load(url, model_id, clients, args.seconds)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        except Exception as exc:
+            rows.append({"server": name, "failed": repr(exc)[:500]})
+            print(f"{name}: failed: {exc!r}"[:600], flush=True)
+        finally:
+            stop_process(proc, grace_s=10)
+    print(f"results: {save('serve_load', {'model': str(model), 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
