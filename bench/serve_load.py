@@ -71,8 +71,8 @@ def wait_up(url: str, proc: subprocess.Popen, log: Path) -> None:
     raise RuntimeError("server did not start")
 
 
-def one_request(http: httpx.Client, url: str, model: str, prompt: str) -> tuple[float, float, int]:
-    """Latency, time to first token, and output tokens of one streaming greedy chat request."""
+def one_request(http: httpx.Client, url: str, model: str, prompt: str) -> tuple[float, float, str]:
+    """Latency, time to first token, and the text of one streaming greedy chat request."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -81,23 +81,23 @@ def one_request(http: httpx.Client, url: str, model: str, prompt: str) -> tuple[
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    began, first, chunks, usage = time.monotonic(), None, 0, None
+    began, first, pieces = time.monotonic(), None, []
     with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             data = json.loads(line[6:])
-            if data.get("usage"):
-                usage = data["usage"]["completion_tokens"]
             if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
                 first = first or time.monotonic()
-                chunks += 1
+                pieces.append(data["choices"][0]["delta"]["content"])
     end = time.monotonic()
-    return end - began, (first or end) - began, usage if usage is not None else chunks
+    return end - began, (first or end) - began, "".join(pieces)
 
 
-def load(url: str, model: str, clients: int, seconds: float) -> dict:
+def load(url: str, model: str, clients: int, seconds: float, count) -> dict:
+    """``clients`` threads sending requests for ``seconds``; output tokens counted by ``count(text)``, the same
+    tokenizer for every server (servers count their usage differently, e.g. with or without EOS)."""
     results, errors, lock = [], [], threading.Lock()
 
     def client(i: int) -> None:
@@ -127,7 +127,8 @@ def load(url: str, model: str, clients: int, seconds: float) -> dict:
         "requests": len(results),
         "errors": len(errors),
         "wall_s": round(wall, 2),
-        "tokens_per_s": round(sum(r[2] for r in results) / wall, 1),
+        "requests_per_s": round(len(results) / wall, 1),
+        "tokens_per_s": round(sum(count(r[2]) for r in results) / wall, 1),
         "p50_latency_s": round(statistics.median(latencies), 3) if latencies else None,
         "p99_latency_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3)
         if latencies
@@ -148,8 +149,16 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--levels", default="1,8,32,64")
+    parser.add_argument("--name", default="serve_load", help="Results file name under bench/out.")
     args = parser.parse_args()
     model = args.model or newest_merged()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
+
     levels = [int(x) for x in args.levels.split(",")]
     rows = []
     for name, argv in servers(model, 0).items():
@@ -161,9 +170,9 @@ def main() -> None:
         try:
             wait_up(url, proc, Path(log.name))
             model_id = "m" if name.startswith("ladle") else str(model)
-            load(url, model_id, 2, 2.0)  # warm up
+            load(url, model_id, 2, 2.0, count)  # warm up
             for clients in levels:
-                row = {"server": name, **load(url, model_id, clients, args.seconds)}
+                row = {"server": name, **load(url, model_id, clients, args.seconds, count)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         except Exception as exc:
@@ -171,7 +180,7 @@ def main() -> None:
             print(f"{name}: failed: {exc!r}"[:600], flush=True)
         finally:
             stop_process(proc, grace_s=10)
-    print(f"results: {save('serve_load', {'model': str(model), 'rows': rows})}")
+    print(f"results: {save(args.name, {'model': str(model), 'rows': rows})}")
 
 
 if __name__ == "__main__":

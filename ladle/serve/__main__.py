@@ -6,7 +6,24 @@ import argparse
 import sys
 
 from ladle.errors import LadleError
-from ladle.serve import backends
+from ladle.serve import backends, records
+
+
+def draining_server_class():
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a SIGTERM ends the process with status 0 once in-flight requests
+        are drained (uvicorn re-raises the signal after its graceful shutdown, which exits -15)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                self._captured_signals.remove(sig)  # a requested, drained stop: not a crash
+
+    return Server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.name or args.model.rstrip("/").rsplit("/", 1)[-1]
     app = create_app(backend, Settings(name, args.max_new_tokens, key))
-    # SIGTERM: uvicorn stops accepting, lets in-flight requests finish (up to --drain-timeout), exits 0.
-    uvicorn.run(
+    record = records.write(f"http://{args.host}:{args.port}", name, args.backend, args.model)
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -45,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         access_log=True,
         timeout_graceful_shutdown=args.drain_timeout,
     )
+    try:
+        draining_server_class()(config).run()
+    finally:
+        record.unlink(missing_ok=True)
     return 0
 
 
