@@ -42,6 +42,7 @@ bench: setup
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"
 	$(BIN)/python bench/demo_stages.py
 	$(BIN)/python bench/demo_under_load.py
+	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/train_vs_trl.py
 	$(BIN)/python bench/train_overhead.py
 	$(BIN)/python bench/prepare_vs_trl.py

@@ -228,15 +228,23 @@ def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
         metrics.completion_tokens.inc(done["completion_tokens"])
         metrics.latency.observe(time.monotonic() - started)
 
+    async def events_of(events: asyncio.Queue, job: Job):
+        """The job's events as they arrive, up to its ``done`` or ``error``; the first text times TTFT."""
+        first = True
+        while True:
+            event, data = await events.get()
+            if event == "text" and first:
+                metrics.ttft.observe(time.monotonic() - job.submitted)
+                first = False
+            yield event, data
+            if event != "text":
+                return
+
     async def collect(events: asyncio.Queue, job: Job) -> tuple[str, dict]:
-        pieces, first = [], True
+        pieces = []
         try:
-            while True:
-                event, data = await events.get()
+            async for event, data in events_of(events, job):
                 if event == "text":
-                    if first:
-                        metrics.ttft.observe(time.monotonic() - job.submitted)
-                        first = False
                     pieces.append(data["text"])
                 elif event == "error":
                     raise ApiError(500, f"generation failed: {data['message']}", kind="server_error")
@@ -248,21 +256,19 @@ def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
             raise
 
     async def stream(events, job: Job, reply: Reply, include_usage: bool, started: float, route: str):
-        first = True
+        ended = False
         try:
             yield sse(reply.chunk({"role": "assistant", "content": ""} if reply.chat else ""))
-            while True:
-                event, data = await events.get()
+            async for event, data in events_of(events, job):
                 if event == "text":
-                    if first:
-                        metrics.ttft.observe(time.monotonic() - job.submitted)
-                        first = False
                     yield sse(reply.chunk({"content": data["text"]} if reply.chat else data["text"]))
                 elif event == "error":
+                    ended = True
                     error = {"message": f"generation failed: {data['message']}", "type": "server_error"}
                     yield sse({"error": {**error, "param": None, "code": None}})
                     break
                 else:
+                    ended = True
                     yield sse(reply.chunk({} if reply.chat else "", data["finish_reason"]))
                     if include_usage:
                         yield sse({**reply.head(), "choices": [], "usage": usage(data)})
@@ -270,7 +276,7 @@ def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
                     break
             yield "data: [DONE]\n\n"
         finally:
-            if job.finish is None:  # the client went away mid-stream (or the stream failed)
+            if not ended:  # the client went away mid-stream
                 job.cancelled.set()
                 metrics.cancelled.inc()
 

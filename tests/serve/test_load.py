@@ -3,8 +3,6 @@ connection is dropped, and liveness answers within a second throughout."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,9 +13,10 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ladle.processes import free_port, stop_process
+from ladle.processes import stop_process
 from ladle.serve.backends import TransformersBackend
 from ladle.serve.server import Settings, create_app
+from tests.helpers import start_server
 
 JSON = st.recursive(
     st.none()
@@ -71,38 +70,10 @@ def test_fuzzed_bodies_get_4xx_never_5xx(app_client, body, route, raw):
 
 
 def test_64_concurrent_clients(tiny_model, tmp_path):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ladle.serve",
-            "--model",
-            str(tiny_model),
-            "--name",
-            "tiny",
-            "--port",
-            str(port),
-            "--option",
-            "max_batch=32",
-            "--max-new-tokens",
-            "16",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
+    server, url = start_server(
+        tiny_model, tmp_path / "server.log", "--option", "max_batch=32", "--max-new-tokens", "16"
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-            time.sleep(0.2)
         statuses, health, stop = [], [], threading.Event()
 
         def client(i: int) -> None:
@@ -130,5 +101,4 @@ def test_64_concurrent_clients(tiny_model, tmp_path):
         depth = [ln for ln in httpx.get(f"{url}/metrics").text.splitlines() if ln.startswith("ladle_batch_size_sum")]
         assert float(depth[0].split()[-1]) > len(statuses) / 32  # requests really shared batches
     finally:
-        stop_process(server, grace_s=10)
-        log.close()
+        stop_process(server, grace_s=10, group=True)

@@ -4,37 +4,18 @@ the request in flight (it completes) before the server exits 0 and its record go
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 
-from ladle.processes import free_port, stop_process
-from tests.helpers import run_cli
+from ladle.processes import stop_process
+from tests.helpers import run_cli, start_server
 
 
 def test_servers_list_and_stop_drains_in_flight_requests(tiny_model, tmp_path):
-    port = free_port()
-    with (tmp_path / "server.log").open("w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "ladle.serve", "--model", str(tiny_model), "--name", "drainme", "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
+    server, url = start_server(tiny_model, tmp_path / "server.log", name="drainme")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-            time.sleep(0.2)
         listed = json.loads(run_cli("servers", "list", "--json", timeout=60).stdout.splitlines()[-1])
         mine = [s for s in listed["servers"] if s["pid"] == server.pid]
         assert mine and mine[0]["url"] == url and mine[0]["model"] == "drainme"

@@ -27,10 +27,14 @@ def train_only(cfg, plan, dataset, run_url, track):
 
 
 def kill_a_rank_after_checkpoint(run_url: str, step: int, killed: list) -> None:
-    """Wait for checkpoint ``step`` to complete, then SIGKILL one training process."""
+    """Wait for a complete checkpoint at ``step`` or later, then SIGKILL one training process.
+
+    "Or later": only the newest two checkpoints are kept, so on a loaded machine ``step`` itself may be
+    written and pruned between two looks.
+    """
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        if step in complete_steps(storage.join(run_url, "checkpoints")):
+        if any(done >= step for done in complete_steps(storage.join(run_url, "checkpoints"))):
             workers = [
                 p for p in psutil.Process().children(recursive=True) if "ladle.train.worker" in " ".join(p.cmdline())
             ]
