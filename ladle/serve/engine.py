@@ -1,17 +1,16 @@
-"""Batched generation for the transformers backend: concurrent requests share forward passes.
+"""Continuous batching for the transformers backend: concurrent requests share every decode step.
 
-Requests wait in a queue while a batch runs; the engine thread then takes up to ``max_batch`` of them and
-runs them through one ``generate`` call, left-padded with an attention mask. Every request keeps its own
-sampling: a logits processor chooses each row's token itself (greedy argmax, or temperature / top-p sampling
-from the request's own generator, seeded when the request has a seed) and masks the others, so ``generate``
-runs greedy over the batch and a request's tokens do not depend on what it was batched with. A stopping
-criterion ends each row on its own (its ``max_tokens``, EOS, a stop string, or its client gone) and streams
-each new piece of text to its request.
+The engine thread keeps the running requests in one batch with a shared KV cache. A request that arrives
+is prefilled on its own and joins at the next decode step; one that ends (its ``max_tokens``, EOS, a stop
+string, or its client gone) leaves at once, so nobody waits for another request's answer to finish. Each
+row keeps its own sampling: ``RowSampler`` chooses every row's token by that request's settings (greedy
+argmax, or temperature / top-p from the request's own generator, seeded when it has a seed), and
+``RowStop`` ends and streams each row on its own. Rows are left-padded; attention treats the padding as
+absent and position ids are per row, so a request's greedy answer does not depend on its neighbours.
 
-Why not transformers' continuous batching (``init_continuous_batching``): its manager samples with one
+Why not transformers' own continuous batching (``init_continuous_batching``): its manager samples with one
 generation config and one RNG for all requests, so a greedy request beside a sampled one, per-request
-``top_p`` and per-request ``seed`` cannot all be honoured, and the OpenAI API promises all three. Requests
-that arrive during a batch wait for the next one (at most one batch's time); the bench measures the result.
+``top_p`` and per-request ``seed`` cannot all be honoured, and the OpenAI API promises all three.
 """
 
 from __future__ import annotations
@@ -123,7 +122,15 @@ def flush(job: Job, upto: int, final: bool = False) -> None:
 
 
 class Engine:
-    """The thread that runs batches; ``submit`` is safe from any thread."""
+    """Continuous batching on the engine's own thread; ``submit`` is safe from any thread.
+
+    Every decode step runs all active requests together with one ``forward`` over a shared KV cache
+    (left-padded rows, explicit position ids). A request that arrives is prefilled on its own and joins
+    the running batch at the next step; a finished or cancelled one leaves at once. So no request waits
+    for another's answer to end, and each row samples and stops by its own settings (``RowSampler``,
+    ``RowStop``). Attention treats a row's padding as absent, so a request's greedy answer is the one it
+    gets alone (tested).
+    """
 
     def __init__(self, model, tokenizer, device: str, max_batch: int, on_batch: Callable[[int], None] | None = None):
         self.model, self.tokenizer, self.device, self.max_batch = model, tokenizer, device, max_batch
@@ -142,47 +149,128 @@ class Engine:
         return self.thread.is_alive()
 
     def loop(self) -> None:
+        batch = Batch(self)
         while True:
-            batch = [self.jobs.get()]
-            while len(batch) < self.max_batch:
+            arrivals = [self.jobs.get()] if not batch.jobs else []  # idle: wait for work
+            while len(batch.jobs) + len(arrivals) < self.max_batch:
                 try:
-                    batch.append(self.jobs.get_nowait())
+                    arrivals.append(self.jobs.get_nowait())
                 except queue.Empty:
                     break
-            batch = [job for job in batch if not job.cancelled.is_set()]
-            if not batch:
-                continue
-            self.on_batch(len(batch))
             try:
-                self.run(batch)
-            except Exception as exc:  # a failed batch fails its requests, never the engine
-                for job in batch:
+                for job in arrivals:
+                    if not job.cancelled.is_set():
+                        batch.admit(job)
+                if batch.jobs:
+                    self.on_batch(len(batch.jobs))
+                    batch.step()
+            except Exception as exc:  # a failed step fails its requests, never the engine
+                for job in [*batch.jobs, *arrivals]:
                     if job.finish is None:
+                        job.finish = "error"
                         job.emit("error", {"message": f"{type(exc).__name__}: {exc}"})
+                batch = Batch(self)
 
-    def run(self, batch: list[Job]) -> None:
-        width = max(len(job.ids) for job in batch)
-        ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, job in enumerate(batch):
-            ids[row, width - len(job.ids) :] = torch.tensor(job.ids)
-            mask[row, width - len(job.ids) :] = 1
+
+class Batch:
+    """The running requests and their shared KV cache: rows left-padded to a common length."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.jobs: list[Job] = []
+        self.cache = None  # DynamicCache, [rows, heads, width, dim] per layer
+        self.mask = torch.zeros((0, 0), dtype=torch.long)  # 1 where a row has a real token
+        self.last = torch.zeros((0, 1), dtype=torch.long)  # each row's newest token, the next step's input
+
+    def admit(self, job: Job) -> None:
+        """Prefill ``job`` alone, take its first token, and add it to the batch unless it already ended."""
+        from transformers import DynamicCache
+
+        model, device = self.engine.model, self.engine.device
+        cache = DynamicCache(config=model.config)
+        ids = torch.tensor([job.ids], device=device)
         with torch.no_grad():
-            self.model.generate(
-                ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                max_new_tokens=max(job.max_new_tokens for job in batch),
-                do_sample=False,
-                logits_processor=[RowSampler(batch)],
-                stopping_criteria=[RowStop(batch, self.tokenizer, self.eos)],
-                pad_token_id=self.pad,
-            )
-        for job in batch:
-            if job.finish is None:  # generate's own end (its length limit) without our criterion's say
-                job.finish = "length"
-                flush(job, len(job.text), final=True)
-            if job.finish != "cancelled":
-                job.emit(
-                    "done",
-                    {"finish_reason": job.finish, "prompt_tokens": len(job.ids), "completion_tokens": len(job.tokens)},
-                )
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
+        if not self.choose([job], logits):
+            return
+        self.join(job, cache, len(job.ids))
+
+    def join(self, job: Job, cache, length: int) -> None:
+        width = self.mask.shape[1]
+        new_width = max(width, length)
+        if self.cache is None:
+            self.cache = cache
+        else:
+            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+                mine.keys = torch.cat([pad_left(mine.keys, new_width), pad_left(theirs.keys, new_width)])
+                mine.values = torch.cat([pad_left(mine.values, new_width), pad_left(theirs.values, new_width)])
+        row = torch.zeros((1, new_width), dtype=torch.long)
+        row[0, new_width - length :] = 1
+        self.mask = torch.cat([pad_mask(self.mask, new_width), row])
+        self.last = torch.cat([self.last, torch.tensor([[job.tokens[-1]]])])
+        self.jobs.append(job)
+
+    def step(self) -> None:
+        """One decode step for every row, then drop the rows that ended."""
+        model, device = self.engine.model, self.engine.device
+        self.mask = torch.cat([self.mask, torch.ones((len(self.jobs), 1), dtype=torch.long)], dim=1)
+        positions = self.mask.sum(dim=1, keepdim=True) - 1
+        with torch.no_grad():
+            logits = model(
+                input_ids=self.last.to(device),
+                attention_mask=self.mask.to(device),
+                position_ids=positions.to(device),
+                past_key_values=self.cache,
+                use_cache=True,
+            ).logits[:, -1, :]
+        self.choose(self.jobs, logits)
+        self.last = torch.tensor([[job.tokens[-1] if job.tokens else self.engine.pad] for job in self.jobs])
+        keep = [row for row, job in enumerate(self.jobs) if job.finish is None]
+        if len(keep) < len(self.jobs):
+            self.select(keep)
+
+    def choose(self, jobs: list[Job], logits: torch.Tensor) -> bool:
+        """Each row's next token by its own sampling, fed to its stop logic; True if the single job goes on."""
+        scores = RowSampler(jobs)(None, logits.float())
+        tokens = scores.argmax(dim=-1).tolist()
+        stopper = RowStop(jobs, self.engine.tokenizer, self.engine.eos)
+        for job, token in zip(jobs, tokens, strict=True):
+            stopper.advance(job, int(token))
+            if job.finish is not None:
+                finish(job)
+        return jobs[0].finish is None
+
+    def select(self, rows: list[int]) -> None:
+        index = torch.tensor(rows, dtype=torch.long)
+        self.jobs = [self.jobs[r] for r in rows]
+        self.mask, self.last = self.mask[index], self.last[index]
+        if not rows:
+            self.cache, self.mask = None, torch.zeros((0, 0), dtype=torch.long)
+            return
+        self.cache.batch_select_indices(index.to(self.engine.device))
+        unused = int((self.mask.cumsum(dim=1) == 0).sum(dim=1).min())  # columns that are padding in every row
+        if unused:
+            self.mask = self.mask[:, unused:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+
+
+def pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """``[rows, heads, length, dim]`` zero-padded on the left of the length axis to ``width``."""
+    missing = width - tensor.shape[-2]
+    if missing <= 0:
+        return tensor
+    return torch.cat([tensor.new_zeros((*tensor.shape[:-2], missing, tensor.shape[-1])), tensor], dim=-2)
+
+
+def pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - mask.shape[1]
+    return torch.cat([torch.zeros((mask.shape[0], missing), dtype=mask.dtype), mask], dim=1) if missing > 0 else mask
+
+
+def finish(job: Job) -> None:
+    """Tell the request it ended (a cancelled one has nobody left to tell)."""
+    if job.finish != "cancelled":
+        job.emit(
+            "done", {"finish_reason": job.finish, "prompt_tokens": len(job.ids), "completion_tokens": len(job.tokens)}
+        )

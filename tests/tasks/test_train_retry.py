@@ -26,6 +26,14 @@ def train_only(cfg, plan, dataset, run_url, track):
     return train_task(cfg, plan, dataset, run_url, track)
 
 
+def is_worker(proc: psutil.Process) -> bool:
+    """A training process of ours (a child that has just exited is not: its command line is gone)."""
+    try:
+        return "ladle.train.worker" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
 def kill_a_rank_after_checkpoint(run_url: str, step: int, killed: list) -> None:
     """Wait for a complete checkpoint at ``step`` or later, then SIGKILL one training process.
 
@@ -35,9 +43,7 @@ def kill_a_rank_after_checkpoint(run_url: str, step: int, killed: list) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if any(done >= step for done in complete_steps(storage.join(run_url, "checkpoints"))):
-            workers = [
-                p for p in psutil.Process().children(recursive=True) if "ladle.train.worker" in " ".join(p.cmdline())
-            ]
+            workers = [p for p in psutil.Process().children(recursive=True) if is_worker(p)]
             if workers:
                 workers[-1].send_signal(signal.SIGKILL)
                 killed.append(workers[-1].pid)
