@@ -158,9 +158,9 @@ class Engine:
                 except queue.Empty:
                     break
             try:
-                for job in arrivals:
-                    if not job.cancelled.is_set():
-                        batch.admit(job)
+                arrivals = [job for job in arrivals if not job.cancelled.is_set()]
+                if arrivals:
+                    batch.admit(arrivals)
                 if batch.jobs:
                     self.on_batch(len(batch.jobs))
                     batch.step()
@@ -182,33 +182,48 @@ class Batch:
         self.mask = torch.zeros((0, 0), dtype=torch.long)  # 1 where a row has a real token
         self.last = torch.zeros((0, 1), dtype=torch.long)  # each row's newest token, the next step's input
 
-    def admit(self, job: Job) -> None:
-        """Prefill ``job`` alone, take its first token, and add it to the batch unless it already ended."""
+    def admit(self, jobs: list[Job]) -> None:
+        """Prefill the arrivals together (left-padded), take each one's first token, and add to the batch
+        those that have not already ended."""
         from transformers import DynamicCache
 
         model, device = self.engine.model, self.engine.device
+        width = max(len(job.ids) for job in jobs)
+        ids = torch.full((len(jobs), width), self.engine.pad, dtype=torch.long)
+        mask = torch.zeros((len(jobs), width), dtype=torch.long)
+        for row, job in enumerate(jobs):
+            ids[row, width - len(job.ids) :] = torch.tensor(job.ids)
+            mask[row, width - len(job.ids) :] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache(config=model.config)
-        ids = torch.tensor([job.ids], device=device)
         with torch.no_grad():
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
-        if not self.choose([job], logits):
+            logits = model(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=positions.to(device),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1, :]
+        self.choose(jobs, logits)
+        going = [row for row, job in enumerate(jobs) if job.finish is None]
+        if not going:
             return
-        self.join(job, cache, len(job.ids))
+        if len(going) < len(jobs):
+            cache.batch_select_indices(torch.tensor(going, device=device))
+        self.join([jobs[row] for row in going], cache, mask[going])
 
-    def join(self, job: Job, cache, length: int) -> None:
-        width = self.mask.shape[1]
-        new_width = max(width, length)
+    def join(self, jobs: list[Job], cache, mask: torch.Tensor) -> None:
+        """Add prefilled rows (their cache and mask) to the batch, left-padding either side to one width."""
+        width = max(self.mask.shape[1], mask.shape[1])
         if self.cache is None:
             self.cache = cache
         else:
             for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-                mine.keys = torch.cat([pad_left(mine.keys, new_width), pad_left(theirs.keys, new_width)])
-                mine.values = torch.cat([pad_left(mine.values, new_width), pad_left(theirs.values, new_width)])
-        row = torch.zeros((1, new_width), dtype=torch.long)
-        row[0, new_width - length :] = 1
-        self.mask = torch.cat([pad_mask(self.mask, new_width), row])
-        self.last = torch.cat([self.last, torch.tensor([[job.tokens[-1]]])])
-        self.jobs.append(job)
+                mine.keys = torch.cat([pad_left(mine.keys, width), pad_left(theirs.keys, width)])
+                mine.values = torch.cat([pad_left(mine.values, width), pad_left(theirs.values, width)])
+        self.mask = torch.cat([pad_mask(self.mask, width), pad_mask(mask, width)])
+        self.last = torch.cat([self.last, torch.tensor([[job.tokens[-1]] for job in jobs])])
+        self.jobs += jobs
 
     def step(self) -> None:
         """One decode step for every row, then drop the rows that ended."""
@@ -229,8 +244,8 @@ class Batch:
         if len(keep) < len(self.jobs):
             self.select(keep)
 
-    def choose(self, jobs: list[Job], logits: torch.Tensor) -> bool:
-        """Each row's next token by its own sampling, fed to its stop logic; True if the single job goes on."""
+    def choose(self, jobs: list[Job], logits: torch.Tensor) -> None:
+        """Each row's next token by its own sampling, fed to its stop logic; ended rows are told so."""
         scores = RowSampler(jobs)(None, logits.float())
         tokens = scores.argmax(dim=-1).tolist()
         stopper = RowStop(jobs, self.engine.tokenizer, self.engine.eos)
@@ -238,7 +253,6 @@ class Batch:
             stopper.advance(job, int(token))
             if job.finish is not None:
                 finish(job)
-        return jobs[0].finish is None
 
     def select(self, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.long)
