@@ -221,45 +221,26 @@ def strategy_spec(strategy: str, root: Path, *overrides: str, steps: int = 6, to
     return train_spec(cfg, Path(root), strategy + "".join(overrides), topo)
 
 
-def start_server(model_dir, log_path: Path, *extra: str, name: str = "tiny"):
-    """``python -m ladle.serve`` in its own process group, ready (``/ready`` answered); returns (process, url).
-
-    The caller stops it (``stop_process(proc, group=True)``).
+def start_server(model_dir, log_path: Path, name: str = "tiny", **serve):
+    """The server the deploy stage starts (its argv and readiness wait, for ``ServeConfig(**serve)``), in its
+    own process group and ready; returns (process, url). The caller stops it (``stop_process(..., group=True)``).
     """
-    import time
-
-    import httpx
-
+    from ladle.config import ServeConfig
     from ladle.processes import free_port
+    from ladle.serve.deploy import server_argv, wait_healthy
 
     port = free_port()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ladle.serve",
-                "--model",
-                str(model_dir),
-                "--name",
-                name,
-                "--port",
-                str(port),
-                *extra,
-            ],
+            server_argv(Path(model_dir), name, ServeConfig(**serve), port),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"server did not become ready:\n{Path(log_path).read_text()[-3000:]}")
-        time.sleep(0.2)
+    try:
+        wait_healthy(proc, url, 120, Path(log_path))
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url

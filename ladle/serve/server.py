@@ -113,7 +113,6 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
 
 
 class ChatRequest(Sampling):

@@ -70,9 +70,7 @@ def test_fuzzed_bodies_get_4xx_never_5xx(app_client, body, route, raw):
 
 
 def test_64_concurrent_clients(tiny_model, tmp_path):
-    server, url = start_server(
-        tiny_model, tmp_path / "server.log", "--option", "max_batch=32", "--max-new-tokens", "16"
-    )
+    server, url = start_server(tiny_model, tmp_path / "server.log", max_batch_size=32, max_new_tokens=16)
     try:
         statuses, health, stop = [], [], threading.Event()
 
