@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 
-from prefect import flow, runtime
+from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_link_artifact
+from prefect.states import Completed
 
-from ladle import storage, tracking
+from ladle import promote, storage, tracking
+from ladle.assets import resolve_base
 from ladle.config import LadleConfig
-from ladle.errors import find_ladle_error
+from ladle.data.prepare import fingerprint
+from ladle.errors import LadleError, find_ladle_error
+from ladle.secrets import install_log_redaction, redact_url
 from ladle.tasks.deploy import deploy_task
 from ladle.tasks.evaluate import evaluate_task
 from ladle.tasks.merge import merge_task
 from ladle.tasks.plan import plan_task
 from ladle.tasks.prepare import prepare_cached, publish_report
 from ladle.tasks.probe import probe_task
+from ladle.tasks.promote import promote_task
 from ladle.tasks.train import train_task
 
 
@@ -34,16 +40,50 @@ class Stopwatch:
         self._last = now
 
 
-@flow(name="finetune", description="Fine-tune a base model on a dataset and serve it.")
-def finetune(config: LadleConfig, config_ref: str = "CONFIG") -> dict:
-    """Run the whole pipeline for ``config``; returns the run summary.
+RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+
+
+def data_unchanged(config: LadleConfig) -> tuple[str, promote.Version | None]:
+    """``(the data's fingerprint, the champion when it was trained on exactly that data)``.
+
+    The fingerprint covers the data files' contents (ETags on object stores), the tokenizer and every data
+    option, and is computed without preparing anything.
+    """
+    fp = fingerprint(config.data, resolve_base(config.base))
+    uri, _ = tracking.tracking_uri(config)
+    current = promote.champion(uri, config.tracking.registered_model or config.name)
+    same = current is not None and current.tags.get("ladle.data_fingerprint") == fp
+    return fp, current if same else None
+
+
+@flow(name="finetune", description="Fine-tune a base model on a dataset, gate it, and serve it.")
+def finetune(
+    config: LadleConfig, config_ref: str = "CONFIG", run_id: str | None = None, skip_if_data_unchanged: bool = False
+):
+    """Run the whole pipeline for ``config``; returns the run summary (in a Completed state with a message).
 
     Args:
         config: the validated config (``--gpus`` and ``--set`` already applied).
         config_ref: how the user named the config, for printed commands.
+        run_id: a stable name for the run's folder. A run given the run_id of one that crashed or was
+            cancelled resumes from its last complete checkpoint. None: a new folder per flow run.
+        skip_if_data_unchanged: end early, Completed and "skipped", when the registered model's champion
+            was trained on data with the same fingerprint (scheduled retraining).
     """
+    install_log_redaction()
+    if run_id is not None and not re.fullmatch(RUN_ID, run_id):
+        raise LadleError(
+            f"run_id = {run_id!r}: use 1-100 letters, digits, '.', '_' or '-', starting with one of the first two."
+        )
     flow_run_id = str(runtime.flow_run.id or uuid.uuid4())
-    run_name = f"{config.name}-{flow_run_id[:8]}"
+    if skip_if_data_unchanged:
+        fp, same = data_unchanged(config)
+        if same is not None:
+            reason = f"skipped: data unchanged since version {same.version} (fingerprint {fp})"
+            get_run_logger().info(reason)
+            summary = {"status": "skipped", "reason": reason, "champion_version": same.version}
+            return Completed(message=reason, data={**summary, "dataset_fingerprint": fp, "flow_run_id": flow_run_id})
+    run_name = run_id or f"{config.name}-{flow_run_id[:8]}"
     run_url = storage.join(storage.normalise(config.output), "runs", run_name)
     parent = runtime.flow_run.parent_flow_run_id
     track = tracking.start_run(config, flow_run_id, run_name, parent_flow_run_id=str(parent) if parent else None)
@@ -66,11 +106,21 @@ def finetune(config: LadleConfig, config_ref: str = "CONFIG") -> dict:
         clock.lap("evaluate")
         endpoint = deploy_task(config, merged, prepared)
         clock.lap("deploy")
+        decision = (
+            promote_task(config, merged, prepared, scores, endpoint, result, plan, track, flow_run_id)
+            if config.promote.enabled
+            else None
+        )
+        clock.lap("promote")
         ok = True
     finally:
         tracking.end_run(track, ok)
     summary = {
         "status": "ok",
+        "run_id": run_name,
+        "promoted": decision.promoted if decision else None,
+        "promotion": decision.reason if decision else "promotion off (promote.enabled=false): nothing registered",
+        "registered_model": config.tracking.registered_model or config.name,
         "endpoint": endpoint.url,
         "endpoint_running": endpoint.running,
         "server_pid": endpoint.pid,
@@ -79,7 +129,7 @@ def finetune(config: LadleConfig, config_ref: str = "CONFIG") -> dict:
         "expected": endpoint.expected,
         "answer_correct": endpoint.answer_correct,
         "mlflow_run_id": track.run_id,
-        "mlflow_tracking_uri": track.uri,
+        "mlflow_tracking_uri": redact_url(track.uri),
         "flow_run_id": flow_run_id,
         "strategy": result.strategy,
         "world_size": result.world_size,
@@ -91,6 +141,10 @@ def finetune(config: LadleConfig, config_ref: str = "CONFIG") -> dict:
         "eval_accuracy_before": scores.accuracy_before,
         "eval_accuracy_after": scores.accuracy_after,
         "eval_examples": scores.examples,
+        "eval_metric": scores.metric,
+        "eval_before": scores.base,
+        "eval_after": scores.model,
+        "resumed_from_step": result.resumed_from_step,
         "tokens_per_s": result.tokens_per_s,
         "steps": result.steps,
         "output_url": run_url,
@@ -99,7 +153,7 @@ def finetune(config: LadleConfig, config_ref: str = "CONFIG") -> dict:
         "stage_seconds": clock.seconds,
     }
     storage.write_json(storage.join(run_url, "summary.json"), summary)
-    return summary
+    return Completed(message=summary["promotion"], data=summary)
 
 
 class HideUserErrorTracebacks(logging.Filter):

@@ -8,11 +8,12 @@ planner, which reports every problem at once.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from ladle import strategies
 from ladle.errors import ConfigError, LadleError
@@ -20,6 +21,7 @@ from ladle.schema import Section
 from ladle.serve import backends
 
 SCHEMA_VERSION = 1
+BUILTIN_METRICS = ("exact_match", "loss")
 MAX_GPU_COUNT = 128
 
 
@@ -280,6 +282,14 @@ class ServeConfig(Section):
         description="Leave the server running after the smoke request (its PID is reported). "
         "false: stop it when the pipeline ends.",
     )
+    front_port: int = Field(
+        8600,
+        ge=1,
+        le=65535,
+        description="Stable port of ladle's front (a proxy on `serve.host`) that serves the registered model's "
+        "`champion`: clients keep this address while versions are swapped behind it (`ladle model serve`, the "
+        "serving deployment).",
+    )
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -298,6 +308,48 @@ class EvalConfig(Section):
         "(cached per base and data) and the merged model. 0: measure eval loss only.",
     )
     batch_size: int = Field(32, ge=1, le=1024, description="Prompts generated together while evaluating.")
+    metric: str = Field(
+        "exact_match",
+        description="The task metric scored on the held-out split for the base, the new model and the champion: "
+        "`exact_match` (greedy answer equals the reference), `loss` (token-weighted eval loss; lower is better), "
+        "or a Python entry point `module:function` called as `function(model_dir: pathlib.Path, "
+        "conversations: list[list[dict]]) -> float`, each conversation ending with its reference turn.",
+    )
+    greater_is_better: bool | None = Field(
+        None,
+        description="Direction of `eval.metric`. null: true, except for `loss`. Set it for an entry point whose "
+        "score is better when lower.",
+    )
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, value: str) -> str:
+        if value in BUILTIN_METRICS or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
+            return value
+        raise ValueError(
+            f"eval.metric = {value!r}: use one of {', '.join(BUILTIN_METRICS)} or an entry point "
+            "`package.module:function`"
+        )
+
+    def higher_wins(self) -> bool:
+        return self.metric != "loss" if self.greater_is_better is None else self.greater_is_better
+
+
+class PromoteConfig(Section):
+    metric: str | None = Field(
+        None,
+        description="Score that decides promotion: `loss` or `eval.metric`'s name. null: `eval.metric`.",
+    )
+    min_improvement: float = Field(
+        0.0,
+        ge=0.0,
+        description="The new model becomes `champion` only when it beats the current champion (or, with none, the "
+        "base model) on the same held-out set by more than this, in the metric's units (0: strictly better).",
+    )
+    enabled: bool = Field(
+        True,
+        description="Register the model and run the gate. false: register nothing (a trial run).",
+    )
 
 
 class TrackingConfig(Section):
@@ -327,11 +379,29 @@ class LadleConfig(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation.")
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig, description="GPUs and strategy.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Task accuracy on the held-out split.")
+    promote: PromoteConfig = Field(
+        default_factory=PromoteConfig,
+        description="The gate from `challenger` to `champion` (MLflow registered-model aliases).",
+    )
     serve: ServeConfig = Field(default_factory=ServeConfig, description="Inference server.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     output: str = Field(
         "./runs", description="Artifact store root: a local folder or any fsspec URL (s3://bucket/prefix)."
     )
+
+    @model_validator(mode="after")
+    def _gate_metric_is_scored(self) -> LadleConfig:
+        metric = self.promote.metric
+        if metric is not None and metric not in ("loss", self.eval.metric):
+            raise ValueError(
+                f"promote.metric = {metric!r}: only `loss` and eval.metric ({self.eval.metric!r}) are scored; "
+                "set promote.metric to one of them, or eval.metric to the metric you want"
+            )
+        return self
+
+    def gate_metric(self) -> str:
+        """The metric the promotion gate compares."""
+        return self.promote.metric or self.eval.metric
 
 
 def parse_gpus(value: Any) -> Literal["auto"] | int:
@@ -358,9 +428,11 @@ def format_validation_error(err: ValidationError, source: str) -> list[str]:
     """Turn pydantic errors into ``field = value: problem. fix.`` lines."""
     lines = []
     for item in err.errors():
-        path = ".".join(str(p) for p in item["loc"]) or "(root)"
+        path = ".".join(str(p) for p in item["loc"])
         value = item.get("input")
-        if item["type"] == "extra_forbidden":
+        if not path:  # a rule across fields: its message names the fields, their values and the fix
+            lines.append(f"{item['msg'].removeprefix('Value error, ')} (in {source}).")
+        elif item["type"] == "extra_forbidden":
             lines.append(f"{path}: unknown key in {source}. Remove it or check its spelling (see `ladle schema`).")
         elif item["type"] == "missing":
             lines.append(f"{path}: required but missing in {source}. Add it (see `ladle schema`).")

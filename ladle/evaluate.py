@@ -1,40 +1,56 @@
-"""Evaluate stage: exact-match accuracy of greedy answers on held-out conversations.
+"""Evaluate stage: the task metric and eval loss of a model folder on the held-out split.
 
-The prepare stage keeps the eval split's conversations verbatim
-(``eval_samples.jsonl``). Each is asked without its last (assistant) turn,
-through the tokenizer's chat template exactly as the server asks it, and the
-greedy answer must equal that turn (surrounding whitespace aside). The base
-model is scored on the same conversations once per (base, dataset fingerprint)
-and cached, so "before" costs nothing on the next run of the same data.
+Two measures, both on data the model never trained on:
+
+- ``loss``: token-weighted next-token loss over the prepared eval rows (the same rows and the same sum the
+  trainer's ``eval_loss_after`` uses), lower is better;
+- ``eval.metric``: ``exact_match`` (each held-out conversation is asked without its last, assistant, turn
+  through the tokenizer's chat template exactly as the server asks it, and the greedy answer must equal that
+  turn, surrounding whitespace aside), or a user's ``module:function`` called with the model folder and the
+  conversations.
+
+Any model folder is scored the same way: the base, the new model, and the champion it must beat. A score is
+cached by (model files, dataset fingerprint, metric, examples), so the base and the champion are scored once
+per dataset and "before" costs nothing on the next run of the same data.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
 from ladle import storage
 from ladle.assets import ladle_home
+from ladle.config import EvalConfig
 from ladle.data.prepare import PreparedDataset
+from ladle.errors import LadleError
 
-EVAL_VERSION = "1"  # bump when a score for the same inputs would change
+EVAL_VERSION = "2"  # bump when a score for the same inputs would change
+LOSS_ROWS_PER_BATCH = 8
 
 
 class Score(BaseModel):
-    accuracy: float = Field(description="Share of held-out prompts answered exactly (0..1).")
-    correct: int
-    total: int
-    answers: list[str] = Field(description="The greedy answers, in sample order (the first few).")
+    values: dict[str, float] = Field(description="Metric name -> value (`loss`, and `eval.metric`).")
+    correct: int | None = Field(None, description="Exact answers (exact_match only).")
+    total: int = Field(0, description="Held-out conversations scored by the task metric.")
+    answers: list[str] = Field(default_factory=list, description="Greedy answers, in sample order (the first few).")
 
 
 class Evaluation(BaseModel):
-    metric: str = "exact_match"
-    examples: int = Field(description="Held-out conversations scored (0: none available, accuracy is null).")
-    accuracy_before: float | None = Field(description="The base model's exact match on the same prompts.")
-    accuracy_after: float | None = Field(description="The fine-tuned (merged) model's exact match.")
+    metric: str = Field("exact_match", description="The task metric (`eval.metric`).")
+    greater_is_better: bool = True
+    examples: int = Field(description="Held-out conversations scored (0: none available, the metric is null).")
+    eval_rows: int = Field(0, description="Packed eval rows the loss is summed over.")
+    base: dict[str, float] = Field(default_factory=dict, description="The base model's scores.")
+    model: dict[str, float] = Field(default_factory=dict, description="The fine-tuned (merged) model's scores.")
+    accuracy_before: float | None = Field(None, description="The base model's exact match on the same prompts.")
+    accuracy_after: float | None = Field(None, description="The fine-tuned (merged) model's exact match.")
     base_cached: bool = Field(False, description="The base score came from the cache (same base and data).")
     examples_shown: list[dict] = Field(
         default_factory=list, description="A few prompts with expected and given answers."
@@ -55,6 +71,17 @@ def prompt_of(messages: list[dict]) -> list[dict]:
     return messages[:-1]
 
 
+def load_model(model_dir: Path):
+    """``(model, tokenizer, device)``: bf16 on a GPU, float32 on CPU, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir), device
+
+
 def exact_match(model_dir: Path, samples: list[list[dict]], batch_size: int = 32, shown: int = 5) -> Score:
     """Greedy answers of the model in ``model_dir`` to each sample's prompt, scored against its last turn.
 
@@ -62,14 +89,10 @@ def exact_match(model_dir: Path, samples: list[list[dict]], batch_size: int = 32
     the longest reference in the batch: a longer answer cannot be exact anyway.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model, tokenizer, device = load_model(model_dir)
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     answers: list[str] = []
     for start in range(0, len(samples), batch_size):
         batch = samples[start : start + batch_size]
@@ -88,52 +111,123 @@ def exact_match(model_dir: Path, samples: list[list[dict]], batch_size: int = 32
         answers += [tokenizer.decode(row, skip_special_tokens=True) for row in new]
     correct = sum(answer.strip() == m[-1]["content"].strip() for answer, m in zip(answers, samples, strict=False))
     return Score(
-        accuracy=round(correct / max(1, len(samples)), 4), correct=correct, total=len(samples), answers=answers[:shown]
+        values={"exact_match": round(correct / max(1, len(samples)), 4)},
+        correct=correct,
+        total=len(samples),
+        answers=answers[:shown],
     )
 
 
-def base_key(base_dir: Path, prepared: PreparedDataset, examples: int) -> str:
-    """Identity of a base score: the base's config and weight files (names, sizes), the data, the count."""
-    digest = hashlib.sha256(f"ladle-eval/{EVAL_VERSION}/{prepared.fingerprint}/{examples}".encode())
-    digest.update((base_dir / "config.json").read_bytes())
-    for file in sorted(base_dir.glob("*.safetensors")) + sorted(base_dir.glob("*.bin")):
+def eval_loss(model_dir: Path, prepared: PreparedDataset) -> float | None:
+    """Token-weighted next-token loss of the model over every packed eval row; None without eval rows."""
+    import torch
+
+    from ladle.data.packing import read_rows
+    from ladle.train.loss import token_loss
+
+    shards = prepared.shards.get("eval", [])
+    if not shards:
+        return None
+    parts = [read_rows(storage.read_bytes(storage.join(prepared.url, shard))) for shard in shards]
+    data = {key: torch.tensor([v for part in parts for v in part[key]], dtype=torch.long) for key in parts[0]}
+    model, _, device = load_model(model_dir)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(data["input_ids"]), LOSS_ROWS_PER_BATCH):
+            rows = list(range(start, min(start + LOSS_ROWS_PER_BATCH, len(data["input_ids"]))))
+            loss, count = token_loss(model, data, rows, device)
+            total, tokens = total + float(loss), tokens + count
+    return round(total / max(tokens, 1), 6)
+
+
+def user_metric(entry_point: str) -> Callable[[Path, list[list[dict]]], float]:
+    """The function an ``eval.metric`` entry point names.
+
+    Raises:
+        LadleError: the module or function cannot be imported.
+    """
+    module_name, _, attr = entry_point.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise LadleError(
+            f"eval.metric = {entry_point!r}: cannot import it ({err}). Make `{module_name}` importable (installed, "
+            "or on PYTHONPATH) and define `{attr}(model_dir, conversations) -> float` in it."
+        ) from None
+    return fn
+
+
+def task_score(cfg: EvalConfig, model_dir: Path, samples: list[list[dict]]) -> Score:
+    """``eval.metric`` of ``model_dir`` on ``samples``.
+
+    Raises:
+        LadleError: a user metric that does not return a finite number.
+    """
+    if cfg.metric == "exact_match":
+        return exact_match(model_dir, samples, cfg.batch_size)
+    value = user_metric(cfg.metric)(model_dir, samples)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise LadleError(f"eval.metric = {cfg.metric!r}: returned {value!r}; it must return a finite number (a float).")
+    return Score(values={cfg.metric: float(value)}, total=len(samples))
+
+
+def model_key(model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, examples: int) -> str:
+    """Identity of a score: the model's config and weight files (names, sizes, times), the data, the metric."""
+    digest = hashlib.sha256(f"ladle-eval/{EVAL_VERSION}/{prepared.fingerprint}/{examples}/{cfg.metric}".encode())
+    digest.update((model_dir / "config.json").read_bytes())
+    for file in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
         digest.update(f"{file.name}:{file.stat().st_size}:{file.stat().st_mtime_ns}".encode())
     return digest.hexdigest()[:24]
 
 
-def base_score(
-    base_dir: Path, prepared: PreparedDataset, samples: list[list[dict]], batch_size: int
-) -> tuple[Score, bool]:
-    """The base model's score, from the cache when this base and data were scored before."""
-    cache = ladle_home() / "eval-cache" / f"{base_key(base_dir, prepared, len(samples))}.json"
-    if cache.is_file():
+def score(model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, cached: bool = True) -> tuple[Score, bool]:
+    """``(scores of model_dir on the held-out split, whether they came from the cache)``.
+
+    Scores: ``loss`` when there are eval rows, ``eval.metric`` when there are held-out conversations.
+    """
+    samples = load_samples(prepared, cfg.max_examples)
+    cache = ladle_home() / "eval-cache" / f"{model_key(model_dir, prepared, cfg, len(samples))}.json"
+    if cached and cache.is_file():
         return Score.model_validate_json(cache.read_text()), True
-    score = exact_match(base_dir, samples, batch_size)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_text(score.model_dump_json())
-    tmp.replace(cache)
-    return score, False
+    result = task_score(cfg, model_dir, samples) if samples else Score(values={})
+    loss = eval_loss(model_dir, prepared)
+    if loss is not None:
+        result.values["loss"] = loss
+    if cached:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{hashlib.sha1(str(model_dir).encode()).hexdigest()[:6]}.tmp")
+        tmp.write_text(result.model_dump_json())
+        tmp.replace(cache)
+    return result, False
 
 
-def evaluate(
-    base_dir: Path, model_dir: Path, prepared: PreparedDataset, max_examples: int, batch_size: int = 32
-) -> Evaluation:
-    """Exact match before (base) and after (``model_dir``) on up to ``max_examples`` held-out conversations."""
-    samples = load_samples(prepared, max_examples)
+def evaluate(base_dir: Path, model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig) -> Evaluation:
+    """The base's (cached) and the new model's scores on the same held-out split."""
+    samples = load_samples(prepared, cfg.max_examples)
+    before, cached = score(base_dir, prepared, cfg)
+    after, _ = score(model_dir, prepared, cfg, cached=False)
+    note = ""
     if not samples:
-        why = "eval.max_examples = 0" if max_examples <= 0 else "no held-out conversation (text data, or no eval split)"
-        return Evaluation(examples=0, accuracy_before=None, accuracy_after=None, note=f"accuracy not measured: {why}")
-    before, cached = base_score(base_dir, prepared, samples, batch_size)
-    after = exact_match(model_dir, samples, batch_size)
+        why = (
+            "eval.max_examples = 0"
+            if cfg.max_examples <= 0
+            else "no held-out conversation (text data, or no eval split)"
+        )
+        note = f"{cfg.metric} not measured: {why}"
     shown = [
         {"prompt": prompt_of(m)[-1]["content"], "expected": m[-1]["content"], "before": b, "after": a}
         for m, b, a in zip(samples, before.answers, after.answers, strict=False)
     ]
     return Evaluation(
+        metric=cfg.metric,
+        greater_is_better=cfg.higher_wins(),
         examples=len(samples),
-        accuracy_before=before.accuracy,
-        accuracy_after=after.accuracy,
+        eval_rows=prepared.eval_rows,
+        base=before.values,
+        model=after.values,
+        accuracy_before=before.values.get("exact_match"),
+        accuracy_after=after.values.get("exact_match"),
         base_cached=cached,
         examples_shown=shown,
+        note=note,
     )

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from ladle import storage
 from ladle.assets import ladle_home
 from ladle.config import LadleConfig, flatten
+from ladle.secrets import redact, redact_url
 
 PARAM_MAX = 6000
 
@@ -70,7 +71,7 @@ def start_run(
         tags["prefect.parent_flow_run_id"] = parent_flow_run_id
     run = mlflow.create_run(exp_id, tags=tags, run_name=run_name)
     link = f"{cfg.tracking.ui_url.rstrip('/')}/#/experiments/{exp_id}/runs/{run.info.run_id}"
-    tracking = Tracking(uri=uri, run_id=run.info.run_id, experiment_id=exp_id, ui_link=link)
+    tracking = Tracking(uri=uri, run_id=run.info.run_id, experiment_id=exp_id, ui_link=redact_url(link))
     log_params(tracking, flatten(cfg.model_dump(mode="json")), prefix="config.")
     log_text(tracking, "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return tracking
@@ -79,14 +80,14 @@ def start_run(
 def log_params(tracking: Tracking, params: dict[str, str], prefix: str = "") -> None:
     from mlflow.entities import Param
 
-    items = [Param(f"{prefix}{k}"[:250], str(v)[:PARAM_MAX]) for k, v in params.items()]
+    items = [Param(f"{prefix}{k}"[:250], redact(str(v))[:PARAM_MAX]) for k, v in params.items()]
     mlflow = client(tracking.uri)
     for start in range(0, len(items), 100):
         mlflow.log_batch(tracking.run_id, params=items[start : start + 100])
 
 
 def log_text(tracking: Tracking, name: str, text: str) -> None:
-    client(tracking.uri).log_text(tracking.run_id, text, name)
+    client(tracking.uri).log_text(tracking.run_id, redact(text), name)
 
 
 def log_json(tracking: Tracking, name: str, obj) -> None:
@@ -121,30 +122,28 @@ def log_loss_curve(tracking: Tracking, losses: list[float], eval_before: float, 
     log_bytes(tracking, "loss_curve.png", png.getvalue())
 
 
-def register_model(tracking: Tracking, name: str, source: str) -> str:
-    """Register ``source`` (the merged model's folder) as a new version of ``name``; returns the version."""
-    mlflow = client(tracking.uri)
-    try:
-        mlflow.get_registered_model(name)
-    except Exception:  # noqa: BLE001 - MLflow raises RestException subclasses for "not found"
-        mlflow.create_registered_model(name)
-    version = mlflow.create_model_version(name, source=source, run_id=tracking.run_id)
-    return str(version.version)
-
-
 def end_run(tracking: Tracking, ok: bool) -> None:
     client(tracking.uri).set_terminated(tracking.run_id, status="FINISHED" if ok else "FAILED")
 
 
 def log_evaluation(tracking: Tracking, result) -> None:
-    """Accuracy before/after as metrics, and the scored examples as ``evaluation.json``."""
+    """Every score of the base (``*_before``) and the new model (``*_after``) as metrics, plus the examples."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    metrics = [
-        Metric("eval_accuracy_before", result.accuracy_before, now, 0),
-        Metric("eval_accuracy_after", result.accuracy_after, now, 0),
-        Metric("eval_examples", result.examples, now, 0),
-    ]
-    client(tracking.uri).log_batch(tracking.run_id, metrics=metrics)
+    metrics = [Metric(f"eval_{metric_key(name)}_before", value, now, 0) for name, value in result.base.items()]
+    metrics += [Metric(f"eval_{metric_key(name)}_after", value, now, 0) for name, value in result.model.items()]
+    if result.accuracy_before is not None:  # exact match is also reported under its historical name
+        metrics += [
+            Metric("eval_accuracy_before", result.accuracy_before, now, 0),
+            Metric("eval_accuracy_after", result.accuracy_after, now, 0),
+        ]
+    metrics.append(Metric("eval_examples", result.examples, now, 0))
+    mlflow = client(tracking.uri)
+    mlflow.log_batch(tracking.run_id, metrics=metrics)
     log_json(tracking, "evaluation.json", result.model_dump())
+
+
+def metric_key(name: str) -> str:
+    """A metric's name as MLflow accepts it: a user metric's ``module:function`` becomes ``module.function``."""
+    return "".join(c if c.isalnum() or c in "_-./ " else "." for c in name)

@@ -1,4 +1,4 @@
-"""Prefect task: exact-match accuracy of the merged model (and the base, cached) on held-out prompts."""
+"""Prefect task: the merged model's (and the cached base's) scores on the held-out split."""
 
 from __future__ import annotations
 
@@ -17,20 +17,20 @@ from ladle.tracking import Tracking, log_evaluation
 
 @task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
 def evaluate_task(cfg: LadleConfig, merged: MergedModel, prepared: PreparedDataset, tracking: Tracking) -> Evaluation:
-    result = evaluate(
-        resolve_base(cfg.base), local_model_dir(merged), prepared, cfg.eval.max_examples, cfg.eval.batch_size
-    )
+    result = evaluate(resolve_base(cfg.base), local_model_dir(merged), prepared, cfg.eval)
     logger = get_run_logger()
-    if result.examples == 0:
+    if result.note:
         logger.info(result.note)
-        return result
-    logger.info(
-        "exact match on %d held-out prompts: %.1f%% before (base%s) -> %.1f%% after",
-        result.examples,
-        100 * result.accuracy_before,
-        ", cached" if result.base_cached else "",
-        100 * result.accuracy_after,
-    )
+    for name in result.model:
+        logger.info(
+            "%s on the held-out split (%d conversations, %d eval rows): %.4g before (base%s) -> %.4g after",
+            name,
+            result.examples,
+            result.eval_rows,
+            result.base.get(name, float("nan")),
+            ", cached" if result.base_cached else "",
+            result.model[name],
+        )
     log_evaluation(tracking, result)
     if result.examples_shown:
         create_table_artifact(

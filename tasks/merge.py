@@ -1,4 +1,4 @@
-"""Prefect task: merge the LoRA adapter into a standalone model and register it."""
+"""Prefect task: merge the LoRA adapter into a standalone model (registered later, by the promote task)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,12 @@ from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.merge import MergedModel, merge
 from ladle.tasks.policy import retry_unless_user_error
-from ladle.tracking import Tracking, register_model
+from ladle.tracking import Tracking
 from ladle.train.spec import TrainResult
 
 
 @task(name="merge-lora", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
 def merge_task(cfg: LadleConfig, result: TrainResult, run_url: str, tracking: Tracking) -> MergedModel:
     merged = merge(resolve_base(cfg.base), result, run_url)
-    version = register_model(tracking, cfg.tracking.registered_model or cfg.name, merged.url)
-    get_run_logger().info(
-        "merged model at %s registered as %s v%s", merged.url, cfg.tracking.registered_model or cfg.name, version
-    )
+    get_run_logger().info("merged model at %s (%d parameters)", merged.url, merged.parameters)
     return merged

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typer
 from rich.table import Table
 
 from ladle.cli.common import CONFIG, DEEPSPEED, GPUS, JSON, SET, command, console, load, print_json
@@ -26,9 +27,20 @@ def run(
     gpus: str | None = GPUS,
     deepspeed: str | None = DEEPSPEED,
     set_: list[str] = SET,
+    run_id: str | None = typer.Option(
+        None,
+        "--run-id",
+        help="Name of the run's folder. Run again with the same id after a crash or a cancel to resume from its "
+        "last complete checkpoint.",
+    ),
+    skip_if_unchanged: bool = typer.Option(
+        False,
+        "--skip-if-data-unchanged",
+        help="End at once, as 'skipped', when the champion was trained on data with the same fingerprint.",
+    ),
     as_json: bool = JSON,
 ) -> None:
-    """Run probe -> plan -> prepare -> train -> merge -> evaluate -> deploy."""
+    """Run probe -> plan -> prepare -> train -> merge -> evaluate -> deploy -> promote."""
     from ladle.assets import ladle_home
     from ladle.flows.api import PrefectApi
 
@@ -43,7 +55,13 @@ def run(
 
         install_log_filter()
         with api.session():
-            state = finetune(cfg, config_ref=config, return_state=True)
+            state = finetune(
+                cfg,
+                config_ref=config,
+                run_id=run_id,
+                skip_if_data_unchanged=skip_if_unchanged,
+                return_state=True,
+            )
     except LadleError as err:
         raise err.add_details(**api.timings()) from None
     finally:
@@ -57,6 +75,9 @@ def run(
     summary = {**state.result(), **api.timings()}
     if as_json:
         print_json(summary)
+        return
+    if summary["status"] == "skipped":
+        console.print(summary["reason"], highlight=False)
         return
     show_summary(summary)
 
@@ -90,6 +111,7 @@ def show_summary(summary: dict) -> None:
         "answer",
         "expected",
         "answer_correct",
+        "promotion",
     )
     for key in keys:
         value = summary[key]

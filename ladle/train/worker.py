@@ -21,16 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 
 from ladle import storage, strategies
-from ladle.data.packing import read_rows
+from ladle.data.packing import IGNORE, read_rows
 from ladle.strategies.base import inner
 from ladle.train import checkpoint, schedule
+from ladle.train.loss import token_loss
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
-
-IGNORE = -100
 
 
 def emit(accelerator: Accelerator, event: str, **fields) -> None:
@@ -98,21 +96,6 @@ def load_split(spec: TrainSpec, name: str) -> dict[str, torch.Tensor]:
         read_rows(storage.read_bytes(storage.join(spec.dataset.url, shard))) for shard in spec.dataset.shards[name]
     ]
     return {key: torch.tensor([v for part in parts for v in part[key]], dtype=torch.long) for key in parts[0]}
-
-
-def token_loss(model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy over trained tokens of ``rows``, and their count."""
-    index = torch.tensor(rows, dtype=torch.long)
-    ids = data["input_ids"][index].to(device)
-    labels = data["labels"][index].to(device)
-    positions = data["position_ids"][index].to(device)
-    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-    targets = labels[:, 1:]
-    # Upcast: the loss over the vocabulary is computed in float32 whatever the model dtype.
-    loss = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
-    )
-    return loss, int((targets != IGNORE).sum())
 
 
 def trained_tokens(data: dict[str, torch.Tensor], rows: list[int]) -> int:

@@ -82,7 +82,7 @@ def test_packed_loss_equals_token_weighted_loss_of_sequences(tiny_model, tokeniz
     """No attention across packed sequences: a packed row's loss is its sequences' loss, token-weighted."""
     from transformers import AutoModelForCausalLM
 
-    from ladle.train.worker import token_loss
+    from ladle.train.loss import token_loss
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     convs = [

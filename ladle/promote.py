@@ -1,0 +1,214 @@
+"""The model registry's lifecycle: register, gate, promote, roll back; MLflow aliases, not stages.
+
+A merged model is registered only after it was evaluated and answered its smoke request, with alias
+``challenger``. It becomes ``champion`` only when it beats the current champion (or, with none, the base
+model) on the same held-out set by more than ``promote.min_improvement`` on the gate metric. Every decision,
+its numbers and its reason are tags on the version. The registered model keeps the order in which versions
+were champion (tag ``ladle.champion_history``), so a rollback knows "the previous champion".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from pydantic import BaseModel, Field
+
+from ladle.errors import LadleError
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+HISTORY_TAG = "ladle.champion_history"
+
+
+class Version(BaseModel):
+    name: str
+    version: str
+    source: str = Field(description="Where the model's files are (the merged model's folder).")
+    aliases: list[str] = Field(default_factory=list)
+    tags: dict[str, str] = Field(default_factory=dict)
+    run_id: str | None = None
+    created_ms: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            k.removeprefix("ladle.metric."): float(v) for k, v in self.tags.items() if k.startswith("ladle.metric.")
+        }
+
+
+class Decision(BaseModel):
+    promoted: bool
+    metric: str
+    greater_is_better: bool
+    candidate: float | None = Field(description="The new model's score.")
+    reference: float | None = Field(description="The score it had to beat.")
+    against: str = Field(description="What it was compared with: `champion vN` or `base model`.")
+    min_improvement: float
+    improvement: float | None = Field(description="How much better the new model is (positive: better).")
+    reason: str
+
+
+def decide(
+    metric: str,
+    greater_is_better: bool,
+    candidate: float | None,
+    reference: float | None,
+    against: str,
+    min_improvement: float,
+) -> Decision:
+    """Promote when ``candidate`` beats ``reference`` by more than ``min_improvement`` in the metric's direction."""
+    fields = {
+        "metric": metric,
+        "greater_is_better": greater_is_better,
+        "candidate": candidate,
+        "reference": reference,
+        "against": against,
+        "min_improvement": min_improvement,
+    }
+    if candidate is None or reference is None:
+        missing = "the new model" if candidate is None else against
+        reason = (
+            f"not promoted: {metric} was not measured for {missing} (no held-out conversations or eval rows); "
+            "give the data an eval split, or gate on another metric (promote.metric)"
+        )
+        return Decision(promoted=False, improvement=None, reason=reason, **fields)
+    improvement = candidate - reference if greater_is_better else reference - candidate
+    better = "higher" if greater_is_better else "lower"
+    numbers = f"{metric} {candidate:.4g} vs {against} {reference:.4g} ({better} is better; change {improvement:+.4g}"
+    if improvement > min_improvement:
+        return Decision(
+            promoted=True,
+            improvement=improvement,
+            reason=f"promoted: {numbers}, needed > {min_improvement:g})",
+            **fields,
+        )
+    return Decision(
+        promoted=False,
+        improvement=improvement,
+        reason=f"not promoted: {numbers}, needed > {min_improvement:g})",
+        **fields,
+    )
+
+
+def client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def as_version(mv) -> Version:
+    return Version(
+        name=mv.name,
+        version=str(mv.version),
+        source=mv.source,
+        aliases=list(mv.aliases or []),
+        tags=dict(mv.tags or {}),
+        run_id=mv.run_id,
+        created_ms=int(mv.creation_timestamp or 0),
+    )
+
+
+def register(uri: str, name: str, source: str, run_id: str | None, tags: dict[str, str]) -> Version:
+    """A new version of ``name`` (created if needed) with ``tags``, aliased ``challenger``."""
+    mlflow = client(uri)
+    try:
+        mlflow.get_registered_model(name)
+    except Exception:  # noqa: BLE001 - MLflow raises RestException subclasses for "not found"
+        mlflow.create_registered_model(name, description="Fine-tuned by ladle; alias `champion` is the one served.")
+    mv = mlflow.create_model_version(name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
+    mlflow.set_registered_model_alias(name, CHALLENGER, str(mv.version))
+    return get_version(uri, name, str(mv.version))
+
+
+def get_version(uri: str, name: str, version: str) -> Version:
+    """Raises: LadleError: no such model or version."""
+    try:
+        return as_version(client(uri).get_model_version(name, str(version)))
+    except Exception:  # noqa: BLE001 - MLflow's "not found" is a RestException
+        known = ", ".join(v.version for v in versions(uri, name)) or "none"
+        raise LadleError(f"VERSION = {version!r}: model {name!r} has no such version (versions: {known}).") from None
+
+
+def champion(uri: str, name: str) -> Version | None:
+    """The version aliased ``champion``, or None (no such model, or nothing promoted yet)."""
+    try:
+        return as_version(client(uri).get_model_version_by_alias(name, CHAMPION))
+    except Exception:  # noqa: BLE001 - "not found" for both a missing model and a missing alias
+        return None
+
+
+def versions(uri: str, name: str) -> list[Version]:
+    """Every version of ``name``, newest first (empty when the model does not exist)."""
+    found = client(uri).search_model_versions(f"name = '{name}'")
+    return sorted((as_version(mv) for mv in found), key=lambda v: int(v.version), reverse=True)
+
+
+def history(uri: str, name: str) -> list[str]:
+    """Versions in the order they became champion (the last is the current one)."""
+    tags = client(uri).get_registered_model(name).tags or {}
+    return json.loads(tags.get(HISTORY_TAG, "[]"))
+
+
+def set_champion(uri: str, name: str, version: str, reason: str, history_: list[str]) -> None:
+    mlflow = client(uri)
+    mlflow.set_registered_model_alias(name, CHAMPION, version)
+    mlflow.set_registered_model_tag(name, HISTORY_TAG, json.dumps(history_[-100:]))
+    mlflow.set_model_version_tag(name, version, "ladle.champion_since", str(int(time.time())))
+    mlflow.set_model_version_tag(name, version, "ladle.champion_reason", reason[:4000])
+
+
+def promote(uri: str, name: str, version: str, reason: str) -> None:
+    """Point ``champion`` at ``version`` and append it to the history."""
+    set_champion(uri, name, version, reason, [*history(uri, name), version])
+
+
+def tag_decision(uri: str, name: str, version: str, decision: Decision) -> None:
+    mlflow = client(uri)
+    tags = {
+        "ladle.promotion": "promoted" if decision.promoted else "not promoted",
+        "ladle.promotion.reason": decision.reason,
+        "ladle.promotion.against": decision.against,
+        "ladle.promotion.metric": decision.metric,
+        "ladle.promotion.reference": "" if decision.reference is None else repr(decision.reference),
+        "ladle.promotion.min_improvement": repr(decision.min_improvement),
+    }
+    for key, value in tags.items():
+        mlflow.set_model_version_tag(name, version, key, value[:4000])
+
+
+def rollback(uri: str, name: str, to: str | None = None) -> tuple[str | None, str]:
+    """Re-point ``champion``: to ``to``, or to the champion before the current one.
+
+    Returns:
+        ``(previous champion version or None, new champion version)``.
+
+    Raises:
+        LadleError: no such model or version, or no previous champion to go back to.
+    """
+    if not versions(uri, name):
+        raise LadleError(f"NAME = {name!r}: no registered model of that name at {redact_uri(uri)}.")
+    current = champion(uri, name)
+    past = history(uri, name)
+    if to is not None:
+        get_version(uri, name, to)  # exists
+        target, new_history = str(to), [*past, str(to)]
+    else:
+        trail = list(past)
+        while trail and current is not None and trail[-1] == current.version:
+            trail.pop()  # the current champion's own entries
+        if not trail:
+            raise LadleError(
+                f"NAME = {name!r}: no previous champion to roll back to (champion history: {past or 'empty'}). "
+                "Name one with --to VERSION."
+            )
+        target, new_history = trail[-1], trail
+    if current is not None and current.version == target:
+        raise LadleError(f"--to {target}: version {target} is already the champion of {name!r}.")
+    set_champion(uri, name, target, f"rollback from v{current.version if current else '-'}", new_history)
+    return (current.version if current else None), target
+
+
+def redact_uri(uri: str) -> str:
+    from ladle.secrets import redact_url
+
+    return redact_url(uri)

@@ -1,0 +1,24 @@
+"""The one loss: summed next-token cross-entropy over trained tokens, used by training, its eval and the
+evaluate stage (so ``loss`` means the same number everywhere)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ladle.data.packing import IGNORE
+
+
+def token_loss(model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over trained tokens of ``rows``, and their count."""
+    index = torch.tensor(rows, dtype=torch.long)
+    ids = data["input_ids"][index].to(device)
+    labels = data["labels"][index].to(device)
+    positions = data["position_ids"][index].to(device)
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    targets = labels[:, 1:]
+    # Upcast: the loss over the vocabulary is computed in float32 whatever the model dtype.
+    loss = F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
+    return loss, int((targets != IGNORE).sum())

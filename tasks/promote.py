@@ -1,0 +1,123 @@
+"""Prefect task: register the evaluated, smoke-tested model as ``challenger`` and gate it to ``champion``."""
+
+from __future__ import annotations
+
+import json
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from ladle import promote
+from ladle.config import LadleConfig
+from ladle.data.prepare import PreparedDataset
+from ladle.evaluate import Evaluation, score
+from ladle.events import emit_promoted
+from ladle.merge import MergedModel
+from ladle.plan import Plan
+from ladle.serve.deploy import Endpoint, local_model_dir
+from ladle.tasks.policy import retry_unless_user_error
+from ladle.tracking import Tracking, client, metric_key
+from ladle.train.spec import TrainResult
+
+
+def reference_score(
+    cfg: LadleConfig, prepared: PreparedDataset, evaluation: Evaluation, current: promote.Version | None
+) -> tuple[float | None, str]:
+    """What the new model must beat, on the same held-out set: the champion's score, or the base's."""
+    metric = cfg.gate_metric()
+    if current is None:
+        return evaluation.base.get(metric), "base model"
+    sha = current.tags.get("ladle.model_sha256", "")
+    model_dir = local_model_dir(MergedModel(url=current.source, sha256=sha or current.version, parameters=0))
+    scores, _ = score(model_dir, prepared, cfg.eval)  # cached per (champion files, data)
+    return scores.values.get(metric), f"champion v{current.version}"
+
+
+def lineage_tags(
+    cfg: LadleConfig,
+    merged: MergedModel,
+    prepared: PreparedDataset,
+    evaluation: Evaluation,
+    result: TrainResult,
+    plan: Plan,
+    flow_run_id: str,
+) -> dict[str, str]:
+    """What produced this version: the flow run, the data, the plan, the scores."""
+    tags = {
+        "ladle.flow_run_id": flow_run_id,
+        "ladle.config_name": cfg.name,
+        "ladle.data_fingerprint": prepared.fingerprint,
+        "ladle.data_path": cfg.data.path,
+        "ladle.model_sha256": merged.sha256,
+        "ladle.base": cfg.base,
+        "ladle.strategy": plan.strategy,
+        "ladle.world_size": str(plan.world_size),
+        "ladle.plan": json.dumps(
+            {"strategy": plan.strategy, "world_size": plan.world_size, "global_batch": plan.global_batch_size}
+        ),
+        "ladle.steps": str(result.steps),
+        "ladle.eval_metric": cfg.eval.metric,
+    }
+    tags.update({f"ladle.metric.{metric_key(k)}": repr(v) for k, v in evaluation.model.items()})
+    tags.update({f"ladle.base_metric.{metric_key(k)}": repr(v) for k, v in evaluation.base.items()})
+    return tags
+
+
+@task(name="promote", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
+def promote_task(
+    cfg: LadleConfig,
+    merged: MergedModel,
+    prepared: PreparedDataset,
+    evaluation: Evaluation,
+    endpoint: Endpoint,
+    result: TrainResult,
+    plan: Plan,
+    tracking: Tracking,
+    flow_run_id: str,
+) -> promote.Decision:
+    """Register (alias ``challenger``), compare with the champion on the same data, promote or not."""
+    logger = get_run_logger()
+    name = cfg.tracking.registered_model or cfg.name
+    tags = lineage_tags(cfg, merged, prepared, evaluation, result, plan, flow_run_id)
+    tags["ladle.smoke_answer_correct"] = str(endpoint.answer_correct)
+    current = promote.champion(tracking.uri, name)
+    version = promote.register(tracking.uri, name, merged.url, tracking.run_id, tags)
+    metric = cfg.gate_metric()
+    reference, against = reference_score(cfg, prepared, evaluation, current)
+    higher = cfg.eval.higher_wins() if metric == cfg.eval.metric else False
+    decision = promote.decide(
+        metric, higher, evaluation.model.get(metric), reference, against, cfg.promote.min_improvement
+    )
+    promote.tag_decision(tracking.uri, name, version.version, decision)
+    if decision.promoted:
+        promote.promote(tracking.uri, name, version.version, decision.reason)
+    mlflow = client(tracking.uri)
+    mlflow.set_tag(tracking.run_id, "ladle.promotion", decision.reason)
+    mlflow.set_tag(tracking.run_id, "ladle.registered_version", version.version)
+    logger.info("%s v%s: %s", name, version.version, decision.reason)
+    create_markdown_artifact(key="promotion", markdown=decision_markdown(name, version.version, decision))
+    if decision.promoted:
+        emit_promoted(name, version.version, decision.reason, previous=current.version if current else None)
+    return decision
+
+
+def decision_markdown(name: str, version: str, decision: promote.Decision) -> str:
+    def fmt(value):
+        return "-" if value is None else f"{value:.6g}"
+
+    verdict = "**promoted** to `champion`" if decision.promoted else "**not promoted** (`champion` unchanged)"
+    return "\n".join(
+        [
+            f"# {name} v{version}: {verdict}",
+            "",
+            "| | value |",
+            "| --- | --- |",
+            f"| metric | `{decision.metric}` ({'higher' if decision.greater_is_better else 'lower'} is better) |",
+            f"| new model (v{version}) | {fmt(decision.candidate)} |",
+            f"| {decision.against} | {fmt(decision.reference)} |",
+            f"| improvement | {fmt(decision.improvement)} |",
+            f"| needed | > {decision.min_improvement:g} |",
+            "",
+            decision.reason,
+        ]
+    )
