@@ -139,8 +139,13 @@ def champion(uri: str, name: str) -> Version | None:
 
 def versions(uri: str, name: str) -> list[Version]:
     """Every version of ``name``, newest first (empty when the model does not exist)."""
-    found = client(uri).search_model_versions(f"name = '{name}'")
-    return sorted((as_version(mv) for mv in found), key=lambda v: int(v.version), reverse=True)
+    mlflow = client(uri)
+    found = [as_version(mv) for mv in mlflow.search_model_versions(f"name = '{name}'")]
+    if found:  # search results carry no aliases on every store: take them from the registered model
+        aliases = mlflow.get_registered_model(name).aliases or {}
+        for v in found:
+            v.aliases = sorted(alias for alias, number in aliases.items() if str(number) == v.version)
+    return sorted(found, key=lambda v: int(v.version), reverse=True)
 
 
 def history(uri: str, name: str) -> list[str]:

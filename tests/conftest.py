@@ -30,13 +30,22 @@ def pytest_sessionfinish(session, exitstatus):
 
     left = psutil.Process().children(recursive=True)
     if left:
-        names = "; ".join(f"{p.pid}: {' '.join(p.cmdline())[:160]}" for p in left if p.is_running())
+        names = "; ".join(f"{p.pid}: {describe(p)}" for p in left)
         print(f"\nprocesses left running by the suite (killed): {names}", file=sys.stderr)
         for proc in left:
             proc.kill()
         psutil.wait_procs(left, timeout=10)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     shutil.rmtree(_SESSION, ignore_errors=True)
+
+
+def describe(proc) -> str:
+    import psutil
+
+    try:
+        return " ".join(proc.cmdline())[:160]
+    except psutil.Error as exc:  # a zombie nobody reaped is a leak too
+        return f"({exc.__class__.__name__})"
 
 
 @pytest.fixture(autouse=True)

@@ -227,19 +227,11 @@ def start_server(model_dir, log_path: Path, name: str = "tiny", **serve):
     """
     from ladle.config import ServeConfig
     from ladle.processes import free_port
-    from ladle.serve.deploy import server_argv, wait_healthy
+    from ladle.serve import deploy
 
-    port = free_port()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            server_argv(Path(model_dir), name, ServeConfig(**serve), port),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
+    proc, url, _ = deploy.start_server(Path(model_dir), name, ServeConfig(**serve), free_port(), Path(log_path))
     try:
-        wait_healthy(proc, url, 120, Path(log_path))
+        deploy.wait_healthy(proc, url, 120, Path(log_path))
     except BaseException:
         proc.kill()
         raise

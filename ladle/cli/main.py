@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ladle.cli import data, recipes, servers
+from ladle.cli import data, model, recipes, servers
 from ladle.cli.env import env
 from ladle.cli.launch import launch
 from ladle.cli.plan import plan
@@ -26,6 +26,7 @@ for handler in (run, plan, probe, launch, schema, env, serve):
 app.add_typer(data.app, name="data")
 app.add_typer(recipes.app, name="recipes")
 app.add_typer(servers.app, name="servers")
+app.add_typer(model.app, name="model")
 
 if __name__ == "__main__":
     app()

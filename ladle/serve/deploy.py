@@ -111,6 +111,26 @@ def smoke_conversation(cfg: ServeConfig, held_out: list[list[dict]]) -> tuple[li
     return held_out[0][:-1], held_out[0][-1]["content"]
 
 
+def start_server(
+    model_dir: Path, name: str, cfg: ServeConfig, port: int, log_path: Path | None = None
+) -> tuple[subprocess.Popen, str, Path]:
+    """Start ``python -m ladle.serve`` in its own session; returns ``(process, URL, log file)`` at once."""
+    url = f"http://{cfg.host}:{port}"
+    # A server that outlives this process must not write into a pipe nobody reads.
+    log_path = log_path or ladle_home() / "served" / f"{name}-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            server_argv(model_dir, name, cfg, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+            start_new_session=True,  # its own process group: whatever it spawns (MII's servers) stops with it
+        )
+    return proc, url, log_path
+
+
 def deploy(merged: MergedModel, cfg: ServeConfig, name: str, held_out: list[list[dict]] | None = None) -> Endpoint:
     """Serve ``merged``, check it answers, and stop it unless ``cfg.keep_running``.
 
@@ -122,21 +142,7 @@ def deploy(merged: MergedModel, cfg: ServeConfig, name: str, held_out: list[list
         DeployFailed: the server did not become healthy or the smoke request failed.
     """
     backends.get(cfg.backend).check_host()
-    model_dir = local_model_dir(merged)
-    port = cfg.port or free_port()
-    url = f"http://{cfg.host}:{port}"
-    # A server that outlives this process must not write into a pipe nobody reads.
-    log_path = ladle_home() / "served" / f"{name}-{port}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            server_argv(model_dir, name, cfg, port),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-            start_new_session=True,  # its own process group: whatever it spawns (MII's servers) stops with it
-        )
+    proc, url, log_path = start_server(local_model_dir(merged), name, cfg, cfg.port or free_port())
     messages, expected = smoke_conversation(cfg, held_out or [])
     try:
         wait_healthy(proc, url, cfg.health_timeout_s, log_path)

@@ -1,0 +1,170 @@
+"""``ladle model list|rollback|serve|status|stop``: the registered model's versions, aliases and serving."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import typer
+from rich.table import Table
+
+from ladle.cli.common import JSON, SET, command, console, load, print_json
+from ladle.errors import LadleError
+
+app = typer.Typer(
+    help="Registered models: versions and their metrics, the `champion` alias, rollback, and serving the champion.",
+    no_args_is_help=True,
+)
+NAME = typer.Argument(..., help="Registered model name (the config's tracking.registered_model, or its name).")
+URI = typer.Option(
+    None,
+    "--tracking-uri",
+    help="MLflow tracking URI. Default: --config's store, else $MLFLOW_TRACKING_URI.",
+)
+CONFIG_OPT = typer.Option(None, "--config", "-c", help="A config or recipe whose MLflow store to use.")
+
+
+def tracking_uri(uri: str | None, config: str | None) -> str:
+    """Raises: LadleError: no way to find the MLflow store."""
+    if uri:
+        return uri
+    if config:
+        from ladle import tracking
+
+        return tracking.tracking_uri(load(config, [], None, None))[0]
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    raise LadleError(
+        "--tracking-uri: no MLflow store named. Pass --tracking-uri URI, --config CONFIG (its store), "
+        "or set MLFLOW_TRACKING_URI."
+    )
+
+
+@app.command("list")
+@command
+def list_(name: str = NAME, uri: str | None = URI, config: str | None = CONFIG_OPT, as_json: bool = JSON) -> None:
+    """Every version, newest first: aliases, the gate metric, the decision, the data it was trained on."""
+    from ladle import promote
+
+    store = tracking_uri(uri, config)
+    found = promote.versions(store, name)
+    if not found:
+        raise LadleError(f"NAME = {name!r}: no registered model of that name at {promote.redact_uri(store)}.")
+    rows = [
+        {
+            "version": v.version,
+            "aliases": v.aliases,
+            "metrics": v.metrics(),
+            "promotion": v.tags.get("ladle.promotion.reason", ""),
+            "data_fingerprint": v.tags.get("ladle.data_fingerprint"),
+            "flow_run_id": v.tags.get("ladle.flow_run_id"),
+            "created": datetime.datetime.fromtimestamp(v.created_ms / 1000, datetime.UTC).isoformat(timespec="seconds"),
+            "source": v.source,
+        }
+        for v in found
+    ]
+    if as_json:
+        print_json({"model": name, "champion_history": promote.history(store, name), "versions": rows})
+        return
+    table = Table(title=f"{name}")
+    for column in ("version", "aliases", "metrics", "decision", "data", "created"):
+        table.add_column(column)
+    for row in rows:
+        metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(row["metrics"].items()))
+        table.add_row(
+            row["version"],
+            ", ".join(row["aliases"]),
+            metrics,
+            row["promotion"],
+            (row["data_fingerprint"] or "")[:12],
+            row["created"],
+        )
+    console.print(table)
+
+
+@app.command("rollback")
+@command
+def rollback(
+    name: str = NAME,
+    to: str | None = typer.Option(None, "--to", help="Version to make champion. Default: the previous champion."),
+    uri: str | None = URI,
+    config: str | None = CONFIG_OPT,
+    as_json: bool = JSON,
+) -> None:
+    """Re-point `champion` (default: to the previous champion) and announce it, so serving swaps back."""
+    from ladle import promote
+
+    store = tracking_uri(uri, config)
+    before, after = promote.rollback(store, name, to)
+    event = announce(name, after, f"rollback from v{before}")
+    result = {"model": name, "from": before, "to": after, "event_id": event}
+    if as_json:
+        print_json(result)
+        return
+    console.print(f"{name}: champion v{before} -> v{after}", highlight=False)
+    if event is None:
+        console.print(
+            "no Prefect API is configured (PREFECT_API_URL), so no serving deployment heard it; "
+            f"run `ladle model serve CONFIG` to swap the local front to v{after}.",
+            highlight=False,
+        )
+
+
+def announce(name: str, version: str, reason: str) -> str | None:
+    """Emit ``ladle.model.promoted`` to the configured Prefect API; None when there is none."""
+    if not os.environ.get("PREFECT_API_URL"):
+        return None
+    from ladle.events import emit_promoted
+
+    return emit_promoted(name, version, reason)
+
+
+@app.command("serve")
+@command
+def serve(
+    config: str = typer.Argument(..., help="The config or recipe whose registered model and serve.* to use."),
+    set_: list[str] = SET,
+    as_json: bool = JSON,
+) -> None:
+    """Serve the champion on serve.front_port, or swap the front to it: start, check, switch, drain the old."""
+    from ladle import tracking
+    from ladle.serve import champion
+
+    cfg = load(config, set_, None, None)
+    uri, _ = tracking.tracking_uri(cfg)
+    served = champion.reconcile(uri, cfg.tracking.registered_model or cfg.name, cfg.serve)
+    if as_json:
+        print_json(served.model_dump())
+        return
+    console.print(served.message(), highlight=False)
+
+
+@app.command("status")
+@command
+def status(name: str = NAME, as_json: bool = JSON) -> None:
+    """The front of NAME on this machine: its address and the version behind it."""
+    from ladle.serve import champion, router
+
+    front = router.read_record(name)
+    if front is None:
+        raise LadleError(f"NAME = {name!r}: no front is serving it on this machine. Start one: `ladle model serve`.")
+    upstream = champion.current_upstream(front)
+    result = {"model": name, "front_url": front["url"], "front_pid": front["pid"], "upstream": upstream}
+    if as_json:
+        print_json(result)
+        return
+    behind = f"v{upstream['version']} at {upstream['url']} (pid {upstream['pid']})" if upstream else "nothing yet"
+    console.print(f"{name}: {front['url']} -> {behind}", highlight=False)
+
+
+@app.command("stop")
+@command
+def stop(name: str = NAME, as_json: bool = JSON) -> None:
+    """Drain and stop NAME's front and the server behind it."""
+    from ladle.serve import champion
+
+    result = champion.stop(name)
+    if as_json:
+        print_json(result)
+        return
+    console.print(f"stopped {name}: front {result['front']}, server pid {result['server_pid']}", highlight=False)

@@ -1,0 +1,237 @@
+"""Serve a registered model's ``champion`` behind ladle's front, and swap versions without failing a request.
+
+``reconcile`` makes what is served equal to what the registry says:
+
+1. the front (``ladle.serve.router``) for the model runs on ``serve.front_port`` (started when missing);
+2. if the front already serves the champion's version from a live server, nothing happens;
+3. otherwise the champion's model starts on a new port, must become ready and answer a smoke request
+   (a version that does not never takes traffic: it is stopped and the old one keeps serving);
+4. the front switches new requests to it and waits until the old server has none in flight;
+5. the old server is drained (SIGTERM: in-flight requests finish) and stopped.
+
+Servers and the front run in their own sessions with run records, so they outlive the process (a Prefect
+flow run, ``ladle model serve``) that started them; ``ladle model stop`` ends them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+from pydantic import BaseModel, Field
+
+from ladle import promote
+from ladle.assets import ladle_home
+from ladle.config import ServeConfig
+from ladle.errors import LadleError
+from ladle.merge import MergedModel
+from ladle.processes import free_port, stop_process
+from ladle.serve import backends, router
+from ladle.serve.deploy import DEFAULT_SMOKE, DeployFailed, local_model_dir, smoke, start_server, wait_healthy
+
+
+class Serving(BaseModel):
+    model: str
+    version: str = Field(description="The version now serving behind the front.")
+    previous_version: str | None = Field(None, description="The version it replaced (None: nothing served before).")
+    action: str = Field(description="`started` (first version), `swapped`, or `unchanged`.")
+    front_url: str = Field(description="The stable address clients use.")
+    server_url: str
+    server_pid: int
+    drained: bool = Field(True, description="The old server had no request in flight when it was stopped.")
+    seconds: float = Field(description="From the start of the reconcile to the new version taking traffic.")
+
+    def message(self) -> str:
+        if self.action == "unchanged":
+            return f"{self.model} v{self.version} already serving at {self.front_url}"
+        was = f" (was v{self.previous_version})" if self.previous_version else ""
+        return f"{self.model} v{self.version} serving at {self.front_url}{was}, {self.action} in {self.seconds:.1f} s"
+
+
+class SwapFailed(LadleError):
+    """The new version did not start or answer; the old one keeps serving."""
+
+
+def admin_headers(record: dict) -> dict:
+    return {router.ADMIN_HEADER: record["token"]}
+
+
+def ensure_front(name: str, cfg: ServeConfig, timeout_s: float = 60.0) -> dict:
+    """The live front of ``name`` (started on ``serve.front_port`` when there is none); its run record.
+
+    Raises:
+        LadleError: the port is taken by something else, or the front did not come up.
+    """
+    record = router.read_record(name)
+    if record is not None:
+        return record
+    url = f"http://{cfg.host}:{cfg.front_port}"
+    log_path = ladle_home() / "served" / f"{name}-front-{cfg.front_port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "ladle.serve.router", "--name", name, "--host", cfg.host]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [*argv, "--port", str(cfg.front_port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-600:]
+            raise LadleError(
+                f"serve.front_port = {cfg.front_port}: ladle's front for {name!r} could not start there ({tail.strip()}). "
+                "Free the port or set serve.front_port to another one."
+            )
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200 and (record := router.read_record(name)):
+                return record
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop_process(proc, grace_s=5, group=True)
+    raise LadleError(f"serve.front_port = {cfg.front_port}: the front did not answer within {timeout_s:.0f} s.")
+
+
+def current_upstream(record: dict) -> dict | None:
+    answer = httpx.get(record["url"] + "/ladle/upstream", headers=admin_headers(record), timeout=5)
+    answer.raise_for_status()
+    return answer.json()["upstream"]
+
+
+def server_alive(upstream: dict | None) -> bool:
+    if not upstream:
+        return False
+    try:
+        return "ladle.serve" in " ".join(psutil.Process(upstream["pid"]).cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def stop_server(pid: int, grace_s: float) -> None:
+    """Drain and stop a server's process group (SIGTERM, then SIGKILL after ``grace_s``)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if exited(pid):
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    while not exited(pid):
+        time.sleep(0.1)
+
+
+def exited(pid: int) -> bool:
+    """The process is gone (reaped here when it is this process's child)."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == pid
+    except ChildProcessError:  # not ours: gone once it no longer exists (init reaps it)
+        return not psutil.pid_exists(pid)
+
+
+def model_dir_of(version: promote.Version):
+    """The version's model folder on local disk (copied once from a remote store)."""
+    sha = version.tags.get("ladle.model_sha256") or f"v{version.version}-{version.created_ms}"
+    return local_model_dir(MergedModel(url=version.source, sha256=sha, parameters=0))
+
+
+def start_version(name: str, version: promote.Version, cfg: ServeConfig) -> tuple[subprocess.Popen, str]:
+    """Start ``version`` on a free port; ready and answering, or stopped and ``SwapFailed``."""
+    backends.get(cfg.backend).check_host()
+    proc, url, log_path = start_server(model_dir_of(version), name, cfg, free_port())
+    try:
+        wait_healthy(proc, url, cfg.health_timeout_s, log_path)
+        answer = smoke(url, name, cfg, [{"role": "user", "content": cfg.smoke_prompt or DEFAULT_SMOKE}])
+    except (DeployFailed, httpx.HTTPError, KeyError, ValueError) as exc:
+        stop_process(proc, grace_s=10, group=True)
+        raise SwapFailed(
+            f"{name} v{version.version} did not start or answer, so it takes no traffic: {str(exc)[:1500]}"
+        ) from None
+    except BaseException:
+        stop_process(proc, grace_s=10, group=True)
+        raise
+    if not isinstance(answer, str):
+        stop_process(proc, grace_s=10, group=True)
+        raise SwapFailed(f"{name} v{version.version} answered the smoke request with {answer!r}")
+    return proc, url
+
+
+def reconcile(uri: str, name: str, cfg: ServeConfig) -> Serving:
+    """Serve ``name``'s current champion behind its front (see the module docstring).
+
+    Raises:
+        LadleError: no champion, or the front cannot start.
+        SwapFailed: the champion's version did not start or answer (what was served keeps serving).
+    """
+    started = time.monotonic()
+    wanted = promote.champion(uri, name)
+    if wanted is None:
+        raise LadleError(
+            f"model {name!r} has no `champion` at {promote.redact_uri(uri)}: nothing to serve. Run the pipeline "
+            "until a version is promoted, or set one with `ladle model rollback NAME --to VERSION`."
+        )
+    front = ensure_front(name, cfg)
+    old = current_upstream(front)
+    if old and str(old["version"]) == wanted.version and server_alive(old):
+        return Serving(
+            model=name,
+            version=wanted.version,
+            previous_version=wanted.version,
+            action="unchanged",
+            front_url=front["url"],
+            server_url=old["url"],
+            server_pid=old["pid"],
+            seconds=0.0,
+        )
+    proc, url = start_version(name, wanted, cfg)
+    switched = httpx.put(
+        front["url"] + "/ladle/upstream",
+        json={
+            "url": url,
+            "version": wanted.version,
+            "pid": proc.pid,
+            "model_dir": str(model_dir_of(wanted)),
+            "drain_timeout_s": cfg.drain_timeout_s,
+        },
+        headers=admin_headers(front),
+        timeout=cfg.drain_timeout_s + 30,
+    )
+    switched.raise_for_status()
+    took = time.monotonic() - started
+    if old and server_alive(old):
+        stop_server(old["pid"], cfg.drain_timeout_s + 10)
+    return Serving(
+        model=name,
+        version=wanted.version,
+        previous_version=str(old["version"]) if old else None,
+        action="swapped" if old else "started",
+        front_url=front["url"],
+        server_url=url,
+        server_pid=proc.pid,
+        drained=switched.json()["drained"],
+        seconds=round(took, 3),
+    )
+
+
+def stop(name: str, grace_s: float = 40.0) -> dict:
+    """Stop ``name``'s front and the server behind it; returns what was stopped.
+
+    Raises:
+        LadleError: nothing is serving ``name`` on this machine.
+    """
+    front = router.read_record(name)
+    if front is None:
+        raise LadleError(f"NAME = {name!r}: no front is serving it on this machine (see `ladle model status`).")
+    upstream = current_upstream(front)
+    stop_server(front["pid"], grace_s)
+    if server_alive(upstream):
+        stop_server(upstream["pid"], grace_s)
+    router.record_path(name).unlink(missing_ok=True)
+    return {"front": front["url"], "server_pid": upstream["pid"] if upstream else None}

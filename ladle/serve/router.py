@@ -1,0 +1,197 @@
+"""ladle's front: one stable address per served model, in front of whichever server holds its champion.
+
+``python -m ladle.serve.router --name NAME --port PORT`` proxies every OpenAI route (streaming included,
+byte for byte) to the current upstream server and adds ``x-ladle-model-version`` to each answer. A swap
+(``PUT /ladle/upstream``, from this machine, with the admin token in the router's run record) points new
+requests at the new server at once, then waits until the old one has no request in flight, so the old
+server can be drained and stopped without failing anyone. A request whose upstream refuses the connection
+because it was swapped out meanwhile is sent to the current one instead (it never reached the old one).
+
+The run record (``$LADLE_HOME/served/routers/NAME.json``, mode 0600) holds the pid, URL, admin token and
+current upstream: ``ladle model serve`` and the serving flow find the router there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ladle.assets import ladle_home
+
+ADMIN_HEADER = "x-ladle-admin-token"
+VERSION_HEADER = "x-ladle-model-version"
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
+
+
+def records_dir() -> Path:
+    return ladle_home() / "served" / "routers"
+
+
+def record_path(name: str) -> Path:
+    return records_dir() / f"{name}.json"
+
+
+def write_record(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the admin token
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(record))
+    tmp.replace(path)
+
+
+def read_record(name: str) -> dict | None:
+    """The live router of ``name``, or None (a record of a dead router is removed)."""
+    import psutil
+
+    path = record_path(name)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        if "ladle.serve.router" in " ".join(psutil.Process(record["pid"]).cmdline()):
+            return record
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+    path.unlink(missing_ok=True)
+    return None
+
+
+def error(status: int, message: str, kind: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+
+
+def create_app(name: str, token: str, record: dict, record_file: Path | None) -> FastAPI:
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=1000))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title=f"ladle front: {name}", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    state = {"upstream": record.get("upstream")}
+    in_flight: collections.Counter[str] = collections.Counter()
+
+    def admin(request: Request) -> bool:
+        host = request.client.host if request.client else ""
+        return host in ("127.0.0.1", "::1") and secrets.compare_digest(request.headers.get(ADMIN_HEADER, ""), token)
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "model": name, "version": (state["upstream"] or {}).get("version")}
+
+    @app.get("/ready")
+    async def ready():
+        upstream = state["upstream"]
+        if upstream is None:
+            return error(503, f"{name}: no version is being served yet", "server_error", "not_ready")
+        try:
+            answer = await client.get(upstream["url"] + "/ready", timeout=2.0)
+        except httpx.HTTPError as exc:
+            return error(503, f"{name} v{upstream['version']}: {exc.__class__.__name__}", "server_error", "not_ready")
+        return {"status": "ready", "version": upstream["version"]} if answer.status_code == 200 else answer.json()
+
+    @app.get("/ladle/upstream")
+    def get_upstream(request: Request):
+        if not admin(request):
+            return error(403, "admin routes need the router's token", "permission_error", "forbidden")
+        return {"upstream": state["upstream"], "in_flight": dict(in_flight)}
+
+    @app.put("/ladle/upstream")
+    async def put_upstream(request: Request):
+        if not admin(request):
+            return error(403, "admin routes need the router's token", "permission_error", "forbidden")
+        body = await request.json()
+        new = {k: body[k] for k in ("url", "version", "pid", "model_dir")}
+        old, state["upstream"] = state["upstream"], new
+        if record_file is not None:
+            write_record(record_file, {**record, "upstream": new})
+        deadline = time.monotonic() + float(body.get("drain_timeout_s", 30.0))
+        while old and old["url"] != new["url"] and in_flight[old["url"]] > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        left = in_flight[old["url"]] if old and old["url"] != new["url"] else 0
+        return {"previous": old, "current": new, "drained": left == 0, "in_flight": left}
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def proxy(path: str, request: Request):
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {ADMIN_HEADER}}
+        for _ in range(3):
+            upstream = state["upstream"]
+            if upstream is None:
+                return error(503, f"{name}: no version is being served yet", "server_error", "not_ready")
+            in_flight[upstream["url"]] += 1
+            outgoing = client.build_request(
+                request.method, f"{upstream['url']}/{path}", params=request.query_params, content=body, headers=headers
+            )
+            try:
+                answer = await client.send(outgoing, stream=True)
+            except httpx.ConnectError:
+                in_flight[upstream["url"]] -= 1
+                if state["upstream"] is not upstream:
+                    continue  # swapped out before it was reached: the current server takes it
+                return error(
+                    502, f"{name} v{upstream['version']} refused the connection", "server_error", "bad_gateway"
+                )
+            except BaseException:
+                in_flight[upstream["url"]] -= 1
+                raise
+
+            async def relay(answer=answer, url=upstream["url"]):
+                try:
+                    async for chunk in answer.aiter_raw():
+                        yield chunk
+                finally:
+                    await answer.aclose()  # a client that left closes the upstream request: it cancels there too
+                    in_flight[url] -= 1
+
+            out_headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP | {"date", "server"}}
+            out_headers[VERSION_HEADER] = str(upstream["version"])
+            return StreamingResponse(relay(), status_code=answer.status_code, headers=out_headers)
+        return error(503, f"{name}: upstream changed repeatedly; retry", "server_error", "not_ready")
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ladle.serve.router", description=__doc__.splitlines()[0])
+    parser.add_argument("--name", required=True, help="The served (registered) model's name.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    import uvicorn
+
+    from ladle.serve.__main__ import draining_server_class
+
+    token = secrets.token_urlsafe(24)
+    url = f"http://{args.host}:{args.port}"
+    record = {"pid": os.getpid(), "pgid": os.getpgid(0), "name": args.name, "url": url, "token": token}
+    record["started_at"] = time.time()
+    path = record_path(args.name)
+    app = create_app(args.name, token, record, path)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    write_record(path, {**record, "upstream": None})  # read only once /health answers
+    try:
+        draining_server_class()(config).run()
+    finally:
+        if (read_record(args.name) or {}).get("pid") == os.getpid():
+            path.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
