@@ -11,10 +11,12 @@ import json
 from typing import Literal
 
 from prefect import flow
+from prefect.states import Completed
 
 from ladle.assets import shipped_recipes
 from ladle.config import LadleConfig, load_config
 from ladle.flows.finetune import finetune
+from ladle.tracking import credentials_to_env
 
 RecipeName = Literal[tuple(shipped_recipes())]  # the shipped recipes, as the form's choices
 TYPED = {
@@ -43,7 +45,8 @@ def apply_blocks(
         tree["output"] = store.url
     if mlflow_server:
         server = MlflowServer.load(mlflow_server)
-        tree["tracking"].update(uri=server.tracking_uri, ui_url=server.ui_url or server.tracking_uri)
+        uri = credentials_to_env(server.tracking_uri)  # a password in the URI goes to the environment, not the config
+        tree["tracking"].update(uri=uri, ui_url=server.ui_url or uri)
     if compute:
         target = ComputeTarget.load(compute)
         tree["parallelism"].update(gpus=target.gpus, cpu_processes=target.cpu_processes)
@@ -112,4 +115,12 @@ def finetune_recipe(
         "min_improvement": min_improvement,
     }
     cfg = recipe_config(recipe, recipe_path, gpus, typed, overrides, artifact_store, mlflow_server, compute)
-    return finetune(cfg, config_ref=recipe_path or recipe, run_id=run_id, skip_if_data_unchanged=skip_if_data_unchanged)
+    state = finetune(
+        cfg,
+        config_ref=recipe_path or recipe,
+        run_id=run_id,
+        skip_if_data_unchanged=skip_if_data_unchanged,
+        return_state=True,
+    )
+    # Its message ("promoted: ...", "not promoted: ...", "skipped: ...") becomes this run's; a failure raises.
+    return Completed(message=state.message, data=state.result())

@@ -355,8 +355,9 @@ class PromoteConfig(Section):
 class TrackingConfig(Section):
     uri: str | None = Field(
         None,
-        description="MLflow tracking URI. null: sqlite in the output folder (in $LADLE_HOME/mlflow when "
-        "output is remote).",
+        description="MLflow tracking URI. null: $MLFLOW_TRACKING_URI when set, else sqlite in the output folder "
+        "(in $LADLE_HOME/mlflow when output is remote). Credentials in an http(s) URI are moved to "
+        "MLFLOW_TRACKING_USERNAME/PASSWORD and never logged.",
     )
     experiment: str = Field("ladle", description="MLflow experiment name.")
     registered_model: str | None = Field(

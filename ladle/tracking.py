@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel
@@ -38,12 +40,29 @@ def default_location(cfg: LadleConfig) -> Path:
 
 
 def tracking_uri(cfg: LadleConfig) -> tuple[str, str | None]:
-    """``(tracking URI, artifact location for a new experiment or None)``."""
-    if cfg.tracking.uri:
-        return cfg.tracking.uri, None
+    """``(tracking URI, artifact location for a new experiment or None)``.
+
+    ``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else SQLite beside the outputs. Credentials in an
+    http(s) URI move to ``MLFLOW_TRACKING_USERNAME``/``PASSWORD`` (which MLflow reads, and the training
+    processes inherit), so the URI ladle passes around, logs and writes into specs carries none.
+    """
+    uri = cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return credentials_to_env(uri), None
     folder = default_location(cfg)
     folder.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{folder / 'mlflow.db'}", (folder / "mlartifacts").as_uri()
+
+
+def credentials_to_env(uri: str) -> str:
+    """``uri`` without its ``user:password@`` (http/https only), the pair exported for MLflow's client."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.password:
+        return uri
+    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parts.username or "")
+    os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parts.password)
+    netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def client(uri: str):

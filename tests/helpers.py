@@ -6,7 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -236,3 +240,58 @@ def start_server(model_dir, log_path: Path, name: str = "tiny", **serve):
         proc.kill()
         raise
     return proc, url
+
+
+# -- traffic through ladle's front ----------------------------------------------------------------
+
+
+class Traffic:
+    """Clients that send requests through the front without pause until stopped; they record every outcome."""
+
+    def __init__(self, url: str, model: str, clients: int = 4):
+        self.url, self.model, self.stop_flag = url, model, threading.Event()
+        self.results: list[tuple[float, str, str]] = []  # (time, version header or error, kind)
+        self.threads = [threading.Thread(target=self.loop, args=(i,), daemon=True) for i in range(clients)]
+
+    def loop(self, i: int) -> None:
+        body = {"model": self.model, "messages": [{"role": "user", "content": "red blue"}], "max_tokens": 6}
+        with httpx.Client(timeout=60) as client:
+            while not self.stop_flag.is_set():
+                stream = i % 2 == 1
+                try:
+                    if stream:
+                        with client.stream(
+                            "POST", f"{self.url}/v1/chat/completions", json={**body, "stream": True}
+                        ) as answer:
+                            text = "".join(answer.iter_text())
+                            ok = answer.status_code == 200 and text.rstrip().endswith("data: [DONE]")
+                    else:
+                        answer = client.post(f"{self.url}/v1/chat/completions", json=body)
+                        ok = answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] is not None
+                    outcome = answer.headers.get("x-ladle-model-version", "?") if ok else f"HTTP {answer.status_code}"
+                except httpx.HTTPError as exc:
+                    outcome = f"error {exc.__class__.__name__}: {exc}"
+                self.results.append((time.monotonic(), outcome, "stream" if stream else "whole"))
+
+    def __enter__(self) -> Traffic:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(timeout=60)
+
+    def failures(self) -> list:
+        return [r for r in self.results if not r[1].isdigit()]
+
+    def versions_after(self, t0: float) -> set[str]:
+        return {r[1] for r in self.results if r[0] > t0}
+
+
+def wait_for_requests(traffic: Traffic, n: int, timeout: float = 60) -> None:
+    start, deadline = len(traffic.results), time.monotonic() + timeout
+    while len(traffic.results) < start + n:
+        assert time.monotonic() < deadline, f"no traffic went through: {traffic.results[-5:]}"
+        time.sleep(0.1)

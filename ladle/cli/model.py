@@ -26,14 +26,14 @@ CONFIG_OPT = typer.Option(None, "--config", "-c", help="A config or recipe whose
 
 def tracking_uri(uri: str | None, config: str | None) -> str:
     """Raises: LadleError: no way to find the MLflow store."""
-    if uri:
-        return uri
-    if config:
-        from ladle import tracking
+    from ladle import tracking
 
+    if uri:
+        return tracking.credentials_to_env(uri)
+    if config:
         return tracking.tracking_uri(load(config, [], None, None))[0]
     if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
+        return tracking.credentials_to_env(os.environ["MLFLOW_TRACKING_URI"])
     raise LadleError(
         "--tracking-uri: no MLflow store named. Pass --tracking-uri URI, --config CONFIG (its store), "
         "or set MLFLOW_TRACKING_URI."

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ladle import storage
-from ladle.processes import free_port  # noqa: F401 - also imported from here by callers
+from ladle.processes import free_port, stop_process  # noqa: F401 - free_port is also imported from here
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
 ProgressFn = Callable[[dict], None]
@@ -123,22 +123,35 @@ def launch(
                 on_command(f"waiting for node {rank} to join; on it run: " + join_command(spec, rank))
         tail = collections.deque(maxlen=40)
         errors: list[dict] = []
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(spec))
+        # Its own process group: when this process is cancelled (a Prefect cancel sends SIGTERM to the
+        # flow run only) or interrupted, the launcher and every rank are stopped with it, never orphaned.
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=worker_env(spec),
+            start_new_session=True,
+        )
         assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            events = progress_events(line)
-            for event in events:
-                if event.get("event") == "error":
-                    errors.append(event)
-                elif on_progress:
-                    on_progress(event)
-            if events:
-                continue
-            tail.append(line)
-            if on_line:
-                on_line(line)
-        code = proc.wait()
+        try:
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                events = progress_events(line)
+                for event in events:
+                    if event.get("event") == "error":
+                        errors.append(event)
+                    elif on_progress:
+                        on_progress(event)
+                if events:
+                    continue
+                tail.append(line)
+                if on_line:
+                    on_line(line)
+            code = proc.wait()
+        except BaseException:
+            stop_process(proc, grace_s=10, group=True)
+            raise
     if code != 0:
         cause = f"rank {errors[0]['rank']}: {errors[0]['error']}\n" if errors else ""
         raise TrainingFailed(f"training exited with code {code}; {cause}last output:\n" + "\n".join(tail))

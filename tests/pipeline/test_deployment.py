@@ -1,7 +1,17 @@
-"""A deployment run through a real Prefect server and a process worker.
+"""The model lifecycle through real components, driven only by `prefect deployment run` and the `ladle` CLI.
 
-prefect server start  ->  prefect deploy (deployments/prefect.yaml)  ->  prefect worker start
-->  prefect deployment run 'finetune-recipe/tiny-cpu'  ->  flow run COMPLETED, model served
+prefect server start + a process worker, an `mlflow server` on SQLite, a moto S3 server holding every
+artifact (its credentials in an ArtifactStore block), MLflow credentials in the worker's environment:
+
+1. run 1 trains and becomes champion; the promotion event triggers the serving deployment, which serves it
+   behind ladle's front;
+2. run 2 on deliberately worse data is evaluated and not promoted: champion and served version unchanged;
+3. run 3 on better data, given a run_id, is cancelled mid-training and run again: it resumes from its
+   checkpoint, is promoted, and the front swaps to it while clients send requests (zero failures);
+4. `ladle model rollback` puts run 1's version back in service;
+5. the nightly deployment with unchanged data ends "skipped" without training;
+6. the deployment's parameter schema is typed, and no secret appears in any log, parameter, MLflow
+   param/tag/artifact, Prefect artifact or stored file.
 """
 
 from __future__ import annotations
@@ -19,11 +29,12 @@ import pytest
 from ladle import storage
 from ladle.processes import stop_process
 from ladle.train.run import free_port
-from tests.helpers import ROOT
+from tests.helpers import ROOT, Traffic, run_cli, wait_for_requests
 from tests.pipeline import checks
 
 pytestmark = pytest.mark.pipeline
 PREFECT = str(Path(sys.executable).with_name("prefect"))
+TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 
 
 def prefect(*args: str, env: dict, timeout: int = 180) -> subprocess.CompletedProcess:
@@ -65,23 +76,157 @@ def prefect_server(tmp_path_factory):
     stop_process(server)
 
 
-def flow_run_state(env: dict, flow_run_id: str) -> str:
-    response = httpx.get(f"{env['PREFECT_API_URL']}/flow_runs/{flow_run_id}", timeout=10)
-    return response.json()["state"]["type"]
+SECRET_S3 = "s3-secret-9f1c2b7e4d"  # the artifact store's secret key, saved in a Prefect block
+SECRET_MLFLOW = "mlflow-pass-5a8e3c1f0b"  # the MLflow password, in the worker's environment
+MODEL = "tiny-cpu"  # the registered model of the tiny-cpu recipe
 
 
-def test_deployment_runs_through_server_and_worker(prefect_server, s3_server, monkeypatch, tmp_path, tiny_model):
-    """Every artifact of this run lives on S3 (a moto server on 127.0.0.1): the same pipeline, remote store."""
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """`mlflow server` on SQLite, serving artifacts itself; yields its URL."""
+    home = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    argv = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--artifacts-destination", str(home / "art")]
+    with open(home / "server.log", "w") as log:
+        proc = subprocess.Popen([*argv, "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc, grace_s=0, group=True)
+            pytest.fail(f"mlflow server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield url
+    stop_process(proc, group=True)
+
+
+def scenario_data(folder: Path, demo: Path) -> dict[str, str]:
+    """A fixed held-out file, a small clean training file, the same rows with wrong answers, and more clean rows."""
+    rows = [json.loads(line) for line in demo.read_text().splitlines() if line.strip()]
+    held_out, train = rows[:150], rows[150:]
+    small = train[: len(train) // 4]
+    answers = [r["output"] for r in small]
+    files = {
+        "eval": held_out,
+        "small": small,
+        "worse": [{**r, "output": a} for r, a in zip(small, answers[1:] + answers[:1], strict=True)],
+        "better": train,
+    }
+    paths = {}
+    for name, records in files.items():
+        paths[name] = str(folder / f"{name}.jsonl")
+        Path(paths[name]).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return paths
+
+
+def deployments_file(folder: Path, front_port: int) -> Path:
+    """deployments/prefect.yaml as an operator would adapt it: the serving deployment's front port and store."""
+    import yaml
+
+    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    serving = next(d for d in spec["deployments"] if d["name"] == "champion")
+    extra = {"front_port": front_port, "artifact_store": "lifecycle-store"}
+    serving["parameters"].update(extra)
+    serving["triggers"][0]["parameters"].update(extra)
+    path = folder / "prefect.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def api(env: dict, method: str, path: str, **body):
+    answer = httpx.request(method, f"{env['PREFECT_API_URL']}{path}", json=body or None, timeout=30)
+    answer.raise_for_status()
+    return answer.json()
+
+
+def run_deployment(env: dict, name: str, params: dict) -> str:
+    started = prefect("deployment", "run", name, "--params", json.dumps(params), env=env)
+    return next(line.split()[-1] for line in started.stdout.splitlines() if "UUID" in line)
+
+
+def wait_run(env: dict, flow_run_id: str, timeout: float = 420) -> dict:
+    deadline = time.monotonic() + timeout
+    while (run := api(env, "GET", f"/flow_runs/{flow_run_id}"))["state"]["type"] not in TERMINAL:
+        assert time.monotonic() < deadline, f"flow run {flow_run_id} still {run['state']['type']}"
+        time.sleep(1)
+    return run
+
+
+def runs_of(env: dict, deployment: str) -> list[dict]:
+    found = api(env, "GET", f"/deployments/name/{deployment}")
+    return api(env, "POST", "/flow_runs/filter", flow_runs={"deployment_id": {"any_": [found["id"]]}})
+
+
+def wait_served(front: str, version: str, timeout: float = 240) -> None:
+    """Until the front answers with ``version`` behind it."""
+    deadline, seen = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            seen = httpx.get(f"{front}/ready", timeout=2).json().get("version")
+            if seen == version:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the front never served v{version} (last seen: {seen})")
+
+
+def all_pages(env: dict, path: str) -> list[dict]:
+    out, offset = [], 0
+    while page := api(env, "POST", path, limit=200, offset=offset):
+        out += page
+        offset += len(page)
+    return out
+
+
+def training_processes() -> list[str]:
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "ladle.train.worker" in cmd or "accelerate" in cmd and "launch" in cmd:
+            found.append(cmd[:120])
+    return found
+
+
+def test_model_lifecycle_through_deployments(
+    prefect_server, mlflow_server, s3_server, monkeypatch, tmp_path, demo_data
+):
     for key, value in s3_server.items():
-        monkeypatch.setenv(key, value)  # this process reads the results back from S3 too
-    env = {**prefect_server, **s3_server}
+        monkeypatch.setenv(key, value)  # this process reads results back from S3 too
+    data = scenario_data(tmp_path, demo_data)
+    front_port = free_port()
+    front = f"http://127.0.0.1:{front_port}"
+    tracking = mlflow_server.replace("http://", f"http://ladle:{SECRET_MLFLOW}@")
+    # The worker holds no S3 credentials of its own: the block supplies them to each run.
+    env = {k: v for k, v in prefect_server.items() if not k.startswith("AWS_")}
+    env.update(MLFLOW_TRACKING_URI=tracking, PREFECT_WORKER_QUERY_SECONDS="1")
     prefect("work-pool", "create", "ladle-local", "--type", "process", env=env)
-    prefect("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml", env=env)
-    params = {"overrides": ["training.max_steps=10", "output=s3://ladle/deployed", "name=deployed"]}
-    started = prefect("deployment", "run", "finetune-recipe/tiny-cpu", "--params", json.dumps(params), env=env)
-    flow_run_id = next(line.split()[-1] for line in started.stdout.splitlines() if "UUID" in line)
-
-    # Its own session: the worker's flow-run processes (and their training processes) stop with it.
+    prefect("--no-prompt", "deploy", "--all", "--prefect-file", str(deployments_file(tmp_path, front_port)), env=env)
+    store = (
+        "from pydantic import SecretStr; from ladle.blocks import ArtifactStore; "
+        f"ArtifactStore(url='s3://ladle/lifecycle', endpoint_url='{s3_server['AWS_ENDPOINT_URL']}', "
+        f"access_key_id=SecretStr('testing'), secret_access_key=SecretStr('{SECRET_S3}'), "
+        "region='us-east-1').save('lifecycle-store', overwrite=True)"
+    )
+    subprocess.run([sys.executable, "-c", store], env=env, check=True, cwd=ROOT, timeout=120)
+    common = {
+        "promote_metric": "loss",
+        "artifact_store": "lifecycle-store",
+        "overrides": [
+            f"data.eval_path={data['eval']}",
+            "eval.max_examples=16",
+            "training.checkpoint_every=10",
+            "serve.max_new_tokens=8",
+        ],
+    }
     with open(tmp_path / "worker.log", "w") as worker_log:
         worker = subprocess.Popen(
             [PREFECT, "worker", "start", "--pool", "ladle-local"],
@@ -89,43 +234,127 @@ def test_deployment_runs_through_server_and_worker(prefect_server, s3_server, mo
             cwd=ROOT,
             stdout=worker_log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True,  # its flow-run processes stop with it
         )
     try:
-        deadline = time.monotonic() + 600
-        while (state := flow_run_state(env, flow_run_id)) not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-            assert time.monotonic() < deadline, "flow run did not finish in 10 minutes"
-            time.sleep(2)
+        # 1. The first model becomes champion; its promotion event makes the serving deployment serve it.
+        first = wait_run(
+            env,
+            run_deployment(env, "finetune-recipe/tiny-cpu", {**common, "data_path": data["small"], "max_steps": 20}),
+        )
+        assert first["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
+        assert first["state"]["message"].startswith("promoted: loss"), first["state"]["message"]
+        wait_served(front, "1")
+        fs, _ = storage.filesystem("s3://ladle")
+        (only,) = fs.glob("ladle/lifecycle/runs/tiny-cpu-*/summary.json")  # the pipeline runs as a subflow
+        summary = storage.read_json("s3://" + only)
+        checks.check_summary(summary, 20)
+        checks.check_mlflow(summary, 20, MODEL)
+        assert summary["promoted"] is True and summary["registered_model"] == MODEL
+
+        # 2. Worse data: evaluated, not promoted; champion and served version unchanged, no swap asked for.
+        swaps_before = len(runs_of(env, "serve-champion/champion"))
+        worse = wait_run(
+            env,
+            run_deployment(env, "finetune-recipe/tiny-cpu", {**common, "data_path": data["worse"], "max_steps": 20}),
+        )
+        assert worse["state"]["type"] == "COMPLETED"
+        assert worse["state"]["message"].startswith("not promoted: loss"), worse["state"]["message"]
+        models = json.loads(
+            run_cli("model", "list", MODEL, "--tracking-uri", tracking, "--json", env=env).stdout.splitlines()[-1]
+        )
+        aliases = {v["version"]: v["aliases"] for v in models["versions"]}
+        assert aliases == {"2": ["challenger"], "1": ["champion"]}
+        assert models["versions"][0]["promotion"].startswith("not promoted")
+
+        with Traffic(front, MODEL) as traffic:
+            wait_for_requests(traffic, 6)
+            assert {r[1] for r in traffic.results} == {"1"}
+            assert len(runs_of(env, "serve-champion/champion")) == swaps_before
+
+            # 3. Better data, with a run_id: cancelled mid-training, run again, it resumes and is promoted.
+            better = {**common, "data_path": data["better"], "max_steps": 60, "run_id": "better"}
+            cancelled = run_deployment(env, "finetune-recipe/tiny-cpu", better)
+            deadline = time.monotonic() + 300
+            while not fs.glob("ladle/lifecycle/runs/better/checkpoints/step-*/" + storage.COMPLETE_MARKER):
+                assert time.monotonic() < deadline, "no checkpoint of the run to cancel"
+                time.sleep(0.5)
+            prefect("flow-run", "cancel", cancelled, env=env)
+            assert wait_run(env, cancelled)["state"]["type"] == "CANCELLED"
+            deadline = time.monotonic() + 60
+            while training_processes():
+                assert time.monotonic() < deadline, f"training outlived its cancelled flow run: {training_processes()}"
+                time.sleep(0.5)
+            resumed = wait_run(env, run_deployment(env, "finetune-recipe/tiny-cpu", better))
+            assert resumed["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
+            assert resumed["state"]["message"].startswith("promoted: loss"), resumed["state"]["message"]
+            summary3 = storage.read_json("s3://ladle/lifecycle/runs/better/summary.json")
+            assert summary3["resumed_from_step"] >= 10 and summary3["steps"] == 60
+            wait_served(front, "3")
+            t_swap = time.monotonic()
+            wait_for_requests(traffic, 6)
+
+            # 4. Rollback from the CLI: the event brings the serving deployment back to run 1's version.
+            rolled = run_cli("model", "rollback", MODEL, "--tracking-uri", tracking, "--json", env=env)
+            assert json.loads(rolled.stdout.splitlines()[-1])["to"] == "1", rolled.stderr
+            wait_served(front, "1")
+            t_back = time.monotonic()
+            time.sleep(1.0)
+            wait_for_requests(traffic, 6)
+        assert traffic.failures() == [], traffic.failures()[:5]
+        seen = [r[1] for r in traffic.results]
+        assert seen[0] == "1" and "3" in seen and seen[-1] == "1" and "2" not in seen
+        assert {r[1] for r in traffic.results if r[0] > t_back + 1.0} == {"1"}
+        assert "3" in {r[1] for r in traffic.results if t_swap < r[0] < t_back}
+        swaps = [wait_run(env, r["id"], timeout=120) for r in runs_of(env, "serve-champion/champion")]
+        assert len(swaps) == swaps_before + 2 and all(r["state"]["type"] == "COMPLETED" for r in swaps)
+
+        # 5. The nightly deployment on the champion's data: skipped, nothing trained.
+        nightly = wait_run(
+            env, run_deployment(env, "finetune-recipe/tiny-cpu-nightly", {**common, "data_path": data["small"]})
+        )
+        assert nightly["state"]["type"] == "COMPLETED"
+        assert nightly["state"]["message"].startswith("skipped: data unchanged since version 1")
+        tasks = api(env, "POST", "/task_runs/filter", task_runs={"flow_run_id": {"any_": [nightly["id"]]}})
+        assert [t["name"] for t in tasks if t["name"].startswith("train")] == []
+
+        # 6. A typed form, and no secret anywhere.
+        schema = api(env, "GET", "/deployments/name/finetune-recipe/tiny-cpu")["parameter_openapi_schema"]["properties"]
+        assert "tiny-cpu" in schema["recipe"]["enum"] and schema["max_steps"]["anyOf"][0]["type"] == "integer"
+        assert all(schema[k].get("description") for k in ("recipe", "gpus", "data_path", "max_steps", "lr", "run_id"))
+        assert_no_secret(env, tracking_url=mlflow_server, folder=tmp_path / "mlflow-artifacts")
     finally:
         stop_process(worker, group=True)
-    assert state == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
+        run_cli("model", "stop", MODEL, env=env)
 
-    fs, _ = storage.filesystem("s3://ladle/deployed")
-    summaries = fs.glob("ladle/deployed/runs/deployed-*/summary.json")
-    assert len(summaries) == 1
-    summary = storage.read_json("s3://" + summaries[0])
-    assert summary["flow_run_id"] != flow_run_id  # the pipeline runs as a subflow of the deployment's flow run
-    checks.check_summary(summary, 10)
-    assert summary["output_url"].startswith("s3://ladle/deployed/runs/deployed-")
-    assert storage.is_complete(summary["merged_model_url"])
-    checks.check_served_answer_is_offline_greedy(summary, max_new_tokens=16)
-    checks.check_mlflow(summary, 10, "deployed")
+
+def assert_no_secret(env: dict, tracking_url: str, folder: Path) -> None:
+    """Neither secret in Prefect logs, parameters or artifacts, MLflow params/tags/artifacts, or stored text files."""
     from mlflow.tracking import MlflowClient
 
-    tags = MlflowClient(summary["mlflow_tracking_uri"]).get_run(summary["mlflow_run_id"]).data.tags
-    assert tags["prefect.parent_flow_run_id"] == flow_run_id
-
-    flt = {"artifacts": {"flow_run_id": {"any_": [summary["flow_run_id"]]}}}
-    artifacts = {
-        a["key"]: a for a in httpx.post(f"{env['PREFECT_API_URL']}/artifacts/filter", json=flt, timeout=10).json()
+    texts = {
+        "prefect logs": json.dumps(all_pages(env, "/logs/filter")),
+        "prefect flow runs (parameters)": json.dumps(all_pages(env, "/flow_runs/filter")),
+        "prefect artifacts": json.dumps(all_pages(env, "/artifacts/filter")),
     }
-    assert {"plan", "data-report", "mlflow-run", "topology", "train-progress", "eval-examples"} <= set(artifacts)
-    assert "strategy | ddp" in artifacts["plan"]["data"]
-    assert summary["mlflow_run_id"] in artifacts["mlflow-run"]["data"]
-
-    schedules = httpx.post(f"{env['PREFECT_API_URL']}/deployments/filter", json={}, timeout=10).json()
-    nightly = next(d for d in schedules if d["name"] == "tiny-cpu-nightly")
-    assert nightly["schedules"][0]["schedule"]["cron"] == "30 2 * * *"
+    assert "lifecycle-store" in texts["prefect flow runs (parameters)"]  # the searched text is the real one
+    client = MlflowClient(tracking_url)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) >= 4
+    texts["mlflow params and tags"] = json.dumps([[r.data.params, r.data.tags] for r in runs])
+    texts["mlflow model versions"] = json.dumps([v.tags for v in client.search_model_versions(f"name = '{MODEL}'")])
+    for run in runs:
+        local = client.download_artifacts(run.info.run_id, "", str(folder / run.info.run_id))
+        texts[f"mlflow artifacts of {run.info.run_id}"] = "".join(
+            f.read_text(errors="ignore") for f in Path(local).rglob("*") if f.is_file() and f.suffix != ".png"
+        )
+    fs, _ = storage.filesystem("s3://ladle")
+    stored = [p for p in fs.find("ladle/lifecycle") if p.endswith((".json", ".yaml", ".jsonl", ".txt", ".md"))]
+    texts["artifact store"] = "".join(fs.cat(p).decode(errors="ignore") for p in stored)
+    assert "loss" in texts["artifact store"] and "config.training.lr" in texts["mlflow params and tags"]
+    for where, text in texts.items():
+        for secret in (SECRET_S3, SECRET_MLFLOW):
+            assert secret not in text, f"{secret} found in {where}"
 
 
 def test_ladle_run_uses_the_configured_server_and_starts_none(prefect_server, tmp_path, tiny_model):

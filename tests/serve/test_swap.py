@@ -8,11 +8,9 @@ clients sending streaming and non-streaming requests through the front the whole
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from ladle import promote
@@ -20,6 +18,7 @@ from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.processes import free_port
 from ladle.serve import champion, router
+from tests.helpers import Traffic, wait_for_requests
 
 NAME = "swap-demo"
 
@@ -39,58 +38,6 @@ def two_models(tmp_path_factory, tiny_model) -> tuple[Path, Path]:
     return Path(tiny_model), other
 
 
-class Traffic:
-    """Clients that send requests through the front without pause until stopped; they record every outcome."""
-
-    def __init__(self, url: str, clients: int = 4):
-        self.url, self.stop_flag = url, threading.Event()
-        self.results: list[tuple[float, str, str]] = []  # (time, version header or error, kind)
-        self.threads = [threading.Thread(target=self.loop, args=(i,), daemon=True) for i in range(clients)]
-
-    def loop(self, i: int) -> None:
-        body = {"model": NAME, "messages": [{"role": "user", "content": "red blue"}], "max_tokens": 6}
-        with httpx.Client(timeout=60) as client:
-            while not self.stop_flag.is_set():
-                stream = i % 2 == 1
-                try:
-                    if stream:
-                        with client.stream(
-                            "POST", f"{self.url}/v1/chat/completions", json={**body, "stream": True}
-                        ) as answer:
-                            text = "".join(answer.iter_text())
-                            ok = answer.status_code == 200 and text.rstrip().endswith("data: [DONE]")
-                    else:
-                        answer = client.post(f"{self.url}/v1/chat/completions", json=body)
-                        ok = answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] is not None
-                    outcome = answer.headers.get(router.VERSION_HEADER, "?") if ok else f"HTTP {answer.status_code}"
-                except httpx.HTTPError as exc:
-                    outcome = f"error {exc.__class__.__name__}: {exc}"
-                self.results.append((time.monotonic(), outcome, "stream" if stream else "whole"))
-
-    def __enter__(self) -> Traffic:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_flag.set()
-        for t in self.threads:
-            t.join(timeout=60)
-
-    def failures(self) -> list:
-        return [r for r in self.results if not r[1].isdigit()]
-
-    def versions_after(self, t0: float) -> set[str]:
-        return {r[1] for r in self.results if r[0] > t0}
-
-
-def wait_for_requests(traffic: Traffic, n: int, timeout: float = 60) -> None:
-    start, deadline = len(traffic.results), time.monotonic() + timeout
-    while len(traffic.results) < start + n:
-        assert time.monotonic() < deadline, f"no traffic went through: {traffic.results[-5:]}"
-        time.sleep(0.1)
-
-
 def test_swap_under_traffic_fails_no_request_and_rollback_swaps_back(tmp_path, two_models):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = ServeConfig(front_port=free_port(), max_new_tokens=6, drain_timeout_s=20)
@@ -104,7 +51,7 @@ def test_swap_under_traffic_fails_no_request_and_rollback_swaps_back(tmp_path, t
         assert front == f"http://127.0.0.1:{cfg.front_port}"
         assert champion.reconcile(uri, NAME, cfg).action == "unchanged"
 
-        with Traffic(front) as traffic:
+        with Traffic(front, NAME) as traffic:
             wait_for_requests(traffic, 8)
             v2 = promote.register(uri, NAME, str(second), None, {"ladle.model_sha256": "second"})
             promote.promote(uri, NAME, v2.version, "test")
