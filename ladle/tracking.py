@@ -145,8 +145,9 @@ def end_run(tracking: Tracking, ok: bool) -> None:
     client(tracking.uri).set_terminated(tracking.run_id, status="FINISHED" if ok else "FAILED")
 
 
-def log_evaluation(tracking: Tracking, result) -> None:
-    """Every score of the base (``*_before``) and the new model (``*_after``) as metrics, plus the examples."""
+def log_evaluation(tracking: Tracking, result, data_fingerprint: str) -> None:
+    """Every score of the base (``*_before``) and the new model (``*_after``) as metrics, plus the examples,
+    tagged with the fingerprint of the data they were measured on."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
@@ -160,7 +161,8 @@ def log_evaluation(tracking: Tracking, result) -> None:
     metrics.append(Metric("eval_examples", result.examples, now, 0))
     mlflow = client(tracking.uri)
     mlflow.log_batch(tracking.run_id, metrics=metrics)
-    log_json(tracking, "evaluation.json", result.model_dump())
+    mlflow.set_tag(tracking.run_id, "ladle.data_fingerprint", data_fingerprint)
+    log_json(tracking, "evaluation.json", {**result.model_dump(), "data_fingerprint": data_fingerprint})
 
 
 def metric_key(name: str) -> str:

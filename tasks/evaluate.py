@@ -31,7 +31,7 @@ def evaluate_task(cfg: LadleConfig, merged: MergedModel, prepared: PreparedDatas
             ", cached" if result.base_cached else "",
             result.model[name],
         )
-    log_evaluation(tracking, result)
+    log_evaluation(tracking, result, prepared.fingerprint)
     if result.examples_shown:
         create_table_artifact(
             key="eval-examples",
