@@ -248,8 +248,8 @@ def start_server(model_dir, log_path: Path, name: str = "tiny", **serve):
 class Traffic:
     """Clients that send requests through the front without pause until stopped; they record every outcome."""
 
-    def __init__(self, url: str, model: str, clients: int = 4):
-        self.url, self.model, self.stop_flag = url, model, threading.Event()
+    def __init__(self, url: str, model: str, clients: int = 4, pause_s: float = 0.0):
+        self.url, self.model, self.pause_s, self.stop_flag = url, model, pause_s, threading.Event()
         self.results: list[tuple[float, str, str]] = []  # (time, version header or error, kind)
         self.threads = [threading.Thread(target=self.loop, args=(i,), daemon=True) for i in range(clients)]
 
@@ -272,6 +272,7 @@ class Traffic:
                 except httpx.HTTPError as exc:
                     outcome = f"error {exc.__class__.__name__}: {exc}"
                 self.results.append((time.monotonic(), outcome, "stream" if stream else "whole"))
+                self.stop_flag.wait(self.pause_s)
 
     def __enter__(self) -> Traffic:
         for t in self.threads:

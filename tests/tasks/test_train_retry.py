@@ -1,4 +1,10 @@
-"""A rank killed mid-run: the Prefect train task retries and resumes exactly from the last complete checkpoint."""
+"""Resuming, at every level it happens:
+
+- a rank killed mid-run: the Prefect train task retries and resumes from the last complete checkpoint;
+- killed again, the flow run fails; a second flow run on the same run folder (what `--run-id` / the
+  `run_id` parameter names) resumes from the newest checkpoint and ends exactly where an uninterrupted run does;
+- an interrupted launch (a Prefect cancel raises in the flow-run process) stops every rank, none is orphaned.
+"""
 
 from __future__ import annotations
 
@@ -34,24 +40,33 @@ def is_worker(proc: psutil.Process) -> bool:
         return False
 
 
-def kill_a_rank_after_checkpoint(run_url: str, step: int, killed: list) -> None:
-    """Wait for a complete checkpoint at ``step`` or later, then SIGKILL one training process.
+def kill_a_rank_after_checkpoints(run_url: str, steps: list[int], killed: list) -> None:
+    """For each of ``steps``: wait for a complete checkpoint at that step or later, then SIGKILL one training process.
 
-    "Or later": only the newest two checkpoints are kept, so on a loaded machine ``step`` itself may be
-    written and pruned between two looks.
+    "Or later": only the newest two checkpoints are kept, so on a loaded machine a step may be written and
+    pruned between two looks.
     """
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if any(done >= step for done in complete_steps(storage.join(run_url, "checkpoints"))):
-            workers = [p for p in psutil.Process().children(recursive=True) if is_worker(p)]
-            if workers:
-                workers[-1].send_signal(signal.SIGKILL)
-                killed.append(workers[-1].pid)
-                return
-        time.sleep(0.05)
+    for step in steps:
+        while time.monotonic() < deadline:
+            if any(done >= step for done in complete_steps(storage.join(run_url, "checkpoints"))):
+                workers = [p for p in psutil.Process().children(recursive=True) if is_worker(p)]
+                if workers and workers[-1].pid not in killed:
+                    workers[-1].send_signal(signal.SIGKILL)
+                    killed.append(workers[-1].pid)
+                    break
+            time.sleep(0.05)
 
 
-def test_killed_rank_is_retried_and_resumes_exactly(prefect_harness, tmp_path, tiny_model):
+def workers_alive() -> list[int]:
+    return [p.pid for p in psutil.Process().children(recursive=True) if is_worker(p)]
+
+
+class Interrupt(BaseException):
+    """What Prefect raises in a flow-run process it cancels (a BaseException, like its TerminationSignal)."""
+
+
+def test_killed_rank_retries_then_a_second_flow_run_resumes_exactly(prefect_harness, tmp_path, tiny_model):
     cfg = build_config(
         {
             "base": "ladle://tiny-llama",
@@ -72,13 +87,27 @@ def test_killed_rank_is_retried_and_resumes_exactly(prefect_harness, tmp_path, t
     track = start_run(cfg, None, "retry-test")
     run_url = str(tmp_path / "runs" / "killed")
 
+    # Flow run 1: killed after step 4 (the task retries and resumes), killed again after step 12 (retries spent).
     killed: list = []
-    killer = threading.Thread(target=kill_a_rank_after_checkpoint, args=(run_url, 4, killed), daemon=True)
+    killer = threading.Thread(target=kill_a_rank_after_checkpoints, args=(run_url, [4, 12], killed), daemon=True)
     killer.start()
-    result = train_only(cfg, plan, dataset, run_url, track)
-    killer.join(timeout=1)
+    first = train_only(cfg, plan, dataset, run_url, track, return_state=True)
+    killer.join(timeout=5)
+    assert len(killed) == 2, f"killed {killed}"
+    assert first.is_failed()
+    assert max(complete_steps(storage.join(run_url, "checkpoints"))) >= 12  # the retry got past its resume point
 
-    assert killed, "no training process was killed"
-    assert result.resumed_from_step >= 4  # the retry found a complete checkpoint
+    # Flow run 2, same run folder: resumes from the newest complete checkpoint.
+    second = train_only(cfg, plan, dataset, run_url, track)
+    assert second.resumed_from_step >= 12
+
+    # The uninterrupted reference, after an interrupted launch that must leave no rank behind.
+    def interrupt_at_step_2(event: dict) -> None:
+        if event.get("event") == "step" and event["step"] >= 2:
+            raise Interrupt()
+
+    with pytest.raises(Interrupt):
+        launch(spec, on_progress=interrupt_at_step_2)
+    assert workers_alive() == []
     reference = launch(spec)
-    assert result.train_losses == pytest.approx(reference.train_losses, abs=1e-5)
+    assert second.train_losses == pytest.approx(reference.train_losses, abs=1e-5)
