@@ -200,6 +200,21 @@ def train_spec(cfg, root: Path, run: str = "run", topo=None):
     return TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(base), run_url=str(Path(root) / run))
 
 
+def launch_all(specs: dict, parallel: int = 2) -> dict:
+    """``launch`` each spec, ``parallel`` at a time; results by the same keys.
+
+    Two launches overlap well on 2 cores: most of a short run is process start-up (imports, gloo
+    rendezvous, model load), not compute, and float32 results do not depend on what else runs.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ladle.train.run import launch
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = {key: pool.submit(launch, spec) for key, spec in specs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
 def strategy_spec(strategy: str, root: Path, *overrides: str, steps: int = 6, topo=None):
     """The strategy suite's run: LoRA on every linear layer plus a trained head, global batch 8 = 2 micro x
     2 ranks x 2 accumulation (exercises no_sync), a checkpoint every 3 steps; outputs under a folder named

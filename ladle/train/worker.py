@@ -373,4 +373,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()  # an exception propagates: a normal, traceback-printing exit
+    # Everything this process wrote is closed and flushed by now (checkpoints, outputs, the result file, MLflow's
+    # synchronous calls); skipping the interpreter's teardown of torch and its thread pools saves ~1.3 s per rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -14,7 +14,7 @@ from ladle.merge import merge_adapter
 from ladle.train.checkpoint import step_dir
 from ladle.train.run import launch
 from ladle.train.spec import TrainSpec
-from tests.helpers import strategy_spec
+from tests.helpers import launch_all, strategy_spec
 
 pytestmark = pytest.mark.pipeline
 STEPS = 6
@@ -30,7 +30,9 @@ SHARDED = ("zero1", "zero2", "zero3", "zero++", "fsdp2", "pipeline")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("strategies")
-    return {name: (launch(spec_for(name, root)), spec_for(name, root)) for name in ("ddp", *SHARDED)}
+    specs = {name: spec_for(name, root) for name in ("ddp", *SHARDED)}
+    results = launch_all(specs)
+    return {name: (results[name], specs[name]) for name in specs}
 
 
 @pytest.mark.parametrize("name", SHARDED)
@@ -143,9 +145,9 @@ def full_runs(tmp_path_factory, tiny_model):
     """Full fine-tunes (no LoRA), 2 steps: what each sharded strategy consolidates into one model."""
     root = tmp_path_factory.mktemp("full")
     full = ("training.lora.enabled=false", "training.max_steps=2", "training.checkpoint_every=0")
-    runs = {name: launch(spec_for(name, root, *full)) for name in ("ddp", "zero3", "fsdp2", "tp")}
-    runs["pipeline"] = launch(spec_for("pipeline", root, *full, "parallelism.pipeline.schedule=gpipe"))
-    return runs
+    specs = {name: spec_for(name, root, *full) for name in ("ddp", "zero3", "fsdp2", "tp")}
+    specs["pipeline"] = spec_for("pipeline", root, *full, "parallelism.pipeline.schedule=gpipe")
+    return launch_all(specs)
 
 
 @pytest.mark.parametrize("name", ["pipeline", "tp"])
