@@ -44,6 +44,23 @@ def prefect(*args: str, env: dict, timeout: int = 180) -> subprocess.CompletedPr
     return done
 
 
+def start_service(argv: list[str], health_url: str, home: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start a server in its own session, logging to ``home/server.log``; return once ``health_url`` answers 200."""
+    with open(home / "server.log", "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(health_url, timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc, grace_s=0, group=True)
+            pytest.fail(f"{argv[0]} did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-server")
@@ -55,26 +72,10 @@ def prefect_server(tmp_path_factory):
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "LADLE_REPO": str(ROOT),
     }
-    with open(home / "server.log", "w") as log:  # the child keeps its own copy of the descriptor
-        server = subprocess.Popen(
-            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            stop_process(server, grace_s=0)
-            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.5)
+    argv = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    server = start_service(argv, f"http://127.0.0.1:{port}/api/health", home, env)
     yield env
-    stop_process(server)
+    stop_process(server, group=True)
 
 
 SECRET_S3 = "s3-secret-9f1c2b7e4d"  # the artifact store's secret key, saved in a Prefect block
@@ -89,20 +90,8 @@ def mlflow_server(tmp_path_factory):
     port = free_port()
     argv = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--artifacts-destination", str(home / "art")]
-    with open(home / "server.log", "w") as log:
-        proc = subprocess.Popen([*argv, "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_process(proc, grace_s=0, group=True)
-            pytest.fail(f"mlflow server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.5)
+    proc = start_service([*argv, "--workers", "1"], f"{url}/health", home)
     yield url
     stop_process(proc, group=True)
 
