@@ -39,7 +39,10 @@ def register(value: str | None) -> None:
 def secret_values() -> list[str]:
     """Every secret value known now, longest first (a secret containing another is masked whole)."""
     values = set(_extra)
-    for name, value in os.environ.items():
+    # Keys first, then .get: other threads (MLflow's telemetry) set and delete variables while this runs, and
+    # os.environ.items() raises KeyError for a key deleted between its listing and its lookup.
+    for name in list(os.environ):
+        value = os.environ.get(name)
         if (name in SECRET_VARS or SECRET_NAME.search(name)) and value and len(value) >= MIN_SECRET_LEN:
             values.add(value)
     return sorted(values, key=len, reverse=True)
