@@ -64,7 +64,7 @@ def run(query_seconds: str, work: Path, models: tuple[Path, Path]) -> dict:
     from ladle.config import load_config
     from ladle.data.prepare import fingerprint
     from ladle.processes import free_port, stop_process
-    from tests.helpers import Traffic
+    from tests.helpers import Traffic, deployments_file
 
     work.mkdir(parents=True)
     port, front_port = free_port(), free_port()
@@ -100,14 +100,7 @@ def run(query_seconds: str, work: Path, models: tuple[Path, Path]) -> dict:
                 uri, name, str(model), None, {"ladle.model_sha256": f"bench-{i}", "ladle.data_fingerprint": fp}
             )
         promote.promote(uri, name, "1", "bench")
-        import yaml
-
-        spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
-        for d in spec["deployments"]:
-            if d["name"] == "champion":
-                d["parameters"]["front_port"] = front_port
-                d["triggers"][0]["parameters"]["front_port"] = front_port
-        (work / "prefect.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+        deployments_file(work, front_port=front_port)
         prefect = [str(BIN / "prefect")]
         subprocess.run(
             [*prefect, "work-pool", "create", "ladle-local", "--type", "process"],

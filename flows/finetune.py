@@ -100,7 +100,7 @@ def finetune(
         clock.lap("prepare")
         result = train_task(config, plan, prepared, run_url, track)
         clock.lap("train")
-        merged = merge_task(config, result, run_url, track)
+        merged = merge_task(config, result, run_url)
         clock.lap("merge")
         scores = evaluate_task(config, merged, prepared, track)
         clock.lap("evaluate")

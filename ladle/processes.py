@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 
 
 def free_port() -> int:
@@ -37,3 +38,40 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 15.0, group: bool = Fa
     if group:  # children that ignored SIGTERM and outlived their leader
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def exited(pid: int) -> bool:
+    """The process is gone (reaped here when it is this process's child, so no zombie is left)."""
+    import psutil
+
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == pid
+    except ChildProcessError:  # not ours: gone once it no longer runs (a zombie waits for its own parent)
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+
+def stop_pid(pid: int, grace_s: float, group: bool = False) -> str:
+    """``stop_process`` for a process known only by its pid (one another process started, e.g. from a run record).
+
+    Returns:
+        ``stopped`` (it exited within ``grace_s`` of SIGTERM) or ``killed``.
+    """
+
+    def send(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig) if group else os.kill(pid, sig)
+
+    send(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if exited(pid):
+            return "stopped"
+        time.sleep(0.1)
+    send(signal.SIGKILL)
+    while not exited(pid):
+        time.sleep(0.1)
+    return "killed"

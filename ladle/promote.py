@@ -15,6 +15,7 @@ import time
 from pydantic import BaseModel, Field
 
 from ladle.errors import LadleError
+from ladle.secrets import redact_url
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
@@ -191,7 +192,7 @@ def rollback(uri: str, name: str, to: str | None = None) -> tuple[str | None, st
         LadleError: no such model or version, or no previous champion to go back to.
     """
     if not versions(uri, name):
-        raise LadleError(f"NAME = {name!r}: no registered model of that name at {redact_uri(uri)}.")
+        raise LadleError(f"NAME = {name!r}: no registered model of that name at {redact_url(uri)}.")
     current = champion(uri, name)
     past = history(uri, name)
     if to is not None:
@@ -211,9 +212,3 @@ def rollback(uri: str, name: str, to: str | None = None) -> tuple[str | None, st
         raise LadleError(f"--to {target}: version {target} is already the champion of {name!r}.")
     set_champion(uri, name, target, f"rollback from v{current.version if current else '-'}", new_history)
     return (current.version if current else None), target
-
-
-def redact_uri(uri: str) -> str:
-    from ladle.secrets import redact_url
-
-    return redact_url(uri)

@@ -14,7 +14,8 @@ from ladle.evaluate import Evaluation, score
 from ladle.events import emit_promoted
 from ladle.merge import MergedModel
 from ladle.plan import Plan
-from ladle.serve.deploy import Endpoint, local_model_dir
+from ladle.serve.champion import model_dir_of
+from ladle.serve.deploy import Endpoint
 from ladle.tasks.policy import retry_unless_user_error
 from ladle.tracking import Tracking, client, metric_key
 from ladle.train.spec import TrainResult
@@ -27,9 +28,7 @@ def reference_score(
     metric = cfg.gate_metric()
     if current is None:
         return evaluation.base.get(metric), "base model"
-    sha = current.tags.get("ladle.model_sha256", "")
-    model_dir = local_model_dir(MergedModel(url=current.source, sha256=sha or current.version, parameters=0))
-    scores, _ = score(model_dir, prepared, cfg.eval)  # cached per (champion files, data)
+    scores, _ = score(model_dir_of(current), prepared, cfg.eval)  # cached per (champion files, data)
     return scores.values.get(metric), f"champion v{current.version}"
 
 

@@ -124,17 +124,9 @@ MISTRAL_7B = {
 
 def stop_pid(pid: int, grace_s: float = 15.0) -> None:
     """``stop_process`` for a process known only by its pid (e.g. a server left running on purpose)."""
-    import psutil
+    from ladle.processes import stop_pid as stop
 
-    try:
-        proc = psutil.Process(pid)
-        proc.terminate()
-        proc.wait(timeout=grace_s)
-    except psutil.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
-    except psutil.NoSuchProcess:
-        pass
+    stop(pid, grace_s)
 
 
 def run_cli(
@@ -311,3 +303,17 @@ def wait_for_requests(traffic: Traffic, n: int, timeout: float = 60) -> None:
     while len(traffic.results) < start + n:
         assert time.monotonic() < deadline, f"no traffic went through: {traffic.results[-5:]}"
         time.sleep(0.1)
+
+
+def deployments_file(folder: Path, **serving) -> Path:
+    """deployments/prefect.yaml as an operator adapts it: ``serving`` parameters (front port, artifact store)
+    set on the `champion` deployment and on its trigger; written to ``folder/prefect.yaml``."""
+    import yaml
+
+    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    champion = next(d for d in spec["deployments"] if d["name"] == "champion")
+    champion["parameters"].update(serving)
+    champion["triggers"][0]["parameters"].update(serving)
+    path = folder / "prefect.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ladle.cli.common import JSON, SET, command, console, load, print_json
 from ladle.errors import LadleError
+from ladle.secrets import redact_url
 
 app = typer.Typer(
     help="Registered models: versions and their metrics, the `champion` alias, rollback, and serving the champion.",
@@ -49,7 +50,7 @@ def list_(name: str = NAME, uri: str | None = URI, config: str | None = CONFIG_O
     store = tracking_uri(uri, config)
     found = promote.versions(store, name)
     if not found:
-        raise LadleError(f"NAME = {name!r}: no registered model of that name at {promote.redact_uri(store)}.")
+        raise LadleError(f"NAME = {name!r}: no registered model of that name at {redact_url(store)}.")
     rows = [
         {
             "version": v.version,

@@ -15,15 +15,11 @@ flow run, ``ladle model serve``) that started them; ``ladle model stop`` ends th
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import sys
 import time
 
 import httpx
-import psutil
 from pydantic import BaseModel, Field
 
 from ladle import promote
@@ -31,8 +27,9 @@ from ladle.assets import ladle_home
 from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.merge import MergedModel
-from ladle.processes import free_port, stop_process
-from ladle.serve import backends, router
+from ladle.processes import free_port, stop_pid, stop_process
+from ladle.secrets import redact_url
+from ladle.serve import backends, records, router
 from ladle.serve.deploy import DEFAULT_SMOKE, DeployFailed, local_model_dir, smoke, start_server, wait_healthy
 
 
@@ -103,39 +100,6 @@ def current_upstream(record: dict) -> dict | None:
     return answer.json()["upstream"]
 
 
-def server_alive(upstream: dict | None) -> bool:
-    if not upstream:
-        return False
-    try:
-        return "ladle.serve" in " ".join(psutil.Process(upstream["pid"]).cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
-
-
-def stop_server(pid: int, grace_s: float) -> None:
-    """Drain and stop a server's process group (SIGTERM, then SIGKILL after ``grace_s``)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if exited(pid):
-            return
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-    while not exited(pid):
-        time.sleep(0.1)
-
-
-def exited(pid: int) -> bool:
-    """The process is gone (reaped here when it is this process's child)."""
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == pid
-    except ChildProcessError:  # not ours: gone once it no longer exists (init reaps it)
-        return not psutil.pid_exists(pid)
-
-
 def model_dir_of(version: promote.Version):
     """The version's model folder on local disk (copied once from a remote store)."""
     sha = version.tags.get("ladle.model_sha256") or f"v{version.version}-{version.created_ms}"
@@ -174,12 +138,12 @@ def reconcile(uri: str, name: str, cfg: ServeConfig) -> Serving:
     wanted = promote.champion(uri, name)
     if wanted is None:
         raise LadleError(
-            f"model {name!r} has no `champion` at {promote.redact_uri(uri)}: nothing to serve. Run the pipeline "
+            f"model {name!r} has no `champion` at {redact_url(uri)}: nothing to serve. Run the pipeline "
             "until a version is promoted, or set one with `ladle model rollback NAME --to VERSION`."
         )
     front = ensure_front(name, cfg)
     old = current_upstream(front)
-    if old and str(old["version"]) == wanted.version and server_alive(old):
+    if old and str(old["version"]) == wanted.version and records.alive(old):
         return Serving(
             model=name,
             version=wanted.version,
@@ -205,8 +169,8 @@ def reconcile(uri: str, name: str, cfg: ServeConfig) -> Serving:
     )
     switched.raise_for_status()
     took = time.monotonic() - started
-    if old and server_alive(old):
-        stop_server(old["pid"], cfg.drain_timeout_s + 10)
+    if old and records.alive(old):
+        stop_pid(old["pid"], cfg.drain_timeout_s + 10, group=True)
     return Serving(
         model=name,
         version=wanted.version,
@@ -230,8 +194,8 @@ def stop(name: str, grace_s: float = 40.0) -> dict:
     if front is None:
         raise LadleError(f"NAME = {name!r}: no front is serving it on this machine (see `ladle model status`).")
     upstream = current_upstream(front)
-    stop_server(front["pid"], grace_s)
-    if server_alive(upstream):
-        stop_server(upstream["pid"], grace_s)
+    stop_pid(front["pid"], grace_s, group=True)
+    if records.alive(upstream):
+        stop_pid(upstream["pid"], grace_s, group=True)
     router.record_path(name).unlink(missing_ok=True)
     return {"front": front["url"], "server_pid": upstream["pid"] if upstream else None}

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
 import psutil
 
 from ladle.assets import ladle_home
+from ladle.processes import stop_pid
 
 
 def records_dir() -> Path:
@@ -39,10 +39,12 @@ def write(url: str, model: str, backend: str, model_dir: str) -> Path:
     return path
 
 
-def alive(record: dict) -> bool:
+def alive(record: dict | None, marker: str = "ladle.serve") -> bool:
     """The recorded process still exists and is still a ladle server (pids are reused)."""
+    if not record:
+        return False
     try:
-        return "ladle.serve" in " ".join(psutil.Process(record["pid"]).cmdline())
+        return marker in " ".join(psutil.Process(record["pid"]).cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 
@@ -68,20 +70,9 @@ def stop(record: dict, grace_s: float) -> str:
     Returns:
         ``stopped`` or ``killed``.
     """
-    os.killpg(record["pgid"], signal.SIGTERM) if record["pgid"] == record["pid"] else os.kill(
-        record["pid"], signal.SIGTERM
-    )
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not alive(record):
-            (records_dir() / f"{record['pid']}.json").unlink(missing_ok=True)
-            return "stopped"
-        time.sleep(0.2)
-    os.killpg(record["pgid"], signal.SIGKILL) if record["pgid"] == record["pid"] else os.kill(
-        record["pid"], signal.SIGKILL
-    )
+    outcome = stop_pid(record["pid"], grace_s, group=record["pgid"] == record["pid"])
     (records_dir() / f"{record['pid']}.json").unlink(missing_ok=True)
-    return "killed"
+    return outcome
 
 
 def send(record: dict, sig: int) -> None:

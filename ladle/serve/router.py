@@ -54,18 +54,15 @@ def write_record(path: Path, record: dict) -> None:
 
 def read_record(name: str) -> dict | None:
     """The live router of ``name``, or None (a record of a dead router is removed)."""
-    import psutil
+    from ladle.serve import records
 
     path = record_path(name)
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    try:
-        if "ladle.serve.router" in " ".join(psutil.Process(record["pid"]).cmdline()):
-            return record
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        pass
+    if records.alive(record, marker="ladle.serve.router"):
+        return record
     path.unlink(missing_ok=True)
     return None
 

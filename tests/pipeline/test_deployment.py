@@ -30,7 +30,7 @@ from ladle import storage
 from ladle.processes import stop_process
 from ladle.serve import champion, records, router
 from ladle.train.run import free_port
-from tests.helpers import ROOT, Traffic, run_cli, wait_for_requests
+from tests.helpers import ROOT, Traffic, deployments_file, run_cli, wait_for_requests
 from tests.pipeline import checks
 
 pytestmark = pytest.mark.pipeline
@@ -115,20 +115,6 @@ def scenario_data(folder: Path, demo: Path) -> dict[str, str]:
     return paths
 
 
-def deployments_file(folder: Path, front_port: int) -> Path:
-    """deployments/prefect.yaml as an operator would adapt it: the serving deployment's front port and store."""
-    import yaml
-
-    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
-    serving = next(d for d in spec["deployments"] if d["name"] == "champion")
-    extra = {"front_port": front_port, "artifact_store": "lifecycle-store"}
-    serving["parameters"].update(extra)
-    serving["triggers"][0]["parameters"].update(extra)
-    path = folder / "prefect.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
-
-
 def api(env: dict, method: str, path: str, **body):
     answer = httpx.request(method, f"{env['PREFECT_API_URL']}{path}", json=body or None, timeout=30)
     answer.raise_for_status()
@@ -188,7 +174,14 @@ def test_model_lifecycle_through_deployments(
     env = {k: v for k, v in prefect_server.items() if not k.startswith("AWS_")}
     env.update(MLFLOW_TRACKING_URI=tracking, PREFECT_WORKER_QUERY_SECONDS="1")
     prefect("work-pool", "create", "ladle-local", "--type", "process", env=env)
-    prefect("--no-prompt", "deploy", "--all", "--prefect-file", str(deployments_file(tmp_path, front_port)), env=env)
+    prefect(
+        "--no-prompt",
+        "deploy",
+        "--all",
+        "--prefect-file",
+        str(deployments_file(tmp_path, front_port=front_port, artifact_store="lifecycle-store")),
+        env=env,
+    )
     store = (
         "from pydantic import SecretStr; from ladle.blocks import ArtifactStore; "
         f"ArtifactStore(url='s3://ladle/lifecycle', endpoint_url='{s3_server['AWS_ENDPOINT_URL']}', "
@@ -281,7 +274,7 @@ def test_model_lifecycle_through_deployments(
         assert len(swaps) == swaps_before + 2 and all(r["state"]["type"] == "COMPLETED" for r in swaps)
         # Each swapped-out server was drained and stopped: one server is left, behind the front.
         upstream = champion.current_upstream(router.read_record(MODEL))
-        assert upstream["version"] == "1" and champion.server_alive(upstream)
+        assert upstream["version"] == "1" and records.alive(upstream)
         assert [r["pid"] for r in records.running() if r["model"] == MODEL] == [upstream["pid"]]
 
         # 5. The nightly run was skipped: nothing trained.

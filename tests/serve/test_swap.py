@@ -13,7 +13,7 @@ from ladle import promote
 from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.processes import free_port
-from ladle.serve import champion, router
+from ladle.serve import champion, records, router
 
 NAME = "swap-demo"
 
@@ -42,7 +42,7 @@ def test_a_version_that_cannot_start_never_takes_traffic(tmp_path, tiny_model):
         answer = httpx.post(f"{served.front_url}/v1/chat/completions", json=body, timeout=60)
         assert answer.status_code == 200 and answer.headers[router.VERSION_HEADER] == "1"
         upstream = champion.current_upstream(router.read_record(NAME))
-        assert upstream["pid"] == served.server_pid and champion.server_alive(upstream)
+        assert upstream["pid"] == served.server_pid and records.alive(upstream)
 
         assert promote.rollback(uri, NAME) == ("2", "1")
         assert champion.reconcile(uri, NAME, cfg).action == "unchanged"  # v1 never stopped serving
@@ -50,7 +50,7 @@ def test_a_version_that_cannot_start_never_takes_traffic(tmp_path, tiny_model):
         if router.read_record(NAME):
             champion.stop(NAME, grace_s=20)
     assert router.read_record(NAME) is None
-    assert not champion.server_alive({"pid": served.server_pid})
+    assert not records.alive({"pid": served.server_pid})
 
 
 def test_nothing_to_serve_and_busy_port_are_clear_errors(tmp_path, tiny_model):
