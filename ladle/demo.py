@@ -151,3 +151,28 @@ def write_tiny_model(target: Path, data_file: Path) -> Path:
     tokenizer.save_pretrained(tmp)
     tmp.replace(target)
     return target
+
+
+def write_random_llama(target: Path, tokenizer_dir: Path, shard_mb: int = 400, seed: int = 0, **shape) -> Path:
+    """A random-init Llama of any size with the demo tokenizer, saved in ``shard_mb`` safetensors shards
+    (atomically). For measuring memory on models whose weights dominate the process; nothing is downloaded.
+
+    ``shape`` sets LlamaConfig fields (hidden_size, intermediate_size, num_hidden_layers, ...) over the tiny
+    model's."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(tokenizer_dir)
+    for key, value in shape.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True, max_shard_size=f"{shard_mb}MB")
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+    del model
+    tmp.replace(target)
+    return target

@@ -78,3 +78,11 @@ def lora(params: int, trainable: int, ranks: int = 1, shard_base: bool = False) 
     """LoRA: a frozen 16-bit base (sharded under FSDP2/ZeRO-3 when ``shard_base``), states only for the adapters."""
     base = WEIGHT_16 * params // (ranks if shard_base else 1)
     return ModelStates(base + WEIGHT_16 * trainable, GRAD_16 * trainable, FP32_STATES * trainable, 0)
+
+
+def fp32(params: int, ranks: int = 1, master_copy: bool = False) -> ModelStates:
+    """A float32 run (CPU): 4-byte weights and gradients, torch AdamW's two 4-byte moments, all divided over
+    ``ranks``; ``master_copy`` adds the float32 copy DeepSpeed keeps of its partition even when the model is
+    already float32."""
+    optimizer = (8 + (4 if master_copy else 0)) * params // ranks
+    return ModelStates(4 * params // ranks, 4 * params // ranks, optimizer, 0)

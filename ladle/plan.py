@@ -7,6 +7,7 @@ each explicit setting that won over a derived one is listed as an override.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import sys
@@ -50,6 +51,14 @@ class Plan(BaseModel):
     candidates: list[dict[str, Any]] = Field(
         default_factory=list,
         description="Every strategy the sizing considered, fastest first: per-rank memory, whether it fits, why.",
+    )
+    memory: dict[str, int] = Field(
+        default_factory=dict,
+        description="Bytes the chosen layout needs: per rank while loading (`load`) and per training step "
+        "(`train`); host RAM for the LoRA merge (`merge`); per serving device (`serve`). Empty: model size unknown.",
+    )
+    model_shape: dict[str, int] | None = Field(
+        None, description="The base's sizes that launcher configs are sized from (None: no config.json at hand)."
     )
 
     def launcher_argv(
@@ -203,11 +212,17 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
         None,
         problems=(
             *check_strategy(cfg, topo, target, model, strategy, micro.value, accumulation, global_batch),
-            *check_features(cfg, device, strategy),
+            *check_features(cfg, device, strategy, live=not topo.source.startswith("file:")),
         ),
     )
-    steps = (world, nodes, chosen, layout, micro, batch, dtype, checks)
-    return build_plan(cfg, topo, strategy, target, micro.value, batch.value, steps, list(chosen.value.candidates))
+    memory = check_memory(cfg, topo, target, model, strategy, micro.value)
+    steps = (world, nodes, chosen, layout, micro, batch, dtype, checks, memory)
+    shape = shape_summary(model)
+    plan = build_plan(
+        cfg, topo, strategy, target, micro.value, batch.value, steps, list(chosen.value.candidates), shape
+    )
+    plan.memory = memory.value
+    return plan
 
 
 def build_plan(
@@ -219,6 +234,7 @@ def build_plan(
     batch: tuple[int, int],
     steps: tuple[Decision, ...],
     candidates: list[dict],
+    model_shape: dict[str, int] | None = None,
 ) -> Plan:
     """The plan from the decisions' values and reasons, with the strategy's launcher config.
 
@@ -261,10 +277,89 @@ def build_plan(
         overrides=[o for step in steps for o in step.overrides],
         warnings=warnings,
         candidates=candidates,
+        model_shape=model_shape,
     )
     plan.launcher_config, resolved = strategy.configure(cfg, plan)
     plan.reasons += resolved
     return plan
+
+
+def host_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(cfg, topo, target: Target, model, strategy: Strategy, micro: int) -> Decision[dict[str, int]]:
+    """The whole pipeline's memory for the chosen layout: loading and a training step per rank, the LoRA merge
+    in host RAM, and one serving replica per device; a merge or a server that cannot fit this machine is
+    refused now, not hours later."""
+    if model is None:
+        return Decision({})
+    try:
+        job = sizing_job(cfg, model, target, micro)
+    except LadleError:
+        return Decision({})  # choose_strategy already warned that memory was not sized
+    est = strategy.estimate(job, strategy.options(cfg))
+    stored = 4 if target.device == "cpu" or target.dtype == "float32" else 2  # the merged weights' dtype
+    merge = sizing.merge_bytes(job.shape, stored) if cfg.training.lora.enabled else 0
+    serve_cfg = cfg.serve
+    shards = 1
+    if backends.get(serve_cfg.backend).shards_model and target.device == "cuda":
+        shards = serve_cfg.tensor_parallel or max(topo.gpu_count, 1)
+    tokens = cfg.data.seq_len + serve_cfg.max_new_tokens
+    serve = sizing.serve_bytes(job.shape, stored, serve_cfg.max_batch_size, tokens, shards)
+    serve += sizing.CONTEXT_BYTES if target.device == "cuda" else 0
+    memory = {"load": est.load + est.context, "train": est.total, "merge": merge, "serve": serve}
+    # The merge runs on this host; a recorded topology describes another one, whose RAM is not known.
+    host = None if topo.source.startswith("file:") else host_bytes()
+    device = device_bytes(topo, target.device, 1)
+    reasons = [
+        f"memory per rank: loading {sizing.gib(memory['load'])} (its share of the weights, read one tensor at a "
+        f"time), training step {sizing.gib(est.total)}"
+    ]
+    problems = []
+    if merge:
+        reasons.append(f"merge: {sizing.gib(merge)} of host RAM (streamed one base shard at a time)")
+        if host and merge > sizing.HEADROOM * host:
+            problems.append(
+                f"training.lora.enabled = true: merging the adapter needs {sizing.gib(merge)} of host RAM (one "
+                f"{sizing.gib(min(job.shape.params * stored, sizing.MERGE_SHARD_BYTES))} base shard and the tensor "
+                f"being folded) and this host has {sizing.gib(host)}. Save the base in smaller safetensors shards "
+                "(save_pretrained(max_shard_size='2GB')) or run on a host with more memory."
+            )
+    where = f"{shards} device(s)" if shards > 1 else "one device"
+    reasons.append(
+        f"serve ({serve_cfg.backend}): {sizing.gib(serve)} per device over {where} (weights, and the KV cache of "
+        f"{serve_cfg.max_batch_size} request(s) x {tokens} tokens)"
+    )
+    warnings = []
+    if device and serve > sizing.HEADROOM * device:
+        # A warning, not a refusal: the served model often runs elsewhere (another machine, or MII over more
+        # GPUs than trained); the plan says so before any training starts.
+        warnings.append(
+            f"serve.backend = {serve_cfg.backend}: serving the merged model needs {sizing.gib(serve)} per device over "
+            f"{where} and each has {sizing.gib(device)}. Shard it (serve.backend=mii with serve.tensor_parallel=0: "
+            "every GPU), or lower serve.max_batch_size / serve.max_new_tokens."
+        )
+    return Decision(memory, tuple(reasons), tuple(warnings), tuple(problems))
+
+
+def shape_summary(model: dict | None) -> dict[str, int] | None:
+    """The sizes launcher configs are derived from (e.g. DeepSpeed's bucket sizes), or None when unknown."""
+    if model is None:
+        return None
+    try:
+        shape = sizing.shape_from_config(model)
+    except (KeyError, TypeError, ValueError, LadleError):
+        return None
+    return {
+        "hidden_size": shape.hidden,
+        "layer_params": shape.layer_params,
+        "largest_tensor": shape.largest_tensor,
+        "params": shape.params,
+    }
 
 
 def choose_nodes(cfg: LadleConfig, topo: Topology) -> Decision[int]:
@@ -505,16 +600,26 @@ def check_strategy(
     return problems
 
 
-def check_features(cfg: LadleConfig, device: str, strategy: Strategy) -> list[str]:
-    """Features that need CUDA or a particular strategy, checked before anything starts."""
+def bitsandbytes_installed() -> bool:
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def check_features(cfg: LadleConfig, device: str, strategy: Strategy, live: bool = True) -> list[str]:
+    """Features that need CUDA or a particular strategy, checked before anything starts; ``live``: the plan is
+    for this host (not a recorded topology), so what is installed here matters."""
     problems = []
     quant = cfg.training.quantization
+    if quant.mode != "none" and live and not bitsandbytes_installed():
+        problems.append(
+            f"training.quantization.mode = {quant.mode}: 4-bit QLoRA quantizes the base with bitsandbytes, which "
+            "is not installed. Install it with: pip install 'ladle[qlora]' (or set training.quantization.mode=none)."
+        )
     if device == "cpu" and quant.mode != "none":
         problems.append(
             f"training.quantization.mode = {quant.mode}: 4-bit QLoRA needs CUDA and "
             "bitsandbytes; this host has no GPU. Set training.quantization.mode=none or run on a GPU host."
         )
-    problems += backends.get(cfg.serve.backend).host_problems(has_cuda=device == "cuda")
+    problems += backends.get(cfg.serve.backend).host_problems(has_cuda=device == "cuda", installed_here=live)
     if cfg.output.startswith("memory://"):
         problems.append(
             f"output = {cfg.output}: training runs in separate processes, which cannot see this process's "

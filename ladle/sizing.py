@@ -52,6 +52,11 @@ class ModelShape:
     def linear_params(self) -> int:
         return self.params - self.embedding_params
 
+    @property
+    def largest_tensor(self) -> int:
+        """Elements of the largest single weight (the embedding, or an MLP projection)."""
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+
 
 def shape_from_config(config: dict, trainable: int | None = None) -> ModelShape:
     """The sizes the memory model needs, from a ``config.json`` dict."""
@@ -111,9 +116,24 @@ class Estimate:
     host: int = 0
     note: str = ""
     context: int = CONTEXT_BYTES
+    load: int = 0  # held at the end of loading: this rank's weights plus the largest tensor being read
+
+    @property
+    def peak(self) -> int:
+        """The larger of loading and a training step."""
+        return max(self.total, self.load + self.context)
 
     @classmethod
-    def of(cls, label: str, states: memory.ModelStates, activations: int, logits: int, job: Job, note: str = ""):
+    def of(
+        cls,
+        label: str,
+        states: memory.ModelStates,
+        activations: int,
+        logits: int,
+        job: Job,
+        note: str = "",
+        load: int = 0,
+    ):
         """An estimate from model states plus activations and logits (the CUDA context on GPUs)."""
         return cls(
             label,
@@ -126,6 +146,7 @@ class Estimate:
             states.host,
             note,
             CONTEXT_BYTES if job.cuda else 0,
+            load,
         )
 
     @property
@@ -187,8 +208,14 @@ def lora_states(job: Job, base_ranks: int, offload_params: bool = False) -> memo
     the adapters only; ``offload_params`` keeps the base in host memory."""
     s = job.shape
     base = memory.lora(s.params, s.trainable, base_ranks, shard_base=base_ranks > 1)
-    if job.dtype_bytes == 4:  # a float32 run (CPU) keeps the frozen base in 4 bytes, not 2
-        base = memory.ModelStates(base.weights * 2, base.gradients, base.optimizer, 0)
+    if job.dtype_bytes == 4:  # a float32 run (CPU): 4-byte base and adapters, torch AdamW's moments
+        adapters = memory.fp32(s.trainable)
+        base = memory.ModelStates(
+            4 * s.params // base_ranks + adapters.weights, adapters.gradients, adapters.optimizer, 0
+        )
+    if base_ranks > 1:  # a sharded base is gathered a layer at a time, beside the root (embeddings and head)
+        gathered = job.dtype_bytes * (s.layer_params + s.embedding_params)
+        base = memory.ModelStates(base.weights, base.gradients, base.optimizer, gathered)
     if offload_params:
         host = memory.WEIGHT_16 * s.params // job.nodes
         base = memory.ModelStates(memory.WEIGHT_16 * s.trainable, base.gradients, base.optimizer, 0, host)
@@ -196,3 +223,23 @@ def lora_states(job: Job, base_ranks: int, offload_params: bool = False) -> memo
         quantized = int((s.linear_params * NF4_BYTES + s.embedding_params * memory.WEIGHT_16) / base_ranks)
         base = memory.ModelStates(quantized + memory.WEIGHT_16 * s.trainable, base.gradients, base.optimizer, 0)
     return base
+
+
+MERGE_SHARD_BYTES = 5 * GIB  # the largest safetensors shard Hugging Face writes by default (max_shard_size 5GB)
+
+
+def merge_bytes(shape: ModelShape, dtype_bytes: int) -> int:
+    """Host memory of the streaming merge (``ladle.merge``): one output shard of the base, plus the tensor being
+    folded in float32 (weight, and B @ A) and its stored copy."""
+    shard = min(shape.params * dtype_bytes, MERGE_SHARD_BYTES)
+    return shard + shape.largest_tensor * (4 + 4 + dtype_bytes)
+
+
+def serve_bytes(shape: ModelShape, dtype_bytes: int, batch: int, tokens_per_request: int, shards: int = 1) -> int:
+    """Device memory of one serving replica: the merged weights, the KV cache of ``batch`` requests of
+    ``tokens_per_request`` tokens (keys and values, every layer) and one decode step's float32 logits;
+    weights and cache divided over ``shards`` tensor-parallel devices."""
+    weights = shape.params * dtype_bytes
+    kv = batch * tokens_per_request * 2 * shape.layers * shape.kv_dim * dtype_bytes
+    logits = batch * shape.vocab * 4
+    return (weights + kv) // shards + logits

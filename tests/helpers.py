@@ -3,6 +3,7 @@ shapes, the CLI runner, and the train-spec set-up. Test modules import from here
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -187,7 +188,8 @@ def train_spec(cfg, root: Path, run: str = "run", topo=None):
     from ladle.train.spec import TrainSpec
 
     base = resolve_base(cfg.base)
-    plan = make_plan(cfg, topo or probe(env={}, query_output=""))
+    model = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    plan = make_plan(cfg, topo or probe(env={}, query_output=""), model=model)
     dataset = prepare(cfg.data, base, str(root))
     return TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(base), run_url=str(Path(root) / run))
 

@@ -30,15 +30,18 @@ class Backend(ABC):
     requirement: ClassVar[str | None] = None
     options: ClassVar[dict[str, type]] = {}
     """Extra options its server accepts (``--option NAME=VALUE``), with their types."""
+    shards_model: ClassVar[bool] = False
+    """It splits one replica over ``serve.tensor_parallel`` GPUs (the planner sizes it per device)."""
 
     @classmethod
-    def host_problems(cls, has_cuda: bool) -> list[str]:
-        """What stops this backend on a host with (or without) a CUDA GPU; empty when it can run."""
+    def host_problems(cls, has_cuda: bool, installed_here: bool = True) -> list[str]:
+        """What stops this backend on a host with (or without) a CUDA GPU; empty when it can run.
+        ``installed_here`` False: the host is a recorded one, whose packages are not this machine's."""
         if cls.requires_cuda and not has_cuda:
             other = next((b.name for b in REGISTRY.values() if not b.requires_cuda), None)
             fix = f"Use serve.backend={other} or deploy on a GPU host." if other else "Deploy on a GPU host."
             return [f"serve.backend = {cls.name}: {cls.title} has no CPU path and this host has no CUDA GPU. {fix}"]
-        if cls.package and importlib.util.find_spec(cls.package) is None:
+        if installed_here and cls.package and importlib.util.find_spec(cls.package) is None:
             return [
                 f"serve.backend = {cls.name}: the {cls.requirement} package is not installed. pip install {cls.requirement}."
             ]
@@ -161,6 +164,7 @@ class MiiBackend(Backend):
     server's process group, so stopping the server stops it."""
 
     name = "mii"
+    shards_model = True
     title = "DeepSpeed-MII"
     summary = "a persistent DeepSpeed-MII (FastGen) deployment, tensor parallel (needs CUDA GPUs)"
     requires_cuda = True

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ladle.plan import Plan
     from ladle.schema import Section
     from ladle.topology import Topology
+    from ladle.train.loading import Pending
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ class Strategy(ABC):
     """Why ``torch.compile`` cannot run with this strategy (None: the generic reason)."""
     fallback: bool = False
     """The strategy used when the job cannot be sized (exactly one registered strategy sets it)."""
+    loads_lazily: bool = True
+    """The worker builds an empty model (``empty_context``) and ``wrap`` fills in only what this rank holds
+    (``ladle.train.loading``). False: ``from_pretrained`` with ``load_kwargs`` loads it."""
 
     # -- planner side: options ---------------------------------------------------------------------
 
@@ -164,7 +168,13 @@ class Strategy(ABC):
             states = self.model_states(job, options)
         acts, note = self.activations(job, options)
         logits = sizing.logits_bytes(job.shape, job.micro_batch * job.seq_len, job.dtype_bytes)
-        return sizing.Estimate.of(self.label(options), states, acts, logits, job, note)
+        load = self.load_bytes(job, options, states)
+        return sizing.Estimate.of(self.label(options), states, acts, logits, job, note, load)
+
+    def load_bytes(self, job: sizing.Job, options: Section | None, states: memory.ModelStates) -> int:
+        """Memory at the end of loading: the weights this rank holds, plus the tensor being read (lazy loading
+        reads one at a time, so a rank never holds more than its share and one tensor)."""
+        return states.weights + job.shape.largest_tensor * job.dtype_bytes
 
     # -- planner side: rendering -------------------------------------------------------------------
 
@@ -193,10 +203,17 @@ class Strategy(ABC):
         """Keyword arguments for ``accelerate.Accelerator`` in the worker."""
         return {}
 
+    def empty_context(self, plan: Plan, dtype):
+        """The context the worker builds the empty model in: parameters on the meta device by default."""
+        from ladle.train.loading import meta_context
+
+        return meta_context()
+
     @abstractmethod
-    def wrap(self, accelerator, model, make_optimizer: Callable, plan: Plan):
-        """Distribute ``model``, then build its optimizer with ``make_optimizer(model)``
-        (after sharding, so the optimizer holds shards); returns both."""
+    def wrap(self, accelerator, model, make_optimizer: Callable, plan: Plan, pending: Pending | None = None):
+        """Distribute ``model``, load what ``pending`` says it still lacks (only this rank's part), then build
+        its optimizer with ``make_optimizer(model)`` (after sharding, so the optimizer holds shards); returns
+        the model and the optimizer."""
 
     @abstractmethod
     def check_applied(self, accelerator, model, plan: Plan) -> dict:

@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import Field
 
+from ladle import memory
 from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy
 from ladle.strategies.registry import register
@@ -14,6 +15,9 @@ from ladle.strategies.registry import register
 class DDPOptions(Section):
     bucket_cap_mb: int = Field(25, ge=1, description="DDP gradient bucket size in MiB.")
     find_unused_parameters: bool = Field(False, description="Let DDP tolerate parameters without gradients.")
+
+
+BROADCAST_BUCKET = 250 * 2**20  # DDP's _sync_module_states bucket
 
 
 class DDP(Strategy):
@@ -35,6 +39,17 @@ class DDP(Strategy):
             why = "a full replica fits, and one gradient all-reduce is the least communication"
         return [Candidate(self, 0, why)]
 
+    def model_states(self, job, options) -> memory.ModelStates:
+        """A full replica, plus the reducer's flat gradient buckets (a second copy of every gradient)."""
+        params = job.shape.params
+        states = memory.fp32(params) if job.dtype_bytes == 4 else memory.ddp(params)
+        buckets = job.dtype_bytes * params
+        return memory.ModelStates(states.weights, states.gradients + buckets, states.optimizer, states.gathered)
+
+    def load_bytes(self, job, options, states) -> int:
+        """Wrapping broadcasts rank 0's weights in 250 MiB buckets (a flat copy and its received twin)."""
+        return super().load_bytes(job, options, states) + 2 * min(BROADCAST_BUCKET, states.weights)
+
     def accelerator_kwargs(self, plan) -> dict[str, Any]:
         from accelerate.utils import DistributedDataParallelKwargs
 
@@ -45,7 +60,9 @@ class DDP(Strategy):
         )
         return {"kwargs_handlers": [ddp]}
 
-    def wrap(self, accelerator, model, make_optimizer, plan):
+    def wrap(self, accelerator, model, make_optimizer, plan, pending=None):
+        if pending is not None:
+            pending.fill(model, accelerator.device)  # a full replica on every rank
         return accelerator.prepare(model, make_optimizer(model))
 
     def check_applied(self, accelerator, model, plan) -> dict:

@@ -17,7 +17,7 @@ mid-run (a compile killed halfway leaves a lock that hangs every later run).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any, Literal
 
 from pydantic import Field
@@ -39,15 +39,23 @@ class DeepSpeedOptions(Section):
     )
     nvme_path: str | None = Field(None, description="Local NVMe folder for `nvme` offload.")
     overlap_comm: bool = Field(True, description="Overlap gradient reduction with the backward pass.")
-    reduce_bucket_size: int = Field(
-        500_000_000, ge=1, description="Elements reduced per bucket (written to the DeepSpeed JSON as an integer)."
+    reduce_bucket_size: int | Literal["auto"] = Field(
+        "auto",
+        description="Elements reduced per bucket (written to the DeepSpeed JSON as an integer). auto: hidden^2, "
+        "Hugging Face's rule (DeepSpeed's own default, 5e8, is a 2 GB float32 buffer).",
     )
-    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, description="Stage 3: elements prefetched ahead.")
-    stage3_max_live_parameters: int = Field(
-        1_000_000_000, ge=0, description="Stage 3: gathered parameters kept alive before release, in elements."
+    stage3_prefetch_bucket_size: int | Literal["auto"] = Field(
+        "auto", description="Stage 3: elements prefetched ahead. auto: 0.9 x hidden^2."
     )
-    stage3_max_reuse_distance: int = Field(
-        1_000_000_000, ge=0, description="Stage 3: keep a gathered parameter if it is reused within this many elements."
+    stage3_max_live_parameters: int | Literal["auto"] = Field(
+        "auto",
+        description="Stage 3: gathered parameters kept alive before release, in elements. auto: two decoder "
+        "layers (or the largest tensor); DeepSpeed's 1e9 keeps a whole sub-1B model gathered.",
+    )
+    stage3_max_reuse_distance: int | Literal["auto"] = Field(
+        "auto",
+        description="Stage 3: keep a gathered parameter if it is reused within this many elements. auto: one "
+        "decoder layer, so a layer is not held from its forward to its backward.",
     )
     sub_group_size: int = Field(1_000_000_000, ge=1, description="Stage 3: optimizer step sub-group, in elements.")
     hpz_partition_size: int = Field(
@@ -117,12 +125,20 @@ class ZeRO(Strategy):
         if self.stage == 2:
             return memory.zero2(s.params, job.gpus_per_node, job.nodes, offload_optimizer=offload[0])
         largest = max(s.layer_params, s.embedding_params // 2)
+        if job.dtype_bytes == 4 and not any(offload):  # float32 (CPU): DeepSpeed still keeps a float32 master copy
+            states = memory.fp32(s.params, job.world, master_copy=True)
+            return memory.ModelStates(states.weights, states.gradients, states.optimizer, 8 * largest)
         return memory.zero3(
             s.params, largest, job.gpus_per_node, job.nodes, offload_optimizer=any(offload), offload_params=offload[1]
         )
 
     def lora_base_ranks(self, job, options) -> int:
         return job.world if self.stage == 3 else 1
+
+    def load_bytes(self, job, options, states) -> int:
+        """ZeRO-3 loads module by module: the module's gathered weights, and on rank 0 the tensor read."""
+        extra = job.shape.largest_tensor * job.dtype_bytes if self.stage == 3 else 0
+        return super().load_bytes(job, options, states) + extra
 
     def validate(self, cfg, topo, target) -> list[str]:
         ds = cfg.parallelism.deepspeed
@@ -153,25 +169,25 @@ class ZeRO(Strategy):
             "overlap_comm": opts["overlap_comm"] and plan.device == "cuda",
             "contiguous_gradients": True,
             "reduce_scatter": True,
-            "reduce_bucket_size": int(opts["reduce_bucket_size"]),
-            "allgather_bucket_size": int(opts["reduce_bucket_size"]),
         }
+        knobs, knob_reasons = resolve_buckets(opts, plan.model_shape)
+        zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = knobs["reduce_bucket_size"]
         if opts["offload_optimizer"] != "none":
             zero["offload_optimizer"] = offload(opts["offload_optimizer"], opts)
         if self.stage == 3:
             zero.pop("allgather_bucket_size")
             zero.update(
                 {
-                    "stage3_prefetch_bucket_size": int(opts["stage3_prefetch_bucket_size"]),
-                    "stage3_max_live_parameters": int(opts["stage3_max_live_parameters"]),
-                    "stage3_max_reuse_distance": int(opts["stage3_max_reuse_distance"]),
+                    "stage3_prefetch_bucket_size": knobs["stage3_prefetch_bucket_size"],
+                    "stage3_max_live_parameters": knobs["stage3_max_live_parameters"],
+                    "stage3_max_reuse_distance": knobs["stage3_max_reuse_distance"],
                     "sub_group_size": int(opts["sub_group_size"]),
                     "stage3_gather_16bit_weights_on_model_save": True,
                 }
             )
             if opts["offload_param"] != "none":
                 zero["offload_param"] = offload(opts["offload_param"], opts)
-        reasons = []
+        reasons = [r for key, r in knob_reasons.items() if self.stage == 3 or not key.startswith("stage3")]
         if plan.device == "cpu" and opts["overlap_comm"]:
             reasons.append("deepspeed overlap_comm off: it overlaps on CUDA streams, which a CPU run lacks")
         config = {
@@ -185,6 +201,22 @@ class ZeRO(Strategy):
             "steps_per_print": NO_PRINT,
             "wall_clock_breakdown": False,
         }
+        if opts["offload_optimizer"] != "none":
+            # DeepSpeed steps an offloaded optimizer with its own C++ Adam (DeepSpeedCPUAdam, compiled on first
+            # use) and refuses a client torch optimizer there, so the optimizer is rendered into the config.
+            config["optimizer"] = {
+                "type": "AdamW",
+                "params": {
+                    "lr": cfg.training.lr,
+                    "weight_decay": cfg.training.weight_decay,
+                    "betas": [0.9, 0.999],
+                    "eps": 1e-8,
+                },
+            }
+            reasons.append(
+                f"deepspeed optimizer offload to {opts['offload_optimizer']}: DeepSpeed's own AdamW "
+                "(DeepSpeedCPUAdam) takes the optimizer step on the host, with torch AdamW's settings"
+            )
         return config, reasons
 
     def before_launch(self, plan) -> None:
@@ -192,17 +224,51 @@ class ZeRO(Strategy):
 
     # -- worker side ---------------------------------------------------------
 
-    def wrap(self, accelerator, model, make_optimizer, plan):
+    def empty_context(self, plan, dtype):
+        """ZeRO-3 builds the model under ``deepspeed.zero.Init``: each parameter is partitioned as its module is
+        created, so no rank ever holds the whole model; stages 1 and 2 keep a full replica (the meta device)."""
+        if self.stage < 3:
+            return super().empty_context(plan, dtype)
+        import deepspeed
+        from transformers.initialization import no_init_weights
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+        cpu_without_shm_kernel(plan)
+        # zero.Init partitions over DeepSpeed's communicator: attach it to the process group accelerate made.
+        deepspeed.init_distributed(dist_backend=plan.backend, dist_init_required=False)
+        # transformers' own ZeRO-3 construction, less its random init (every weight is loaded afterwards):
+        # init functions skipped (they would index the empty partitions), RoPE buffers kept in float32.
+        stack = ExitStack()
+        stack.enter_context(no_init_weights())
+        stack.enter_context(prevent_arange_dtype_change())
+        # No dtype argument: DeepSpeed 0.19 reads `dtype or fp16 if fp16_supported else ...` without parentheses,
+        # so on a CPU accelerator any dtype passed becomes bfloat16. The config's bf16/fp16 flags (rendered from
+        # the plan's dtype) give the same dtype correctly.
+        stack.enter_context(deepspeed.zero.Init(config_dict_or_path=dict(plan.launcher_config)))
+        return stack
+
+    def wrap(self, accelerator, model, make_optimizer, plan, pending=None):
         import deepspeed
 
-        if plan.device == "cpu":
-            import deepspeed.ops
-
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see the module docstring
-        model.to(accelerator.device)
-        engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=make_optimizer(model), config=dict(plan.launcher_config), dist_init_required=False
-        )
+        cpu_without_shm_kernel(plan)
+        if pending is None:
+            model.to(accelerator.device)
+        elif self.stage == 3:
+            fill_partitioned(model, pending, accelerator.is_main_process)
+        else:
+            pending.fill(model, accelerator.device)
+        config = dict(plan.launcher_config)
+        if "optimizer" in config:
+            # Optimizer offload: DeepSpeed builds its own optimizer from the config (DeepSpeedCPUAdam for the
+            # host step); it refuses a client torch optimizer with offload (zero_force_ds_cpu_optimizer).
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            engine, optimizer, _, _ = deepspeed.initialize(
+                model=model, model_parameters=trainable, config=config, dist_init_required=False
+            )
+        else:
+            engine, optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=make_optimizer(model), config=config, dist_init_required=False
+            )
         return engine, optimizer
 
     def check_applied(self, accelerator, model, plan) -> dict:
@@ -390,6 +456,77 @@ class ZeROPlusPlus(ZeRO):
             "quantized_weights": running["zero_quantized_weights"],
             "quantized_gradients": running["zero_quantized_gradients"],
         }
+
+
+DEEPSPEED_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+}
+
+
+def resolve_buckets(opts: dict, shape: dict | None) -> tuple[dict[str, int], dict[str, str]]:
+    """The bucket and liveness sizes, with ``auto`` resolved from the model's shape, and why.
+
+    DeepSpeed's defaults are sized for no model in particular: a 5e8-element reduce bucket is 2 GB in
+    float32, and 1e9 live/reuse elements keep every layer of a sub-1B model gathered from its forward to its
+    backward, so ZeRO-3 would hold as much as DDP. Sized from the model, a rank holds its shards plus about
+    two layers.
+    """
+    values, reasons = {}, {}
+    for key, default in DEEPSPEED_DEFAULTS.items():
+        asked = opts.get(key, "auto")
+        if asked != "auto":
+            values[key] = int(asked)
+            continue
+        if shape is None:
+            values[key] = default
+            reasons[key] = f"deepspeed {key} {default:,}: auto, but the model size is unknown (DeepSpeed's default)"
+            continue
+        hidden, layer, largest = shape["hidden_size"], shape["layer_params"], shape["largest_tensor"]
+        values[key], why = {
+            "reduce_bucket_size": (hidden * hidden, "hidden^2"),
+            "stage3_prefetch_bucket_size": (int(0.9 * hidden * hidden), "0.9 x hidden^2"),
+            "stage3_max_live_parameters": (max(2 * layer, largest), "two decoder layers, or the largest tensor"),
+            "stage3_max_reuse_distance": (layer, "one decoder layer"),
+        }[key]
+        reasons[key] = f"deepspeed {key} {values[key]:,} (auto): {why}"
+    return values, reasons
+
+
+def cpu_without_shm_kernel(plan) -> None:
+    """On CPU, keep DeepSpeed from compiling its shared-memory all-reduce kernel (see the module docstring)."""
+    if plan.device == "cpu":
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def fill_partitioned(model, pending, main_process: bool) -> None:
+    """Load a ``zero.Init`` model module by module: each module's partitioned parameters are gathered, rank 0
+    copies the checkpoint's tensors in, and DeepSpeed re-partitions them on exit, so at most one module is
+    whole in memory. Parameters made after ``zero.Init`` are plain tensors that every rank fills: peft's
+    ``modules_to_save`` copies from the checkpoint, LoRA weights from their initial values. Buffers are never
+    partitioned and already hold theirs."""
+    import deepspeed
+    import torch
+
+    seen: set[int] = set()
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            own = [(n, p) for n, p in module.named_parameters(prefix=prefix, recurse=False) if id(p) not in seen]
+            seen.update(id(p) for _, p in own)
+            partitioned = [(n, p) for n, p in own if hasattr(p, "ds_id")]
+            for name, p in own:
+                if not hasattr(p, "ds_id"):
+                    p.data.copy_(pending.source(name).to(p.dtype))
+            if not partitioned:
+                continue
+            with deepspeed.zero.GatheredParameters([p for _, p in partitioned], modifier_rank=0):
+                if main_process:
+                    for name, p in partitioned:
+                        p.data.copy_(pending.source(name).to(p.dtype))
 
 
 def offload(device: str, opts: dict) -> dict:

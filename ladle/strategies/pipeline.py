@@ -131,7 +131,9 @@ class Pipeline(Strategy):
         ]
         return config, reasons
 
-    def wrap(self, accelerator, model, make_optimizer, plan):
+    def wrap(self, accelerator, model, make_optimizer, plan, pending=None):
+        """Split off this rank's stage (of an empty skeleton when ``pending``: the stage then reads only its
+        own layers' tensors) and build its schedule."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         from ladle.strategies.runtime.pipeline_stage import PipelineModel, StageModule, TokenLoss, causal_lm
@@ -147,7 +149,10 @@ class Pipeline(Strategy):
             )
         stages, stage = plan.world_size, accelerator.process_index
         peft_config = model.peft_config.get("default") if hasattr(model, "peft_config") else None
-        part = StageModule(model, stage, stages).to(accelerator.device)
+        part = StageModule(model, stage, stages)
+        if pending is not None:
+            pending.fill(part.wrapped, accelerator.device)
+        part.to(accelerator.device)
         loss = TokenLoss()
         pipe_stage = PipelineStage(part, stage, stages, accelerator.device)
         kind = plan.launcher_config["schedule"]

@@ -23,6 +23,7 @@ from ladle.strategies.registry import register
 
 class TensorParallel(Strategy):
     name = "tp"
+    loads_lazily = False  # transformers' tp_plan loading reads each rank's slices itself
     summary = "tensor parallel (transformers tp_plan on a DTensor mesh): every layer's weights split across ranks"
 
     # -- planner side --------------------------------------------------------
@@ -70,7 +71,8 @@ class TensorParallel(Strategy):
         mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,), mesh_dim_names=("tp",))
         return {"tp_plan": "auto", "device_mesh": mesh}
 
-    def wrap(self, accelerator, model, make_optimizer, plan):
+    def wrap(self, accelerator, model, make_optimizer, plan, pending=None):
+        # loads_lazily is False: from_pretrained's tp_plan already gave each rank only its slices.
         model.to(accelerator.device)
         return model, make_optimizer(model)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 from ladle.config import LadleConfig
@@ -38,6 +40,15 @@ class TrainResult(BaseModel):
     adapter_url: str | None = Field(description="Saved LoRA adapter folder (null for full fine-tunes).")
     model_url: str | None = Field(description="Saved full model folder (full fine-tunes).")
     peak_memory_mib: float = Field(0.0, description="Largest per-rank peak: CUDA allocated on GPUs, RSS on CPU.")
+    load_peak_memory_mib: float = Field(
+        0.0, description="Largest per-rank peak once the model was loaded and wrapped, before the first step."
+    )
+    baseline_memory_mib: float = Field(
+        0.0, description="Largest per-rank peak before any weight was loaded (the process and its libraries)."
+    )
+    weights_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="The dtype the trained weights were held in (the merge writes this dtype)."
+    )
     sharding: dict = Field(
         default_factory=dict, description="What the strategy verified in the worker (e.g. per-rank parameter share)."
     )

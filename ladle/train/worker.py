@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from ladle import storage, strategies
 from ladle.data.packing import IGNORE, read_rows
 from ladle.strategies.base import inner
-from ladle.train import checkpoint, schedule
+from ladle.train import checkpoint, loading, schedule
 from ladle.train.loss import token_loss
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
@@ -49,45 +49,61 @@ def write_line(line: str) -> None:
 
 
 def load_model(spec: TrainSpec, accelerator: Accelerator):
-    """Base model through ``from_pretrained`` (with the strategy's loading arguments), then LoRA via peft when enabled."""
+    """The base (+LoRA via peft), and what it still needs loaded.
+
+    Strategies that load lazily get an empty skeleton (``loading``) and a ``Pending`` that their ``wrap``
+    fills once the model is sharded or split, so each rank reads only what it holds. A 4-bit base goes
+    through ``from_pretrained`` (bitsandbytes quantizes while loading), as does a strategy whose own
+    loading arguments shard it (tensor parallel); those return no ``Pending``.
+    """
     from transformers import AutoModelForCausalLM
 
     cfg, plan = spec.config, spec.plan
+    strategy = strategies.get(plan.strategy)
     dtype = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
-    kwargs = {"dtype": dtype, **strategies.get(plan.strategy).load_kwargs(accelerator, plan)}
-    if cfg.training.quantization.mode == "nf4":
-        from transformers import BitsAndBytesConfig
+    quantized = cfg.training.quantization.mode == "nf4"
+    pending = None
+    if strategy.loads_lazily and not quantized:
+        model = loading.build_empty(spec.base_dir, dtype, lambda: strategy.empty_context(plan, dtype))
+        pending = loading.Pending(loading.Checkpoint(spec.base_dir))
+    else:
+        kwargs = {"dtype": dtype, **strategy.load_kwargs(accelerator, plan)}
+        if quantized:
+            from transformers import BitsAndBytesConfig
 
-        storage = cfg.training.quantization.storage_dtype
-        if storage == "auto":  # sharded tensors must be floats; otherwise bitsandbytes' packed uint8
-            storage = plan.dtype if strategies.get(plan.strategy).shards_tensors else "uint8"
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_quant_storage=getattr(torch, storage),
-        )
-    model = AutoModelForCausalLM.from_pretrained(spec.base_dir, **kwargs)
+            storage_dtype = cfg.training.quantization.storage_dtype
+            if storage_dtype == "auto":  # sharded tensors must be floats; otherwise bitsandbytes' packed uint8
+                storage_dtype = plan.dtype if strategy.shards_tensors else "uint8"
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_compute_dtype=dtype,
+                bnb_4bit_quant_storage=getattr(torch, storage_dtype),
+            )
+        model = AutoModelForCausalLM.from_pretrained(spec.base_dir, **kwargs)
     model.config.use_cache = False
     if cfg.training.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    if not cfg.training.lora.enabled:
-        return model
-    from peft import LoraConfig, get_peft_model
+    if cfg.training.lora.enabled:
+        from peft import LoraConfig, get_peft_model
 
-    lora = cfg.training.lora
-    return get_peft_model(
-        model,
-        LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            modules_to_save=lora.modules_to_save or None,
-            task_type="CAUSAL_LM",
-        ),
-    )
+        lora = cfg.training.lora
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                modules_to_save=lora.modules_to_save or None,
+                task_type="CAUSAL_LM",
+            ),
+        )
+        loading.init_adapters(model, cfg.training.seed)
+    if pending is not None:
+        pending.values = loading.kept_values(model)
+    return model, pending
 
 
 def load_split(spec: TrainSpec, name: str) -> dict[str, torch.Tensor]:
@@ -192,6 +208,8 @@ class Session:
     eval_before: float
     log: object
     sharding: dict
+    load_peak_mib: float
+    baseline_mib: float
 
 
 def setup(spec: TrainSpec) -> Session:
@@ -204,16 +222,20 @@ def setup(spec: TrainSpec) -> Session:
         raise RuntimeError(
             f"planned world size {plan.world_size} but the launcher started {accelerator.num_processes} process(es)"
         )
+    warm_imports(strategy)
+    baseline = peak_memory_mib(accelerator)  # the process before any weight: interpreter, libraries, gloo
     torch.manual_seed(cfg.training.seed)
     train, evals = load_split(spec, "train"), load_split(spec, "eval")
     rows = len(train["input_ids"])
     if rows < plan.global_batch_size:
         raise RuntimeError(f"{rows} packed training rows cannot fill one global batch of {plan.global_batch_size}")
     steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
-    model, optimizer = strategy.wrap(
-        accelerator, load_model(spec, accelerator), lambda m: build_optimizer(m, cfg), plan
-    )
+    model, pending = load_model(spec, accelerator)
+    model, optimizer = strategy.wrap(accelerator, model, lambda m: build_optimizer(m, cfg), plan, pending)
+    if leftover := loading.meta_parameters(model):
+        raise RuntimeError(f"{plan.strategy}: {len(leftover)} parameter(s) were never loaded, e.g. {leftover[0]}")
     sharding = strategy.check_applied(accelerator, model, plan)
+    load_peak = peak_memory_mib(accelerator)  # loading and wrapping done: the load's share of the peak
     scheduler = build_scheduler(optimizer, cfg, steps)
     state = checkpoint.load_latest(
         accelerator, storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan, strategy
@@ -238,6 +260,8 @@ def setup(spec: TrainSpec) -> Session:
         eval_before,
         log,
         sharding,
+        load_peak,
+        baseline,
     )
 
 
@@ -300,6 +324,15 @@ def train_loop(s: Session) -> tuple[int, float]:
     return tokens, seconds
 
 
+def warm_imports(strategy) -> None:
+    """Import what loading and wrapping will, so the baseline measured next includes the libraries."""
+    import peft  # noqa: F401
+    import transformers.models.auto.modeling_auto  # noqa: F401
+
+    if strategy.engine == "deepspeed":
+        import deepspeed  # noqa: F401
+
+
 def peak_memory_mib(accelerator: Accelerator) -> float:
     """Largest per-rank peak: CUDA allocator peak on GPUs, resident set size on CPU."""
     if accelerator.device.type == "cuda":
@@ -337,6 +370,9 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
         model_url=model_url,
         sharding=s.sharding,
         peak_memory_mib=peak_memory_mib(acc),
+        load_peak_memory_mib=s.load_peak_mib,
+        baseline_memory_mib=s.baseline_mib,
+        weights_dtype=s.spec.plan.dtype if s.spec.plan.device == "cuda" else "float32",
     )
     if acc.is_main_process:
         storage.write_json(storage.join(s.spec.run_url, "train_result.json"), result.model_dump())

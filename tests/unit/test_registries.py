@@ -50,6 +50,12 @@ class Toy(Strategy):
         return {"wrapper": type(model).__name__}
 
 
+@pytest.fixture(autouse=True)
+def bitsandbytes_present(monkeypatch):
+    """These plans are for GPU hosts that have bitsandbytes; its absence here is tested in test_memory_truth.py."""
+    monkeypatch.setattr("ladle.plan.bitsandbytes_installed", lambda: True)
+
+
 @pytest.fixture
 def toy():
     strategy = strategies.register(Toy())

@@ -1,0 +1,208 @@
+"""Sharded loading: build the model without its weights, then give each rank only what it holds.
+
+``from_pretrained`` reads every weight into every process before any strategy
+can shard it: eight ranks of a 70B base would need 1.1 TB of host memory before
+FSDP2 or ZeRO-3 frees anything. Here the architecture is built with no storage
+behind its parameters (the meta device; ``deepspeed.zero.Init`` for ZeRO-3,
+chosen by the strategy's ``empty_model``), LoRA is added and initialised, the
+strategy shards or splits the skeleton, and only then are the weights read:
+each rank reads the rows of each tensor that it holds (FSDP2's dim-0 shard, a
+pipeline stage's layers, a whole tensor for a replica) straight from the
+checkpoint's safetensors, one tensor at a time, with the file mapped only while
+that tensor is read. A rank's load peak is its share of the model plus one
+tensor.
+
+Names: a parameter of the (peft-wrapped) model maps to its checkpoint tensor by
+dropping peft's wrapper parts (``base_model.model.``, ``.base_layer``,
+``.original_module``, ``.modules_to_save.default``), so ``modules_to_save``
+copies load the base's values. LoRA weights are not in the checkpoint: they are
+initialised by peft before sharding, with the seed reset first, identically in
+every loading path, so a sharded run starts from the same adapter as a
+replicated one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ADAPTER = "default"  # the adapter name ladle gives peft
+PEFT_PARTS = (".base_layer", ".original_module", f".modules_to_save.{ADAPTER}")
+
+
+def checkpoint_name(name: str) -> str:
+    """The checkpoint tensor a (peft-wrapped) model's parameter or buffer loads from."""
+    name = name.removeprefix("base_model.model.")
+    for part in PEFT_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def is_adapter(name: str) -> bool:
+    """LoRA weights, which the checkpoint does not hold."""
+    return ".lora_" in name
+
+
+class Checkpoint:
+    """The safetensors files of a Hugging Face model folder, read tensor by tensor (or row range by row range)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            self.files = {name: self.folder / file for name, file in weight_map.items()}
+        else:
+            from safetensors import safe_open
+
+            files = sorted(self.folder.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(
+                    f"{self.folder} holds no safetensors weights: sharded loading reads tensors lazily from "
+                    "safetensors. Save the base with save_pretrained(..., safe_serialization=True)."
+                )
+            self.files = {}
+            for file in files:
+                with safe_open(file, framework="pt") as f:
+                    self.files.update(dict.fromkeys(f.keys(), file))  # noqa: SIM118 (keys() is not iterable)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor ``name`` (only ``rows`` of its first dimension when given), copied out of the mapped file.
+
+        The file is opened for this one read: its mapped pages stop counting against the process when it closes.
+        """
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="pt") as f:
+            if rows is None:
+                return f.get_tensor(name)
+            return f.get_slice(name)[rows].clone()
+
+
+@dataclass
+class Pending:
+    """What an empty model still needs: the checkpoint for base weights, and values kept aside (initialised
+    LoRA weights, buffers) that materialising the skeleton would otherwise wipe."""
+
+    checkpoint: Checkpoint
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def source(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        if name in self.values:
+            value = self.values[name]
+            return value if rows is None else value[rows]
+        key = checkpoint_name(name)
+        if key not in self.checkpoint:
+            raise RuntimeError(
+                f"sharded loading: the model's {name} has no tensor {key} in {self.checkpoint.folder}; the base "
+                "checkpoint does not match its config.json"
+            )
+        return self.checkpoint.read(key, rows)
+
+    def fill(self, module: torch.nn.Module, device, prefix: str = "") -> int:
+        """Allocate ``module``'s storage on ``device`` and copy every parameter and buffer in (whole tensors, or
+        each DTensor's local rows); returns the elements this rank now holds."""
+        module.to_empty(device=device)
+        held = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors(module):
+                key = prefix + name
+                local, rows = local_rows(tensor)
+                if local.numel():
+                    local.copy_(self.source(key, rows).to(local.dtype))
+                held += local.numel()
+        return held
+
+
+def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters (tied ones once) and buffers, by name."""
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
+    """This rank's storage of ``tensor`` and the rows of the full tensor it holds (None: all of it).
+
+    FSDP2 shards dim 0 the way ``torch.chunk`` does: ceil(rows / shards) rows per shard, the last ones
+    shorter or empty; with HSDP the shard coordinate is this rank's on the mesh's last dimension.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor, None
+    local = tensor.to_local()
+    rows = tensor.shape[0]
+    start, stop = 0, rows
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard):
+            if placement.dim != 0:
+                raise RuntimeError(f"sharded loading reads dim-0 shards, not {placement}")
+            offset, length = shard_range(
+                stop - start, tensor.device_mesh.size(mesh_dim), tensor.device_mesh.get_local_rank(mesh_dim)
+            )
+            start, stop = start + offset, start + offset + length
+    if local.shape[0] != stop - start:
+        raise RuntimeError(
+            f"sharded loading: local shard of {tuple(local.shape)} rows but rows {start}:{stop} expected"
+        )
+    return local, slice(start, stop)
+
+
+def shard_range(rows: int, shards: int, coordinate: int) -> tuple[int, int]:
+    """(first row, row count) of shard ``coordinate`` of ``rows`` rows split ``shards`` ways, as ``torch.chunk``
+    and FSDP2 split them: ceil(rows / shards) per shard, the last ones shorter or empty."""
+    chunk = -(-rows // shards)
+    start = min(coordinate * chunk, rows)
+    return start, min(start + chunk, rows) - start
+
+
+def build_empty(base_dir: Path, dtype: torch.dtype, context: Callable):
+    """The base architecture from ``base_dir``'s config.json inside ``context`` (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base_dir)
+    with context():
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def meta_context():
+    """Parameters on the meta device; buffers (e.g. rotary frequencies, computed at init) stay real."""
+    from accelerate import init_empty_weights
+
+    return init_empty_weights(include_buffers=False)
+
+
+def init_adapters(model, seed: int) -> None:
+    """(Re)initialise every LoRA weight with peft's own initialiser, in module order, from ``seed``.
+
+    Done in every loading path, after the adapter is attached: a skeleton's LoRA weights were moved to
+    the meta device with its base layer, and a replicated model's were drawn after whatever the load
+    consumed from the generator. Reset here, all paths start from the same adapter.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            for part in (module.lora_A[ADAPTER], module.lora_B[ADAPTER]):
+                if any(p.is_meta for p in part.parameters()):
+                    part.to_empty(device="cpu")
+            module.reset_lora_parameters(ADAPTER, True)
+
+
+def kept_values(model) -> dict[str, torch.Tensor]:
+    """What materialising the skeleton would wipe: the initialised adapter weights and every buffer."""
+    values = {name: p.detach().clone() for name, p in model.named_parameters() if is_adapter(name)}
+    values.update({name: b.detach().clone() for name, b in model.named_buffers()})
+    return values
+
+
+def meta_parameters(model) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.is_meta]
