@@ -174,7 +174,9 @@ class Strategy(ABC):
     def load_bytes(self, job: sizing.Job, options: Section | None, states: memory.ModelStates) -> int:
         """Memory at the end of loading: the weights this rank holds, plus the tensor being read (lazy loading
         reads one at a time, so a rank never holds more than its share and one tensor)."""
-        return states.weights + job.shape.largest_tensor * job.dtype_bytes
+        # ZeRO-3's layout counts a full fine-tune's 16-bit weights inside its optimizer term: take the share.
+        weights = states.weights or job.dtype_bytes * job.shape.params // max(1, job.world)
+        return weights + job.shape.largest_tensor * job.dtype_bytes
 
     # -- planner side: rendering -------------------------------------------------------------------
 

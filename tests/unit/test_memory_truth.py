@@ -1,0 +1,141 @@
+"""Sharded loading's arithmetic on a 70B meta model, the planner's load/merge/serve figures, and the refusals
+that come before any process starts (QLoRA without bitsandbytes, a merge the host cannot hold)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ladle.config import build_config, load_config
+from ladle.errors import ConfigError
+from ladle.inputs import local_model_config
+from ladle.plan import make_plan
+from ladle.topology import probe, probe_file
+from ladle.train.loading import checkpoint_name, shard_range
+from tests.helpers import NVSWITCH_8
+
+CPU = probe(env={}, query_output="")
+MINIMAL = {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}}
+
+
+def tiny_config() -> dict:
+    import json
+
+    from ladle.assets import resolve_base
+
+    return json.loads((resolve_base("ladle://tiny-llama") / "config.json").read_text())
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 128, 1000])
+@pytest.mark.parametrize("shards", [1, 2, 3, 8])
+def test_shard_rows_are_torch_chunk_rows(rows, shards):
+    chunks = torch.arange(rows).chunk(shards)
+    for coordinate in range(shards):
+        start, length = shard_range(rows, shards, coordinate)
+        expected = chunks[coordinate].tolist() if coordinate < len(chunks) else []
+        assert list(range(start, start + length)) == expected
+
+
+def test_peft_names_map_to_checkpoint_tensors():
+    assert checkpoint_name("base_model.model.model.layers.3.self_attn.q_proj.base_layer.weight") == (
+        "model.layers.3.self_attn.q_proj.weight"
+    )
+    assert checkpoint_name("base_model.model.lm_head.modules_to_save.default.weight") == "lm_head.weight"
+    assert checkpoint_name("base_model.model.lm_head.original_module.weight") == "lm_head.weight"
+    assert checkpoint_name("model.norm.weight") == "model.norm.weight"
+
+
+def recorded(tmp_path, gib=80):
+    (tmp_path / "topo.txt").write_text(NVSWITCH_8)
+    return probe_file(str(tmp_path / "topo.txt"), env={}, gpu_memory_gib=gib)
+
+
+def test_70b_meta_model_each_rank_materialises_an_eighth(tmp_path):
+    """The 70B recipe's FSDP2 plan: built on the meta device (nothing allocated), every rank's dim-0 rows of
+    every tensor, as the loader reads them, add up to 1/8 of the weights; the plan's load figure agrees."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = load_config("recipes/llama3-70b-fsdp2.yaml")
+    model = local_model_config(cfg)
+    plan = make_plan(cfg, recorded(tmp_path), model=model)
+    assert plan.strategy == "fsdp2" and plan.world_size == 8
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(**model))
+    total = sum(p.numel() for p in skeleton.parameters())
+    assert total == 70_553_706_496
+    held = [0] * plan.world_size
+    for p in skeleton.parameters():
+        per_row = p.numel() // p.shape[0]
+        for rank in range(plan.world_size):
+            held[rank] += shard_range(p.shape[0], plan.world_size, rank)[1] * per_row
+    assert sum(held) == total
+    for share in held:
+        assert share == pytest.approx(total / 8, rel=0.001)
+    weights_per_rank = 2 * total / 8  # bf16
+    largest = 128_256 * 8192 * 2  # the embedding, read whole by no rank: its rows are
+    adapters_and_context = 2 * 2**30
+    assert weights_per_rank <= plan.memory["load"] <= weights_per_rank + largest + adapters_and_context
+    assert plan.memory["train"] > plan.memory["load"]
+
+
+@pytest.mark.parametrize("recipe", ["llama3-70b-fsdp2", "qwen3-32b-zeropp"])
+def test_plan_reports_load_train_merge_and_serve_memory(recipe, tmp_path):
+    from ladle.plan import Plan
+
+    cfg = load_config(f"recipes/{recipe}.yaml")
+    plan = make_plan(cfg, recorded(tmp_path), model=local_model_config(cfg))
+    assert set(plan.memory) == {"load", "train", "merge", "serve"}
+    assert all(v > 0 for k, v in plan.memory.items() if k != "merge")
+    assert any(r.startswith("memory per rank: loading") for r in plan.reasons)
+    assert any(r.startswith("serve (mii): ") and "over 8 device(s)" in r for r in plan.reasons)
+    assert Plan.model_validate_json(plan.model_dump_json()).memory == plan.memory
+
+
+def test_serving_that_cannot_fit_is_said_before_training(tmp_path):
+    cfg = load_config("recipes/llama3-70b-fsdp2.yaml")
+    cfg = build_config(cfg.model_dump(exclude_unset=True), ["serve.backend=transformers"])
+    plan = make_plan(cfg, recorded(tmp_path), model=local_model_config(cfg))
+    warning = next(w for w in plan.warnings if w.startswith("serve.backend = transformers: serving the merged"))
+    assert "over one device and each has 80.0 GiB" in warning and "serve.tensor_parallel=0" in warning
+
+
+def test_merge_that_cannot_fit_this_host_is_refused(monkeypatch):
+    monkeypatch.setattr("ladle.plan.host_bytes", lambda: 2**20)
+    with pytest.raises(ConfigError) as err:
+        make_plan(build_config(MINIMAL, []), CPU, model=tiny_config())
+    assert "training.lora.enabled = true: merging the adapter needs" in str(err.value)
+    assert "this host has 1.0 MiB" in str(err.value)
+
+
+def test_qlora_without_bitsandbytes_names_the_extra(monkeypatch):
+    monkeypatch.setattr("ladle.plan.bitsandbytes_installed", lambda: False)
+    with pytest.raises(ConfigError) as err:
+        make_plan(build_config(MINIMAL, ["training.quantization.mode=nf4"]), CPU)
+    assert "training.quantization.mode = nf4: 4-bit QLoRA quantizes the base with bitsandbytes, which is not " in str(
+        err.value
+    )
+    assert "pip install 'ladle[qlora]'" in str(err.value)
+
+
+def test_deepspeed_buckets_are_sized_from_the_model():
+    model = tiny_config()
+    plan = make_plan(build_config(MINIMAL, ["parallelism.strategy=zero3"]), CPU, model=model)
+    zero = plan.launcher_config["zero_optimization"]
+    hidden = model["hidden_size"]
+    assert zero["reduce_bucket_size"] == hidden * hidden
+    assert zero["stage3_max_reuse_distance"] == plan.model_shape["layer_params"]
+    assert any("stage3_max_live_parameters" in r and "(auto)" in r for r in plan.reasons)
+    unknown = make_plan(build_config(MINIMAL, ["parallelism.strategy=zero3"]), CPU)
+    assert unknown.launcher_config["zero_optimization"]["reduce_bucket_size"] == 500_000_000
+    assert any("model size is unknown (DeepSpeed's default)" in r for r in unknown.reasons)
+
+
+def test_optimizer_offload_renders_deepspeeds_own_optimizer(tmp_path):
+    cfg = build_config(MINIMAL, ["parallelism.strategy=zero2", "parallelism.deepspeed.offload_optimizer=cpu"])
+    plan = make_plan(cfg, recorded(tmp_path))
+    optimizer = plan.launcher_config["optimizer"]
+    assert optimizer["type"] == "AdamW" and optimizer["params"]["lr"] == cfg.training.lr
+    assert any("DeepSpeedCPUAdam" in r for r in plan.reasons)
+    from ladle.strategies.deepspeed import validate_with_deepspeed
+
+    validate_with_deepspeed(plan.launcher_config, plan.world_size)
