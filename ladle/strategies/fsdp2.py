@@ -45,6 +45,16 @@ def decoder_layers(model) -> list:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
+def embedding_units(model) -> list:
+    """The input embedding and the output head as units of their own (as torchtitan shards them): left in the
+    root, both stay gathered from the first forward to the last backward, the largest transient of a big-vocab
+    model. A tied pair shares one weight, so it stays in the root."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is None or head is None or getattr(model.config, "tie_word_embeddings", False):
+        return []
+    return [embed, head]
+
+
 def compile_problems(topo) -> list[str]:
     """What per-block torch.compile under FSDP2 needs from the machine and the installed packages."""
     from importlib.metadata import PackageNotFoundError, version
@@ -214,6 +224,8 @@ class FSDP2(Strategy):
             if plan.strategy_options.get("compile"):
                 layer.compile()  # in place: parameter names (and saved adapter keys) keep no `_orig_mod.` prefix
             fully_shard(layer, **options)
+        for unit in embedding_units(model):
+            fully_shard(unit, **options)
         fully_shard(model, **options)
         if pending is not None:
             pending.fill(model, "cpu" if options.get("offload_policy") else accelerator.device)
