@@ -49,8 +49,8 @@ class DeepSpeedOptions(Section):
     )
     stage3_max_live_parameters: int | Literal["auto"] = Field(
         "auto",
-        description="Stage 3: gathered parameters kept alive before release, in elements. auto: DeepSpeed's 1e9 "
-        "(lower values trip DeepSpeed 0.19's trace check when a LoRA run resumes).",
+        description="Stage 3: gathered parameters kept alive before release, in elements. auto: two decoder "
+        "layers (or the largest tensor); DeepSpeed's 1e9 keeps a whole sub-1B model gathered.",
     )
     stage3_max_reuse_distance: int | Literal["auto"] = Field(
         "auto",
@@ -342,6 +342,11 @@ class ZeRO(Strategy):
         path, _ = model.load_checkpoint(folder, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint {tag} in {folder}")
+        if self.stage == 3:
+            # Loading gathers parameters outside any forward; left gathered, they put the first step's fetches
+            # out of the order DeepSpeed traced, and with a small stage3_max_live_parameters it raises
+            # "tracing error" (measured on a resumed LoRA run). Partition everything again first.
+            model.empty_partition_cache()
 
 
 class ZeROPlusPlus(ZeRO):
@@ -470,9 +475,9 @@ def resolve_buckets(opts: dict, shape: dict | None) -> tuple[dict[str, int], dic
     """The bucket and liveness sizes, with ``auto`` resolved from the model's shape, and why.
 
     DeepSpeed's defaults are sized for no model in particular: a 5e8-element reduce bucket is 2 GB in
-    float32, and a 1e9-element reuse distance keeps every layer of a sub-1B model gathered from its forward
-    to its backward, so ZeRO-3 would hold as much as DDP. Sized from the model, a gathered layer is released
-    unless it is used again within one layer.
+    float32, and 1e9 live/reuse elements keep every layer of a sub-1B model gathered from its forward to its
+    backward, so ZeRO-3 would hold as much as DDP. Sized from the model, a rank holds its shards plus about
+    two layers.
     """
     values, reasons = {}, {}
     for key, default in DEEPSPEED_DEFAULTS.items():
@@ -484,16 +489,11 @@ def resolve_buckets(opts: dict, shape: dict | None) -> tuple[dict[str, int], dic
             values[key] = default
             reasons[key] = f"deepspeed {key} {default:,}: auto, but the model size is unknown (DeepSpeed's default)"
             continue
-        hidden, layer = shape["hidden_size"], shape["layer_params"]
+        hidden, layer, largest = shape["hidden_size"], shape["layer_params"], shape["largest_tensor"]
         values[key], why = {
             "reduce_bucket_size": (hidden * hidden, "hidden^2"),
             "stage3_prefetch_bucket_size": (int(0.9 * hidden * hidden), "0.9 x hidden^2"),
-            # Below DeepSpeed's default, 0.19 fails its trace check when resuming a LoRA run ("tracing error",
-            # measured); liveness is bounded by the reuse distance instead.
-            "stage3_max_live_parameters": (
-                DEEPSPEED_DEFAULTS[key],
-                "DeepSpeed's default; the reuse distance bounds it",
-            ),
+            "stage3_max_live_parameters": (max(2 * layer, largest), "two decoder layers, or the largest tensor"),
             "stage3_max_reuse_distance": (layer, "one decoder layer"),
         }[key]
         reasons[key] = f"deepspeed {key} {values[key]:,} (auto): {why}"
