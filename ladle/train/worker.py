@@ -223,9 +223,11 @@ def setup(spec: TrainSpec) -> Session:
             f"planned world size {plan.world_size} but the launcher started {accelerator.num_processes} process(es)"
         )
     warm_imports(strategy)
-    baseline = peak_memory_mib(accelerator)  # the process before any weight: interpreter, libraries, gloo
     torch.manual_seed(cfg.training.seed)
     train, evals = load_split(spec, "train"), load_split(spec, "eval")
+    # The process before any weight: interpreter, libraries, the process group, the packed data (and the
+    # memory pool pyarrow keeps after reading it).
+    baseline = peak_memory_mib(accelerator)
     rows = len(train["input_ids"])
     if rows < plan.global_batch_size:
         raise RuntimeError(f"{rows} packed training rows cannot fill one global batch of {plan.global_batch_size}")

