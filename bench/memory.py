@@ -78,14 +78,9 @@ def config_for(base: Path, strategy: str, lora: bool, overrides: list[str]):
 
 def predicted(cfg, plan, model_config: dict) -> dict:
     """The planner's per-rank figures for this plan on this host, in MiB."""
-    from ladle import strategies
-    from ladle.plan import sizing_job
-    from ladle.strategies import Target
+    from ladle.plan import plan_estimate
 
-    strategy = strategies.get(plan.strategy)
-    target = Target(plan.device, plan.processes_per_machine, plan.num_machines, plan.dtype)
-    job = sizing_job(cfg, model_config, target, plan.micro_batch_size)
-    est = strategy.estimate(job, strategy.options(cfg))
+    est = plan_estimate(cfg, plan, model_config)
     return {"load": est.load / MIB, "step": est.total / MIB, "peak": est.peak / MIB, "breakdown": est.summary()}
 
 

@@ -285,6 +285,7 @@ def build_plan(
 
 
 def host_bytes() -> int | None:
+    """This machine's physical memory (None when the platform does not say)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -344,6 +345,14 @@ def check_memory(cfg, topo, target: Target, model, strategy: Strategy, micro: in
             "every GPU), or lower serve.max_batch_size / serve.max_new_tokens."
         )
     return Decision(memory, tuple(reasons), tuple(warnings), tuple(problems))
+
+
+def plan_estimate(cfg: LadleConfig, plan: Plan, model: dict) -> sizing.Estimate:
+    """The memory model's per-rank figures for a made plan: its strategy and options, layout, micro-batch and
+    dtype (what bench/memory.py and the memory test set beside measured memory)."""
+    strategy = strategies.get(plan.strategy)
+    target = Target(plan.device, plan.processes_per_machine, plan.num_machines, plan.dtype)
+    return strategy.estimate(sizing_job(cfg, model, target, plan.micro_batch_size), strategy.options(cfg))
 
 
 def shape_summary(model: dict | None) -> dict[str, int] | None:
@@ -413,10 +422,8 @@ def device_bytes(topo: Topology, device: str, per_machine: int) -> int | None:
     if device == "cuda":
         sizes = [g.memory_mib for g in topo.gpus if g.memory_mib]
         return min(sizes) * 2**20 if sizes else None
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_machine
-    except (ValueError, OSError, AttributeError):
-        return None
+    host = host_bytes()
+    return host // per_machine if host else None
 
 
 def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> sizing.Job:

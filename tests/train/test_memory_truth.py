@@ -83,17 +83,12 @@ def test_planner_predicts_the_measured_peak(mid_runs):
     """The planner's per-rank figure for this CPU host, against the measured peak less the process baseline."""
     import json
 
-    from ladle import strategies
-    from ladle.plan import sizing_job
-    from ladle.strategies import Target
+    from ladle.plan import plan_estimate
 
     results, specs = mid_runs
     for name in ("ddp", "fsdp2"):
         spec, result = specs[name], results[name]
-        plan, cfg = spec.plan, spec.config
         model = json.loads((Path(spec.base_dir) / "config.json").read_text())
-        target = Target(plan.device, plan.processes_per_machine, plan.num_machines, plan.dtype)
-        strategy = strategies.get(name)
-        est = strategy.estimate(sizing_job(cfg, model, target, plan.micro_batch_size), strategy.options(cfg))
+        est = plan_estimate(spec.config, spec.plan, model)
         measured = above_baseline(result, "peak_memory_mib") * 2**20
         assert est.peak == pytest.approx(measured, rel=0.15), (name, est.summary(), est.load, measured)
