@@ -91,7 +91,7 @@ def finetune(
     clock = Stopwatch()
     ok = False
     try:
-        topo = probe_task()
+        topo = probe_task(config)
         clock.lap("probe")
         plan = plan_task(config, topo, track, config_ref)
         clock.lap("plan")

@@ -62,13 +62,20 @@ class Plan(BaseModel):
     )
 
     def launcher_argv(
-        self, worker_args: list[str], port: int = DEFAULT_PORT, python: str | None = None, machine_rank: int = 0
+        self,
+        worker_args: list[str],
+        port: int = DEFAULT_PORT,
+        python: str | None = None,
+        machine_rank: int = 0,
+        main_address: str | None = None,
+        main_port: int | None = None,
     ) -> list[str]:
         """The ``accelerate launch`` argv that starts this machine's training processes (a list, never a shell string).
 
         Across machines, torchrun's static rendezvous meets at ``main_address:main_port`` (a c10d TCP
         store on node 0) and ``machine_rank`` fixes each node's ranks, so global rank 0, which logs
-        and writes, is always on node 0 where the pipeline relays its progress.
+        and writes, is always on node 0 where the pipeline relays its progress. ``main_address`` and
+        ``main_port`` replace the plan's when a scheduler placed the nodes.
         """
         strategy = strategies.get(self.strategy)
         mixed = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[self.dtype]
@@ -84,9 +91,9 @@ class Plan(BaseModel):
             "--machine_rank",
             str(machine_rank),
             "--main_process_ip",
-            self.main_address,
+            main_address or self.main_address,
             "--main_process_port",
-            str(self.main_port or port),
+            str(main_port or self.main_port or port),
             "--mixed_precision",
             mixed,
             "--dynamo_backend",
@@ -372,7 +379,16 @@ def shape_summary(model: dict | None) -> dict[str, int] | None:
 
 
 def choose_nodes(cfg: LadleConfig, topo: Topology) -> Decision[int]:
-    """Machines taking part: the config's ``parallelism.nodes``, else the launcher environment's."""
+    """Machines taking part: the config's ``parallelism.nodes``, else the launcher environment's; and whether
+    the compute target can run them."""
+    from ladle import compute
+
+    target = compute.get(cfg)
+    live = not topo.source.startswith("file:")
+    if cfg.compute.target != "local":  # the scheduler places the nodes and the rendezvous
+        nodes = cfg.parallelism.nodes
+        reason = f"{nodes} node(s) from compute target {target.name}; rendezvous on {target.rendezvous()}"
+        return Decision(nodes, (reason,), problems=tuple(target.problems(live)))
     nodes = cfg.parallelism.nodes if cfg.parallelism.nodes > 1 else topo.nodes
     if nodes == 1:
         return Decision(1)

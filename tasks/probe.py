@@ -5,8 +5,10 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
+from ladle import compute
+from ladle.config import LadleConfig
 from ladle.tasks.policy import retry_unless_user_error
-from ladle.topology import Topology, probe
+from ladle.topology import Topology
 
 
 @task(
@@ -14,10 +16,11 @@ from ladle.topology import Topology, probe
     retries=1,
     retry_delay_seconds=2,
     retry_condition_fn=retry_unless_user_error,
-    timeout_seconds=120,
+    timeout_seconds=900,  # a Slurm probe may wait in the queue
 )
-def probe_task() -> Topology:
-    topo = probe()
+def probe_task(cfg: LadleConfig) -> Topology:
+    """The topology of a machine training will run on: this one, or one node of the compute target."""
+    topo = compute.get(cfg).probe()
     logger = get_run_logger()
     for warning in topo.warnings:
         logger.warning(warning)

@@ -7,13 +7,13 @@ import time
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from ladle import compute
 from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
 from ladle.plan import Plan
 from ladle.tasks.policy import retry_unless_user_error
 from ladle.tracking import Tracking, log_loss_curve
-from ladle.train.run import launch
 from ladle.train.spec import TrainResult, TrainSpec
 
 
@@ -66,11 +66,11 @@ def train_task(
         tracking_uri=tracking.uri,
         mlflow_run_id=tracking.run_id,
     )
-    result = launch(
+    result = compute.get(cfg).run(
         spec,
         on_progress=progress_relay(logger),
         on_line=logger.debug,
-        on_command=lambda command: logger.info("launch: %s", command),
+        on_command=lambda command: logger.info("launch (%s): %s", cfg.compute.target, command),
     )
     log_loss_curve(tracking, result.train_losses, result.eval_loss_before, result.eval_loss_after)
     return result

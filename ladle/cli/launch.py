@@ -1,6 +1,15 @@
-"""``ladle launch SPEC --node-rank R``: join a multi-node training run from another machine."""
+"""``ladle launch SPEC [--node-rank R]``: start one machine's share of a multi-node training run.
+
+By hand (``compute.target: local``), node 0 runs the pipeline and each other machine runs this with its
+``--node-rank``. Under a scheduler (``slurm``, ``kubernetes``) every node runs it, node 0 included, with the
+rank and the rendezvous the scheduler chose: ``--node-rank`` defaults to ``$SLURM_NODEID``.
+"""
 
 from __future__ import annotations
+
+import os
+import signal
+import sys
 
 import typer
 
@@ -8,12 +17,27 @@ from ladle.cli.common import command
 from ladle.errors import LadleError
 
 
+def node_rank_from_env() -> int:
+    value = os.environ.get("SLURM_NODEID", "")
+    if not value.isdigit():
+        raise LadleError("--node-rank: not given and $SLURM_NODEID is not set. Pass this machine's node rank.")
+    return int(value)
+
+
 @command
 def launch(
     spec: str = typer.Argument(..., help="The run's spec.json (local path or URL), as printed by the train stage."),
-    node_rank: int = typer.Option(
-        ..., "--node-rank", min=1, help="This machine's rank, 1..nodes-1 (node 0 runs the pipeline)."
+    node_rank: int | None = typer.Option(
+        None,
+        "--node-rank",
+        min=0,
+        help="This machine's rank, 1..nodes-1 when joining by hand (node 0 runs the pipeline); "
+        "under a scheduler 0..nodes-1. Default: $SLURM_NODEID.",
     ),
+    main_address: str | None = typer.Option(
+        None, "--main-address", help="Rendezvous address (node 0's), when a scheduler chose the nodes."
+    ),
+    main_port: int | None = typer.Option(None, "--main-port", min=1, max=65535, help="Rendezvous port on node 0."),
 ) -> None:
     """Start this machine's training processes and wait for them."""
     from pydantic import ValidationError
@@ -25,9 +49,15 @@ def launch(
     if not storage.exists(spec):
         raise LadleError(f"SPEC = {spec!r}: no such file. Pass the spec.json path printed by the train stage.")
     try:
-        nodes = TrainSpec.model_validate_json(storage.read_bytes(spec)).plan.num_machines
+        parsed = TrainSpec.model_validate_json(storage.read_bytes(spec))
     except ValidationError:
         raise LadleError(f"SPEC = {spec!r}: not a ladle training spec.") from None
-    if node_rank >= nodes:
-        raise LadleError(f"--node-rank = {node_rank}: the run has {nodes} node(s), so ranks are 1..{nodes - 1}.")
-    raise SystemExit(run_node(spec, node_rank))
+    nodes, target = parsed.plan.num_machines, parsed.config.compute.target
+    rank = node_rank_from_env() if node_rank is None else node_rank
+    first = 0 if target != "local" else 1
+    if not first <= rank < nodes:
+        where = "node 0 runs the pipeline, so " if first else ""
+        raise LadleError(f"--node-rank = {rank}: the run has {nodes} node(s); {where}ranks are {first}..{nodes - 1}.")
+    # A scheduler stops a job with SIGTERM: make it an exception, so this node's ranks are stopped with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    raise SystemExit(run_node(spec, rank, main_address=main_address, main_port=main_port))

@@ -43,9 +43,10 @@ def plan(
     as_json: bool = JSON,
 ) -> None:
     """Validate the config against this (or a recorded) machine and show the plan, with the launch command."""
+    from ladle import compute
     from ladle.inputs import local_model_config
     from ladle.plan import make_plan
-    from ladle.topology import probe, probe_file
+    from ladle.topology import probe_file
 
     if gpu_memory is not None and not (0 < gpu_memory <= 4096):
         raise LadleError(f"--gpu-memory = {gpu_memory}: GiB per GPU must be in (0, 4096], e.g. --gpu-memory 80.")
@@ -53,11 +54,12 @@ def plan(
     model = local_model_config(cfg, model_config)
     size = model_size(cfg, model)
     try:
-        topo = probe_file(topology_file, gpu_memory_gib=gpu_memory) if topology_file else probe()
+        target = compute.get(cfg)
+        topo = probe_file(topology_file, gpu_memory_gib=gpu_memory) if topology_file else target.probe()
         made = make_plan(cfg, topo, config, model=model)
     except LadleError as err:
         raise err.add_details(**size) from None
-    command_line = made.launch_command(["SPEC.json"])
+    command_line = target.launch_text(made, "SPEC.json")
     if as_json:
         print_json({**made.model_dump(mode="json"), **size, "launch_command": command_line})
         return

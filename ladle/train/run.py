@@ -27,7 +27,15 @@ def worker_env(spec: TrainSpec) -> dict[str, str]:
     env = dict(os.environ)
     if spec.plan.device == "cpu":
         # Each rank gets its share of the cores instead of all of them (oversubscription halves throughput).
-        cores = os.cpu_count() or 1
+        # The cores this task may use: Slurm's allotment, else the affinity mask (a container's or cgroup's).
+        slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+        cores = (
+            int(slurm)
+            if slurm.isdigit()
+            else len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1)
+        )
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // spec.plan.processes_per_machine)))
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise guess, and say so on stdout
     if spec.plan.device == "cuda":
@@ -60,18 +68,39 @@ def join_command(spec: TrainSpec, node_rank: int) -> str:
     return shlex.join(["ladle", "launch", storage.join(spec.run_url, "spec.json"), "--node-rank", str(node_rank)])
 
 
-def run_node(spec_url: str, node_rank: int, on_line: Callable[[str], None] = print) -> int:
-    """Start this machine's share of a multi-node run from its spec; returns the launcher's exit code."""
+def echo(line: str) -> None:
+    """Print a line now: under a scheduler stdout is a file, and the pipeline follows it while the job runs."""
+    print(line, flush=True)
+
+
+def run_node(
+    spec_url: str,
+    node_rank: int,
+    on_line: Callable[[str], None] = echo,
+    main_address: str | None = None,
+    main_port: int | None = None,
+) -> int:
+    """Start this machine's share of a multi-node run from its spec; returns the launcher's exit code.
+
+    ``main_address``/``main_port`` replace the plan's rendezvous when a scheduler (Slurm, Kubernetes) chose
+    the machines after planning: node 0 is then the allocation's first node.
+    """
     spec = TrainSpec.model_validate_json(storage.read_bytes(spec_url))
     with tempfile.TemporaryDirectory(prefix="ladle-node-") as tmp:
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(spec.model_dump_json(), encoding="utf-8")
-        argv = spec.plan.launcher_argv([str(spec_file)], machine_rank=node_rank)
+        argv = spec.plan.launcher_argv(
+            [str(spec_file)], machine_rank=node_rank, main_address=main_address, main_port=main_port
+        )
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(spec))
         assert proc.stdout is not None
-        for line in proc.stdout:
-            on_line(line.rstrip("\n"))
-        return proc.wait()
+        try:
+            for line in proc.stdout:
+                on_line(line.rstrip("\n"))
+            return proc.wait()
+        except BaseException:  # SIGTERM from the scheduler (scancel, time limit) arrives here first
+            stop_process(proc, grace_s=10)
+            raise
 
 
 def progress_events(line: str) -> list[dict]:
@@ -97,13 +126,59 @@ def progress_events(line: str) -> list[dict]:
     return events
 
 
+class Relay:
+    """What the pipeline does with the training processes' output, wherever it comes from (a local pipe, a
+    Slurm job's log): worker events go to ``on_progress``, other lines to ``on_line``, and the last lines and
+    the first reported error are kept for the failure message."""
+
+    def __init__(self, on_progress: ProgressFn | None = None, on_line: Callable[[str], None] | None = None) -> None:
+        self.on_progress, self.on_line = on_progress, on_line
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.errors: list[dict] = []
+
+    def feed(self, line: str) -> None:
+        line = line.rstrip("\n")
+        events = progress_events(line)
+        for event in events:
+            if event.get("event") == "error":
+                self.errors.append(event)
+            elif self.on_progress:
+                self.on_progress(event)
+        if events:
+            return
+        self.tail.append(line)
+        if self.on_line:
+            self.on_line(line)
+
+    def failure(self, what: str) -> TrainingFailed:
+        """``what`` (e.g. "training exited with code 1"), the first rank's reported error and the last output lines."""
+        cause = f"rank {self.errors[0]['rank']}: {self.errors[0]['error']}\n" if self.errors else ""
+        return TrainingFailed(f"{what}; {cause}last output:\n" + "\n".join(self.tail))
+
+
+def read_result(spec: TrainSpec) -> TrainResult:
+    """The result rank 0 wrote to the artifact store."""
+    return TrainResult.model_validate(storage.read_json(storage.join(spec.run_url, "train_result.json")))
+
+
+def write_spec(spec: TrainSpec, tmp: str) -> Path:
+    """Write the spec where the worker reads it (and to the store when the run folder is remote, so other
+    nodes read it there); returns the local file."""
+    spec_file = spec_location(spec, tmp)
+    spec_file.parent.mkdir(parents=True, exist_ok=True)
+    spec_file.write_text(spec.model_dump_json(indent=1), encoding="utf-8")
+    if not storage.is_local(spec.run_url):
+        storage.write_bytes(storage.join(spec.run_url, "spec.json"), spec_file.read_bytes())
+    return spec_file
+
+
 def launch(
     spec: TrainSpec,
     on_progress: ProgressFn | None = None,
     on_line: Callable[[str], None] | None = None,
     on_command: Callable[[str], None] | None = None,
 ) -> TrainResult:
-    """Run the planned training to completion and return what it reports.
+    """Run the planned training on this machine to completion and return what it reports.
 
     The result is read back from the artifact store, where rank 0 wrote it.
     ``on_command`` receives the launch command as a pasteable string.
@@ -114,20 +189,15 @@ def launch(
     from ladle import strategies
 
     strategies.get(spec.plan.strategy).before_launch(spec.plan)
+    relay = Relay(on_progress, on_line)
     with tempfile.TemporaryDirectory(prefix="ladle-train-") as tmp:
-        spec_file = spec_location(spec, tmp)
-        spec_file.parent.mkdir(parents=True, exist_ok=True)
-        spec_file.write_text(spec.model_dump_json(indent=1), encoding="utf-8")
-        if not storage.is_local(spec.run_url):  # other nodes read it from the store
-            storage.write_bytes(storage.join(spec.run_url, "spec.json"), spec_file.read_bytes())
+        spec_file = write_spec(spec, tmp)
         port = free_port()
         argv = spec.plan.launcher_argv([str(spec_file)], port=port)
         if on_command:
             on_command(spec.plan.launch_command([str(spec_file)], port=port))
             for rank in range(1, spec.plan.num_machines):
                 on_command(f"waiting for node {rank} to join; on it run: " + join_command(spec, rank))
-        tail = collections.deque(maxlen=40)
-        errors: list[dict] = []
         # Its own process group: when this process is cancelled (a Prefect cancel sends SIGTERM to the
         # flow run only) or interrupted, the launcher and every rank are stopped with it, never orphaned.
         proc = subprocess.Popen(
@@ -141,23 +211,11 @@ def launch(
         assert proc.stdout is not None
         try:
             for line in proc.stdout:
-                line = line.rstrip("\n")
-                events = progress_events(line)
-                for event in events:
-                    if event.get("event") == "error":
-                        errors.append(event)
-                    elif on_progress:
-                        on_progress(event)
-                if events:
-                    continue
-                tail.append(line)
-                if on_line:
-                    on_line(line)
+                relay.feed(line)
             code = proc.wait()
         except BaseException:
             stop_process(proc, grace_s=10, group=True)
             raise
     if code != 0:
-        cause = f"rank {errors[0]['rank']}: {errors[0]['error']}\n" if errors else ""
-        raise TrainingFailed(f"training exited with code {code}; {cause}last output:\n" + "\n".join(tail))
-    return TrainResult.model_validate(storage.read_json(storage.join(spec.run_url, "train_result.json")))
+        raise relay.failure(f"training exited with code {code}")
+    return read_result(spec)

@@ -1,0 +1,23 @@
+"""Compute targets: where the train stage runs the plan's launch (``compute.target``).
+
+Each target takes the same ``TrainSpec`` and returns the same ``TrainResult``, relaying the same progress
+events: ``local`` starts ``accelerate launch`` on this machine, ``slurm`` submits one ``sbatch`` job over
+the plan's nodes and follows it, ``kubernetes`` renders a Kubeflow PyTorchJob (``ladle k8s render``).
+"""
+
+from __future__ import annotations
+
+from ladle.compute.base import ComputeTarget
+from ladle.compute.kubernetes import KubernetesTarget
+from ladle.compute.local import LocalTarget
+from ladle.compute.slurm import SlurmTarget
+
+TARGETS: dict[str, type[ComputeTarget]] = {t.name: t for t in (LocalTarget, SlurmTarget, KubernetesTarget)}
+
+
+def get(cfg) -> ComputeTarget:
+    """The target ``cfg.compute.target`` names, set up with its options."""
+    return TARGETS[cfg.compute.target](cfg)
+
+
+__all__ = ["TARGETS", "ComputeTarget", "get"]

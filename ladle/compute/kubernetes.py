@@ -1,0 +1,202 @@
+"""``compute.target: kubernetes``: multi-node training as a Kubeflow ``PyTorchJob`` (``kubeflow.org/v1``).
+
+Why PyTorchJob and not Kubeflow Trainer's ``TrainJob``: a PyTorchJob carries whole pod templates, so
+everything a training pod needs (GPU limits, the in-memory /dev/shm, tolerations, the secret with the
+artifact store's and MLflow's settings) is plain Kubernetes inside one object, and it runs on the training
+operator alone. A ``TrainJob`` needs a ``ClusterTrainingRuntime`` installed beside it whose launcher (its
+own torchrun) ladle would have to override. The operator gives every pod ``PET_NODE_RANK`` (master 0,
+worker i → i + 1), ``MASTER_ADDR`` (the master pod's service) and ``MASTER_PORT``; each pod runs
+``ladle launch`` with them, which starts the plan's ``accelerate launch`` for that node: the same launch as
+every other target.
+
+``render`` is pure (tested against the CRD's and Kubernetes' published schemas); ``run`` submits with
+``kubectl`` and follows the job until it succeeds or fails.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+import yaml
+
+from ladle import storage
+from ladle.compute.base import ComputeTarget
+from ladle.errors import LadleError
+
+CONTAINER = "pytorch"  # the name the training operator looks for
+PORT_NAME = "pytorchjob-port"  # the master port the operator reads
+LAUNCH = ["ladle", "launch"]  # on the image's PATH (infra/Dockerfile)
+
+
+def job_name(run_name: str) -> str:
+    """A DNS-1035 label from the run's name (the operator derives pod and service names from it)."""
+    clean = "".join(c if c.isalnum() else "-" for c in run_name.lower()).strip("-")
+    return ("ladle-" + clean)[:52].rstrip("-")
+
+
+class KubernetesTarget(ComputeTarget):
+    name = "kubernetes"
+
+    @property
+    def opts(self):
+        return self.cfg.compute.kubernetes
+
+    def problems(self, live: bool = True) -> list[str]:
+        out = []
+        if storage.is_local(self.cfg.output):
+            out.append(
+                f"output = {self.cfg.output!r}: pods cannot read or write this machine's folders. Set output to an "
+                "object store the cluster reaches (s3://bucket/prefix) for compute.target=kubernetes."
+            )
+        if live and shutil.which("kubectl") is None:
+            out.append(
+                "compute.target = 'kubernetes': kubectl not found on PATH. The train stage submits the PyTorchJob "
+                "with kubectl (a work-pool pod has it in infra/Dockerfile's image); or render it with "
+                "`ladle k8s render` and apply it yourself."
+            )
+        return out
+
+    def rendezvous(self) -> str:
+        return f"the master pod's service, port {self.opts.port}"
+
+    def gpus_per_node(self, plan) -> int:
+        if self.opts.gpus_per_node is not None:
+            return self.opts.gpus_per_node
+        return plan.processes_per_machine if plan.device == "cuda" else 0
+
+    def container(self, spec_url: str, plan) -> dict[str, Any]:
+        o = self.opts
+        limits: dict[str, str] = {}
+        if self.gpus_per_node(plan):
+            limits["nvidia.com/gpu"] = str(self.gpus_per_node(plan))
+        limits.update({k: v for k, v in (("cpu", o.cpu), ("memory", o.memory)) if v})
+        container: dict[str, Any] = {
+            "name": CONTAINER,
+            "image": o.image,
+            "imagePullPolicy": o.image_pull_policy,
+            "command": LAUNCH,
+            # Kubernetes expands $(VAR) from the container's environment, which the operator fills.
+            "args": [
+                spec_url,
+                "--node-rank",
+                "$(PET_NODE_RANK)",
+                "--main-address",
+                "$(MASTER_ADDR)",
+                "--main-port",
+                "$(MASTER_PORT)",
+            ],
+            "ports": [{"name": PORT_NAME, "containerPort": o.port, "protocol": "TCP"}],
+            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        }
+        if limits:
+            container["resources"] = {"limits": limits, "requests": dict(limits)}
+        if o.env_secret:
+            container["envFrom"] = [{"secretRef": {"name": o.env_secret}}]
+        return container
+
+    def pod_template(self, spec_url: str, plan) -> dict[str, Any]:
+        o = self.opts
+        pod: dict[str, Any] = {
+            "containers": [self.container(spec_url, plan)],
+            "restartPolicy": "Never",  # a failed node fails the job; the train task's retry resumes it
+            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": o.shm_size}}],
+        }
+        if o.tolerations:
+            pod["tolerations"] = o.tolerations
+        if o.node_selector:
+            pod["nodeSelector"] = o.node_selector
+        if o.service_account:
+            pod["serviceAccountName"] = o.service_account
+        return {"metadata": {"labels": {"app.kubernetes.io/name": "ladle"}}, "spec": pod}
+
+    def render(self, spec_url: str, plan, run_name: str) -> dict[str, Any]:
+        """The PyTorchJob that trains ``spec_url``: one master pod and ``nodes - 1`` workers."""
+        template = self.pod_template(spec_url, plan)
+        replicas = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
+        if plan.num_machines > 1:
+            replicas["Worker"] = {"replicas": plan.num_machines - 1, "restartPolicy": "Never", "template": template}
+        return {
+            "apiVersion": "kubeflow.org/v1",
+            "kind": "PyTorchJob",
+            "metadata": {
+                "name": job_name(run_name),
+                "namespace": self.opts.namespace,
+                "labels": {"app.kubernetes.io/name": "ladle", "app.kubernetes.io/instance": job_name(run_name)},
+            },
+            "spec": {
+                # ladle launch starts the node's ranks itself (accelerate launch), so one process per pod here.
+                "nprocPerNode": "1",
+                "runPolicy": {"backoffLimit": 0, "cleanPodPolicy": "Running"},
+                "pytorchReplicaSpecs": replicas,
+            },
+        }
+
+    def launch_text(self, plan, spec: str) -> str:
+        return "PyTorchJob:\n" + yaml.safe_dump(self.render(spec, plan, self.cfg.name), sort_keys=False)
+
+    def probe(self):
+        """The nodes are the cluster's: the plan is made for ``parallelism.gpus`` GPUs per node as configured."""
+        from ladle.topology import probe
+
+        return probe()
+
+    def kubectl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(["kubectl", *args], capture_output=True, text=True, timeout=timeout, check=False)
+        except FileNotFoundError:
+            raise LadleError("compute.target = 'kubernetes': kubectl not found on PATH.") from None
+
+    def run(self, spec, on_progress=None, on_line=None, on_command=None):
+        from ladle.train.run import Relay, read_result, write_spec
+
+        relay = Relay(on_progress, on_line)
+        with tempfile.TemporaryDirectory(prefix="ladle-k8s-") as tmp:
+            write_spec(spec, tmp)  # the run folder is remote (problems() insists), so the pods read it there
+            job = self.render(
+                storage.join(spec.run_url, "spec.json"), spec.plan, spec.run_url.rstrip("/").split("/")[-1]
+            )
+            name, ns = job["metadata"]["name"], job["metadata"]["namespace"]
+            self.kubectl("delete", "pytorchjob", name, "-n", ns, "--ignore-not-found", "--wait=true")  # a retry
+            done = subprocess.run(
+                ["kubectl", "apply", "-f", "-"], input=json.dumps(job), capture_output=True, text=True, check=False
+            )
+            if done.returncode != 0:
+                raise LadleError(f"kubectl refused the PyTorchJob {name}: {done.stderr.strip()}")
+            if on_command:
+                on_command(f"kubectl apply: PyTorchJob {ns}/{name}, {spec.plan.num_machines} pod(s)")
+            try:
+                state = self.follow(name, ns, relay)
+            except BaseException:
+                self.kubectl("delete", "pytorchjob", name, "-n", ns, "--ignore-not-found")
+                raise
+        if state != "Succeeded":
+            raise relay.failure(f"PyTorchJob {ns}/{name} ended {state}")
+        return read_result(spec)
+
+    def follow(self, name: str, ns: str, relay) -> str:
+        """Stream the master pod's log until the job's last condition is Succeeded or Failed."""
+        pod = f"{name}-master-0"
+        logs = None
+        while True:
+            got = self.kubectl("get", "pytorchjob", name, "-n", ns, "-o", "json")
+            conditions = json.loads(got.stdout).get("status", {}).get("conditions", []) if got.returncode == 0 else []
+            state = conditions[-1]["type"] if conditions else "Created"
+            if logs is None and state in ("Running", "Succeeded", "Failed"):
+                logs = subprocess.Popen(
+                    ["kubectl", "logs", "-f", pod, "-n", ns],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                assert logs.stdout is not None
+                for line in logs.stdout:
+                    relay.feed(line)
+                logs.wait()
+            if state in ("Succeeded", "Failed"):
+                return state
+            time.sleep(5)

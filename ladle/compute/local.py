@@ -1,0 +1,19 @@
+"""``compute.target: local``: this machine (other machines join by hand with ``ladle launch``)."""
+
+from __future__ import annotations
+
+from ladle.compute.base import ComputeTarget
+
+
+class LocalTarget(ComputeTarget):
+    name = "local"
+
+    def probe(self):
+        from ladle.topology import probe
+
+        return probe()
+
+    def run(self, spec, on_progress=None, on_line=None, on_command=None):
+        from ladle.train.run import launch
+
+        return launch(spec, on_progress=on_progress, on_line=on_line, on_command=on_command)
