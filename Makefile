@@ -12,8 +12,10 @@ STAMP := $(VENV)/.ladle-setup
 #   make setup TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu128"
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
+# Extras installed with ladle (the worker image adds qlora,mii,k8s).
+EXTRAS ?= dev
 
-.PHONY: setup demo test bench clean
+.PHONY: setup slurm demo test bench clean
 
 setup: $(STAMP)
 
@@ -23,15 +25,23 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(BIN)/pip install --quiet "torch==$(TORCH_VERSION)" $(TORCH_INDEX)
 	# DeepSpeed builds from source: without build isolation (or it pulls a second torch), no ops prebuilt.
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-build-isolation -c constraints.txt deepspeed
-	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 demo: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/ladle run recipes/tiny-cpu.yaml
 
+# The Slurm daemons and client the tests start a two-node cluster with (Debian's packages; as root, or
+# with sudo). Installed once: skipped when they are already there.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+slurm:
+	@test -x /usr/sbin/slurmctld -a -x /usr/sbin/slurmd -a -x /usr/sbin/munged -a -x /usr/bin/sbatch || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends \
+	  slurmctld slurmd slurm-client munge >/dev/null; }
+
 # Lint and format are checked first (a violation fails the run), then the suite; the 15 slowest
 # tests are printed at the end, and the test phase's wall time after them.
-test: setup
+test: setup slurm
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@start=$$(date +%s); \

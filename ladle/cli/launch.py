@@ -7,6 +7,7 @@ rank and the rendezvous the scheduler chose: ``--node-rank`` defaults to ``$SLUR
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -38,6 +39,9 @@ def launch(
         None, "--main-address", help="Rendezvous address (node 0's), when a scheduler chose the nodes."
     ),
     main_port: int | None = typer.Option(None, "--main-port", min=1, max=65535, help="Rendezvous port on node 0."),
+    print_command: bool = typer.Option(
+        False, "--print-command", help="Print the node's `accelerate launch` argv (JSON) instead of running it."
+    ),
 ) -> None:
     """Start this machine's training processes and wait for them."""
     from pydantic import ValidationError
@@ -58,6 +62,10 @@ def launch(
     if not first <= rank < nodes:
         where = "node 0 runs the pipeline, so " if first else ""
         raise LadleError(f"--node-rank = {rank}: the run has {nodes} node(s); {where}ranks are {first}..{nodes - 1}.")
+    if print_command:
+        argv = parsed.plan.launcher_argv([spec], machine_rank=rank, main_address=main_address, main_port=main_port)
+        print(json.dumps(argv))
+        return
     # A scheduler stops a job with SIGTERM: make it an exception, so this node's ranks are stopped with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     raise SystemExit(run_node(spec, rank, main_address=main_address, main_port=main_port))

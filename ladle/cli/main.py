@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ladle.cli import data, model, recipes, servers
+from ladle.cli import data, k8s, model, recipes, servers
 from ladle.cli.env import env
 from ladle.cli.launch import launch
 from ladle.cli.plan import plan
@@ -27,6 +27,7 @@ app.add_typer(data.app, name="data")
 app.add_typer(recipes.app, name="recipes")
 app.add_typer(servers.app, name="servers")
 app.add_typer(model.app, name="model")
+app.add_typer(k8s.app, name="k8s")
 
 if __name__ == "__main__":
     app()

@@ -15,6 +15,7 @@ every other target.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import subprocess
@@ -52,12 +53,6 @@ class KubernetesTarget(ComputeTarget):
             out.append(
                 f"output = {self.cfg.output!r}: pods cannot read or write this machine's folders. Set output to an "
                 "object store the cluster reaches (s3://bucket/prefix) for compute.target=kubernetes."
-            )
-        if live and shutil.which("kubectl") is None:
-            out.append(
-                "compute.target = 'kubernetes': kubectl not found on PATH. The train stage submits the PyTorchJob "
-                "with kubectl (a work-pool pod has it in infra/Dockerfile's image); or render it with "
-                "`ladle k8s render` and apply it yourself."
             )
         return out
 
@@ -119,7 +114,8 @@ class KubernetesTarget(ComputeTarget):
         template = self.pod_template(spec_url, plan)
         replicas = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
         if plan.num_machines > 1:
-            replicas["Worker"] = {"replicas": plan.num_machines - 1, "restartPolicy": "Never", "template": template}
+            worker = copy.deepcopy(template)  # its own copy: YAML output carries no anchors
+            replicas["Worker"] = {"replicas": plan.num_machines - 1, "restartPolicy": "Never", "template": worker}
         return {
             "apiVersion": "kubeflow.org/v1",
             "kind": "PyTorchJob",
@@ -154,6 +150,11 @@ class KubernetesTarget(ComputeTarget):
     def run(self, spec, on_progress=None, on_line=None, on_command=None):
         from ladle.train.run import Relay, read_result, write_spec
 
+        if shutil.which("kubectl") is None:
+            raise LadleError(
+                "compute.target = 'kubernetes': kubectl not found on PATH. The train stage submits the PyTorchJob "
+                "with kubectl (infra/Dockerfile's image has it); or print it with `ladle k8s render` and apply it."
+            )
         relay = Relay(on_progress, on_line)
         with tempfile.TemporaryDirectory(prefix="ladle-k8s-") as tmp:
             write_spec(spec, tmp)  # the run folder is remote (problems() insists), so the pods read it there

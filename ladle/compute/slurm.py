@@ -244,7 +244,7 @@ class SlurmTarget(ComputeTarget):
             follower.pump(relay.feed)
             state, reason = info.get("JobState", "UNKNOWN"), info.get("Reason", "")
             if state == "PENDING":
-                if reason != last_reason and relay.on_line:
+                if reason != last_reason and reason not in ("", "None") and relay.on_line:
                     relay.on_line(f"slurm: job {job_id} pending ({reason})")
                 last_reason = reason
                 if reason in HOPELESS:

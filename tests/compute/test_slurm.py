@@ -1,0 +1,171 @@
+"""compute.target=slurm on a real two-node Slurm cluster (slurmctld + two slurmd + munge on 127.0.0.1).
+
+- a run trains through `sbatch` on two Slurm nodes (one rank each) and its losses equal the local run's
+  (one node, two ranks: the same world size, so the same data order and the same numbers);
+- a Prefect flow run stopped the way a worker cancels it (SIGTERM to the flow-run process) cancels its job;
+- a job Slurm refuses, a job that fails, and a job stuck in the queue are clear errors naming the setting.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from ladle import compute
+from ladle.config import build_config
+from ladle.errors import LadleError
+from ladle.train.run import TrainingFailed
+from tests.helpers import train_spec
+
+pytestmark = pytest.mark.pipeline
+
+BASE = {
+    "base": "ladle://tiny-llama",
+    "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
+    "training": {"max_steps": 4, "micro_batch_size": 2, "checkpoint_every": 2},
+}
+
+
+def slurm_config(tmp_path, **slurm):
+    return build_config(
+        {
+            **BASE,
+            "output": str(tmp_path),
+            "parallelism": {"nodes": 2, "cpu_processes": 1},
+            "compute": {"target": "slurm", "slurm": {"poll_interval_s": 0.5, **slurm}},
+        },
+        [],
+    )
+
+
+def test_training_through_sbatch_on_two_nodes_equals_the_local_run(slurm_env, tmp_path):
+    cfg = slurm_config(tmp_path)
+    target = compute.get(cfg)
+    topo = target.probe()  # `ladle probe` ran as a Slurm step on a node
+    assert topo.gpu_count == 0 and topo.cpu_count >= 1
+    spec = train_spec(cfg, tmp_path, "slurm", topo=topo)
+    assert (spec.plan.num_machines, spec.plan.processes_per_machine, spec.plan.world_size) == (2, 1, 2)
+    assert "compute target slurm" in " ".join(spec.plan.reasons)
+
+    events, lines, commands = [], [], []
+    result = target.run(spec, on_progress=events.append, on_line=lines.append, on_command=commands.append)
+
+    # It went through Slurm: one job over both nodes, rendezvous on the first node's address.
+    job_id = commands[0].split("Slurm job ")[1].split(",")[0]
+    record = slurm_env.scontrol_job(job_id)
+    assert (record["JobState"], record["ExitCode"], record["NodeList"], record["NumNodes"]) == (
+        "COMPLETED",
+        "0:0",
+        "n[1-2]",
+        "2",
+    )
+    assert any(f"job {job_id} on n[1-2], rendezvous 127.0.0.1:" in line for line in lines)
+    script = next((tmp_path / "slurm" / "slurm").glob("train-*.sbatch")).read_text()
+    assert "#SBATCH --nodes=2" in script and "srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in script
+    # Progress was relayed from the job's output as from a local launch, and the result read from the run folder.
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4]
+    assert result.world_size == 2 and result.steps == 4
+
+    local_cfg = build_config({**BASE, "output": str(tmp_path), "parallelism": {"cpu_processes": 2}}, [])
+    local = compute.get(local_cfg).run(train_spec(local_cfg, tmp_path, "local"))
+    assert result.train_losses == pytest.approx(local.train_losses, abs=1e-6)
+    assert result.eval_loss_after == pytest.approx(local.eval_loss_after, abs=1e-6)
+
+
+CANCEL_SCRIPT = """
+import sys
+from pathlib import Path
+from prefect import flow
+from ladle.config import build_config
+from ladle.tasks.train import train_task
+from ladle.tracking import start_run
+from tests.helpers import train_spec
+
+root = Path(sys.argv[1])
+cfg = build_config({
+    "base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca", "seq_len": 128}, "output": str(root),
+    "training": {"max_steps": 100000, "micro_batch_size": 2},
+    "parallelism": {"nodes": 2, "cpu_processes": 1},
+    "compute": {"target": "slurm", "slurm": {"poll_interval_s": 0.5}},
+}, [])
+spec = train_spec(cfg, root, "cancelled")
+
+@flow
+def train_only():
+    return train_task(cfg, spec.plan, spec.dataset, spec.run_url, start_run(cfg, None, "cancel-test"))
+
+train_only()
+"""
+
+
+def queue(env) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True, env=env, check=True)
+    return out.stdout.split()
+
+
+def test_a_cancelled_flow_run_cancels_its_slurm_job(slurm_env, prefect_harness, tmp_path):
+    """A Prefect worker cancels a flow run by sending its process SIGTERM; Prefect raises in the flow, and the
+    train stage must take the Slurm job down with it."""
+    import os
+
+    script = tmp_path / "cancel.py"
+    script.write_text(textwrap.dedent(CANCEL_SCRIPT), encoding="utf-8")
+    from prefect.settings import PREFECT_API_URL
+
+    # The harness's API server, so the flow-run process does not start a server of its own.
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "PREFECT_API_URL": PREFECT_API_URL.value()}
+    log = tmp_path / "flow.log"  # a file, not a pipe: nobody reads a pipe while the test waits, and it fills
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stdout=out, stderr=out)
+    deadline = time.monotonic() + 240
+    job_log = None
+    while job_log is None and time.monotonic() < deadline:  # training has started inside the job
+        logs = list((tmp_path / "cancelled" / "slurm").glob("train-*.out"))
+        if logs and "step" in logs[0].read_text(errors="replace"):
+            job_log = logs[0]
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        time.sleep(0.5)
+    assert job_log is not None, "the job never started training"
+    job_id = job_log.stem.removeprefix("train-")
+    assert slurm_env.scontrol_job(job_id)["JobState"] == "RUNNING"
+
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    out = log.read_text(errors="replace")
+    assert proc.returncode != 0
+    assert f"scancel {job_id}" in out
+    assert slurm_env.scontrol_job(job_id)["JobState"] == "CANCELLED"
+    deadline = time.monotonic() + 60
+    while job_id in queue(slurm_env.env) and time.monotonic() < deadline:  # its steps are being torn down
+        time.sleep(0.5)
+    assert job_id not in queue(slurm_env.env)
+
+
+def test_a_refused_job_names_the_setting(slurm_env, tmp_path):
+    cfg = slurm_config(tmp_path, partition="nosuch")
+    spec = train_spec(cfg, tmp_path, "refused")
+    with pytest.raises(LadleError, match=r"(?i)invalid partition.*Check compute\.slurm\.partition"):
+        compute.get(cfg).run(spec)
+
+
+def test_a_failing_job_reports_slurms_state_and_the_output(slurm_env, tmp_path):
+    cfg = slurm_config(tmp_path, setup=["echo 'no GPU driver on this node' >&2", "exit 3"])
+    spec = train_spec(cfg, tmp_path, "failing")
+    with pytest.raises(TrainingFailed, match=r"(?s)ended FAILED \(exit code 3:0.*no GPU driver on this node"):
+        compute.get(cfg).run(spec)
+
+
+def test_a_job_stuck_in_the_queue_is_cancelled_after_pending_timeout(slurm_env, tmp_path):
+    cfg = slurm_config(tmp_path, pending_timeout_s=2, sbatch_args=["--begin=now+1hour"])
+    spec = train_spec(cfg, tmp_path, "stuck")
+    with pytest.raises(
+        LadleError, match=r"compute\.slurm\.pending_timeout_s = 2: job (\d+) waited \d+ s in the queue \(BeginTime\)"
+    ) as err:
+        compute.get(cfg).run(spec)
+    job_id = err.value.args[0].split("job ")[1].split(" ")[0]
+    assert slurm_env.scontrol_job(job_id)["JobState"] == "CANCELLED"
