@@ -381,14 +381,15 @@ def shape_summary(model: dict | None) -> dict[str, int] | None:
 def choose_nodes(cfg: LadleConfig, topo: Topology) -> Decision[int]:
     """Machines taking part: the config's ``parallelism.nodes``, else the launcher environment's; and whether
     the compute target can run them."""
-    from ladle import compute
+    from ladle.compute.requirements import problems as target_problems
+    from ladle.compute.requirements import rendezvous
 
-    target = compute.get(cfg)
-    live = not topo.source.startswith("file:")
-    if cfg.compute.target != "local":  # the scheduler places the nodes and the rendezvous
+    target = cfg.compute.target
+    if target != "local":  # the scheduler places the nodes and the rendezvous
         nodes = cfg.parallelism.nodes
-        reason = f"{nodes} node(s) from compute target {target.name}; rendezvous on {target.rendezvous()}"
-        return Decision(nodes, (reason,), problems=tuple(target.problems(live)))
+        reason = f"{nodes} node(s) from compute target {target}; rendezvous on {rendezvous(cfg)}"
+        live = not topo.source.startswith("file:")
+        return Decision(nodes, (reason,), problems=tuple(target_problems(cfg, live)))
     nodes = cfg.parallelism.nodes if cfg.parallelism.nodes > 1 else topo.nodes
     if nodes == 1:
         return Decision(1)

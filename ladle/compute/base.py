@@ -27,16 +27,6 @@ class ComputeTarget(ABC):
     def __init__(self, cfg: LadleConfig) -> None:
         self.cfg = cfg
 
-    def problems(self, live: bool = True) -> list[str]:
-        """What stops this target from running ``cfg``, each naming the field and the fix; ``live``: this
-        host is the one that will submit (False when planning for a recorded machine)."""
-        return []
-
-    def rendezvous(self) -> str:
-        """Where the nodes meet, for the plan's reasons."""
-        p = self.cfg.parallelism
-        return f"{p.main_address}:{p.main_port}"
-
     def launch_text(self, plan, spec: str) -> str:
         """What ``ladle plan`` shows as the launch: the command (or batch script) that runs ``spec``."""
         return plan.launch_command([spec])

@@ -47,18 +47,6 @@ class KubernetesTarget(ComputeTarget):
     def opts(self):
         return self.cfg.compute.kubernetes
 
-    def problems(self, live: bool = True) -> list[str]:
-        out = []
-        if storage.is_local(self.cfg.output):
-            out.append(
-                f"output = {self.cfg.output!r}: pods cannot read or write this machine's folders. Set output to an "
-                "object store the cluster reaches (s3://bucket/prefix) for compute.target=kubernetes."
-            )
-        return out
-
-    def rendezvous(self) -> str:
-        return f"the master pod's service, port {self.opts.port}"
-
     def gpus_per_node(self, plan) -> int:
         if self.opts.gpus_per_node is not None:
             return self.opts.gpus_per_node

@@ -29,7 +29,6 @@ from ladle import storage
 from ladle.compute.base import ComputeTarget
 from ladle.errors import LadleError
 
-CLIENT = ("sbatch", "srun", "scontrol", "scancel")
 RUNNING = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"}
 # Pending reasons that waiting does not cure: the request itself is beyond what the partition or account allows.
 HOPELESS = {
@@ -118,31 +117,6 @@ class SlurmTarget(ComputeTarget):
     @property
     def opts(self):
         return self.cfg.compute.slurm
-
-    def problems(self, live: bool = True) -> list[str]:
-        out = []
-        if live:
-            missing = [c for c in CLIENT if shutil.which(c) is None]
-            if missing:
-                out.append(
-                    f"compute.target = 'slurm': {', '.join(missing)} not found on PATH. Run the pipeline where the "
-                    "Slurm client is installed (a login node), or set compute.target=local."
-                )
-        if self.opts.log_dir is not None and not storage.is_local(self.opts.log_dir):
-            out.append(
-                f"compute.slurm.log_dir = {self.opts.log_dir!r}: Slurm writes the job's output to a file, so this "
-                "must be a folder on a file system the nodes and this machine share, not a URL."
-            )
-        elif self.opts.log_dir is None and not storage.is_local(self.cfg.output):
-            out.append(
-                f"compute.slurm.log_dir = null: output {self.cfg.output!r} is not a local folder, so the job's "
-                "output has no shared folder to go to. Set compute.slurm.log_dir to one the nodes share."
-            )
-        return out
-
-    def rendezvous(self) -> str:
-        port = self.cfg.parallelism.main_port or "15000 + job id mod 10000"
-        return f"the allocation's first node (its NodeAddr), port {port}"
 
     def python(self) -> str:
         return self.opts.python or sys.executable
