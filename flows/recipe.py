@@ -32,7 +32,7 @@ TYPED = {
 def apply_blocks(
     cfg: LadleConfig, artifact_store: str | None, mlflow_server: str | None, compute: str | None
 ) -> LadleConfig:
-    """Overlay the named Prefect blocks on the config: store URL, tracking URI, GPUs.
+    """Overlay the named Prefect blocks on the config: store URL, tracking URI, GPUs, nodes and compute target.
 
     A block named here is an explicit choice, so it wins over the recipe's value.
     """
@@ -48,8 +48,7 @@ def apply_blocks(
         uri = credentials_to_env(server.tracking_uri)  # a password in the URI goes to the environment, not the config
         tree["tracking"].update(uri=uri, ui_url=server.ui_url or uri)
     if compute:
-        target = ComputeTarget.load(compute)
-        tree["parallelism"].update(gpus=target.gpus, cpu_processes=target.cpu_processes)
+        ComputeTarget.load(compute).overlay(tree)
     return LadleConfig.model_validate(tree)
 
 
@@ -104,7 +103,8 @@ def finetune_recipe(
         recipe_path: A YAML config file to use instead of a shipped recipe (relative to the worker's directory).
         artifact_store: Name of a saved ladle ArtifactStore block (output URL and its credentials).
         mlflow_server: Name of a saved ladle MlflowServer block (tracking URI).
-        compute: Name of a saved ladle ComputeTarget block (GPUs, CPU processes).
+        compute: Name of a saved ladle ComputeTarget block (target, nodes, GPUs, CPU processes, Slurm or
+            Kubernetes options).
     """
     typed = {
         "data_path": data_path,

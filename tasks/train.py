@@ -70,7 +70,7 @@ def train_task(
         spec,
         on_progress=progress_relay(logger),
         on_line=logger.debug,
-        on_command=lambda command: logger.info("launch (%s): %s", cfg.compute.target, command),
+        on_command=lambda command: logger.info("launch: %s", command),
     )
     log_loss_curve(tracking, result.train_losses, result.eval_loss_before, result.eval_loss_after)
     return result
