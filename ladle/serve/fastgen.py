@@ -57,7 +57,10 @@ def check_architecture(model_dir: str) -> str:
 
 
 def start_within(start: Callable[[], T], timeout_s: float, what: str) -> T:
-    """``start()``, or after ``timeout_s`` every child process of this one killed and a clear error.
+    """``start()``, or after ``timeout_s`` every process the start spawned killed and a clear error.
+
+    Only what appeared during the start is killed: processes this one had already started (another server,
+    a Prefect API, a test harness) are left alone.
 
     Raises:
         LadleError: the start raised, or did not finish in time.
@@ -65,6 +68,7 @@ def start_within(start: Callable[[], T], timeout_s: float, what: str) -> T:
     import psutil
 
     box: dict = {}
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
 
     def run() -> None:
         try:
@@ -76,7 +80,7 @@ def start_within(start: Callable[[], T], timeout_s: float, what: str) -> T:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        children = psutil.Process().children(recursive=True)
+        children = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
         for child in children:
             child.kill()
         raise LadleError(

@@ -30,6 +30,7 @@ def test_fastgen_architectures_come_from_the_installed_deepspeed(tmp_path):
 
 def test_the_watchdog_kills_what_a_hung_start_spawned():
     spawned = []
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # started before: kept
 
     def hang():
         spawned.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
@@ -41,6 +42,9 @@ def test_the_watchdog_kills_what_a_hung_start_spawned():
     assert time.monotonic() - began < 10
     spawned[0].wait(timeout=10)  # killed, so it is reaped at once
     assert not psutil.pid_exists(spawned[0].pid) or psutil.Process(spawned[0].pid).status() == "zombie"
+    assert bystander.poll() is None, "a process the start did not spawn was killed"
+    bystander.kill()
+    bystander.wait(timeout=10)
 
 
 def test_a_failed_start_says_why():
