@@ -185,7 +185,8 @@ class KubernetesTarget(ComputeTarget):
                 assert logs.stdout is not None
                 for line in logs.stdout:
                     relay.feed(line)
-                logs.wait()
+                if logs.wait() != 0 and state == "Running":
+                    logs = None  # the pod was not ready for its log yet: look again
             if state in ("Succeeded", "Failed"):
                 return state
             time.sleep(5)
