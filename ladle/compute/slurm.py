@@ -243,8 +243,11 @@ class SlurmTarget(ComputeTarget):
         done = call([*argv, self.python(), "-m", "ladle.cli.main", "probe", "--json"], timeout=600)
         lines = done.stdout.strip().splitlines()
         if done.returncode != 0 or not lines:
+            said = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
             raise LadleError(
-                f"probing a Slurm node failed ({shlex.join(argv)}): {(done.stderr or done.stdout).strip()}"
+                f"compute.target = 'slurm': probing a node with `{shlex.join(argv)}` failed: {said[-1]}. Run the "
+                "pipeline where Slurm answers (`sinfo` works there; $SLURM_CONF names the cluster's slurm.conf), "
+                "and check compute.slurm.partition/account."
             )
         topo = Topology.model_validate(json.loads(lines[-1]))
         if topo.gpu_count == 0 and self.opts.gpus_per_node is None and self.cfg.parallelism.gpus == "auto":

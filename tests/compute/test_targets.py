@@ -145,3 +145,24 @@ def test_launch_rank_rules(specs):
     assert "--machine_rank 0 --main_process_ip 10.1.2.3 --main_process_port 15042" in " ".join(
         json.loads(shown.stdout.splitlines()[-1])
     )
+
+
+def test_probing_without_a_reachable_cluster_is_one_clear_line(tmp_path):
+    """srun is installed here but no controller answers at the configured address."""
+    import os
+    import shutil
+
+    if shutil.which("srun") is None:
+        pytest.skip("needs the Slurm client (`make slurm`)")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=nowhere\nSlurmctldHost=nohost(127.0.0.1)\nSlurmctldPort=9\nAuthType=auth/none\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "ladle.cli.main", "plan", "recipes/tiny-cpu.yaml", "--set", "compute.target=slurm"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SLURM_CONF": str(conf)},
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "compute.target = 'slurm': probing a node with `srun --nodes=1" in done.stderr, done.stderr
+    assert "Run the pipeline where Slurm answers" in done.stderr
