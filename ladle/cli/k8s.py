@@ -32,14 +32,14 @@ def render(
     from ladle import compute, storage
     from ladle.inputs import local_model_config
     from ladle.plan import make_plan
-    from ladle.topology import probe, probe_file
+    from ladle.topology import probe_file
 
     cfg = load(config, [*set_, "compute.target=kubernetes", f"parallelism.nodes={nodes}"], gpus)
-    topo = probe_file(topology_file, gpu_memory_gib=gpu_memory) if topology_file else probe()
+    target = compute.get(cfg)
+    topo = probe_file(topology_file, gpu_memory_gib=gpu_memory) if topology_file else target.probe()
     made = make_plan(cfg, topo, config, model=local_model_config(cfg, None))
     name = run_id or cfg.name
     spec_url = spec or storage.join(storage.normalise(cfg.output), "runs", name, "spec.json")
-    target = compute.get(cfg)
     typer.echo(yaml.safe_dump(target.render(spec_url, made, name), sort_keys=False), nl=False)
 
 

@@ -27,13 +27,31 @@ class ComputeTarget(ABC):
     def __init__(self, cfg: LadleConfig) -> None:
         self.cfg = cfg
 
+    @property
+    def opts(self):
+        """This target's options section (``compute.slurm``, ``compute.kubernetes``); None for ``local``."""
+        return getattr(self.cfg.compute, self.name, None)
+
+    def gpus_per_node(self, plan=None) -> int:
+        """GPUs to ask the scheduler for per node: the configured count, else the plan's ranks per node on a
+        GPU run, else (before planning) an integer ``parallelism.gpus``; 0 for a CPU run."""
+        configured = getattr(self.opts, "gpus_per_node", None)
+        if configured is not None:
+            return configured
+        if plan is not None:
+            return plan.processes_per_machine if plan.device == "cuda" else 0
+        gpus = self.cfg.parallelism.gpus
+        return gpus if isinstance(gpus, int) else 0
+
     def launch_text(self, plan, spec: str) -> str:
         """What ``ladle plan`` shows as the launch: the command (or batch script) that runs ``spec``."""
         return plan.launch_command([spec])
 
-    @abstractmethod
     def probe(self) -> Topology:
-        """The topology of one node training will run on."""
+        """The topology of one node training will run on: this machine's, unless the target reaches its nodes."""
+        from ladle.topology import probe
+
+        return probe()
 
     @abstractmethod
     def run(

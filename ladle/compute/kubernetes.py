@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import subprocess
 import tempfile
 import time
@@ -42,15 +41,6 @@ def job_name(run_name: str) -> str:
 
 class KubernetesTarget(ComputeTarget):
     name = "kubernetes"
-
-    @property
-    def opts(self):
-        return self.cfg.compute.kubernetes
-
-    def gpus_per_node(self, plan) -> int:
-        if self.opts.gpus_per_node is not None:
-            return self.opts.gpus_per_node
-        return plan.processes_per_machine if plan.device == "cuda" else 0
 
     def container(self, spec_url: str, plan) -> dict[str, Any]:
         o = self.opts
@@ -123,37 +113,30 @@ class KubernetesTarget(ComputeTarget):
     def launch_text(self, plan, spec: str) -> str:
         return "PyTorchJob:\n" + yaml.safe_dump(self.render(spec, plan, self.cfg.name), sort_keys=False)
 
-    def probe(self):
-        """The nodes are the cluster's: the plan is made for ``parallelism.gpus`` GPUs per node as configured."""
-        from ladle.topology import probe
-
-        return probe()
-
-    def kubectl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
         try:
-            return subprocess.run(["kubectl", *args], capture_output=True, text=True, timeout=timeout, check=False)
+            return subprocess.run(
+                ["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=timeout, check=False
+            )
         except FileNotFoundError:
-            raise LadleError("compute.target = 'kubernetes': kubectl not found on PATH.") from None
-
-    def run(self, spec, on_progress=None, on_line=None, on_command=None):
-        from ladle.train.run import Relay, read_result, write_spec
-
-        if shutil.which("kubectl") is None:
             raise LadleError(
                 "compute.target = 'kubernetes': kubectl not found on PATH. The train stage submits the PyTorchJob "
                 "with kubectl (infra/Dockerfile's image has it); or print it with `ladle k8s render` and apply it."
-            )
+            ) from None
+
+    def run(self, spec, on_progress=None, on_line=None, on_command=None):
+        from ladle import strategies
+        from ladle.train.run import Relay, read_result, write_spec
+
+        strategies.get(spec.plan.strategy).before_launch(spec.plan)
         relay = Relay(on_progress, on_line)
         with tempfile.TemporaryDirectory(prefix="ladle-k8s-") as tmp:
-            write_spec(spec, tmp)  # the run folder is remote (problems() insists), so the pods read it there
-            job = self.render(
-                storage.join(spec.run_url, "spec.json"), spec.plan, spec.run_url.rstrip("/").split("/")[-1]
-            )
+            write_spec(spec, tmp)  # the run folder is remote (the planner insists), so the pods read it there
+            run_name = spec.run_url.rstrip("/").split("/")[-1]
+            job = self.render(storage.join(spec.run_url, "spec.json"), spec.plan, run_name)
             name, ns = job["metadata"]["name"], job["metadata"]["namespace"]
             self.kubectl("delete", "pytorchjob", name, "-n", ns, "--ignore-not-found", "--wait=true")  # a retry
-            done = subprocess.run(
-                ["kubectl", "apply", "-f", "-"], input=json.dumps(job), capture_output=True, text=True, check=False
-            )
+            done = self.kubectl("apply", "-f", "-", stdin=json.dumps(job))
             if done.returncode != 0:
                 raise LadleError(f"kubectl refused the PyTorchJob {name}: {done.stderr.strip()}")
             if on_command:

@@ -8,11 +8,6 @@ from ladle.compute.base import ComputeTarget
 class LocalTarget(ComputeTarget):
     name = "local"
 
-    def probe(self):
-        from ladle.topology import probe
-
-        return probe()
-
     def run(self, spec, on_progress=None, on_line=None, on_command=None):
         from ladle.train.run import launch
 

@@ -114,20 +114,8 @@ class LogFollower:
 class SlurmTarget(ComputeTarget):
     name = "slurm"
 
-    @property
-    def opts(self):
-        return self.cfg.compute.slurm
-
     def python(self) -> str:
         return self.opts.python or sys.executable
-
-    def gpus_per_node(self, plan=None) -> int:
-        if self.opts.gpus_per_node is not None:
-            return self.opts.gpus_per_node
-        if plan is not None:
-            return plan.processes_per_machine if plan.device == "cuda" else 0
-        gpus = self.cfg.parallelism.gpus
-        return gpus if isinstance(gpus, int) else 0
 
     def placement(self, nodes: int, gpus: int, time_limit: str) -> list[str]:
         """The sbatch/srun options every request carries: size, queue, account, limits."""

@@ -29,13 +29,12 @@ def worker_env(spec: TrainSpec) -> dict[str, str]:
         # Each rank gets its share of the cores instead of all of them (oversubscription halves throughput).
         # The cores this task may use: Slurm's allotment, else the affinity mask (a container's or cgroup's).
         slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
-        cores = (
-            int(slurm)
-            if slurm.isdigit()
-            else len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else (os.cpu_count() or 1)
-        )
+        if slurm.isdigit():
+            cores = int(slurm)
+        elif hasattr(os, "sched_getaffinity"):
+            cores = len(os.sched_getaffinity(0))
+        else:
+            cores = os.cpu_count() or 1
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // spec.plan.processes_per_machine)))
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise guess, and say so on stdout
     if spec.plan.device == "cuda":
