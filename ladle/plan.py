@@ -21,6 +21,7 @@ from ladle.config import LadleConfig
 from ladle.errors import ConfigError, LadleError
 from ladle.serve import backends
 from ladle.strategies import Candidate, Strategy, Target
+from ladle.strategies.mesh import Dims
 from ladle.topology import Topology
 
 T = TypeVar("T")
@@ -56,6 +57,11 @@ class Plan(BaseModel):
         default_factory=dict,
         description="Bytes the chosen layout needs: per rank while loading (`load`) and per training step "
         "(`train`); host RAM for the LoRA merge (`merge`); per serving device (`serve`). Empty: model size unknown.",
+    )
+    mesh: dict[str, int] = Field(
+        default_factory=dict,
+        description="Parallelism degrees on the device mesh (pp, dp_replicate, dp_shard, cp, tp): their product is "
+        "the world size. Named strategies are presets (ddp: dp_replicate = world; fsdp2: dp_shard = world; ...).",
     )
     model_shape: dict[str, int] | None = Field(
         None, description="The base's sizes that launcher configs are sized from (None: no config.json at hand)."
@@ -108,15 +114,21 @@ class Plan(BaseModel):
         argv = self.launcher_argv(worker_args, port)
         return shlex.join(["accelerate", "launch", *argv[3:]])
 
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas (ranks reading different rows): the mesh's dp_replicate x dp_shard."""
+        return Dims.of(self.mesh).dp if self.mesh else self.world_size
+
     def to_markdown(self) -> str:
         rows = [
             ("strategy", self.strategy),
+            ("mesh", Dims.of(self.mesh).describe() if self.mesh else "-"),
             ("device", f"{self.device} ({self.backend})"),
             ("world size", f"{self.world_size} = {self.num_machines} machine(s) x {self.processes_per_machine}"),
             (
                 "batch",
                 f"{self.global_batch_size} rows/step = {self.micro_batch_size} micro x "
-                f"{self.world_size} ranks x {self.gradient_accumulation} accumulation",
+                f"{self.replicas} replica(s) x {self.gradient_accumulation} accumulation",
             ),
             ("dtype", self.dtype),
         ]
@@ -285,6 +297,7 @@ def build_plan(
         warnings=warnings,
         candidates=candidates,
         model_shape=model_shape,
+        mesh=strategy.dims(options, target.world_size, target.nodes).degrees(),
     )
     plan.launcher_config, resolved = strategy.configure(cfg, plan)
     plan.reasons += resolved
@@ -489,6 +502,9 @@ def choose_strategy(cfg: LadleConfig, topo: Topology, target: Target, model: dic
     with the option values that candidate sets."""
     explicit = cfg.parallelism.strategy
     overrides = (f"parallelism.strategy = {explicit} (explicit)",) if explicit != "auto" else ()
+    if explicit == "auto" and cfg.parallelism.dims.is_set():  # degrees asked for: they are the layout
+        explicit = "nd"
+        overrides = ("parallelism.dims set: strategy nd composes the degrees asked for",)
     fallback = Chosen(strategies.default() if explicit == "auto" else strategies.get(explicit), {})
     capacity = device_bytes(topo, target.device, target.processes_per_machine)
     if model is None or capacity is None:
@@ -617,7 +633,7 @@ def check_strategy(
     """The chosen strategy's own checks, and any other strategy's options that it would ignore."""
     problems = strategy.validate(cfg, topo, target)
     if model is not None:
-        problems += strategy.validate_model(model, target.world_size)
+        problems += strategy.validate_model(cfg, model, target.world_size)
     problems += strategy.validate_batch(strategy.options(cfg), micro, accumulation, global_batch)
     for other in strategies.REGISTRY.values():
         problems += other.validate_unused(cfg, strategy)

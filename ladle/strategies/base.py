@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ladle import memory, sizing
+from ladle.strategies.mesh import Dims
 
 if TYPE_CHECKING:
     from ladle.config import LadleConfig
@@ -108,6 +109,11 @@ class Strategy(ABC):
         """Processes per machine this strategy runs (``per_machine`` unless it adapts it), and why it changed."""
         return per_machine, None
 
+    def dims(self, options: Section | None, world_size: int, nodes: int) -> Dims:
+        """The parallelism degrees this strategy runs as (the plan's ``mesh``): data-parallel replicas by
+        default. Named strategies are presets of degrees; ``nd`` composes them."""
+        return Dims(dp_replicate=world_size)
+
     def data_parallel_degree(self, world_size: int, options: Section | None) -> int:
         """Replicas reading different rows; the rest of the ranks share a replica's batch."""
         return world_size
@@ -122,7 +128,7 @@ class Strategy(ABC):
     def validate(self, cfg: LadleConfig, topo: Topology, target: Target) -> list[str]:
         """Problems that stop this strategy on this machine (field = value: why. fix.)."""
 
-    def validate_model(self, model: dict, world_size: int) -> list[str]:
+    def validate_model(self, cfg: LadleConfig, model: dict, world_size: int) -> list[str]:
         """Problems with this model's shape for this strategy (the planner has the config.json)."""
         return []
 

@@ -25,6 +25,7 @@ from pydantic import Field
 from ladle import memory
 from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy
+from ladle.strategies.mesh import Dims
 from ladle.strategies.registry import register
 
 NO_PRINT = 10**9
@@ -98,6 +99,11 @@ class ZeRO(Strategy):
 
     def offload(self, options) -> tuple[bool, bool]:
         return options.offload_optimizer != "none", options.offload_param != "none"
+
+    def dims(self, options, world_size: int, nodes: int) -> Dims:
+        # Every ZeRO stage divides model states over the data-parallel ranks (stage 1 the optimizer state,
+        # 2 also gradients, 3 also weights): one sharded dimension, as accelerate's ParallelismConfig names it.
+        return Dims(dp_shard=world_size)
 
     def candidates(self, job, interconnect, cfg) -> list[Candidate]:
         host = {"offload_optimizer": "cpu"}

@@ -17,6 +17,7 @@ from pydantic import Field
 from ladle import memory
 from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy
+from ladle.strategies.mesh import Dims
 from ladle.strategies.registry import register
 
 
@@ -99,6 +100,12 @@ class FSDP2(Strategy):
 
     def offload(self, options) -> tuple[bool, bool]:
         return options.cpu_offload, options.cpu_offload  # CPUOffloadPolicy moves parameters and optimizer state
+
+    def dims(self, options, world_size: int, nodes: int) -> Dims:
+        replicate = nodes if options.replicate == 0 else options.replicate
+        if replicate < 1 or world_size % replicate:
+            replicate = 1  # validate() reports a replicate that does not divide the world
+        return Dims(dp_replicate=replicate, dp_shard=world_size // replicate)
 
     def label(self, options) -> str:
         hsdp = "+hsdp" if options.replicate != 1 else ""

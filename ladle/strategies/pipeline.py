@@ -24,6 +24,7 @@ from pydantic import Field
 from ladle import memory, sizing
 from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy
+from ladle.strategies.mesh import Dims
 from ladle.strategies.registry import register
 
 
@@ -52,6 +53,9 @@ class Pipeline(Strategy):
         if device == "cuda" and cfg.parallelism.gpus == "auto" and per_machine > stages:
             return stages, f"{stages} process(es): --gpus auto adapts to one pipeline of {stages} stages"
         return per_machine, None
+
+    def dims(self, options, world_size: int, nodes: int) -> Dims:
+        return Dims(pp=world_size)
 
     def data_parallel_degree(self, world_size: int, options) -> int:
         return 1  # one pipeline: its stages share one batch

@@ -18,6 +18,7 @@ from typing import Any
 
 from ladle import memory
 from ladle.strategies.base import Strategy
+from ladle.strategies.mesh import Dims
 from ladle.strategies.registry import register
 
 
@@ -53,7 +54,10 @@ class TensorParallel(Strategy):
             )
         return problems
 
-    def validate_model(self, model: dict, world_size: int) -> list[str]:
+    def dims(self, options, world_size: int, nodes: int) -> Dims:
+        return Dims(tp=world_size)
+
+    def validate_model(self, cfg, model: dict, world_size: int) -> list[str]:
         problems = []
         heads = model.get("num_attention_heads")
         kv = model.get("num_key_value_heads") or heads

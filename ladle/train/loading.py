@@ -6,8 +6,8 @@ FSDP2 or ZeRO-3 frees anything. Here the architecture is built with no storage
 behind its parameters (the meta device; ``deepspeed.zero.Init`` for ZeRO-3,
 chosen by the strategy's ``empty_model``), LoRA is added and initialised, the
 strategy shards or splits the skeleton, and only then are the weights read:
-each rank reads the rows of each tensor that it holds (FSDP2's dim-0 shard, a
-pipeline stage's layers, a whole tensor for a replica) straight from the
+each rank reads the region of each tensor that it holds (FSDP2's dim-0 shard, a
+tensor-parallel slice, a pipeline stage's layers, a whole tensor for a replica) straight from the
 checkpoint's safetensors, one tensor at a time, with the file mapped only while
 that tensor is read. A rank's load peak is its share of the model plus one
 tensor.
@@ -73,17 +73,18 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        """Tensor ``name`` (only ``rows`` of its first dimension when given), copied out of the mapped file.
+    def read(self, name: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor ``name`` (only ``region``, one slice per leading dimension, when given), copied out of the
+        mapped file.
 
         The file is opened for this one read: its mapped pages stop counting against the process when it closes.
         """
         from safetensors import safe_open
 
         with safe_open(self.files[name], framework="pt") as f:
-            if rows is None:
+            if region is None:
                 return f.get_tensor(name)
-            return f.get_slice(name)[rows].clone()
+            return f.get_slice(name)[region].clone()
 
 
 @dataclass
@@ -94,29 +95,29 @@ class Pending:
     checkpoint: Checkpoint
     values: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def source(self, name: str, rows: slice | None = None) -> torch.Tensor:
+    def source(self, name: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         if name in self.values:
             value = self.values[name]
-            return value if rows is None else value[rows]
+            return value if region is None else value[region]
         key = checkpoint_name(name)
         if key not in self.checkpoint:
             raise RuntimeError(
                 f"sharded loading: the model's {name} has no tensor {key} in {self.checkpoint.folder}; the base "
                 "checkpoint does not match its config.json"
             )
-        return self.checkpoint.read(key, rows)
+        return self.checkpoint.read(key, region)
 
     def fill(self, module: torch.nn.Module, device, prefix: str = "") -> int:
         """Allocate ``module``'s storage on ``device`` and copy every parameter and buffer in (whole tensors, or
-        each DTensor's local rows); returns the elements this rank now holds."""
+        each DTensor's local region); returns the elements this rank now holds."""
         module.to_empty(device=device)
         held = 0
         with torch.no_grad():
             for name, tensor in named_tensors(module):
                 key = prefix + name
-                local, rows = local_rows(tensor)
+                local, region = local_region(tensor)
                 if local.numel():
-                    local.copy_(self.source(key, rows).to(local.dtype))
+                    local.copy_(self.source(key, region).to(local.dtype))
                 held += local.numel()
         return held
 
@@ -127,32 +128,23 @@ def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     yield from module.named_buffers()
 
 
-def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
-    """This rank's storage of ``tensor`` and the rows of the full tensor it holds (None: all of it).
+def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
+    """This rank's storage of ``tensor`` and the region of the full tensor it holds (None: all of it).
 
-    FSDP2 shards dim 0 the way ``torch.chunk`` does: ceil(rows / shards) rows per shard, the last ones
-    shorter or empty; with HSDP the shard coordinate is this rank's on the mesh's last dimension.
+    The region is what torch's own DTensor layout says (``compute_local_shape_and_global_offset``, as its
+    distributed checkpoint uses): FSDP2's dim-0 shard (``torch.chunk`` arithmetic, see ``shard_range``), tensor
+    parallelism's row or column slice, and FSDP2 over tensor parallelism (``_StridedShard``) alike.
     """
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(tensor, DTensor):
         return tensor, None
     local = tensor.to_local()
-    rows = tensor.shape[0]
-    start, stop = 0, rows
-    for mesh_dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, Shard):
-            if placement.dim != 0:
-                raise RuntimeError(f"sharded loading reads dim-0 shards, not {placement}")
-            offset, length = shard_range(
-                stop - start, tensor.device_mesh.size(mesh_dim), tensor.device_mesh.get_local_rank(mesh_dim)
-            )
-            start, stop = start + offset, start + offset + length
-    if local.shape[0] != stop - start:
-        raise RuntimeError(
-            f"sharded loading: local shard of {tuple(local.shape)} rows but rows {start}:{stop} expected"
-        )
-    return local, slice(start, stop)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(f"sharded loading: local shard of {tuple(local.shape)} but {tuple(shape)} expected")
+    return local, tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
 
 
 def shard_range(rows: int, shards: int, coordinate: int) -> tuple[int, int]:

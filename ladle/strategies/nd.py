@@ -1,0 +1,586 @@
+"""N-D parallelism: ``pp × dp_replicate × dp_shard × cp × tp`` composed on one device mesh.
+
+The degrees come from ``parallelism.dims`` (or from the planner, which sizes
+N-D candidates like any other). The worker builds one ``DeviceMesh`` from them
+(``ladle.strategies.mesh``) and applies each parallelism on its own dimension,
+in torchtitan's fixed order:
+
+1. **pp** — the decoder is split into stages first (``StageModule``: this
+   rank's layers, the embedding on the first stage, norm and head on the last);
+   the schedule (1F1B or GPipe) runs over the ``pp`` dimension's group.
+2. **tp** — each decoder layer's projections are split with torch's tensor
+   parallel API on the ``tp`` dimension: q/k/v and gate/up by output rows
+   (``ColwiseParallel``), o and down by input columns (``RowwiseParallel``), so a
+   rank holds whole attention heads and a slice of the MLP, and one all-reduce
+   per block rebuilds the activations. The embedding, norms and head stay whole
+   on each tp rank (sharded by FSDP below when dp_shard > 1).
+3. activation checkpointing (``training.gradient_checkpointing``, applied by the
+   worker before wrapping, as for every strategy).
+4. **dp_replicate × dp_shard** — FSDP2 ``fully_shard`` per decoder layer, the
+   embedding and head as units of their own, then the root, on the
+   ``(dp_replicate, dp_shard)`` sub-mesh (HSDP when both are above 1). Weights
+   already split by tp are sharded again on dim 0 (DTensor ``_StridedShard``).
+
+Each rank then reads only its region of every tensor from the safetensors
+(``ladle.train.loading``), and ``check_applied`` verifies the placement of every
+parameter on every mesh dimension.
+
+Not composed here, each refused with its reason by the planner: LoRA with tp > 1
+(peft's adapter adds a full-width product to a projection's local, sharded
+output), cp > 1 (context parallelism, below), QLoRA (bitsandbytes' 4-bit
+weights are not DTensors) and per-block compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager, nullcontext
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from ladle import memory, sizing
+from ladle.schema import Section
+from ladle.strategies.base import Candidate, Strategy, inner
+from ladle.strategies.mesh import ORDER, Dims, model_problems, resolve
+from ladle.strategies.registry import register
+
+Degree = Literal["auto"] | Annotated[int, Field(ge=1, le=1024)]
+
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+FAST_LINKS = ("nvswitch", "partial-nvlink")  # where tensor parallelism's per-block all-reduces are affordable
+CP_REFUSAL = (
+    "parallelism.dims.cp = {cp}: context parallelism is not wired in this version: ring attention through "
+    "torch's context_parallel needs unpacked rows with pre-shifted labels and CUDA SDPA kernels, and ladle packs "
+    "rows and shifts labels inside the loss. Set parallelism.dims.cp=1 and shard long sequences' activations "
+    "with training.gradient_checkpointing=true and a larger tp."
+)
+
+
+class DimsOptions(Section):
+    pp: Degree = Field("auto", description="Pipeline stages (outermost dimension). auto: 1.")
+    dp_replicate: Degree = Field(
+        "auto",
+        description="Replica groups: gradients all-reduced across them. auto: 1, or the ranks left when "
+        "dp_shard is set.",
+    )
+    dp_shard: Degree = Field(
+        "auto", description="FSDP degree: parameters, gradients and optimizer state sharded. auto: the ranks left."
+    )
+    cp: Degree = Field("auto", description="Context parallel degree (each sequence split across ranks). auto: 1.")
+    tp: Degree = Field(
+        "auto",
+        description="Tensor parallel degree (innermost: consecutive ranks, one machine's fast links). It must "
+        "divide the attention and KV heads. auto: 1.",
+    )
+    schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline schedule when pp > 1.")
+
+    def asked(self) -> dict[str, int | str]:
+        return {name: getattr(self, name) for name in ORDER}
+
+    def is_set(self) -> bool:
+        return any(value != "auto" for value in self.asked().values())
+
+
+def degrees(options: DimsOptions, world: int) -> Dims:
+    """The resolved degrees (all dp_shard when the asked ones do not resolve: ``validate`` reports why)."""
+    dims, _ = resolve(options.asked(), world)
+    return dims or Dims(dp_shard=world)
+
+
+def tp_degree(model_heads: int, kv_heads: int, per_node: int) -> int:
+    """The largest tensor-parallel degree inside one machine that divides the attention and KV heads."""
+    return max(d for d in range(1, per_node + 1) if per_node % d == 0 and not kv_heads % d and not model_heads % d)
+
+
+class ND(Strategy):
+    name = "nd"
+    aliases = ("mesh",)
+    summary = "N-D parallel on one device mesh: pp × dp_replicate × dp_shard × cp × tp, from parallelism.dims"
+    options_model = DimsOptions
+    options_section = "dims"
+    shards_tensors = True
+    compile_note = "per-block compile is wired for fsdp2 only"
+
+    # -- planner side --------------------------------------------------------
+
+    def dims(self, options, world_size: int, nodes: int) -> Dims:
+        return degrees(options, world_size)
+
+    def label(self, options) -> str:
+        """``nd(tp=2 × dp_shard=2)``: the degrees asked for (the plan's mesh shows the resolved ones)."""
+        shown = " × ".join(f"{k}={v}" for k, v in options.asked().items() if v != "auto")
+        return f"{self.name}({shown})" if shown else self.name
+
+    def data_parallel_degree(self, world_size: int, options) -> int:
+        return degrees(options, world_size).dp
+
+    def default_accumulation(self, options) -> int:
+        return options.pp if options.pp != "auto" else 1  # one microbatch per stage fills the pipeline
+
+    def validate(self, cfg, topo, target) -> list[str]:
+        options = cfg.parallelism.dims
+        dims, problems = resolve(options.asked(), target.world_size)
+        if dims is None:
+            return problems
+        if dims.cp > 1:
+            problems.append(CP_REFUSAL.format(cp=dims.cp))
+        if dims.tp > 1 and cfg.training.lora.enabled:
+            problems.append(
+                f"parallelism.dims.tp = {dims.tp} with training.lora.enabled = true: peft's LoRA layer adds its "
+                "full-width product to the base projection's output, which tensor parallelism leaves sharded on "
+                "each rank. Set training.lora.enabled=false (full fine-tune) or parallelism.dims.tp=1."
+            )
+        if cfg.training.quantization.mode != "none":
+            problems.append(
+                f"training.quantization.mode = {cfg.training.quantization.mode} with parallelism.strategy = nd: "
+                "bitsandbytes' 4-bit weights cannot be split or sharded on a mesh. Use parallelism.strategy=fsdp2 "
+                "for QLoRA."
+            )
+        return problems
+
+    def validate_model(self, cfg, model: dict, world_size: int) -> list[str]:
+        dims, problems = resolve(cfg.parallelism.dims.asked(), world_size)
+        return model_problems(dims, model, cfg.data.seq_len) if dims else []
+
+    def validate_batch(self, options, micro: int, accumulation: int, global_batch: int) -> list[str]:
+        pp = options.pp if options.pp != "auto" else 1
+        if pp < 2 or options.schedule != "1f1b" or accumulation >= pp:
+            return []
+        return [
+            f"training.global_batch_size = {global_batch}: 1f1b needs at least one microbatch per stage "
+            f"({accumulation} < pp = {pp}). Raise training.global_batch_size or set parallelism.dims.schedule=gpipe."
+        ]
+
+    def validate_unused(self, cfg, chosen) -> list[str]:
+        options = cfg.parallelism.dims
+        if chosen is self or not options.is_set():
+            return []
+        shown = ", ".join(f"{k}={v}" for k, v in options.asked().items() if v != "auto")
+        return [
+            f"parallelism.dims ({shown}) with parallelism.strategy = {chosen.name}: a named strategy runs its own "
+            "preset degrees. Set parallelism.strategy=nd (or auto) to compose them, or remove parallelism.dims."
+        ]
+
+    def candidates(self, job, interconnect, cfg) -> list[Candidate]:
+        """tp inside each machine's fast links × dp_shard across the rest (the standard shape for a full
+        fine-tune that HSDP cannot hold), and pp across machines × tp inside when a machine cannot hold its
+        share even so. Only for CUDA full fine-tunes: LoRA and tp do not compose, and on CPU the all-reduces
+        of tensor parallelism are pure cost."""
+        if not job.cuda or job.lora or job.world < 4 or job.gpus_per_node < 2 or interconnect not in FAST_LINKS:
+            return []
+        s = job.shape
+        tp = tp_degree(s.heads, s.kv_dim // max(1, s.hidden // s.heads), job.gpus_per_node)
+        if tp < 2:
+            return []
+        out = [
+            Candidate(
+                self,
+                18 if job.nodes > 1 else 30,
+                f"tp={tp} inside each machine's {interconnect} (its per-block all-reduces stay on the fastest "
+                f"links) × dp_shard={job.world // tp} across: every all-gather carries 1/{tp} of a layer and "
+                f"weights, gradients and optimizer state are divided over all {job.world} ranks",
+                {"tp": tp, "dp_shard": job.world // tp, "pp": 1, "dp_replicate": 1, "cp": 1},
+            )
+        ]
+        if job.nodes > 1 and job.shape.layers >= job.nodes:
+            out.append(
+                Candidate(
+                    self,
+                    40,
+                    f"pp={job.nodes}: one stage per machine, only activations cross the network; tp={tp} × "
+                    f"dp_shard={job.gpus_per_node // tp} inside each machine",
+                    {"pp": job.nodes, "tp": tp, "dp_shard": job.gpus_per_node // tp, "dp_replicate": 1, "cp": 1},
+                )
+            )
+        return out
+
+    def model_states(self, job, options) -> memory.ModelStates:
+        """Weights, gradients and optimizer state divided over dp_shard × tp × pp (a replica's ranks); one
+        layer's tp slice gathered at a time across dp_shard, and the root (embeddings, head) gathered whole."""
+        dims, s = degrees(options, job.world), job.shape
+        stage_params = s.params // dims.pp
+        layer = s.layer_params // dims.tp
+        if job.dtype_bytes == 4:  # float32 (CPU)
+            states = memory.fp32(stage_params, dims.dp_shard * dims.tp)
+            gathered = (8 * layer if dims.dp_shard > 1 else 0) + 4 * s.embedding_params
+            return memory.ModelStates(states.weights, states.gradients, states.optimizer, gathered)
+        states = memory.zero3(stage_params // dims.tp, layer, dims.dp_shard, 1)
+        root = memory.WEIGHT_16 * s.embedding_params
+        return memory.ModelStates(states.weights, states.gradients, states.optimizer, states.gathered + root)
+
+    def lora_base_ranks(self, job, options) -> int:
+        return degrees(options, job.world).shards
+
+    def activations(self, job, options) -> tuple[int, str]:
+        """A stage's layers; tp divides what each block computes inside (q/k/v, heads, the MLP's width), not the
+        residual stream each rank keeps whole; with pp, up to ``pp`` microbatches are in flight on stage 0."""
+        dims, s = degrees(options, job.world), job.shape
+        split = dataclasses.replace(
+            s, intermediate=s.intermediate // dims.tp, kv_dim=s.kv_dim // dims.tp, heads=max(1, s.heads // dims.tp)
+        )
+        layers = -(-s.layers // dims.pp)
+        in_flight = min(job.microbatches, dims.pp) if dims.pp > 1 else 1
+        tokens = job.micro_batch * job.seq_len // dims.cp
+        acts = in_flight * sizing.activation_bytes(split, tokens, layers, job.dtype_bytes, job.checkpointing)
+        return acts, f"mesh {dims.describe()}: {layers} layers per stage, {in_flight} microbatch(es) in flight"
+
+    def configure(self, cfg, plan) -> tuple[dict, list[str]]:
+        dims = Dims.of(plan.mesh)
+        config = {
+            "mesh": dims.degrees(),
+            "order": "pp stages split -> tp (colwise q/k/v/gate/up, rowwise o/down) -> activation checkpointing "
+            "-> FSDP2 on (dp_replicate, dp_shard)",
+            "schedule": plan.strategy_options["schedule"] if dims.pp > 1 else None,
+            "fsdp_mesh": [dims.dp_replicate, dims.dp_shard] if dims.dp > 1 else None,
+        }
+        reasons = [
+            f"mesh {dims.describe()}: {dims.dp} data-parallel replica(s) read different rows; each holds "
+            f"1/{dims.shards} of the weights"
+        ]
+        return config, reasons
+
+    # -- worker side ---------------------------------------------------------
+
+    mesh = None
+    """The run's ``DeviceMesh``, set by ``wrap`` (a worker process trains one model)."""
+
+    def wrap(self, accelerator, model, make_optimizer, plan, pending=None):
+        """Split into this rank's stage, then tp, then FSDP on the data-parallel sub-mesh; then read this
+        rank's region of every tensor, and build the optimizer over what it holds."""
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from ladle.strategies.fsdp2 import decoder_layers
+        from ladle.strategies.mesh import device_mesh
+        from ladle.strategies.runtime.pipeline_stage import StageModule, causal_lm
+
+        dims = Dims.of(plan.mesh)
+        self.mesh = mesh = device_mesh(accelerator.device.type, dims)
+        device = accelerator.device
+        part, lm, stage = model, causal_lm(model), mesh["pp"].get_local_rank()
+        if dims.pp > 1:
+            tied = getattr(lm.config, "tie_word_embeddings", False)
+            if tied and any(p.requires_grad for p in lm.get_input_embeddings().parameters()):
+                raise RuntimeError(
+                    "nd with pp > 1: this model ties its input and output embeddings, which live on the first and "
+                    "last stage, and trains them; keep them frozen (LoRA) or use pp=1"
+                )
+            part = StageModule(model, stage, dims.pp)
+        layers = decoder_layers(part)
+        if dims.tp > 1:
+            apply_tensor_parallel(layers, mesh["tp"])
+        if dims.dp > 1:
+            compute = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
+            dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+            options = {
+                "mesh": dp_mesh,
+                "mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
+            }
+            for layer in layers:
+                fully_shard(layer, **options)
+            for unit in stage_units(lm):
+                fully_shard(unit, **options)
+            fully_shard(part, **options)
+        if pending is not None:
+            pending.fill(model, device)
+        else:
+            part.to(device)
+        optimizer = make_optimizer(part)
+        if dims.pp == 1:
+            return model, optimizer
+        return self._pipeline(part, lm, model, stage, dims, mesh, plan, device), optimizer
+
+    @staticmethod
+    def _pipeline(part, lm, model, stage, dims, mesh, plan, device):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        from ladle.strategies.runtime.pipeline_stage import PipelineModel, TokenLoss
+
+        loss = TokenLoss()
+        pipe_stage = PipelineStage(part, stage, dims.pp, device, group=mesh["pp"].get_group())
+        kind = plan.strategy_options["schedule"]
+        schedule_cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
+        schedule = schedule_cls(pipe_stage, n_microbatches=plan.gradient_accumulation, loss_fn=loss, scale_grads=False)
+        peft_config = model.peft_config.get("default") if hasattr(model, "peft_config") else None
+        return PipelineModel(part, schedule, loss, stage, dims.pp, kind, lm.config, peft_config)
+
+    def check_applied(self, accelerator, model, plan) -> dict:
+        """Every parameter placed as planned on every mesh dimension: tp splits the projections (Shard(0) for
+        colwise, Shard(1) for rowwise), dp_shard shards every parameter on dim 0, dp_replicate replicates."""
+        import torch
+        from torch.distributed.tensor import DTensor, Replicate
+
+        dims = Dims.of(plan.mesh)
+        part = module_of(model)
+        wrong, placements, local, stage_total = [], {}, 0, 0
+        for name, p in part.named_parameters():
+            local += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+            stage_total += p.numel()
+            found = placed(p)
+            problem = misplaced(name, found, dims)
+            if problem:
+                wrong.append(problem)
+            if any(key in name for key in ("layers.", "embed_tokens", "lm_head")):
+                short = name.removeprefix("wrapped.")
+                shown = {dim: repr(placement) for dim, placement in found.items()}
+                placements.setdefault(kind_of(short), {"parameter": short, "placements": shown})
+        if wrong:
+            raise RuntimeError(f"nd planned {dims.describe()} but {len(wrong)} parameter(s) are misplaced: {wrong[0]}")
+        # Each stage's global size once: summed over ranks, then divided by the ranks of a stage.
+        total = torch.tensor([float(stage_total)], dtype=torch.float64, device=accelerator.device)
+        total = float(accelerator.reduce(total, reduction="sum")[0]) / (dims.world // dims.pp)
+        checked = {
+            "wrapper": "N-D mesh",
+            "mesh": dims.degrees(),
+            "placements": placements,
+            "parameter_share": local / total,
+            "decoder_layers": len(layer_names(part)),
+            "fsdp": dims.dp > 1 and all(isinstance(p, DTensor) for p in part.parameters()),
+            "tp_sharded_projections": sum(
+                1
+                for n, p in part.named_parameters()
+                if isinstance(p, DTensor) and "tp" in p.device_mesh.mesh_dim_names and n.endswith("proj.weight")
+            ),
+            "replicated_over_dp_replicate": dims.dp_replicate > 1
+            and all(isinstance(p.placements[0], Replicate) for p in part.parameters() if isinstance(p, DTensor)),
+        }
+        if dims.pp > 1:
+            checked.update({"stage": model.stage, "stages": dims.pp, "layers": part.layer_ids, "schedule": model.kind})
+        return checked
+
+    def data_parallel(self, accelerator) -> tuple[int, int]:
+        return self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
+
+    def no_sync(self, accelerator, model):
+        if not hasattr(module_of(model), "set_requires_gradient_sync"):
+            return nullcontext()
+        return _no_sync(module_of(model))
+
+    def forward_backward(self, accelerator, model, data, batch, plan, denominator, loss_fn) -> float:
+        if not hasattr(model, "schedule"):
+            return super().forward_backward(accelerator, model, data, batch, plan, denominator, loss_fn)
+        import torch
+
+        from ladle.train import schedule
+
+        rank, replicas = self.data_parallel(accelerator)
+        rows = [r for micro in schedule.micro_batches(batch, rank, replicas, plan.micro_batch_size) for r in micro]
+        index = torch.tensor(rows, dtype=torch.long)
+        device = accelerator.device
+        # FSDP averages gradients over the replicas: scale so the result is the global token mean.
+        model.loss.denominator = float(denominator) / replicas
+        losses = model.run(
+            data["input_ids"][index].to(device),
+            data["labels"][index].to(device),
+            data["position_ids"][index].to(device),
+            train=True,
+        )
+        raw = sum(float(x) for x in losses) * model.loss.denominator  # this replica's token sum (last stage)
+        return raw / Dims.of(plan.mesh).tp  # the tp ranks of a stage computed the same sum
+
+    def evaluate(self, accelerator, model, data, micro: int, loss_fn) -> float:
+        if not hasattr(model, "schedule"):
+            return super().evaluate(accelerator, model, data, micro, loss_fn)
+        from ladle import strategies
+
+        # Every pipeline evaluates every row: the sums over all ranks count each row dp × tp times in both
+        # the loss and the token count, so their ratio is the eval loss.
+        return strategies.get("pipeline").evaluate(accelerator, model, data, micro)
+
+    def optimizer_step(self, accelerator, model, optimizer, max_grad_norm: float) -> None:
+        params = [p for p in module_of(model).parameters() if p.requires_grad and p.grad is not None]
+        if max_grad_norm > 0:
+            pp_group = self.mesh["pp"].get_group() if self.mesh["pp"].size() > 1 else None
+            norm = grad_norm(params, pp_group)
+            scale = min(1.0, max_grad_norm / (norm + 1e-6))
+            for p in params:
+                p.grad.mul_(scale)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
+        """Each parameter gathered whole (collective over its own mesh), then the stages merged on rank 0."""
+        from accelerate.utils import gather_object
+        from torch.distributed.tensor import DTensor
+
+        part = module_of(model)
+        lead = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+        mine = {}
+        for name, param in part.named_parameters():
+            if param.requires_grad or not trainable_only:
+                full = param.full_tensor() if isinstance(param, DTensor) else param
+                if lead:
+                    mine[name.removeprefix("wrapped.")] = full.detach().to("cpu", copy=True)
+        if self.mesh["pp"].size() == 1:
+            return mine if accelerator.is_main_process else None
+        merged: dict = {}
+        for piece in gather_object([mine]):  # one stage's lead rank each; the others send nothing
+            merged.update(piece)
+        return merged if accelerator.is_main_process else None
+
+    def hf_model(self, accelerator, model):
+        from ladle.strategies.runtime.pipeline_stage import causal_lm
+        from ladle.strategies.runtime.skeleton import meta_skeleton
+
+        if hasattr(model, "skeleton"):
+            return model.skeleton()
+        peft_config = model.peft_config.get("default") if hasattr(model, "peft_config") else None
+        return meta_skeleton(causal_lm(model).config, peft_config)
+
+    native_checkpoint = True
+
+    def save_state(self, model, optimizer, folder: str, tag: str) -> dict:
+        """Torch distributed checkpoint (DCP): each rank writes its own shards, nothing is gathered."""
+        from pathlib import Path
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        part = module_of(model)
+        model_state, optim_state = get_state_dict(
+            part, inner(optimizer), options=StateDictOptions(ignore_frozen_params=True)
+        )
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=Path(folder) / tag)
+        return {}
+
+    def load_state(self, model, optimizer, payload: dict, folder: str | None, tag: str) -> None:
+        from pathlib import Path
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+        part = module_of(model)
+        options = StateDictOptions(ignore_frozen_params=True)
+        model_state, optim_state = get_state_dict(part, inner(optimizer), options=options)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=Path(folder) / tag)
+        set_state_dict(
+            part,
+            inner(optimizer),
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(ignore_frozen_params=True, strict=False),
+        )
+
+
+# -- worker helpers ------------------------------------------------------------
+
+
+def module_of(model):
+    """The module this rank trains: a pipeline stage, or the whole (FSDP/tp-wrapped) model."""
+    return getattr(model, "stage_module", model)
+
+
+def stage_units(lm) -> list:
+    """The input embedding and the head, each a FSDP unit of its own, where this stage holds them (not tied)."""
+    if getattr(lm.config, "tie_word_embeddings", False):
+        return []
+    return [m for m in (lm.model.embed_tokens, lm.lm_head) if m is not None]
+
+
+def apply_tensor_parallel(layers, tp_mesh) -> None:
+    """Split each decoder layer's projections over ``tp_mesh`` (Llama-family module names).
+
+    Raises:
+        RuntimeError: a layer lacks one of the projections the plan splits (another architecture).
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for layer in layers:
+        names = {name for name, _ in layer.named_modules()}
+        missing = [n for n in (*COLWISE, *ROWWISE) if n not in names]
+        if missing:
+            raise RuntimeError(
+                f"nd tp: {type(layer).__name__} has no {missing[0]}; tensor parallelism splits Llama-family "
+                "attention (q/k/v/o_proj) and MLP (gate/up/down_proj) projections"
+            )
+        plan = {n: ColwiseParallel() for n in COLWISE} | {n: RowwiseParallel() for n in ROWWISE}
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def placed(p) -> dict:
+    """``{mesh dimension: placement}`` of a parameter (``{}``: a plain tensor, whole on this rank)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return {}
+    return dict(zip(p.device_mesh.mesh_dim_names, p.placements, strict=True))
+
+
+def misplaced(name: str, found: dict, dims: Dims) -> str | None:
+    """Why ``name``'s placements differ from the plan (None: as planned). FSDP over tp shards the tp slice
+    again on dim 0, which torch records as ``_StridedShard(dim=0)`` on dp_shard."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def dim0(placement) -> bool:
+        return isinstance(placement, Shard | _StridedShard) and placement.dim == 0
+
+    projection = next((n for n in (*COLWISE, *ROWWISE) if f"{n}.weight" in name), None)
+    if dims.tp > 1 and projection:
+        want = 0 if projection in COLWISE else 1
+        tp = found.get("tp")
+        if not (isinstance(tp, Shard) and tp.dim == want):
+            return f"{name}: tp placement {tp!r}, planned Shard(dim={want})"
+    if dims.dp_shard > 1 and not dim0(found.get("dp_shard")):
+        return f"{name}: dp_shard placement {found.get('dp_shard')!r}, planned a dim-0 shard"
+    if dims.dp_replicate > 1 and not isinstance(found.get("dp_replicate"), Replicate):
+        return f"{name}: dp_replicate placement {found.get('dp_replicate')!r}, planned Replicate()"
+    return None
+
+
+def kind_of(name: str) -> str:
+    """A representative parameter's role, for the placements recorded in ``train_result.json``."""
+    for role in (*COLWISE, *ROWWISE, "embed_tokens", "lm_head", "input_layernorm"):
+        if role in name:
+            return role
+    return "other"
+
+
+def layer_names(part) -> list[str]:
+    from ladle.strategies.fsdp2 import decoder_layers
+
+    return [type(m).__name__ for m in decoder_layers(part)]
+
+
+def grad_norm(params, pp_group=None) -> float:
+    """The global gradient 2-norm: grads grouped by mesh and placements (a stacked norm cannot mix meshes),
+    each group's norm resolved over its mesh, plain tensors counted once, the stages' squares summed."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    plain = []
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor):
+            groups.setdefault((g.device_mesh, g.placements), []).append(g)
+        else:
+            plain.append(g)
+    squared = torch.zeros((), dtype=torch.float64)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squared += norm.double().cpu() ** 2
+    if plain:
+        squared += torch.nn.utils.get_total_norm(plain, 2.0).double().cpu() ** 2
+    if pp_group is not None:
+        device = params[0].device if params else "cpu"
+        squared = squared.to(device)
+        dist.all_reduce(squared, group=pp_group)
+    return float(squared) ** 0.5
+
+
+@contextmanager
+def _no_sync(module):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+register(ND())
