@@ -502,9 +502,10 @@ def choose_strategy(cfg: LadleConfig, topo: Topology, target: Target, model: dic
     with the option values that candidate sets."""
     explicit = cfg.parallelism.strategy
     overrides = (f"parallelism.strategy = {explicit} (explicit)",) if explicit != "auto" else ()
-    if explicit == "auto" and cfg.parallelism.dims.is_set():  # degrees asked for: they are the layout
-        explicit = "nd"
-        overrides = ("parallelism.dims set: strategy nd composes the degrees asked for",)
+    implied = next((s for s in strategies.REGISTRY.values() if s.asked_for(cfg)), None)
+    if explicit == "auto" and implied is not None:  # e.g. degrees set in parallelism.dims: they are the layout
+        explicit = implied.name
+        overrides = (f"parallelism.{implied.options_section} set: strategy {implied.name} runs what it asks for",)
     fallback = Chosen(strategies.default() if explicit == "auto" else strategies.get(explicit), {})
     capacity = device_bytes(topo, target.device, target.processes_per_machine)
     if model is None or capacity is None:
@@ -603,7 +604,8 @@ def choose_batch(
         return Decision((1, wanted), problems=(problem,))
     accum = wanted // per_step
     return Decision(
-        (accum, wanted), (f"gradient accumulation {accum}: global batch {wanted} / ({micro} micro x {replicas} ranks)",)
+        (accum, wanted),
+        (f"gradient accumulation {accum}: global batch {wanted} / ({micro} micro x {replicas} replica(s))",),
     )
 
 

@@ -122,6 +122,11 @@ class Strategy(ABC):
         """Gradient accumulation (microbatches per step) when no global batch is asked for."""
         return 1
 
+    def asked_for(self, cfg: LadleConfig) -> bool:
+        """True when the config's own options of this strategy select it while ``parallelism.strategy`` is
+        ``auto`` (``nd``: degrees set in ``parallelism.dims``)."""
+        return False
+
     # -- planner side: checks ----------------------------------------------------------------------
 
     @abstractmethod

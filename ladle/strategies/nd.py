@@ -50,6 +50,7 @@ Degree = Literal["auto"] | Annotated[int, Field(ge=1, le=1024)]
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 FAST_LINKS = ("nvswitch", "partial-nvlink")  # where tensor parallelism's per-block all-reduces are affordable
+MIN_SLICE = 1024  # columns of a projection each tp rank keeps, at least (hidden // tp)
 CP_REFUSAL = (
     "parallelism.dims.cp = {cp}: context parallelism is not wired in this version: ring attention through "
     "torch's context_parallel needs unpacked rows with pre-shifted labels and CUDA SDPA kernels, and ladle packs "
@@ -89,14 +90,24 @@ def degrees(options: DimsOptions, world: int) -> Dims:
     return dims or Dims(dp_shard=world)
 
 
-def tp_degree(model_heads: int, kv_heads: int, per_node: int) -> int:
-    """The largest tensor-parallel degree inside one machine that divides the attention and KV heads."""
-    return max(d for d in range(1, per_node + 1) if per_node % d == 0 and not kv_heads % d and not model_heads % d)
+def asked_dims(options: DimsOptions) -> Dims:
+    """The degrees set explicitly (``auto`` as 1): what the model and feature checks judge when the product
+    itself is wrong, so every problem is reported in one go."""
+    return Dims.of({name: value for name, value in options.asked().items() if value != "auto"})
+
+
+def tp_degrees(heads: int, kv_heads: int, per_node: int) -> list[int]:
+    """Tensor-parallel degrees inside one machine that divide the attention and KV heads, largest first."""
+    return [d for d in range(per_node, 1, -1) if not per_node % d and not kv_heads % d and not heads % d]
+
+
+def preset(**degrees: int) -> dict[str, int]:
+    """Every degree set (1 where not given): a candidate's options leave nothing to ``auto``."""
+    return {name: degrees.get(name, 1) for name in ORDER}
 
 
 class ND(Strategy):
     name = "nd"
-    aliases = ("mesh",)
     summary = "N-D parallel on one device mesh: pp × dp_replicate × dp_shard × cp × tp, from parallelism.dims"
     options_model = DimsOptions
     options_section = "dims"
@@ -108,10 +119,14 @@ class ND(Strategy):
     def dims(self, options, world_size: int, nodes: int) -> Dims:
         return degrees(options, world_size)
 
+    def asked_for(self, cfg) -> bool:
+        return cfg.parallelism.dims.is_set()
+
     def label(self, options) -> str:
         """``nd(tp=2 × dp_shard=2)``: the degrees asked for (the plan's mesh shows the resolved ones)."""
-        shown = " × ".join(f"{k}={v}" for k, v in options.asked().items() if v != "auto")
-        return f"{self.name}({shown})" if shown else self.name
+        if not options.is_set():
+            return self.name
+        return f"{self.name}({asked_dims(options).describe()})"
 
     def data_parallel_degree(self, world_size: int, options) -> int:
         return degrees(options, world_size).dp
@@ -120,15 +135,15 @@ class ND(Strategy):
         return options.pp if options.pp != "auto" else 1  # one microbatch per stage fills the pipeline
 
     def validate(self, cfg, topo, target) -> list[str]:
+        """The degrees' product, and what each asked degree allows, all reported at once."""
         options = cfg.parallelism.dims
-        dims, problems = resolve(options.asked(), target.world_size)
-        if dims is None:
-            return problems
-        if dims.cp > 1:
-            problems.append(CP_REFUSAL.format(cp=dims.cp))
-        if dims.tp > 1 and cfg.training.lora.enabled:
+        _, problems = resolve(options.asked(), target.world_size)
+        asked = asked_dims(options)
+        if asked.cp > 1:
+            problems.append(CP_REFUSAL.format(cp=asked.cp))
+        if asked.tp > 1 and cfg.training.lora.enabled:
             problems.append(
-                f"parallelism.dims.tp = {dims.tp} with training.lora.enabled = true: peft's LoRA layer adds its "
+                f"parallelism.dims.tp = {asked.tp} with training.lora.enabled = true: peft's LoRA layer adds its "
                 "full-width product to the base projection's output, which tensor parallelism leaves sharded on "
                 "each rank. Set training.lora.enabled=false (full fine-tune) or parallelism.dims.tp=1."
             )
@@ -141,8 +156,8 @@ class ND(Strategy):
         return problems
 
     def validate_model(self, cfg, model: dict, world_size: int) -> list[str]:
-        dims, problems = resolve(cfg.parallelism.dims.asked(), world_size)
-        return model_problems(dims, model, cfg.data.seq_len) if dims else []
+        dims, _ = resolve(cfg.parallelism.dims.asked(), world_size)
+        return model_problems(dims or asked_dims(cfg.parallelism.dims), model, cfg.data.seq_len)
 
     def validate_batch(self, options, micro: int, accumulation: int, global_batch: int) -> list[str]:
         pp = options.pp if options.pp != "auto" else 1
@@ -164,36 +179,46 @@ class ND(Strategy):
         ]
 
     def candidates(self, job, interconnect, cfg) -> list[Candidate]:
-        """tp inside each machine's fast links × dp_shard across the rest (the standard shape for a full
-        fine-tune that HSDP cannot hold), and pp across machines × tp inside when a machine cannot hold its
-        share even so. Only for CUDA full fine-tunes: LoRA and tp do not compose, and on CPU the all-reduces
-        of tensor parallelism are pure cost."""
+        """tp inside each machine's fast links × dp_shard across the rest, for CUDA full fine-tunes (LoRA and tp
+        do not compose; on CPU tp's all-reduces are pure cost).
+
+        Ranked by the weight traffic that crosses machines per step, in units of the model's weights per rank:
+        ZeRO-3 moves 3 (all-gather forward and backward, reduce-scatter), ZeRO++ ~0.75 (int8 gathers, hpZ keeps
+        the backward gather in the node, int4 gradients); dp_shard over tp slices moves 3/tp at full precision:
+        0.375 at tp=8, half of ZeRO++'s, so it ranks before it; tp=4 equals ZeRO++'s and ranks after it (tp's
+        all-reduces are extra); tp=2 after HSDP. A degree is offered only where each rank keeps at least
+        ``MIN_SLICE`` columns of a projection (smaller GEMMs waste the GPU). On one machine tp only trades
+        all-reduces for memory (activations divided by tp), so it comes after fsdp2. With several machines,
+        ``pp`` = machines × tp inside is offered too, for when a machine cannot hold its share even so.
+        """
+        s = job.shape
         if not job.cuda or job.lora or job.world < 4 or job.gpus_per_node < 2 or interconnect not in FAST_LINKS:
             return []
-        s = job.shape
-        tp = tp_degree(s.heads, s.kv_dim // max(1, s.hidden // s.heads), job.gpus_per_node)
-        if tp < 2:
-            return []
-        out = [
-            Candidate(
-                self,
-                18 if job.nodes > 1 else 30,
-                f"tp={tp} inside each machine's {interconnect} (its per-block all-reduces stay on the fastest "
-                f"links) × dp_shard={job.world // tp} across: every all-gather carries 1/{tp} of a layer and "
-                f"weights, gradients and optimizer state are divided over all {job.world} ranks",
-                {"tp": tp, "dp_shard": job.world // tp, "pp": 1, "dp_replicate": 1, "cp": 1},
-            )
-        ]
-        if job.nodes > 1 and job.shape.layers >= job.nodes:
-            out.append(
-                Candidate(
-                    self,
-                    40,
-                    f"pp={job.nodes}: one stage per machine, only activations cross the network; tp={tp} × "
-                    f"dp_shard={job.gpus_per_node // tp} inside each machine",
-                    {"pp": job.nodes, "tp": tp, "dp_shard": job.gpus_per_node // tp, "dp_replicate": 1, "cp": 1},
+        kv_heads = s.kv_dim // max(1, s.hidden // s.heads)
+        out = []
+        degrees = [tp for tp in tp_degrees(s.heads, kv_heads, job.gpus_per_node) if s.hidden // tp >= MIN_SLICE]
+        for tp in degrees if job.nodes > 1 else degrees[:1]:  # one machine: only the most memory it can free
+            dp_shard = job.world // tp
+            crossing = f"{3 / tp:.3g}" if job.nodes > 1 else None
+            rank = {8: 9, 4: 11}.get(tp, 16) if job.nodes > 1 else 30
+            where = f"inside each machine's {interconnect}"
+            why = (
+                f"tp={tp} {where} (its per-block all-reduces stay on the fastest links) × dp_shard={dp_shard}: "
+                f"weights, gradients and optimizer state divided over all {job.world} ranks"
+                + (
+                    f"; {crossing} of the weights cross machines per step (ZeRO-3: 3, ZeRO++: ~0.75 quantized)"
+                    if crossing
+                    else "; one machine: tp divides activations at the cost of per-block all-reduces"
                 )
             )
+            out.append(Candidate(self, rank, why, preset(tp=tp, dp_shard=dp_shard)))
+        if job.nodes > 1 and s.layers >= job.nodes and out:
+            tp = out[0].options["tp"]
+            why = (
+                f"pp={job.nodes}: one stage per machine, only activations cross the network; tp={tp} × "
+                f"dp_shard={job.gpus_per_node // tp} inside each machine"
+            )
+            out.append(Candidate(self, 40, why, preset(pp=job.nodes, tp=tp, dp_shard=job.gpus_per_node // tp)))
         return out
 
     def model_states(self, job, options) -> memory.ModelStates:

@@ -103,7 +103,7 @@ def test_fsdp2_cpu_offload_needs_cuda():
 def test_unknown_strategy_lists_the_choices():
     with pytest.raises(
         ConfigError,
-        match=r"parallelism.strategy = \"zero9\": Input should be 'auto', 'ddp', 'zero1', 'zero2', 'zero3', 'zero\+\+', 'fsdp2', 'pipeline' or 'tp'",
+        match=r"parallelism.strategy = \"zero9\": Input should be 'auto', 'ddp', 'zero1', 'zero2', 'zero3', 'zero\+\+', 'fsdp2', 'nd', 'pipeline' or 'tp'",
     ):
         plan_for(CPU, "parallelism.strategy=zero9")
 
