@@ -33,7 +33,8 @@ def main() -> None:
         "--full", action="store_true", help="full fine-tune instead of LoRA (adds tp, which LoRA excludes)"
     )
     args = parser.parse_args()
-    names = [n for n in sorted(REGISTRY, key=lambda n: n != "ddp") if args.full or n != "tp"]
+    # nd composes degrees (bench/nd.py, 4 processes); with none set it is fsdp2 on 2 processes.
+    names = [n for n in sorted(REGISTRY, key=lambda n: n != "ddp") if (args.full or n != "tp") and n != "nd"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):

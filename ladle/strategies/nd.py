@@ -27,7 +27,8 @@ parameter on every mesh dimension.
 
 Not composed here, each refused with its reason by the planner: LoRA with tp > 1
 (peft's adapter adds a full-width product to a projection's local, sharded
-output), cp > 1 (context parallelism, below), QLoRA (bitsandbytes' 4-bit
+output), cp > 1 (context parallelism: torch's ring attention dispatches CUDA kernels only, so on CPU it cannot
+run; on GPUs it needs unpacked rows and pre-shifted labels, not wired yet), QLoRA (bitsandbytes' 4-bit
 weights are not DTensors) and per-block compile.
 """
 
@@ -51,11 +52,15 @@ COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 FAST_LINKS = ("nvswitch", "partial-nvlink")  # where tensor parallelism's per-block all-reduces are affordable
 MIN_SLICE = 1024  # columns of a projection each tp rank keeps, at least (hidden // tp)
-CP_REFUSAL = (
-    "parallelism.dims.cp = {cp}: context parallelism is not wired in this version: ring attention through "
-    "torch's context_parallel needs unpacked rows with pre-shifted labels and CUDA SDPA kernels, and ladle packs "
-    "rows and shifts labels inside the loss. Set parallelism.dims.cp=1 and shard long sequences' activations "
-    "with training.gradient_checkpointing=true and a larger tp."
+CP_ON_CPU = (
+    "parallelism.dims.cp = {cp}: context parallelism runs ring attention through torch's context_parallel, whose "
+    "attention kernels are CUDA's only (flash, memory-efficient, cuDNN SDPA); this host has no GPU. Set "
+    "parallelism.dims.cp=1."
+)
+CP_NOT_WIRED = (
+    "parallelism.dims.cp = {cp}: context parallelism is not wired in this version: ring attention needs "
+    "unpacked rows with pre-shifted labels and FSDP over dp_shard × cp, and no multi-GPU machine has verified "
+    "it. Set parallelism.dims.cp=1; for long sequences use training.gradient_checkpointing=true and a larger tp."
 )
 
 
@@ -140,7 +145,7 @@ class ND(Strategy):
         _, problems = resolve(options.asked(), target.world_size)
         asked = asked_dims(options)
         if asked.cp > 1:
-            problems.append(CP_REFUSAL.format(cp=asked.cp))
+            problems.append((CP_ON_CPU if topo.gpu_count == 0 else CP_NOT_WIRED).format(cp=asked.cp))
         if asked.tp > 1 and cfg.training.lora.enabled:
             problems.append(
                 f"parallelism.dims.tp = {asked.tp} with training.lora.enabled = true: peft's LoRA layer adds its "

@@ -115,7 +115,8 @@ def test_every_problem_with_the_degrees_is_reported_at_once():
         "parallelism.dims.tp = 3: the model's num_key_value_heads = 2 does not divide by it",
         "parallelism.dims.pp = 8: the model has 4 decoder layers, fewer than the stages. Use pp <= 4.",
         "parallelism.dims.cp = 2: data.seq_len = 250 must divide by 2 × cp = 4",
-        "parallelism.dims.cp = 2: context parallelism is not wired in this version",
+        "parallelism.dims.cp = 2: context parallelism runs ring attention through torch's context_parallel, whose "
+        "attention kernels are CUDA's only (flash, memory-efficient, cuDNN SDPA); this host has no GPU.",
         "parallelism.dims.tp = 3 with training.lora.enabled = true: peft's LoRA layer",
     ):
         assert expected in text, text
@@ -199,3 +200,9 @@ def test_one_machine_prefers_fsdp2_and_offers_tp_after_it(machines):
     assert names.index("fsdp2") < names.index("nd(tp=8)")
     nd = next(c for c in made.candidates if c["strategy"] == "nd(tp=8)")
     assert "one machine: tp divides activations at the cost of per-block all-reduces" in nd["why"]
+
+
+def test_context_parallel_on_gpus_is_refused_with_the_reason(machines):
+    with pytest.raises(ConfigError) as info:
+        gpu_plan(machines, "llama-3.1-8b", "training.lora.enabled=false", "parallelism.dims.cp=2", nodes=1)
+    assert "parallelism.dims.cp = 2: context parallelism is not wired in this version" in str(info.value)
