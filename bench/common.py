@@ -51,3 +51,16 @@ def save(name: str, payload: dict) -> Path:
     path = OUT / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+def random_llama(name: str, shape: dict) -> Path:
+    """A random-init Llama of ``shape`` with the demo tokenizer, created once under $LADLE_HOME/assets/``name``
+    (400 MB safetensors shards; nothing downloaded)."""
+    from ladle.assets import ladle_home, tiny_model_dir
+    from ladle.demo import write_random_llama
+
+    path = ladle_home() / "assets" / name
+    if not (path / "config.json").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_random_llama(path, tiny_model_dir(), **shape)
+    return path

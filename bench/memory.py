@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import save  # noqa: E402
+from bench.common import random_llama, save  # noqa: E402
 
 MIB = 2**20
 SHAPE = {
@@ -45,14 +45,7 @@ SHAPE = {
 
 def big_model() -> Path:
     """The 1.5 GB random Llama (created once, in 400 MB shards, under $LADLE_HOME/assets)."""
-    from ladle.assets import ladle_home, tiny_model_dir
-    from ladle.demo import write_random_llama
-
-    path = ladle_home() / "assets" / "big-random-llama-v1"
-    if not (path / "config.json").exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_random_llama(path, tiny_model_dir(), **SHAPE)
-    return path
+    return random_llama("big-random-llama-v1", SHAPE)
 
 
 def config_for(base: Path, strategy: str, lora: bool, overrides: list[str]):

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import save  # noqa: E402
+from bench.common import random_llama, save  # noqa: E402
 
 SHAPE = {
     "hidden_size": 512,
@@ -43,14 +43,7 @@ MESHES = {
 
 
 def mid_model() -> Path:
-    from ladle.assets import ladle_home, tiny_model_dir
-    from ladle.demo import write_random_llama
-
-    path = ladle_home() / "assets" / "mid-random-llama-v1"
-    if not (path / "config.json").exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_random_llama(path, tiny_model_dir(), **SHAPE)
-    return path
+    return random_llama("mid-random-llama-v1", SHAPE)
 
 
 def run(base: Path, label: str, steps: int, root: Path) -> dict:
