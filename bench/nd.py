@@ -46,13 +46,11 @@ def mid_model() -> Path:
     return random_llama("mid-random-llama-v1", SHAPE)
 
 
-def run(base: Path, label: str, steps: int, root: Path) -> dict:
+def planned(base: Path, label: str, steps: int):
+    """The config, the plan for this CPU host, and the planner's per-rank peak for it (MiB)."""
     from ladle.config import build_config
-    from ladle.data.prepare import prepare
-    from ladle.plan import make_plan
+    from ladle.plan import make_plan, plan_estimate
     from ladle.topology import probe
-    from ladle.train.run import launch
-    from ladle.train.spec import TrainSpec
 
     strategy, overrides = MESHES[label]
     cfg = build_config(
@@ -74,12 +72,22 @@ def run(base: Path, label: str, steps: int, root: Path) -> dict:
     )
     model_config = json.loads((base / "config.json").read_text())
     plan = make_plan(cfg, probe(env={}, query_output=""), model=model_config)
+    return cfg, plan, plan_estimate(cfg, plan, model_config).peak / 2**20
+
+
+def run(base: Path, label: str, steps: int, root: Path) -> dict:
+    from ladle.data.prepare import prepare
+    from ladle.train.run import launch
+    from ladle.train.spec import TrainSpec
+
+    cfg, plan, predicted = planned(base, label, steps)
     dataset = prepare(cfg.data, base, str(root))
     spec = TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(base), run_url=str(root / label))
     result = launch(spec)
     return {
         "mesh": label,
-        "strategy": strategy,
+        "strategy": plan.strategy,
+        "predicted_peak_mib": predicted,
         "tokens_per_s": result.tokens_per_s,
         "peak_memory_mib": result.peak_memory_mib,
         "baseline_memory_mib": result.baseline_memory_mib,
@@ -123,8 +131,8 @@ def main() -> None:
         )
         print(
             f"| {label} | {m['tokens_per_s']:.0f} | {m['tokens_per_s'] / ddp['tokens_per_s']:.2f} | "
-            f"{m['peak_memory_mib']:.0f} | {above:.0f} | {above / ddp_above:.2f} | "
-            f"{first['parameter_share']:.3f} | {first['first_loss']:.6f} |"
+            f"{m['peak_memory_mib']:.0f} | {above:.0f} | {above / ddp_above:.2f} | {first['predicted_peak_mib']:.0f} | "
+            f"{first['predicted_peak_mib'] / above:.2f} | {first['parameter_share']:.3f} | {first['first_loss']:.6f} |"
         )
     save("nd", {"rows": rows, "medians": med, "steps": args.steps, "shape": SHAPE})
 
