@@ -1,6 +1,6 @@
 """N-D parallelism on 4 CPU gloo processes: tokens/s and per-rank peak memory of each mesh, relative to DDP.
 
-    .venv/bin/python bench/nd.py [--steps 10] [--reps 2]
+    .venv/bin/python bench/nd.py [--steps 10] [--reps 2] [--meshes "pp=2 × tp=2" ...]
 
 A locally created random-init Llama (hidden 512, 8 layers, 8 heads / 4 KV heads, vocab 32 000: 56M parameters,
 225 MB of float32 weights; nothing downloaded), a full fine-tune (tensor parallelism excludes LoRA), packed
@@ -101,9 +101,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--meshes", nargs="*", default=list(MESHES), help="a subset of the meshes (ddp always runs)")
     args = parser.parse_args()
     base = mid_model()
-    labels = list(MESHES)
+    labels = ["ddp", *(m for m in args.meshes if m != "ddp")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):

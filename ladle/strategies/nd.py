@@ -227,18 +227,23 @@ class ND(Strategy):
         return out
 
     def model_states(self, job, options) -> memory.ModelStates:
-        """Weights, gradients and optimizer state divided over dp_shard × tp × pp (a replica's ranks); one
-        layer's tp slice gathered at a time across dp_shard, and the root (embeddings, head) gathered whole."""
+        """Weights, gradients and optimizer state of the fullest rank. tp splits the decoder layers only: the
+        embedding and head stay whole on each tp rank (divided by dp_shard alone), and with pp they sit on the
+        first and last stage. One layer's tp slice is gathered at a time across dp_shard, and the root units
+        (embedding, head) whole."""
         dims, s = degrees(options, job.world), job.shape
-        stage_params = s.params // dims.pp
+        layers = s.layer_params * s.layers // dims.pp  # a stage's decoder weights
+        root = s.embedding_params // (2 if dims.pp > 1 else 1)  # the embedding or the head on an end stage
+        held = layers // (dims.tp * dims.dp_shard) + root // dims.dp_shard  # this rank's parameters
         layer = s.layer_params // dims.tp
-        if job.dtype_bytes == 4:  # float32 (CPU)
-            states = memory.fp32(stage_params, dims.dp_shard * dims.tp)
-            gathered = (8 * layer if dims.dp_shard > 1 else 0) + 4 * s.embedding_params
-            return memory.ModelStates(states.weights, states.gradients, states.optimizer, gathered)
-        states = memory.zero3(stage_params // dims.tp, layer, dims.dp_shard, 1)
-        root = memory.WEIGHT_16 * s.embedding_params
-        return memory.ModelStates(states.weights, states.gradients, states.optimizer, states.gathered + root)
+        gathered = dims.dp_shard > 1
+        if job.dtype_bytes == 4:  # float32 (CPU): 4-byte weights and gradients, AdamW's two moments
+            states = memory.fp32(held)
+            extra = (8 * layer + 4 * root) if gathered else 0
+            return memory.ModelStates(states.weights, states.gradients, states.optimizer, extra)
+        states = memory.zero3(held * dims.dp_shard, layer, dims.dp_shard, 1)
+        extra = states.gathered + memory.WEIGHT_16 * root if gathered else 0
+        return memory.ModelStates(states.weights, states.gradients, states.optimizer, extra)
 
     def lora_base_ranks(self, job, options) -> int:
         return degrees(options, job.world).shards
@@ -432,7 +437,6 @@ class ND(Strategy):
 
     def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
         """Each parameter gathered whole (collective over its own mesh), then the stages merged on rank 0."""
-        from accelerate.utils import gather_object
         from torch.distributed.tensor import DTensor
 
         part = module_of(model)
@@ -445,10 +449,9 @@ class ND(Strategy):
                     mine[name.removeprefix("wrapped.")] = full.detach().to("cpu", copy=True)
         if self.mesh["pp"].size() == 1:
             return mine if accelerator.is_main_process else None
-        merged: dict = {}
-        for piece in gather_object([mine]):  # one stage's lead rank each; the others send nothing
-            merged.update(piece)
-        return merged if accelerator.is_main_process else None
+        from ladle.strategies.runtime.pipeline_stage import gather_to_rank0
+
+        return gather_to_rank0(mine, accelerator.device)  # one stage's lead rank each; the others send nothing
 
     def hf_model(self, accelerator, model):
         from ladle.strategies.runtime.pipeline_stage import causal_lm

@@ -248,14 +248,11 @@ class Pipeline(Strategy):
         return model.skeleton()
 
     def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
-        from accelerate.utils import gather_object
+        from ladle.strategies.runtime.pipeline_stage import gather_to_rank0
 
         part = model.stage_module.wrapped
         mine = {n: p.detach().cpu() for n, p in part.named_parameters() if p.requires_grad or not trainable_only}
-        merged: dict = {}
-        for piece in gather_object([mine]):
-            merged.update(piece)
-        return merged if accelerator.is_main_process else None
+        return gather_to_rank0(mine, accelerator.device)
 
     native_checkpoint = True
 

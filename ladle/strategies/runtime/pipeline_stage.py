@@ -121,3 +121,30 @@ class PipelineModel(nn.Module):
         else:
             call(*args, target=target, losses=losses, position_ids=positions)
         return losses
+
+
+def gather_to_rank0(mine: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor] | None:
+    """Every rank's ``mine`` (a stage's whole tensors, or nothing) merged on rank 0, one tensor at a time.
+
+    Each rank first tells the others what it holds (names, shapes, dtypes: small objects), then the tensors
+    travel point to point to rank 0. ``gather_object`` would pickle every stage's dict at once and pad the
+    buffers to the largest: measured, it took a 225 MB model's pipeline run above DDP's peak at save time.
+    Collective: every rank calls it. Returns the merged dict on rank 0, None elsewhere.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    headers: list = [None] * dist.get_world_size()
+    dist.all_gather_object(headers, {name: (tuple(t.shape), t.dtype) for name, t in mine.items()})
+    merged = dict(mine) if rank == 0 else None
+    for src, header in enumerate(headers):
+        if src == 0:
+            continue
+        for name, (shape, dtype) in header.items():
+            if rank == src:
+                dist.send(mine[name].to(device).contiguous(), dst=0)
+            elif rank == 0:
+                buffer = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(buffer, src=src)
+                merged[name] = buffer.to("cpu")
+    return merged
