@@ -121,9 +121,10 @@ def main() -> None:
     }
     ddp = med["ddp"]
     print(
-        "| mesh | tokens/s | vs DDP | peak MiB (largest rank) | above baseline | vs DDP | parameter share | first loss |"
+        "| mesh | tokens/s | vs DDP | peak MiB (largest rank) | above baseline | vs DDP | predicted | "
+        "predicted / above baseline | parameter share | first loss |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for label in labels:
         m, first = med[label], next(r for r in rows if r["mesh"] == label)
         above, ddp_above = (
