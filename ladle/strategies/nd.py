@@ -35,7 +35,7 @@ weights are not DTensors) and per-block compile.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -48,8 +48,6 @@ from ladle.strategies.registry import register
 
 Degree = Literal["auto"] | Annotated[int, Field(ge=1, le=1024)]
 
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 FAST_LINKS = ("nvswitch", "partial-nvlink")  # where tensor parallelism's per-block all-reduces are affordable
 MIN_SLICE = 1024  # columns of a projection each tp rank keeps, at least (hidden // tp)
 CP_ON_CPU = (
@@ -289,6 +287,7 @@ class ND(Strategy):
 
         from ladle.strategies.fsdp2 import decoder_layers
         from ladle.strategies.mesh import device_mesh
+        from ladle.strategies.runtime import mesh_parallel as mp
         from ladle.strategies.runtime.pipeline_stage import StageModule, causal_lm
 
         dims = Dims.of(plan.mesh)
@@ -305,7 +304,7 @@ class ND(Strategy):
             part = StageModule(model, stage, dims.pp)
         layers = decoder_layers(part)
         if dims.tp > 1:
-            apply_tensor_parallel(layers, mesh["tp"])
+            mp.apply_tensor_parallel(layers, mesh["tp"])
         if dims.dp > 1:
             compute = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
             dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
@@ -315,7 +314,7 @@ class ND(Strategy):
             }
             for layer in layers:
                 fully_shard(layer, **options)
-            for unit in stage_units(lm):
+            for unit in mp.stage_units(lm):
                 fully_shard(unit, **options)
             fully_shard(part, **options)
         if pending is not None:
@@ -347,20 +346,22 @@ class ND(Strategy):
         import torch
         from torch.distributed.tensor import DTensor, Replicate
 
+        from ladle.strategies.runtime import mesh_parallel as mp
+
         dims = Dims.of(plan.mesh)
-        part = module_of(model)
+        part = mp.module_of(model)
         wrong, placements, local, stage_total = [], {}, 0, 0
         for name, p in part.named_parameters():
             local += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
             stage_total += p.numel()
-            found = placed(p)
-            problem = misplaced(name, found, dims)
+            found = mp.placed(p)
+            problem = mp.misplaced(name, found, dims)
             if problem:
                 wrong.append(problem)
             if any(key in name for key in ("layers.", "embed_tokens", "lm_head")):
                 short = name.removeprefix("wrapped.")
                 shown = {dim: repr(placement) for dim, placement in found.items()}
-                placements.setdefault(kind_of(short), {"parameter": short, "placements": shown})
+                placements.setdefault(mp.kind_of(short), {"parameter": short, "placements": shown})
         if wrong:
             raise RuntimeError(f"nd planned {dims.describe()} but {len(wrong)} parameter(s) are misplaced: {wrong[0]}")
         # Each stage's global size once: summed over ranks, then divided by the ranks of a stage.
@@ -371,7 +372,7 @@ class ND(Strategy):
             "mesh": dims.degrees(),
             "placements": placements,
             "parameter_share": local / total,
-            "decoder_layers": len(layer_names(part)),
+            "decoder_layers": len(mp.layer_names(part)),
             "fsdp": dims.dp > 1 and all(isinstance(p, DTensor) for p in part.parameters()),
             "tp_sharded_projections": sum(
                 1
@@ -389,9 +390,11 @@ class ND(Strategy):
         return self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
 
     def no_sync(self, accelerator, model):
-        if not hasattr(module_of(model), "set_requires_gradient_sync"):
+        from ladle.strategies.runtime import mesh_parallel as mp
+
+        if not hasattr(mp.module_of(model), "set_requires_gradient_sync"):
             return nullcontext()
-        return _no_sync(module_of(model))
+        return mp.no_gradient_sync(mp.module_of(model))
 
     def forward_backward(self, accelerator, model, data, batch, plan, denominator, loss_fn) -> float:
         if not hasattr(model, "schedule"):
@@ -425,10 +428,12 @@ class ND(Strategy):
         return strategies.get("pipeline").evaluate(accelerator, model, data, micro)
 
     def optimizer_step(self, accelerator, model, optimizer, max_grad_norm: float) -> None:
-        params = [p for p in module_of(model).parameters() if p.requires_grad and p.grad is not None]
+        from ladle.strategies.runtime import mesh_parallel as mp
+
+        params = [p for p in mp.module_of(model).parameters() if p.requires_grad and p.grad is not None]
         if max_grad_norm > 0:
             pp_group = self.mesh["pp"].get_group() if self.mesh["pp"].size() > 1 else None
-            norm = grad_norm(params, pp_group)
+            norm = mp.grad_norm(params, pp_group)
             scale = min(1.0, max_grad_norm / (norm + 1e-6))
             for p in params:
                 p.grad.mul_(scale)
@@ -439,7 +444,9 @@ class ND(Strategy):
         """Each parameter gathered whole (collective over its own mesh), then the stages merged on rank 0."""
         from torch.distributed.tensor import DTensor
 
-        part = module_of(model)
+        from ladle.strategies.runtime import mesh_parallel as mp
+
+        part = mp.module_of(model)
         lead = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
         mine = {}
         for name, param in part.named_parameters():
@@ -471,7 +478,9 @@ class ND(Strategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        part = module_of(model)
+        from ladle.strategies.runtime import mesh_parallel as mp
+
+        part = mp.module_of(model)
         model_state, optim_state = get_state_dict(
             part, inner(optimizer), options=StateDictOptions(ignore_frozen_params=True)
         )
@@ -484,7 +493,9 @@ class ND(Strategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-        part = module_of(model)
+        from ladle.strategies.runtime import mesh_parallel as mp
+
+        part = mp.module_of(model)
         options = StateDictOptions(ignore_frozen_params=True)
         model_state, optim_state = get_state_dict(part, inner(optimizer), options=options)
         state = {"model": model_state, "optimizer": optim_state}
@@ -496,124 +507,6 @@ class ND(Strategy):
             optim_state_dict=state["optimizer"],
             options=StateDictOptions(ignore_frozen_params=True, strict=False),
         )
-
-
-# -- worker helpers ------------------------------------------------------------
-
-
-def module_of(model):
-    """The module this rank trains: a pipeline stage, or the whole (FSDP/tp-wrapped) model."""
-    return getattr(model, "stage_module", model)
-
-
-def stage_units(lm) -> list:
-    """The input embedding and the head, each a FSDP unit of its own, where this stage holds them (not tied)."""
-    if getattr(lm.config, "tie_word_embeddings", False):
-        return []
-    return [m for m in (lm.model.embed_tokens, lm.lm_head) if m is not None]
-
-
-def apply_tensor_parallel(layers, tp_mesh) -> None:
-    """Split each decoder layer's projections over ``tp_mesh`` (Llama-family module names).
-
-    Raises:
-        RuntimeError: a layer lacks one of the projections the plan splits (another architecture).
-    """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    for layer in layers:
-        names = {name for name, _ in layer.named_modules()}
-        missing = [n for n in (*COLWISE, *ROWWISE) if n not in names]
-        if missing:
-            raise RuntimeError(
-                f"nd tp: {type(layer).__name__} has no {missing[0]}; tensor parallelism splits Llama-family "
-                "attention (q/k/v/o_proj) and MLP (gate/up/down_proj) projections"
-            )
-        plan = {n: ColwiseParallel() for n in COLWISE} | {n: RowwiseParallel() for n in ROWWISE}
-        parallelize_module(layer, tp_mesh, plan)
-
-
-def placed(p) -> dict:
-    """``{mesh dimension: placement}`` of a parameter (``{}``: a plain tensor, whole on this rank)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(p, DTensor):
-        return {}
-    return dict(zip(p.device_mesh.mesh_dim_names, p.placements, strict=True))
-
-
-def misplaced(name: str, found: dict, dims: Dims) -> str | None:
-    """Why ``name``'s placements differ from the plan (None: as planned). FSDP over tp shards the tp slice
-    again on dim 0, which torch records as ``_StridedShard(dim=0)`` on dp_shard."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    def dim0(placement) -> bool:
-        return isinstance(placement, Shard | _StridedShard) and placement.dim == 0
-
-    projection = next((n for n in (*COLWISE, *ROWWISE) if f"{n}.weight" in name), None)
-    if dims.tp > 1 and projection:
-        want = 0 if projection in COLWISE else 1
-        tp = found.get("tp")
-        if not (isinstance(tp, Shard) and tp.dim == want):
-            return f"{name}: tp placement {tp!r}, planned Shard(dim={want})"
-    if dims.dp_shard > 1 and not dim0(found.get("dp_shard")):
-        return f"{name}: dp_shard placement {found.get('dp_shard')!r}, planned a dim-0 shard"
-    if dims.dp_replicate > 1 and not isinstance(found.get("dp_replicate"), Replicate):
-        return f"{name}: dp_replicate placement {found.get('dp_replicate')!r}, planned Replicate()"
-    return None
-
-
-def kind_of(name: str) -> str:
-    """A representative parameter's role, for the placements recorded in ``train_result.json``."""
-    for role in (*COLWISE, *ROWWISE, "embed_tokens", "lm_head", "input_layernorm"):
-        if role in name:
-            return role
-    return "other"
-
-
-def layer_names(part) -> list[str]:
-    from ladle.strategies.fsdp2 import decoder_layers
-
-    return [type(m).__name__ for m in decoder_layers(part)]
-
-
-def grad_norm(params, pp_group=None) -> float:
-    """The global gradient 2-norm: grads grouped by mesh and placements (a stacked norm cannot mix meshes),
-    each group's norm resolved over its mesh, plain tensors counted once, the stages' squares summed."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    groups: dict = {}
-    plain = []
-    for p in params:
-        g = p.grad
-        if isinstance(g, DTensor):
-            groups.setdefault((g.device_mesh, g.placements), []).append(g)
-        else:
-            plain.append(g)
-    squared = torch.zeros((), dtype=torch.float64)
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        squared += norm.double().cpu() ** 2
-    if plain:
-        squared += torch.nn.utils.get_total_norm(plain, 2.0).double().cpu() ** 2
-    if pp_group is not None:
-        device = params[0].device if params else "cpu"
-        squared = squared.to(device)
-        dist.all_reduce(squared, group=pp_group)
-    return float(squared) ** 0.5
-
-
-@contextmanager
-def _no_sync(module):
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)
 
 
 register(ND())
