@@ -141,6 +141,11 @@ class ND(Strategy):
         """The degrees' product, and what each asked degree allows, all reported at once."""
         options = cfg.parallelism.dims
         _, problems = resolve(options.asked(), target.world_size)
+        if target.world_size < 2:
+            problems.append(
+                "parallelism.strategy = nd: a mesh of degrees needs at least 2 processes and this plan has 1. "
+                "Use parallelism.strategy=ddp for one process, or more processes (--gpus N, parallelism.cpu_processes)."
+            )
         asked = asked_dims(options)
         if asked.cp > 1:
             problems.append((CP_ON_CPU if topo.gpu_count == 0 else CP_NOT_WIRED).format(cp=asked.cp))

@@ -132,6 +132,11 @@ def test_a_product_that_is_not_the_world_names_each_degree():
     )
 
 
+def test_one_process_is_no_mesh():
+    text = problems("parallelism.dims.tp=1", processes=1)
+    assert "parallelism.strategy = nd: a mesh of degrees needs at least 2 processes and this plan has 1" in text
+
+
 def test_degrees_with_a_named_strategy_are_refused():
     text = problems("parallelism.strategy=fsdp2", "parallelism.dims.tp=2", "training.lora.enabled=false")
     assert "parallelism.dims (tp=2) with parallelism.strategy = fsdp2: a named strategy runs its own preset" in text
