@@ -104,11 +104,6 @@ def tp_degrees(heads: int, kv_heads: int, per_node: int) -> list[int]:
     return [d for d in range(per_node, 1, -1) if not per_node % d and not kv_heads % d and not heads % d]
 
 
-def preset(**degrees: int) -> dict[str, int]:
-    """Every degree set (1 where not given): a candidate's options leave nothing to ``auto``."""
-    return {name: degrees.get(name, 1) for name in ORDER}
-
-
 class ND(Strategy):
     name = "nd"
     summary = "N-D parallel on one device mesh: pp × dp_replicate × dp_shard × cp × tp, from parallelism.dims"
@@ -219,14 +214,14 @@ class ND(Strategy):
                     else "; one machine: tp divides activations at the cost of per-block all-reduces"
                 )
             )
-            out.append(Candidate(self, rank, why, preset(tp=tp, dp_shard=dp_shard)))
+            out.append(Candidate(self, rank, why, Dims(tp=tp, dp_shard=dp_shard).degrees()))
         if job.nodes > 1 and s.layers >= job.nodes and out:
             tp = out[0].options["tp"]
             why = (
                 f"pp={job.nodes}: one stage per machine, only activations cross the network; tp={tp} × "
                 f"dp_shard={job.gpus_per_node // tp} inside each machine"
             )
-            out.append(Candidate(self, 40, why, preset(pp=job.nodes, tp=tp, dp_shard=job.gpus_per_node // tp)))
+            out.append(Candidate(self, 40, why, Dims(pp=job.nodes, tp=tp, dp_shard=job.gpus_per_node // tp).degrees()))
         return out
 
     def model_states(self, job, options) -> memory.ModelStates:
@@ -293,19 +288,19 @@ class ND(Strategy):
         from ladle.strategies.fsdp2 import decoder_layers
         from ladle.strategies.mesh import device_mesh
         from ladle.strategies.runtime import mesh_parallel as mp
-        from ladle.strategies.runtime.pipeline_stage import StageModule, causal_lm
+        from ladle.strategies.runtime.pipeline_stage import (
+            StageModule,
+            build_pipeline,
+            causal_lm,
+            refuse_trained_tied_embeddings,
+        )
 
         dims = Dims.of(plan.mesh)
         self.mesh = mesh = device_mesh(accelerator.device.type, dims)
         device = accelerator.device
         part, lm, stage = model, causal_lm(model), mesh["pp"].get_local_rank()
         if dims.pp > 1:
-            tied = getattr(lm.config, "tie_word_embeddings", False)
-            if tied and any(p.requires_grad for p in lm.get_input_embeddings().parameters()):
-                raise RuntimeError(
-                    "nd with pp > 1: this model ties its input and output embeddings, which live on the first and "
-                    "last stage, and trains them; keep them frozen (LoRA) or use pp=1"
-                )
+            refuse_trained_tied_embeddings(lm, "keep them frozen (LoRA) or use parallelism.dims.pp=1")
             part = StageModule(model, stage, dims.pp)
         layers = decoder_layers(part)
         if dims.tp > 1:
@@ -329,21 +324,12 @@ class ND(Strategy):
         optimizer = make_optimizer(part)
         if dims.pp == 1:
             return model, optimizer
-        return self._pipeline(part, lm, model, stage, dims, mesh, plan, device), optimizer
-
-    @staticmethod
-    def _pipeline(part, lm, model, stage, dims, mesh, plan, device):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-        from ladle.strategies.runtime.pipeline_stage import PipelineModel, TokenLoss
-
-        loss = TokenLoss()
-        pipe_stage = PipelineStage(part, stage, dims.pp, device, group=mesh["pp"].get_group())
-        kind = plan.strategy_options["schedule"]
-        schedule_cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
-        schedule = schedule_cls(pipe_stage, n_microbatches=plan.gradient_accumulation, loss_fn=loss, scale_grads=False)
-        peft_config = model.peft_config.get("default") if hasattr(model, "peft_config") else None
-        return PipelineModel(part, schedule, loss, stage, dims.pp, kind, lm.config, peft_config)
+        kind, microbatches, group = (
+            plan.strategy_options["schedule"],
+            plan.gradient_accumulation,
+            mesh["pp"].get_group(),
+        )
+        return build_pipeline(part, model, stage, dims.pp, device, kind, microbatches, group), optimizer
 
     def check_applied(self, accelerator, model, plan) -> dict:
         """Every parameter placed as planned on every mesh dimension: tp splits the projections (Shard(0) for
@@ -351,6 +337,7 @@ class ND(Strategy):
         import torch
         from torch.distributed.tensor import DTensor, Replicate
 
+        from ladle.strategies.fsdp2 import decoder_layers
         from ladle.strategies.runtime import mesh_parallel as mp
 
         dims = Dims.of(plan.mesh)
@@ -377,7 +364,7 @@ class ND(Strategy):
             "mesh": dims.degrees(),
             "placements": placements,
             "parameter_share": local / total,
-            "decoder_layers": len(mp.layer_names(part)),
+            "decoder_layers": len(decoder_layers(part)),
             "fsdp": dims.dp > 1 and all(isinstance(p, DTensor) for p in part.parameters()),
             "tp_sharded_projections": sum(
                 1
@@ -404,23 +391,12 @@ class ND(Strategy):
     def forward_backward(self, accelerator, model, data, batch, plan, denominator, loss_fn) -> float:
         if not hasattr(model, "schedule"):
             return super().forward_backward(accelerator, model, data, batch, plan, denominator, loss_fn)
-        import torch
-
         from ladle.train import schedule
 
         rank, replicas = self.data_parallel(accelerator)
         rows = [r for micro in schedule.micro_batches(batch, rank, replicas, plan.micro_batch_size) for r in micro]
-        index = torch.tensor(rows, dtype=torch.long)
-        device = accelerator.device
         # FSDP averages gradients over the replicas: scale so the result is the global token mean.
-        model.loss.denominator = float(denominator) / replicas
-        losses = model.run(
-            data["input_ids"][index].to(device),
-            data["labels"][index].to(device),
-            data["position_ids"][index].to(device),
-            train=True,
-        )
-        raw = sum(float(x) for x in losses) * model.loss.denominator  # this replica's token sum (last stage)
+        raw = model.train_rows(data, rows, accelerator.device, denominator / replicas)  # this replica's token sum
         return raw / Dims.of(plan.mesh).tp  # the tp ranks of a stage computed the same sum
 
     def evaluate(self, accelerator, model, data, micro: int, loss_fn) -> float:
@@ -447,18 +423,10 @@ class ND(Strategy):
 
     def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
         """Each parameter gathered whole (collective over its own mesh), then the stages merged on rank 0."""
-        from torch.distributed.tensor import DTensor
-
         from ladle.strategies.runtime import mesh_parallel as mp
 
-        part = mp.module_of(model)
         lead = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
-        mine = {}
-        for name, param in part.named_parameters():
-            if param.requires_grad or not trainable_only:
-                full = param.full_tensor() if isinstance(param, DTensor) else param
-                if lead:
-                    mine[name.removeprefix("wrapped.")] = full.detach().to("cpu", copy=True)
+        mine = mp.gather_whole(mp.module_of(model), trainable_only, keep=lead)
         if self.mesh["pp"].size() == 1:
             return mine if accelerator.is_main_process else None
         from ladle.strategies.runtime.pipeline_stage import gather_to_rank0

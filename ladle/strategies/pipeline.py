@@ -138,32 +138,23 @@ class Pipeline(Strategy):
     def wrap(self, accelerator, model, make_optimizer, plan, pending=None):
         """Split off this rank's stage (of an empty skeleton when ``pending``: the stage then reads only its
         own layers' tensors) and build its schedule."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from ladle.strategies.runtime.pipeline_stage import (
+            StageModule,
+            build_pipeline,
+            causal_lm,
+            refuse_trained_tied_embeddings,
+        )
 
-        from ladle.strategies.runtime.pipeline_stage import PipelineModel, StageModule, TokenLoss, causal_lm
-
-        lm = causal_lm(model)
-        if getattr(lm.config, "tie_word_embeddings", False) and any(
-            p.requires_grad for p in lm.get_input_embeddings().parameters()
-        ):
-            raise RuntimeError(
-                "pipeline: this model ties its input and output embeddings, which live on the first and last "
-                "stage, and trains them; keep them frozen (LoRA without modules_to_save on embeddings/head) "
-                "or use fsdp2"
-            )
+        refuse_trained_tied_embeddings(
+            causal_lm(model), "keep them frozen (LoRA without modules_to_save on embeddings/head) or use fsdp2"
+        )
         stages, stage = plan.world_size, accelerator.process_index
-        peft_config = model.peft_config.get("default") if hasattr(model, "peft_config") else None
         part = StageModule(model, stage, stages)
         if pending is not None:
             pending.fill(part.wrapped, accelerator.device)
         part.to(accelerator.device)
-        loss = TokenLoss()
-        pipe_stage = PipelineStage(part, stage, stages, accelerator.device)
-        kind = plan.launcher_config["schedule"]
-        schedule_cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
-        schedule = schedule_cls(pipe_stage, n_microbatches=plan.gradient_accumulation, loss_fn=loss, scale_grads=False)
-        wrapped = PipelineModel(part, schedule, loss, stage, stages, kind, lm.config, peft_config)
-        return wrapped, make_optimizer(part)
+        kind, microbatches = plan.launcher_config["schedule"], plan.gradient_accumulation
+        return build_pipeline(part, model, stage, stages, accelerator.device, kind, microbatches), make_optimizer(part)
 
     def check_applied(self, accelerator, model, plan) -> dict:
         import torch
@@ -189,18 +180,9 @@ class Pipeline(Strategy):
         return nullcontext()
 
     def forward_backward(self, accelerator, model, data, batch, plan, denominator, loss_fn) -> float:
-        import torch
-
-        index = torch.tensor(batch, dtype=torch.long)
-        device = accelerator.device
-        model.loss.denominator = float(denominator)
-        losses = model.run(
-            data["input_ids"][index].to(device),
-            data["labels"][index].to(device),
-            data["position_ids"][index].to(device),
-            train=True,
-        )
-        return sum(float(x) for x in losses) * denominator  # the raw token sum; zero off the last stage
+        return model.train_rows(
+            data, batch, accelerator.device, denominator
+        )  # the raw token sum; zero off the last stage
 
     def optimizer_step(self, accelerator, model, optimizer, max_grad_norm: float) -> None:
         import torch

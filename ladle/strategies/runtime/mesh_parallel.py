@@ -83,12 +83,6 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def layer_names(part) -> list[str]:
-    from ladle.strategies.fsdp2 import decoder_layers
-
-    return [type(m).__name__ for m in decoder_layers(part)]
-
-
 def grad_norm(params, pp_group=None) -> float:
     """The global gradient 2-norm: grads grouped by mesh and placements (a stacked norm cannot mix meshes),
     each group's norm resolved over its mesh, plain tensors counted once, the stages' squares summed."""
@@ -125,3 +119,19 @@ def no_gradient_sync(module):
         yield
     finally:
         module.set_requires_gradient_sync(True)
+
+
+def gather_whole(module, trainable_only: bool, keep: bool) -> dict:
+    """Each (trainable) parameter of ``module`` gathered whole, one at a time: a DTensor's ``full_tensor`` is a
+    collective over its own mesh, so every rank calls this; ranks with ``keep`` return CPU copies (others {}).
+    ``get_model_state_dict`` with ``ignore_frozen_params`` would still all-gather the frozen base first
+    (measured: +1.4 GB on rank 0 for a 1.5 GB base)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in module.named_parameters():
+        if param.requires_grad or not trainable_only:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if keep:
+                out[name.removeprefix("wrapped.")] = full.detach().to("cpu", copy=True)
+    return out

@@ -27,6 +27,34 @@ def split_layers(layers: int, stages: int) -> list[range]:
     return out
 
 
+def refuse_trained_tied_embeddings(lm, fix: str) -> None:
+    """A tied input/output embedding lives on the first and the last stage: training it would update two copies.
+
+    Raises:
+        RuntimeError: the model ties them and trains them.
+    """
+    if getattr(lm.config, "tie_word_embeddings", False) and any(
+        p.requires_grad for p in lm.get_input_embeddings().parameters()
+    ):
+        raise RuntimeError(
+            "pipeline: this model ties its input and output embeddings, which live on the first and last stage, "
+            f"and trains them; {fix}"
+        )
+
+
+def build_pipeline(part, model, stage: int, stages: int, device, kind: str, microbatches: int, group=None):
+    """``part`` (this rank's ``StageModule``) under its schedule (``1f1b`` or ``gpipe``) over ``group`` (None: the
+    default group): the ``PipelineModel`` the worker trains."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    loss = TokenLoss()
+    pipe_stage = PipelineStage(part, stage, stages, device, group=group)
+    schedule_cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
+    schedule = schedule_cls(pipe_stage, n_microbatches=microbatches, loss_fn=loss, scale_grads=False)
+    peft_config = model.peft_config.get("default") if hasattr(model, "peft_config") else None
+    return PipelineModel(part, schedule, loss, stage, stages, kind, causal_lm(model).config, peft_config)
+
+
 class StageModule(nn.Module):
     """One rank's slice of the decoder; ``forward(x, position_ids)`` takes token ids on the first stage,
     hidden states elsewhere, and returns hidden states, or logits on the last stage."""
@@ -109,6 +137,19 @@ class PipelineModel(nn.Module):
         from ladle.strategies.runtime.skeleton import meta_skeleton
 
         return meta_skeleton(self.hf_config, self.peft_config)
+
+    def train_rows(self, data: dict[str, torch.Tensor], rows: list[int], device, denominator: float) -> float:
+        """One training pass of ``rows`` through the schedule, the loss divided by ``denominator``; returns their
+        summed token loss (zero off the last stage)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        self.loss.denominator = float(denominator)
+        losses = self.run(
+            data["input_ids"][index].to(device),
+            data["labels"][index].to(device),
+            data["position_ids"][index].to(device),
+            train=True,
+        )
+        return sum(float(x) for x in losses) * self.loss.denominator
 
     def run(self, ids, labels, positions, train: bool) -> list[torch.Tensor]:
         """One schedule pass over whole-batch tensors; the last stage returns the per-microbatch losses."""
