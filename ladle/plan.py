@@ -333,12 +333,15 @@ def check_memory(cfg, topo, target: Target, model, strategy: Strategy, micro: in
     serve = sizing.serve_bytes(job.shape, stored, serve_cfg.max_batch_size, tokens, shards)
     serve += sizing.CONTEXT_BYTES if target.device == "cuda" else 0
     memory = {"load": est.load + est.context, "train": est.total, "merge": merge, "serve": serve}
+    if est.save:  # a CPU run: rank 0 holds the gathered outputs beside its states
+        memory["save"] = est.states + est.save + est.context
     # The merge runs on this host; a recorded topology describes another one, whose RAM is not known.
     host = None if topo.source.startswith("file:") else host_bytes()
     device = device_bytes(topo, target.device, 1)
     reasons = [
         f"memory per rank: loading {sizing.gib(memory['load'])} (its share of the weights, read one tensor at a "
         f"time), training step {sizing.gib(est.total)}"
+        + (f", saving {sizing.gib(memory['save'])} (rank 0 gathers the outputs whole)" if est.save else "")
     ]
     problems = []
     if merge:

@@ -178,9 +178,31 @@ class Strategy(ABC):
         else:
             states = self.model_states(job, options)
         acts, note = self.activations(job, options)
+        if not job.cuda:
+            acts = int(acts * sizing.CPU_RESIDENT_ACTIVATIONS["lora" if job.lora else "full"])
         logits = sizing.logits_bytes(job.shape, job.micro_batch * job.seq_len, job.dtype_bytes)
         load = self.load_bytes(job, options, states)
-        return sizing.Estimate.of(self.label(options), states, acts, logits, job, note, load)
+        step = self.step_bytes(job, options, states)
+        save = 0 if job.cuda else self.save_bytes(job, options, states)
+        return sizing.Estimate.of(self.label(options), states, acts, logits, job, note, load, step, save)
+
+    def step_bytes(self, job: sizing.Job, options: Section | None, states: memory.ModelStates) -> int:
+        """Temporaries of torch AdamW's step beyond its states, for the parameters this rank steps. On CUDA the
+        foreach kernels take sqrt(v) of every element at once: one float32 temporary per element. On CPU the
+        step goes tensor by tensor: two float32 temporaries of the largest local tensor (sqrt(v), then its
+        division)."""
+        local = stepped_elements(job, states)
+        if job.cuda:
+            return 4 * local
+        largest = job.shape.largest_tensor * local // max(job.shape.params, 1)
+        return 8 * min(largest, local)
+
+    def save_bytes(self, job: sizing.Job, options: Section | None, states: memory.ModelStates) -> int:
+        """What saving adds to the states on rank 0: the outputs gathered whole in the run's dtype (the full
+        weights of a full fine-tune, the adapters of a LoRA run), less the gradients the last step freed
+        (torch's zero_grad sets them to None)."""
+        outputs = (job.shape.trainable if job.lora else job.shape.params) * job.dtype_bytes
+        return outputs - stepped_elements(job, states) * (4 if job.dtype_bytes == 4 else memory.GRAD_16)
 
     def load_bytes(self, job: sizing.Job, options: Section | None, states: memory.ModelStates) -> int:
         """Memory at the end of loading: the weights this rank holds, plus the tensor being read (lazy loading
@@ -339,6 +361,12 @@ class Strategy(ABC):
     def hf_model(self, accelerator, model):
         """The Hugging Face (or peft) model object whose ``save_pretrained`` writes the output."""
         return accelerator.unwrap_model(model)
+
+
+def stepped_elements(job: sizing.Job, states: memory.ModelStates) -> int:
+    """The parameters this rank's torch optimizer steps, read off its optimizer state (AdamW's two float32
+    moments in a float32 run; the mixed-precision layout's 16 bytes otherwise)."""
+    return states.optimizer // (8 if job.dtype_bytes == 4 else memory.FP32_STATES)
 
 
 def state_options(trainable_only: bool = True, **extra):

@@ -237,6 +237,7 @@ def setup(spec: TrainSpec) -> Session:
     if leftover := loading.meta_parameters(model):
         raise RuntimeError(f"{plan.strategy}: {len(leftover)} parameter(s) were never loaded, e.g. {leftover[0]}")
     sharding = strategy.check_applied(accelerator, model, plan)
+    release_freed_memory(accelerator)
     load_peak = peak_memory_mib(accelerator)  # loading and wrapping done: the load's share of the peak
     scheduler = build_scheduler(optimizer, cfg, steps)
     state = checkpoint.load_latest(
@@ -247,6 +248,7 @@ def setup(spec: TrainSpec) -> Session:
         eval_before = state.eval_before
     else:
         eval_before = evaluate(accelerator, model, evals, spec)
+        release_freed_memory(accelerator)
         log({"eval_loss": eval_before}, 0)
     return Session(
         spec,
@@ -291,6 +293,7 @@ def train_loop(s: Session) -> tuple[int, float]:
     for step in range(s.start, s.steps):
         began = time.perf_counter()
         loss = train_step(acc, s.model, s.optimizer, s.scheduler, s.train, step, s.spec)
+        release_freed_memory(acc)
         elapsed = time.perf_counter() - began
         batch = schedule.global_batch_rows(step, rows, plan.global_batch_size, cfg.training.seed)
         step_tokens = int(s.train["real_tokens"][torch.tensor(batch)].sum())
@@ -310,6 +313,7 @@ def train_loop(s: Session) -> tuple[int, float]:
         )
         if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < s.steps:
             s.log({"eval_loss": evaluate(acc, s.model, s.evals, s.spec)}, step + 1)
+            release_freed_memory(acc)
         if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
             checkpoint.save(
                 acc,
@@ -335,6 +339,31 @@ def warm_imports(strategy) -> None:
         import deepspeed  # noqa: F401
 
 
+def release_freed_memory(accelerator: Accelerator) -> None:
+    """On CPU runs, hand freed heap pages back to the system at phase boundaries (load, eval, each step).
+
+    A step's many sub-4 MiB activations and gathered shards come from glibc's heap; once freed, the holes
+    between live blocks stay resident, so the next phase's peak lands on top of them. Measured on a 0.38B
+    ZeRO-3 LoRA rank: 650 MiB resident after a step that ``malloc_trim(0)`` returns (a few milliseconds).
+    GPU runs allocate on the device; other C libraries have no malloc_trim and keep their behaviour."""
+    if accelerator.device.type != "cpu" or TRIM is None:
+        return
+    TRIM(0)
+
+
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+TRIM = _malloc_trim()
+
+
 def peak_memory_mib(accelerator: Accelerator) -> float:
     """Largest per-rank peak: CUDA allocator peak on GPUs, resident set size on CPU."""
     if accelerator.device.type == "cuda":
@@ -351,6 +380,7 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
     """Final eval, outputs, and the result rank 0 writes for the launcher."""
     acc = s.accelerator
     eval_after = evaluate(acc, s.model, s.evals, s.spec)
+    release_freed_memory(acc)
     s.log({"eval_loss": eval_after}, s.steps)
     adapter_url, model_url = save_outputs(acc, s.model, s.spec)
     losses = s.losses

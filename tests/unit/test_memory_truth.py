@@ -125,6 +125,9 @@ def test_deepspeed_buckets_are_sized_from_the_model():
     assert zero["reduce_bucket_size"] == hidden * hidden
     assert zero["stage3_max_reuse_distance"] == plan.model_shape["layer_params"]
     assert any("stage3_max_live_parameters" in r and "(auto)" in r for r in plan.reasons)
+    largest = max(plan.model_shape["layer_params"], plan.model_shape["largest_tensor"])
+    assert zero["sub_group_size"] == largest
+    assert any(r.startswith(f"deepspeed sub_group_size {largest:,} (auto): one decoder layer") for r in plan.reasons)
     unknown = make_plan(build_config(MINIMAL, ["parallelism.strategy=zero3"]), CPU)
     assert unknown.launcher_config["zero_optimization"]["reduce_bucket_size"] == 500_000_000
     assert any("model size is unknown (DeepSpeed's default)" in r for r in unknown.reasons)
@@ -139,3 +142,40 @@ def test_optimizer_offload_renders_deepspeeds_own_optimizer(tmp_path):
     from ladle.strategies.deepspeed import validate_with_deepspeed
 
     validate_with_deepspeed(plan.launcher_config, plan.world_size)
+
+
+def test_step_and_save_transients_are_sized():
+    """The optimizer step's temporaries and the save's gathered outputs: ZeRO-3 steps one sub-group at a time
+    (a float32 gradient copy and AdamW's temporary per element), so DeepSpeed's 1e9 default costs its whole
+    partition; torch AdamW on CPU goes tensor by tensor; on CPU the save's full weights sit on rank 0."""
+    from ladle.plan import plan_estimate
+
+    model = tiny_config()
+    full = ["training.lora.enabled=false"]
+
+    def estimate(*overrides):
+        cfg = build_config(MINIMAL, [*full, *overrides])
+        return plan_estimate(cfg, make_plan(cfg, CPU, model=model), model)
+
+    auto = estimate("parallelism.strategy=zero3")
+    whole = estimate("parallelism.strategy=zero3", "parallelism.deepspeed.sub_group_size=1000000000")
+    plan = make_plan(build_config(MINIMAL, [*full, "parallelism.strategy=zero3"]), CPU, model=model)
+    shape, world = plan.model_shape, plan.world_size
+    assert auto.step == 8 * max(shape["layer_params"], shape["largest_tensor"])
+    assert whole.step == 8 * (shape["params"] // world) > auto.step
+    ddp = estimate("parallelism.strategy=ddp")
+    assert ddp.step == 8 * shape["largest_tensor"]  # sqrt(v) and its quotient, one tensor at a time
+    # the full weights on rank 0, less the gradients zero_grad freed; DeepSpeed keeps its gradient partitions
+    assert ddp.save == 4 * shape["params"] - 4 * shape["params"] and ddp.peak == max(ddp.total, ddp.load)
+    assert auto.save == 4 * shape["params"] and auto.peak == max(auto.total, auto.load, auto.states + auto.save)
+
+
+def test_on_gpus_the_step_is_foreachs_and_the_save_goes_to_the_host(tmp_path):
+    from ladle.plan import plan_estimate
+
+    model = tiny_config()
+    cfg = build_config(MINIMAL, ["training.lora.enabled=false", "parallelism.strategy=fsdp2"])
+    plan = make_plan(cfg, recorded(tmp_path), model=model)
+    est = plan_estimate(cfg, plan, model)
+    assert est.save == 0 and "save" not in plan.memory  # gathered to host memory, not the device
+    assert est.step == 4 * (est.optimizer // 16)  # foreach AdamW: sqrt(v) of every local element at once
