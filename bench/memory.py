@@ -105,6 +105,7 @@ def run(base: Path, strategy: str, lora: bool, root: Path, overrides: list[str])
         "predicted_peak_mib": guess["peak"],
         "breakdown": guess["breakdown"],
         "parameter_share": result.sharding.get("parameter_share"),
+        "tokens_per_s": result.tokens_per_s,
         "losses": result.train_losses,
         "adapter_url": result.adapter_url,
     }
