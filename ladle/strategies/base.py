@@ -201,8 +201,7 @@ class Strategy(ABC):
         """What saving adds to the states on rank 0: the outputs gathered whole in the run's dtype (the full
         weights of a full fine-tune, the adapters of a LoRA run), less the gradients the last step freed
         (torch's zero_grad sets them to None)."""
-        outputs = (job.shape.trainable if job.lora else job.shape.params) * job.dtype_bytes
-        return outputs - stepped_elements(job, states) * (4 if job.dtype_bytes == 4 else memory.GRAD_16)
+        return output_bytes(job) - stepped_elements(job, states) * (4 if job.dtype_bytes == 4 else memory.GRAD_16)
 
     def load_bytes(self, job: sizing.Job, options: Section | None, states: memory.ModelStates) -> int:
         """Memory at the end of loading: the weights this rank holds, plus the tensor being read (lazy loading
@@ -361,6 +360,11 @@ class Strategy(ABC):
     def hf_model(self, accelerator, model):
         """The Hugging Face (or peft) model object whose ``save_pretrained`` writes the output."""
         return accelerator.unwrap_model(model)
+
+
+def output_bytes(job: sizing.Job) -> int:
+    """The run's outputs in its dtype: the full weights of a full fine-tune, the adapters of a LoRA run."""
+    return (job.shape.trainable if job.lora else job.shape.params) * job.dtype_bytes
 
 
 def stepped_elements(job: sizing.Job, states: memory.ModelStates) -> int:

@@ -24,7 +24,7 @@ from pydantic import Field
 
 from ladle import memory
 from ladle.schema import Section
-from ladle.strategies.base import Candidate, Strategy
+from ladle.strategies.base import Candidate, Strategy, output_bytes
 from ladle.strategies.mesh import Dims
 from ladle.strategies.registry import register
 
@@ -151,17 +151,19 @@ class ZeRO(Strategy):
         AdamW's temporaries as large as it), stage 3 one sub-group at a time (sub_group_size), beside a copy of
         the sub-group's gradients (float32 in a float32 run; in 16-bit runs the float32 copy is counted in the
         states and the 16-bit flattened gradients are the transient). Offloaded, the step runs on the host."""
-        if job.lora or any(self.offload(options)):
-            return 0 if any(self.offload(options)) else super().step_bytes(job, options, states)
+        if any(self.offload(options)):
+            return 0
+        if job.lora:
+            return super().step_bytes(job, options, states)
         local = job.shape.params // job.world
         if self.stage < 3:
             return (4 if job.cuda else 8) * local
-        sub = min(local, sub_group_elements(options.sub_group_size, job.shape))
+        sub = min(local, sub_group_elements(options.sub_group_size, job.shape.layer_params, job.shape.largest_tensor))
         return (8 if job.dtype_bytes == 4 else 6) * sub
 
     def save_bytes(self, job, options, states) -> int:
         """The outputs gathered on rank 0; DeepSpeed keeps its gradient partitions allocated between steps."""
-        return (job.shape.trainable if job.lora else job.shape.params) * job.dtype_bytes
+        return output_bytes(job)
 
     def load_bytes(self, job, options, states) -> int:
         """ZeRO-3 loads module by module: the module's gathered weights, and on rank 0 the tensor read."""
@@ -528,7 +530,7 @@ def resolve_buckets(opts: dict, shape: dict | None) -> tuple[dict[str, int], dic
             "stage3_max_live_parameters": (max(2 * layer, largest), "two decoder layers, or the largest tensor"),
             "stage3_max_reuse_distance": (layer, "one decoder layer"),
             "sub_group_size": (
-                max(layer, largest),
+                sub_group_elements("auto", layer, largest),
                 "one decoder layer: the step's float32 gradient copy and "
                 "optimizer temporaries are a layer's size, not the whole partition's",
             ),
@@ -537,9 +539,9 @@ def resolve_buckets(opts: dict, shape: dict | None) -> tuple[dict[str, int], dic
     return values, reasons
 
 
-def sub_group_elements(asked: int | str, shape) -> int:
-    """``sub_group_size`` in elements: ``auto`` is one decoder layer (or the largest tensor), as resolve_buckets."""
-    return int(asked) if asked != "auto" else max(shape.layer_params, shape.largest_tensor)
+def sub_group_elements(asked: int | str, layer: int, largest: int) -> int:
+    """``sub_group_size`` in elements: ``auto`` is one decoder layer, or the largest tensor if that is larger."""
+    return int(asked) if asked != "auto" else max(layer, largest)
 
 
 def cpu_without_shm_kernel(plan) -> None:
