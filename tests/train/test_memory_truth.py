@@ -37,7 +37,7 @@ def mid_runs(tmp_path_factory, tiny_model):
         cfg = build_config(
             {
                 "base": str(base),
-                "data": {"path": "ladle://demo-alpaca", "seq_len": 64, "eval_ratio": 0.05},
+                "data": {"path": "ladle://demo-alpaca", "seq_len": 64, "eval_ratio": 0.01},
                 "parallelism": {"strategy": strategy},
                 "training": {
                     "max_steps": 1,
