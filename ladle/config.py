@@ -129,6 +129,13 @@ class TrainingConfig(Section):
         0, ge=0, description="Write a resumable checkpoint every N optimizer steps. 0: only at the end."
     )
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps. 0: only before and after training.")
+    save_shard_mib: int = Field(
+        512,
+        ge=1,
+        le=65536,
+        description="Largest safetensors file of a saved full fine-tune, MiB. Rank 0 gathers and writes one file "
+        "at a time, so saving adds at most this (or one larger tensor) to its memory.",
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter settings.")
     quantization: QuantizationConfig = Field(
         default_factory=QuantizationConfig, description="Base-model quantization (QLoRA)."

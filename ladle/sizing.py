@@ -124,7 +124,7 @@ class Estimate:
     context: int = CONTEXT_BYTES
     load: int = 0  # held at the end of loading: this rank's weights plus the largest tensor being read
     step: int = 0  # the optimizer step's temporaries (activations are freed by then)
-    save: int = 0  # outputs gathered whole on rank 0 beside the states (CPU runs: on a GPU they go to the host)
+    save: int = 0  # what rank 0 gathers at once to save, beside the states (CPU runs: on a GPU it goes to the host)
 
     @property
     def states(self) -> int:
@@ -210,6 +210,7 @@ class Job:
     nodes: int
     microbatches: int = 1  # pipeline: microbatches per step
     cuda: bool = True
+    save_shard_bytes: int = 512 * 2**20  # training.save_shard_mib: the part of a full model rank 0 gathers at once
 
     @property
     def world(self) -> int:

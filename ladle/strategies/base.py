@@ -12,7 +12,8 @@ config's strategy type, the CLI's choices and the docs come from the registry.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -198,10 +199,10 @@ class Strategy(ABC):
         return 8 * min(largest, local)
 
     def save_bytes(self, job: sizing.Job, options: Section | None, states: memory.ModelStates) -> int:
-        """What saving adds to the states on rank 0: the outputs gathered whole in the run's dtype (the full
-        weights of a full fine-tune, the adapters of a LoRA run), less the gradients the last step freed
-        (torch's zero_grad sets them to None)."""
-        return output_bytes(job) - stepped_elements(job, states) * (4 if job.dtype_bytes == 4 else memory.GRAD_16)
+        """What saving adds to the states on rank 0: what it gathers at once (``gathered_for_save``), less the
+        gradients the last step freed (torch's zero_grad sets them to None)."""
+        freed = stepped_elements(job, states) * (4 if job.dtype_bytes == 4 else memory.GRAD_16)
+        return max(0, gathered_for_save(job) - freed)
 
     def load_bytes(self, job: sizing.Job, options: Section | None, states: memory.ModelStates) -> int:
         """Memory at the end of loading: the weights this rank holds, plus the tensor being read (lazy loading
@@ -273,6 +274,29 @@ class Strategy(ABC):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(model, options=state_options(trainable_only=trainable_only))
+
+    def full_model_parts(self, accelerator, model, max_bytes: int) -> Iterator[dict | None]:
+        """The full model's weights in parts of at most ``max_bytes`` (a larger tensor alone), gathered one part
+        at a time, one tensor after another (collective: every rank iterates): whole CPU tensors on rank 0, None
+        elsewhere. Rank 0 never holds more than the part and the tensor being gathered (``ladle.train.saving``)."""
+        from ladle.train import saving
+
+        tensors = saving.model_tensors(accelerator.unwrap_model(model))
+        sizes = [(name, saving.full_numel(t) * t.element_size()) for name, t in tensors.items()]
+        for names in saving.group(sizes, max_bytes):
+            part = {}
+            for name in names:
+                with self.whole(tensors[name]) as full:
+                    if accelerator.is_main_process:
+                        part[name] = full.detach().to("cpu", copy=True)
+            yield part if accelerator.is_main_process else None
+
+    @contextmanager
+    def whole(self, tensor):
+        """``tensor`` whole while the context lasts (a DTensor's ``full_tensor``, a collective over its mesh)."""
+        from torch.distributed.tensor import DTensor
+
+        yield tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
     native_checkpoint = False
     """True: checkpoints are the engine's own per-rank files, resumable only by the same strategy and world
@@ -365,6 +389,16 @@ class Strategy(ABC):
 def output_bytes(job: sizing.Job) -> int:
     """The run's outputs in its dtype: the full weights of a full fine-tune, the adapters of a LoRA run."""
     return (job.shape.trainable if job.lora else job.shape.params) * job.dtype_bytes
+
+
+def gathered_for_save(job: sizing.Job) -> int:
+    """What rank 0 holds gathered at once while saving, in the run's dtype: a LoRA run's adapters; a full
+    fine-tune's current part (``training.save_shard_mib``, or one larger tensor: ``full_model_parts``) plus
+    the tensor being gathered into it."""
+    if job.lora:
+        return output_bytes(job)
+    largest = job.shape.largest_tensor * job.dtype_bytes
+    return min(output_bytes(job), max(job.save_shard_bytes, largest)) + largest
 
 
 def stepped_elements(job: sizing.Job, states: memory.ModelStates) -> int:

@@ -17,14 +17,14 @@ mid-run (a compile killed halfway leaves a lock that hangs every later run).
 
 from __future__ import annotations
 
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Literal
 
 from pydantic import Field
 
 from ladle import memory
 from ladle.schema import Section
-from ladle.strategies.base import Candidate, Strategy, output_bytes
+from ladle.strategies.base import Candidate, Strategy, gathered_for_save
 from ladle.strategies.mesh import Dims
 from ladle.strategies.registry import register
 
@@ -162,8 +162,8 @@ class ZeRO(Strategy):
         return (8 if job.dtype_bytes == 4 else 6) * sub
 
     def save_bytes(self, job, options, states) -> int:
-        """The outputs gathered on rank 0; DeepSpeed keeps its gradient partitions allocated between steps."""
-        return output_bytes(job)
+        """What rank 0 gathers at once; DeepSpeed keeps its gradient partitions allocated between steps."""
+        return gathered_for_save(job)
 
     def load_bytes(self, job, options, states) -> int:
         """ZeRO-3 loads module by module: the module's gathered weights, and on rank 0 the tensor read."""
@@ -344,23 +344,25 @@ class ZeRO(Strategy):
         model.step()  # clipping (gradient_clipping), step and zero_grad happen inside the engine
 
     def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
-        """Full tensors on rank 0 (None elsewhere); stage 3 gathers parameter by parameter."""
+        """The (trainable) parameters whole on rank 0 (None elsewhere), gathered one at a time (``whole``)."""
+        out: dict = {}
+        for name, param in model.module.named_parameters():
+            if param.requires_grad or not trainable_only:
+                with self.whole(param) as full:
+                    if accelerator.is_main_process:
+                        out[name] = full.detach().to("cpu", copy=True)
+        return out if accelerator.is_main_process else None
+
+    @contextmanager
+    def whole(self, tensor):
+        """A ZeRO-3 partitioned parameter gathered for the context (on every rank); anything else as it is."""
+        if not hasattr(tensor, "ds_id"):
+            yield tensor
+            return
         import deepspeed
 
-        module = model.module
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad or not trainable_only]
-        out: dict = {}
-        for name, param in named:
-            if self.stage == 3:
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                    if accelerator.is_main_process:
-                        out[name] = param.detach().to("cpu", copy=True)
-            elif accelerator.is_main_process:
-                out[name] = param.detach().to("cpu", copy=True)
-        if not trainable_only and accelerator.is_main_process:
-            persistent = module.state_dict(keep_vars=False).keys()
-            out.update({n: b.detach().cpu() for n, b in module.named_buffers() if n in persistent})
-        return out if accelerator.is_main_process else None
+        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+            yield tensor
 
     native_checkpoint = True
 

@@ -236,6 +236,11 @@ class Pipeline(Strategy):
         mine = {n: p.detach().cpu() for n, p in part.named_parameters() if p.requires_grad or not trainable_only}
         return gather_to_rank0(mine, accelerator.device)
 
+    def full_model_parts(self, accelerator, model, max_bytes: int):
+        """One part: the stages' weights are sent to rank 0 whole (``full_state_dict``), which writes them in
+        files of at most ``max_bytes``."""
+        yield self.full_state_dict(accelerator, model, trainable_only=False)
+
     native_checkpoint = True
 
     def save_state(self, model, optimizer, folder: str, tag: str) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from accelerate import Accelerator
 from ladle import storage, strategies
 from ladle.data.packing import IGNORE, read_rows
 from ladle.strategies.base import inner
-from ladle.train import checkpoint, loading, schedule
+from ladle.train import checkpoint, loading, saving, schedule
 from ladle.train.loss import token_loss
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
@@ -178,13 +179,18 @@ def save_outputs(accelerator, model, spec: TrainSpec) -> tuple[str | None, str |
     unwrapped = strategy.hf_model(accelerator, model)
     kind = "adapter" if spec.config.training.lora.enabled else "model"
     url = storage.join(spec.run_url, kind)
+    main = accelerator.is_main_process
     # Collective: every rank takes part in gathering sharded parameters; rank 0 receives the full tensors.
-    full = strategy.full_state_dict(accelerator, model, trainable_only=kind == "adapter")
-    if accelerator.is_main_process:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            unwrapped.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if kind == "adapter":
+            full = strategy.full_state_dict(accelerator, model, trainable_only=True)
+            if main:
+                unwrapped.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+        else:  # a part at a time: rank 0 never holds the whole model beside its states
+            shard_bytes = spec.config.training.save_shard_mib * 2**20
+            parts = strategy.full_model_parts(accelerator, model, shard_bytes)
+            saving.write_model_files(unwrapped, parts, Path(tmp), shard_bytes, main)
+        if main:
             AutoTokenizer.from_pretrained(spec.base_dir).save_pretrained(tmp)
             storage.remove(url)
             storage.upload_dir(tmp, url)
