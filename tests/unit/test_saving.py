@@ -77,3 +77,21 @@ def test_other_ranks_write_nothing(tmp_path):
     seen = []
     saving.write_model_files(model, (seen.append(i) for i in range(3)), tmp_path, 1024, main=False)
     assert len(seen) == 3 and not list(tmp_path.iterdir())  # every part iterated (the gathers), no file
+
+
+def test_each_part_is_on_disk_before_the_next_is_gathered(tmp_path):
+    """The writer consumes parts as they come: rank 0 holds one part, never the whole model."""
+    model = small_llama(tied=False)
+    tensors = saving.model_tensors(model)
+    sizes = [(n, t.numel() * t.element_size()) for n, t in tensors.items()]
+    groups = saving.group(sizes, 4096)
+    written = []
+
+    def parts():
+        for i, names in enumerate(groups):
+            written.append(len(list(tmp_path.glob("part-*.safetensors"))))
+            assert written[-1] == i  # every earlier part already written
+            yield {n: tensors[n].detach().clone() for n in names}
+
+    saving.write_model_files(model, parts(), tmp_path, 4096, main=True)
+    assert written == list(range(len(groups))) and len(groups) > 3
