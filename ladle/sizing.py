@@ -121,7 +121,7 @@ class Estimate:
     logits: int
     host: int = 0
     note: str = ""
-    context: int = CONTEXT_BYTES
+    context: int = CONTEXT_BYTES  # the runtime's fixed memory: the CUDA context, or a CPU engine's own (ZeRO)
     load: int = 0  # held at the end of loading: this rank's weights plus the largest tensor being read
     step: int = 0  # the optimizer step's temporaries (activations are freed by then)
     save: int = 0  # what rank 0 gathers at once to save, beside the states (CPU runs: on a GPU it goes to the host)
@@ -183,7 +183,7 @@ class Estimate:
             ("activations", self.activations),
             ("logits", self.logits),
         )
-        parts += (("CUDA context", self.context),)
+        parts += (("CUDA context" if self.context == CONTEXT_BYTES else "engine", self.context),)
         text = f"{gib(self.total)}/rank (" + ", ".join(f"{k} {gib(v)}" for k, v in parts if v) + ")"
         if self.step:
             text += f"; optimizer step temporaries {gib(self.step)}, once the activations are freed"
