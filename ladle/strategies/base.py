@@ -281,15 +281,9 @@ class Strategy(ABC):
         elsewhere. Rank 0 never holds more than the part and the tensor being gathered (``ladle.train.saving``)."""
         from ladle.train import saving
 
-        tensors = saving.model_tensors(accelerator.unwrap_model(model))
-        sizes = [(name, saving.full_numel(t) * t.element_size()) for name, t in tensors.items()]
-        for names in saving.group(sizes, max_bytes):
-            part = {}
-            for name in names:
-                with self.whole(tensors[name]) as full:
-                    if accelerator.is_main_process:
-                        part[name] = full.detach().to("cpu", copy=True)
-            yield part if accelerator.is_main_process else None
+        yield from saving.gather_parts(
+            accelerator.unwrap_model(model), self.whole, accelerator.is_main_process, max_bytes
+        )
 
     @contextmanager
     def whole(self, tensor):

@@ -434,9 +434,13 @@ class ND(Strategy):
         return gather_to_rank0(mine, accelerator.device)  # one stage's lead rank each; the others send nothing
 
     def full_model_parts(self, accelerator, model, max_bytes: int):
-        """One part: the stages' weights are sent to rank 0 whole (``full_state_dict``), which writes them in
-        files of at most ``max_bytes``."""
-        yield self.full_state_dict(accelerator, model, trainable_only=False)
+        """Without pipeline stages every parameter is a DTensor over the whole mesh: gathered a part at a time
+        (``Strategy.full_model_parts``). With stages, each stage's lead sends its weights to rank 0 whole
+        (``full_state_dict``), which writes them in files of at most ``max_bytes``."""
+        if self.mesh["pp"].size() == 1:
+            yield from super().full_model_parts(accelerator, model, max_bytes)
+        else:
+            yield self.full_state_dict(accelerator, model, trainable_only=False)
 
     def hf_model(self, accelerator, model):
         from ladle.strategies.runtime.pipeline_stage import causal_lm

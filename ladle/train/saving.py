@@ -20,7 +20,7 @@ model's ``all_tied_weights_keys`` does not list as a tie target (the name
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -61,6 +61,20 @@ def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             if buffer is not None and name not in sub._non_persistent_buffers_set:
                 out[output_name(f"{prefix}.{name}" if prefix else name)] = buffer
     return out
+
+
+def gather_parts(module, whole, keep: bool, max_bytes: int) -> Iterator[dict | None]:
+    """``module``'s weights in parts of at most ``max_bytes``, each tensor made whole by the ``whole`` context
+    (a collective for sharded ones: every rank iterates); CPU copies where ``keep``, None elsewhere."""
+    tensors = model_tensors(module)
+    sizes = [(name, full_numel(t) * t.element_size()) for name, t in tensors.items()]
+    for names in group(sizes, max_bytes):
+        part = {}
+        for name in names:
+            with whole(tensors[name]) as full:
+                if keep:
+                    part[name] = full.detach().to("cpu", copy=True)
+        yield part if keep else None
 
 
 def group(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[list[str]]:
