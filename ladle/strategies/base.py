@@ -294,29 +294,20 @@ class Strategy(ABC):
 
     native_checkpoint = False
     """True: checkpoints are the engine's own per-rank files, resumable only by the same strategy and world
-    size. False: the strategy-neutral full state, which any strategy of this kind resumes from."""
+    size. False: a torch distributed checkpoint (DCP) of the trainable state: each rank writes the shards it
+    holds, nothing is gathered on one rank, and any strategy of this kind resumes from it at any world size
+    (DCP reads whatever region each rank now holds)."""
 
     def save_state(self, model, optimizer, folder: str, tag: str) -> dict:
-        """Checkpoint the model and optimizer (collective): native strategies write their files under
-        ``folder/tag`` on every rank; the default gathers the full trainable state and returns it for
-        ``state.pt`` (complete on rank 0)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(model, inner(optimizer), options=state_options())
-        return {"model": model_state, "optimizer": optim_state}
+        """Checkpoint the model and optimizer (collective): every rank writes its files under ``folder/tag``;
+        returns what ``state.pt`` should carry besides (nothing here)."""
+        dcp_save(model, optimizer, folder, tag)
+        return {}
 
     def load_state(self, model, optimizer, payload: dict, folder: str | None, tag: str) -> None:
         """Restore what ``save_state`` wrote: ``payload`` is ``state.pt``; ``folder`` holds the checkpoint's
-        files (None when the strategy writes none)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(
-            model,
-            inner(optimizer),
-            model_state_dict=payload["model"],
-            optim_state_dict=payload["optimizer"],
-            options=state_options(strict=False),
-        )
+        files."""
+        dcp_load(model, optimizer, folder, tag)
 
     def forward_backward(
         self, accelerator, model, data, batch: list[int], plan: Plan, denominator: int, loss_fn
@@ -407,6 +398,40 @@ def state_options(trainable_only: bool = True, **extra):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only, **extra)
+
+
+def dcp_save(module, optimizer, folder: str, tag: str) -> None:
+    """The trainable state of ``module`` and its optimizer as a torch distributed checkpoint under
+    ``folder/tag``: each rank writes the shards it holds (a replicated tensor is written by one rank)."""
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(ignore_frozen_params=True)
+    model_state, optim_state = get_state_dict(module, inner(optimizer), options=options)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=Path(folder) / tag)
+
+
+def dcp_load(module, optimizer, folder: str, tag: str) -> None:
+    """Load ``dcp_save``'s checkpoint into ``module`` and its optimizer, whatever the sharding it was written
+    with: each rank reads the regions it now holds."""
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    options = StateDictOptions(ignore_frozen_params=True)
+    model_state, optim_state = get_state_dict(module, inner(optimizer), options=options)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=Path(folder) / tag)
+    set_state_dict(
+        module,
+        inner(optimizer),
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
+    )
 
 
 def inner(optimizer):

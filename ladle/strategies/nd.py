@@ -42,7 +42,7 @@ from pydantic import Field
 
 from ladle import memory, sizing
 from ladle.schema import Section
-from ladle.strategies.base import Candidate, Strategy, inner
+from ladle.strategies.base import Candidate, Strategy, dcp_load, dcp_save
 from ladle.strategies.mesh import ORDER, Dims, model_problems, resolve
 from ladle.strategies.registry import register
 
@@ -454,41 +454,16 @@ class ND(Strategy):
     native_checkpoint = True
 
     def save_state(self, model, optimizer, folder: str, tag: str) -> dict:
-        """Torch distributed checkpoint (DCP): each rank writes its own shards, nothing is gathered."""
-        from pathlib import Path
-
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
+        """Torch distributed checkpoint (DCP) of this rank's module (a stage, or the whole model)."""
         from ladle.strategies.runtime import mesh_parallel as mp
 
-        part = mp.module_of(model)
-        model_state, optim_state = get_state_dict(
-            part, inner(optimizer), options=StateDictOptions(ignore_frozen_params=True)
-        )
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=Path(folder) / tag)
+        dcp_save(mp.module_of(model), optimizer, folder, tag)
         return {}
 
     def load_state(self, model, optimizer, payload: dict, folder: str | None, tag: str) -> None:
-        from pathlib import Path
-
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
         from ladle.strategies.runtime import mesh_parallel as mp
 
-        part = mp.module_of(model)
-        options = StateDictOptions(ignore_frozen_params=True)
-        model_state, optim_state = get_state_dict(part, inner(optimizer), options=options)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=Path(folder) / tag)
-        set_state_dict(
-            part,
-            inner(optimizer),
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=StateDictOptions(ignore_frozen_params=True, strict=False),
-        )
+        dcp_load(mp.module_of(model), optimizer, folder, tag)
 
 
 register(ND())

@@ -5,11 +5,13 @@ store's ``_COMPLETE`` marker, written last. ``state.pt`` holds the scheduler
 state, every rank's RNG state, the loss history and the strategy's ``format``;
 the data position is the step number itself (see ``ladle.train.schedule``).
 Where the weights and optimizer state go is the strategy's choice
-(``Strategy.save_state``): strategy-neutral ones gather the full trainable state
-into ``state.pt``, which any such strategy resumes from; native ones (DeepSpeed's
-per-rank engine files, one file per pipeline stage) write their own files under
-``engine/``, never gathered to one rank, so they resume only with the same
-strategy and world size. The caller passes the plan's strategy object.
+(``Strategy.save_state``), and no strategy gathers them on one rank: strategy-neutral
+ones (DDP, FSDP2, tensor parallel) write a torch distributed checkpoint of the
+trainable state under ``engine/``, each rank its own shards, which any such
+strategy resumes from at any world size; native ones (DeepSpeed's per-rank engine
+files, one file per pipeline stage, N-D's stage modules) write their own files
+there too, so they resume only with the same strategy and world size. The caller
+passes the plan's strategy object.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from ladle import storage
 
 KEEP_LAST = 2
-NATIVE_TAG = "engine"  # the folder a strategy's native checkpoint files live in
+NATIVE_TAG = "engine"  # the folder a strategy's checkpoint files (DCP or native) live in
 
 
 @dataclass
@@ -63,9 +65,8 @@ def set_rng_state(state: dict) -> None:
 def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses, eval_before, plan, strategy) -> None:
     """Gather every rank's RNG and the training state (collectives), then mark the step complete.
 
-    Strategy-neutral strategies gather the full trainable state and rank 0 writes it; strategies with
-    a native format (DeepSpeed) write their per-rank files, each rank uploading its own, before rank 0
-    writes ``state.pt`` and the marker.
+    Every rank writes and uploads its own files (a DCP checkpoint, or the strategy's native ones) before
+    rank 0 writes ``state.pt`` and the marker.
     """
     import tempfile
 
@@ -81,14 +82,14 @@ def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses,
         "eval_before": eval_before,
         "strategy": plan.strategy,
         "world_size": plan.world_size,
-        "format": "native" if strategy.native_checkpoint else "full",
+        "format": checkpoint_format(strategy),
     }
     if accelerator.is_main_process:
         storage.remove(target)  # a partial folder from a crashed attempt
     accelerator.wait_for_everyone()
     with tempfile.TemporaryDirectory(prefix="ladle-ckpt-") as tmp:
         payload.update(strategy.save_state(model, optimizer, tmp, NATIVE_TAG))
-        storage.upload_dir(tmp, target, complete=False)  # each rank its own files (none: full-state strategies)
+        storage.upload_dir(tmp, target, complete=False)  # each rank its own files
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         buffer = io.BytesIO()
@@ -98,6 +99,12 @@ def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses,
         for old in complete_steps(root)[:-KEEP_LAST]:
             storage.remove(step_dir(root, old))
     accelerator.wait_for_everyone()
+
+
+def checkpoint_format(strategy) -> str:
+    """``native``: the strategy's own files (same strategy and world size to resume); ``dcp``: a strategy-neutral
+    torch distributed checkpoint."""
+    return "native" if strategy.native_checkpoint else "dcp"
 
 
 def load_latest(accelerator, root: str, model, optimizer, scheduler, plan, strategy) -> ResumeState | None:
@@ -115,7 +122,12 @@ def load_latest(accelerator, root: str, model, optimizer, scheduler, plan, strat
     target = step_dir(root, steps[-1])
     payload = torch.load(io.BytesIO(storage.read_bytes(storage.join(target, "state.pt"))), weights_only=False)
     fmt = payload.get("format", "full")
-    wanted = "native" if strategy.native_checkpoint else "full"
+    if fmt == "full":
+        raise RuntimeError(
+            f"checkpoint {target} holds the gathered full state of an earlier ladle version, which this version "
+            "no longer reads (it writes per-rank shards). Start a new run (another output folder or run name)."
+        )
+    wanted = checkpoint_format(strategy)
     same_run_shape = payload.get("strategy") == plan.strategy and payload.get("world_size") == plan.world_size
     if fmt != wanted or (fmt == "native" and not same_run_shape):
         raise RuntimeError(
@@ -123,12 +135,13 @@ def load_latest(accelerator, root: str, model, optimizer, scheduler, plan, strat
             f"({fmt} format); this run is {plan.strategy} on {plan.world_size}. Resume with the same strategy and "
             "world size, or start a new run (another output folder or run name)."
         )
-    if fmt == "native":
+    if storage.is_local(target):  # read in place: each rank reads only the files its regions are in
+        strategy.load_state(model, optimizer, payload, str(storage.local_path(target)), NATIVE_TAG)
+    else:
         with tempfile.TemporaryDirectory(prefix="ladle-ckpt-") as tmp:
             storage.download_dir(target, tmp)
             strategy.load_state(model, optimizer, payload, tmp, NATIVE_TAG)
-    else:
-        strategy.load_state(model, optimizer, payload, None, NATIVE_TAG)
     scheduler.load_state_dict(payload["scheduler"])
-    set_rng_state(payload["rng"][accelerator.process_index])
+    rngs = payload["rng"]  # one per rank that wrote it; a DCP checkpoint may resume on more ranks
+    set_rng_state(rngs[accelerator.process_index % len(rngs)])
     return ResumeState(step=payload["step"], losses=payload["losses"], eval_before=payload["eval_before"])

@@ -124,6 +124,24 @@ def test_resume_is_exact(runs, name):
     assert resumed.train_losses == pytest.approx(full.train_losses, abs=1e-6)
 
 
+def test_fsdp2_checkpoint_resumes_under_ddp_on_one_process(runs, tmp_path):
+    """The strategy-neutral checkpoint is a torch distributed checkpoint of per-rank shards: FSDP2's (2 ranks,
+    half of each tensor per rank) resumes under DDP on one process, which reads every shard, and the losses
+    go on as DDP's own run's."""
+    fsdp2, fsdp2_spec = runs["fsdp2"]
+    ddp = runs["ddp"][0]
+    spec = spec_for("ddp", tmp_path, "parallelism.cpu_processes=1")
+    source = step_dir(storage.join(fsdp2_spec.run_url, "checkpoints"), 3)
+    state = torch.load(Path(source, "state.pt"), weights_only=False)
+    assert state["format"] == "dcp" and state["world_size"] == 2 and "model" not in state  # nothing gathered
+    assert len(list(Path(source, "engine").glob("*.distcp"))) == 2  # one file of shards per rank
+    storage.upload_dir(source, step_dir(storage.join(spec.run_url, "checkpoints"), 3))
+    resumed = launch(spec)
+    assert resumed.resumed_from_step == 3 and resumed.world_size == 1
+    assert resumed.train_losses == pytest.approx(ddp.train_losses, abs=1e-5)
+    assert resumed.train_losses[:3] == pytest.approx(fsdp2.train_losses[:3], abs=1e-6)  # carried over
+
+
 def test_native_checkpoint_refuses_another_strategy(runs, tmp_path):
     from ladle.train.run import TrainingFailed
 
