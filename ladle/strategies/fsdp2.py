@@ -32,6 +32,14 @@ class FSDP2Options(Section):
         "sharded within each group of world/replicate ranks and gradients all-reduced across groups. 1: plain "
         "FSDP (shard over all ranks). 0: one group per machine (shard inside the node, replicate across nodes).",
     )
+    shard_head: bool = Field(
+        True,
+        description="Never gather the input embedding or the output head: each rank looks up, and computes the "
+        "logits over, its own rows for every rank's tokens (vocabulary-parallel; the ranks exchange token ids and "
+        "hidden states, tokens x hidden, instead of vocab x hidden weights). false: both are FSDP units, "
+        "gathered for their forward and backward. Applies to untied ends under plain FSDP (not HSDP or "
+        "cpu_offload).",
+    )
     compile: bool = Field(
         False,
         description="use_fsdp2_compile: torch.compile each decoder block in place before sharding (CUDA, "
@@ -52,6 +60,37 @@ def embedding_units(model) -> list:
     if embed is None or head is None or getattr(model.config, "tie_word_embeddings", False):
         return []
     return [embed, head]
+
+
+def keep_vocab_sharded(model, mesh, wanted: bool, offloaded: bool, dtype) -> None:
+    """Look up the embeddings and compute the loss against each rank's own rows (``runtime.vocab_parallel``)
+    where that applies, so neither end of the model is ever gathered; record why not otherwise
+    (``check_applied`` reports it)."""
+    from ladle.strategies.runtime.vocab_parallel import ShardedVocab, shardable
+
+    if not wanted:
+        why = ("parallelism.fsdp2.shard_head = false",) * 2
+    elif offloaded:
+        why = ("its weights are offloaded to CPU",) * 2
+    else:
+        why = shardable(model, mesh)
+    embed, head = (reason is None for reason in why)
+    model.ladle_vocab = ShardedVocab(model, mesh.get_group(), dtype, embed, head) if embed or head else None
+    model.ladle_vocab_notes = {
+        "input_embedding": "sharded (vocabulary-parallel lookup, never gathered)" if embed else f"gathered ({why[0]})",
+        "output_head": "sharded (vocabulary-parallel loss, never gathered)" if head else f"gathered ({why[1]})",
+    }
+
+
+def vocab_stays_sharded(options: dict, replicate: int) -> bool:
+    """Whether the plan keeps the embedding and the head sharded (untied ones; checked on the model itself)."""
+    return options.get("shard_head", True) and replicate == 1 and not options.get("cpu_offload")
+
+
+def loss_for(model, loss_fn):
+    """The loss to run: the sharded vocabulary's where the model keeps an end sharded."""
+    vocab = getattr(model, "ladle_vocab", None)
+    return vocab.token_loss if vocab is not None else loss_fn
 
 
 def compile_problems(topo) -> list[str]:
@@ -187,7 +226,10 @@ class FSDP2(Strategy):
             },
             "cpu_offload": opts["cpu_offload"],
             "compile": opts["compile"],
-            "units": "each *DecoderLayer, then the root",
+            "units": "each *DecoderLayer, the input embedding, the output head, then the root",
+            "vocabulary": "sharded: vocabulary-parallel embedding and loss"
+            if vocab_stays_sharded(opts, replicate)
+            else "gathered: the embedding and the head are FSDP units",
         }
         reasons = []
         if replicate > 1:
@@ -234,7 +276,15 @@ class FSDP2(Strategy):
         fully_shard(model, **options)
         if pending is not None:
             pending.fill(model, "cpu" if options.get("offload_policy") else accelerator.device)
+        wanted, offloaded = plan.strategy_options.get("shard_head", True), bool(options.get("offload_policy"))
+        keep_vocab_sharded(model, mesh, wanted, offloaded, compute)
         return model, make_optimizer(model)
+
+    def forward_backward(self, accelerator, model, data, batch, plan, denominator, loss_fn) -> float:
+        return super().forward_backward(accelerator, model, data, batch, plan, denominator, loss_for(model, loss_fn))
+
+    def evaluate(self, accelerator, model, data, micro: int, loss_fn) -> float:
+        return super().evaluate(accelerator, model, data, micro, loss_for(model, loss_fn))
 
     def check_applied(self, accelerator, model, plan) -> dict:
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -268,6 +318,7 @@ class FSDP2(Strategy):
             "total_numel": total,
             "sharded_parameters": len(params),
             "decoder_layers_sharded": len(decoder_layers(model)),
+            **model.ladle_vocab_notes,
             "mesh": [replicate, plan.world_size // replicate],
         }
 

@@ -16,6 +16,11 @@ def token_loss(model, data: dict[str, torch.Tensor], rows: list[int], device) ->
     labels = data["labels"][index].to(device)
     positions = data["position_ids"][index].to(device)
     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    return token_cross_entropy(logits, labels)
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy of ``logits`` against ``labels`` (batch x seq), and the trained count."""
     targets = labels[:, 1:]
     # Upcast: the loss over the vocabulary is computed in float32 whatever the model dtype.
     loss = F.cross_entropy(

@@ -92,6 +92,9 @@ def test_sharding_is_real(runs, name, param_share, state_share, tiny_model):
         assert sharding["gradients_partitioned"] is (name != "zero1")
     if name == "fsdp2":
         assert sharding["wrapper"] == "FSDP2" and sharding["decoder_layers_sharded"] == 4
+        # neither end is ever gathered, the trained head (peft's copy of lm_head) included
+        assert sharding["output_head"] == "sharded (vocabulary-parallel loss, never gathered)"
+        assert sharding["input_embedding"] == "sharded (vocabulary-parallel lookup, never gathered)"
     if name == "pipeline":  # rank 0: embedding + layers 0-1; rank 1: layers 2-3 + norm + head
         assert (sharding["stages"], sharding["schedule"], sharding["layers_on_rank0"]) == (2, "1f1b", [0, 1])
     if name == "zero++":  # one machine: hpZ off; CPU: no quantizer kernels (the plan says so)
@@ -238,4 +241,5 @@ def test_hsdp_shards_within_groups_and_matches_ddp(runs, tmp_path):
     result = launch(spec)
     assert result.world_size == 4 and result.sharding["wrapper"] == "FSDP2 (HSDP)" and result.sharding["mesh"] == [2, 2]
     assert result.sharding["parameter_share"] == pytest.approx(0.5, abs=0.01)
+    assert result.sharding["output_head"].startswith("gathered (kept sharded over one data-parallel dimension")
     assert result.train_losses == pytest.approx(runs["ddp"][0].train_losses, abs=1e-5)

@@ -1,0 +1,120 @@
+"""The vocabulary-parallel loss and embedding (``runtime.vocab_parallel``) against one process's cross-entropy and
+lookup with the whole weight: real gloo processes, uneven vocabulary shards and token counts, ignored targets, a
+padding row, a different upstream gradient per rank."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from ladle.data.packing import IGNORE
+
+VOCAB, HIDDEN = 50, 8  # 50 rows over 3 ranks: 17, 17, 16 (torch.chunk, as FSDP2 shards dim 0)
+
+
+def problem(world: int):
+    """Every rank's hidden states, targets and upstream gradient, and the whole head (seeded: each rank builds
+    the same)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)
+    hidden, targets = [], []
+    for rank in range(world):
+        n = 5 + 2 * rank  # a different token count on each rank
+        hidden.append(torch.randn(n, HIDDEN, generator=g, dtype=torch.float64))
+        t = torch.randint(0, VOCAB, (n,), generator=g)
+        t[rank] = IGNORE  # an ignored target on each rank
+        targets.append(t)
+    scales = [0.5 + rank for rank in range(world)]
+    return weight, hidden, targets, scales
+
+
+def embedding_reference(world: int):
+    """Each rank's embeddings of its targets (as token ids; ignored ones as the padding id) and the embedding's
+    gradient FSDP2 would hold for upstream gradients ``scales[rank] * hidden[rank]``."""
+    weight, hidden, targets, scales = problem(world)
+    w = weight.clone().requires_grad_(True)
+    outs = []
+    for h, t, s in zip(hidden, targets, scales, strict=True):
+        out = F.embedding(ids_of(t), w, padding_idx=PADDING)
+        (out * h * s / world).sum().backward()
+        outs.append(out.detach())
+    return outs, w.grad
+
+
+PADDING = 3
+
+
+def ids_of(targets: torch.Tensor) -> torch.Tensor:
+    return torch.where(targets == IGNORE, PADDING, targets)
+
+
+def reference(world: int):
+    """Each rank's loss and hidden-state gradient, and the head's gradient FSDP2 would hold (mean over ranks of
+    each rank's scaled gradient), all in one process with the whole head."""
+    weight, hidden, targets, scales = problem(world)
+    w = weight.clone().requires_grad_(True)
+    losses, d_hidden = [], []
+    for h, t, s in zip(hidden, targets, scales, strict=True):
+        h = h.clone().requires_grad_(True)
+        loss = F.cross_entropy(h @ w.t(), t, ignore_index=IGNORE, reduction="sum")
+        (loss * s / world).backward()  # the mean over ranks FSDP2's reduce-scatter takes
+        losses.append(loss.detach())
+        d_hidden.append(h.grad * world)  # undo the 1/world: a rank's own gradient is not averaged
+    return losses, d_hidden, w.grad
+
+
+def rank_main(rank: int, world: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    from ladle.strategies.runtime.vocab_parallel import VocabParallelEmbedding, VocabParallelLoss
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        weight, hidden, targets, scales = problem(world)
+        per = -(-VOCAB // world)
+        start = min(rank * per, VOCAB)
+        w = weight[start : start + per].clone().requires_grad_(True)
+        h = hidden[rank].clone().requires_grad_(True)
+        loss = VocabParallelLoss.apply(h, w, targets[rank], start, dist.group.WORLD)
+        (loss * scales[rank]).backward()
+        e = weight[start : start + per].clone().requires_grad_(True)
+        out = VocabParallelEmbedding.apply(e, ids_of(targets[rank]), start, dist.group.WORLD, e.dtype, PADDING)
+        (out * hidden[rank] * scales[rank]).sum().backward()
+        # numpy arrays travel by value; tensors would be shared memory this process frees when it exits
+        arrays = (loss.detach(), h.grad, w.grad, out.detach(), e.grad)
+        queue.put((rank, *(a.numpy() for a in arrays), start))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_matches_whole_weight_cross_entropy_and_lookup(world):
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = sorted((queue.get(timeout=120) for _ in procs), key=lambda item: item[0])
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    losses, d_hidden, d_weight = reference(world)
+    embedded, d_embedding = embedding_reference(world)
+    for rank, *arrays, start in got:
+        loss, h_grad, w_grad, out, e_grad = map(torch.from_numpy, arrays)
+        torch.testing.assert_close(out, embedded[rank], rtol=0, atol=0)
+        torch.testing.assert_close(e_grad, d_embedding[start : start + e_grad.size(0)], rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(loss, losses[rank], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(h_grad, d_hidden[rank], rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(w_grad, d_weight[start : start + w_grad.size(0)], rtol=1e-9, atol=1e-10)
+    assert sum(len(item[3]) for item in got) == VOCAB  # the shards cover the vocabulary once
