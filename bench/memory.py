@@ -12,7 +12,7 @@ and the planner's per-rank prediction for this CPU host (no CUDA context, float3
 step, compared with the measured peak minus the baseline. Then the merge of a LoRA adapter into the same
 base: peak RSS of the streaming merge against one full copy of the weights.
 
-    python bench/memory.py [--only ddp,fsdp2] [--modes lora,full]
+    python bench/memory.py [--only ddp,fsdp2] [--modes lora,full] [--shape deep|wide-vocab] [--set k=v]
 
 Runs one training at a time (memory, not speed, is measured; two at once would not change a process's
 RSS, but the full fine-tunes need ~15 GB together).
@@ -41,11 +41,15 @@ SHAPE = {
     "head_dim": 64,
     "vocab_size": 32000,
 }
+# Llama-3's 128k vocabulary on 4 layers: the embedding and the head (501 MiB each in float32) are 84 % of the
+# weights, so what happens to the head (gathered, or kept sharded) shows in each rank's peak.
+WIDE_VOCAB = {**SHAPE, "num_hidden_layers": 4, "vocab_size": 128256}
+SHAPES = {"deep": ("big-random-llama-v1", SHAPE), "wide-vocab": ("wide-vocab-random-llama-v1", WIDE_VOCAB)}
 
 
-def big_model() -> Path:
-    """The 1.5 GB random Llama (created once, in 400 MB shards, under $LADLE_HOME/assets)."""
-    return random_llama("big-random-llama-v1", SHAPE)
+def big_model(shape: str = "deep") -> Path:
+    """A random Llama of ``SHAPES`` (created once, in 400 MB shards, under $LADLE_HOME/assets)."""
+    return random_llama(*SHAPES[shape])
 
 
 def config_for(base: Path, strategy: str, lora: bool, overrides: list[str]):
@@ -162,10 +166,11 @@ def main() -> None:
     parser.add_argument("--modes", default="lora,full")
     parser.add_argument("--set", action="append", default=[], help="config overrides, as ladle's --set")
     parser.add_argument("--no-merge", action="store_true")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="deep")
     args = parser.parse_args()
     from ladle import storage
 
-    base = big_model()
+    base = big_model(args.shape)
     rows = []
     with tempfile.TemporaryDirectory(prefix="ladle-bench-memory-") as tmp:
         root = Path(tmp)
@@ -182,7 +187,7 @@ def main() -> None:
         for r in rows:
             if ddp and r["mode"] == mode:
                 r["peak_vs_ddp"] = r["peak_mib"] / ddp["peak_mib"]
-    save("memory", {"rows": rows, "merge": merge, "shape": SHAPE, "self_peak_mib": self_peak()})
+    save("memory", {"rows": rows, "merge": merge, "shape": SHAPES[args.shape][1], "self_peak_mib": self_peak()})
 
 
 def self_peak() -> float:

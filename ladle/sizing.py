@@ -217,9 +217,12 @@ class Job:
         return self.gpus_per_node * self.nodes
 
 
-def lora_states(job: Job, base_ranks: int, offload_params: bool = False) -> memory.ModelStates:
+def lora_states(
+    job: Job, base_ranks: int, offload_params: bool = False, ends_gathered: bool = True
+) -> memory.ModelStates:
     """LoRA (and QLoRA) states per rank: the frozen base divided over ``base_ranks`` ranks, states for
-    the adapters only; ``offload_params`` keeps the base in host memory."""
+    the adapters only; ``offload_params`` keeps the base in host memory; ``ends_gathered``: a sharded base's
+    embedding and head are gathered whole (false: FSDP2's vocabulary-parallel ends, never gathered)."""
     s = job.shape
     base = memory.lora(s.params, s.trainable, base_ranks, shard_base=base_ranks > 1)
     if job.dtype_bytes == 4:  # a float32 run (CPU): 4-byte base and adapters, torch AdamW's moments
@@ -227,8 +230,8 @@ def lora_states(job: Job, base_ranks: int, offload_params: bool = False) -> memo
         base = memory.ModelStates(
             4 * s.params // base_ranks + adapters.weights, adapters.gradients, adapters.optimizer, 0
         )
-    if base_ranks > 1:  # a sharded base is gathered a layer at a time, beside the root (embeddings and head)
-        gathered = job.dtype_bytes * (s.layer_params + s.embedding_params)
+    if base_ranks > 1:  # a sharded base is gathered a layer at a time, beside the embedding and head if gathered
+        gathered = job.dtype_bytes * (s.layer_params + (s.embedding_params if ends_gathered else s.layer_params))
         base = memory.ModelStates(base.weights, base.gradients, base.optimizer, gathered)
     if offload_params:
         host = memory.WEIGHT_16 * s.params // job.nodes

@@ -167,6 +167,11 @@ class Strategy(ABC):
         """Ranks the frozen base of a LoRA run is divided over (1: each rank holds all of it)."""
         return 1
 
+    def ends_gathered(self, job: sizing.Job, options: Section | None) -> bool:
+        """Whether a sharded model's input embedding and output head are gathered whole for their forward and
+        backward (false where they stay sharded: FSDP2's vocabulary-parallel ends)."""
+        return True
+
     def activations(self, job: sizing.Job, options: Section | None) -> tuple[int, str]:
         """Activation bytes alive on a rank at the end of one micro-batch's forward, and how they were counted."""
         tokens = job.micro_batch * job.seq_len
@@ -175,7 +180,8 @@ class Strategy(ABC):
     def estimate(self, job: sizing.Job, options: Section | None) -> sizing.Estimate:
         """Per-rank memory of one training step of ``job`` with ``options``."""
         if job.lora:
-            states = sizing.lora_states(job, self.lora_base_ranks(job, options), self.offload(options)[1])
+            ranks, offload = self.lora_base_ranks(job, options), self.offload(options)[1]
+            states = sizing.lora_states(job, ranks, offload, self.ends_gathered(job, options))
         else:
             states = self.model_states(job, options)
         acts, note = self.activations(job, options)

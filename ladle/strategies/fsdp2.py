@@ -163,13 +163,18 @@ class FSDP2(Strategy):
         why = f"{interconnect}: full sharding's extra all-gather is costly here, so it comes after ZeRO-1/2"
         return [*out, Candidate(self, 35, why)]
 
+    def ends_gathered(self, job, options) -> bool:
+        untied = job.shape.embedding_params == 2 * job.shape.vocab * job.shape.hidden
+        return not (untied and job.world > 1 and vocab_stays_sharded(options.model_dump(), options.replicate))
+
     def model_states(self, job, options) -> memory.ModelStates:
         s, hsdp, offload = job.shape, options.replicate != 1, options.cpu_offload
-        largest = max(s.layer_params, s.embedding_params // 2)
-        if job.dtype_bytes == 4:  # float32 (CPU): the shards, one layer gathered with its gradient, the root
+        ends = self.ends_gathered(job, options)  # false: only decoder layers are ever gathered
+        largest = max(s.layer_params, s.embedding_params // 2) if ends else s.layer_params
+        if job.dtype_bytes == 4:  # float32 (CPU): the shards, one unit gathered with its gradient, the ends
             ranks = job.gpus_per_node if hsdp else job.world
             states = memory.fp32(s.params, ranks)
-            gathered = 8 * largest + 4 * s.embedding_params
+            gathered = 8 * largest + (4 * s.embedding_params if ends else 0)
             return memory.ModelStates(states.weights, states.gradients, states.optimizer, gathered)
         states = memory.zero3(
             s.params,
@@ -179,8 +184,8 @@ class FSDP2(Strategy):
             offload_optimizer=offload,
             offload_params=offload,
         )
-        # The root unit (embeddings + head) stays gathered between forward and backward.
-        root = memory.WEIGHT_16 * s.embedding_params
+        # Gathered, the embedding and the head are the largest units beside the layers.
+        root = memory.WEIGHT_16 * s.embedding_params if ends else 0
         return memory.ModelStates(
             states.weights, states.gradients, states.optimizer, states.gathered + root, states.host
         )

@@ -86,8 +86,10 @@ def test_fsdp2_is_selectable_and_carries_its_options():
         "reshard_after_forward": False,
         "cpu_offload": False,
         "replicate": 1,
+        "shard_head": True,
         "compile": False,
     }
+    assert plan.launcher_config["vocabulary"] == "sharded: vocabulary-parallel embedding and loss"
     assert "--multi_gpu" in plan.launcher_argv(
         ["spec.json"]
     )  # fully_shard is applied by ladle, not accelerate's plugin
