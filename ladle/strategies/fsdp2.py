@@ -190,6 +190,15 @@ class FSDP2(Strategy):
             states.weights, states.gradients, states.optimizer, states.gathered + root, states.host
         )
 
+    def load_bytes(self, job, options, states) -> int:
+        """Loading fills each rank's rows from the safetensors (``Pending.fill`` reads a slice at a time), so
+        beside its share a rank holds its rows of the tensor being read, not the whole tensor (QLoRA loads
+        whole, quantizing on the way)."""
+        if job.qlora:
+            return super().load_bytes(job, options, states)
+        weights = states.weights or job.dtype_bytes * job.shape.params // max(1, job.world)
+        return weights + job.shape.largest_tensor * job.dtype_bytes // self.lora_base_ranks(job, options)
+
     def lora_base_ranks(self, job, options) -> int:
         return job.gpus_per_node if options.replicate != 1 else job.world
 
