@@ -108,6 +108,18 @@ def logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
     return tokens * shape.vocab * (dtype_bytes + 8)
 
 
+# FSDP2's vocabulary-parallel loss computes the float32 logits of at most this many bytes of token rows at once.
+LOGITS_CHUNK_BYTES = 64 * 2**20
+
+
+def vocab_parallel_logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, ranks: int) -> int:
+    """The logits of a vocabulary-parallel loss: every rank's ``tokens`` over this rank's 1/``ranks`` of the
+    vocabulary, a chunk of rows (``LOGITS_CHUNK_BYTES`` of float32) at a time."""
+    vocab_rows = -(-shape.vocab // ranks)
+    rows = min(ranks * tokens, max(1, LOGITS_CHUNK_BYTES // (4 * vocab_rows)))
+    return rows * vocab_rows * (dtype_bytes + 8)
+
+
 @dataclass(frozen=True)
 class Estimate:
     """One candidate's per-rank device memory, by part, in bytes."""

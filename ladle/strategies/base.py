@@ -167,6 +167,10 @@ class Strategy(ABC):
         """Ranks the frozen base of a LoRA run is divided over (1: each rank holds all of it)."""
         return 1
 
+    def logits_bytes(self, job: sizing.Job, options: Section | None) -> int:
+        """The logits of one micro-batch and their float32 softmax (tokens x vocabulary)."""
+        return sizing.logits_bytes(job.shape, job.micro_batch * job.seq_len, job.dtype_bytes)
+
     def ends_gathered(self, job: sizing.Job, options: Section | None) -> bool:
         """Whether a sharded model's input embedding and output head are gathered whole for their forward and
         backward (false where they stay sharded: FSDP2's vocabulary-parallel ends)."""
@@ -187,7 +191,7 @@ class Strategy(ABC):
         acts, note = self.activations(job, options)
         if not job.cuda:
             acts = int(acts * sizing.CPU_RESIDENT_ACTIVATIONS["lora" if job.lora else "full"])
-        logits = sizing.logits_bytes(job.shape, job.micro_batch * job.seq_len, job.dtype_bytes)
+        logits = self.logits_bytes(job, options)
         load = self.load_bytes(job, options, states)
         step = self.step_bytes(job, options, states)
         save = 0 if job.cuda else self.save_bytes(job, options, states)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ladle import memory
+from ladle import memory, sizing
 from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy
 from ladle.strategies.mesh import Dims
@@ -189,6 +189,12 @@ class FSDP2(Strategy):
         return memory.ModelStates(
             states.weights, states.gradients, states.optimizer, states.gathered + root, states.host
         )
+
+    def logits_bytes(self, job, options) -> int:
+        if self.ends_gathered(job, options):
+            return super().logits_bytes(job, options)
+        tokens = job.micro_batch * job.seq_len
+        return sizing.vocab_parallel_logits_bytes(job.shape, tokens, job.dtype_bytes, job.world)
 
     def load_bytes(self, job, options, states) -> int:
         """Loading fills each rank's rows from the safetensors (``Pending.fill`` reads a slice at a time), so

@@ -235,3 +235,26 @@ def test_auto_micro_batch_is_the_largest_that_fits_and_divides(machines, machine
         )
         bigger_fits = not any("needs" in w for w in bigger.warnings)
         assert not bigger_fits or (global_batch and global_batch % (micro * 2 * made.world_size))
+
+
+def test_fsdp2_vocabulary_parallel_ends_gather_only_layers_and_chunk_the_logits(machines):
+    """The 70B FSDP2 recipe on 8 GPUs: with the ends kept sharded (the default) nothing larger than a decoder
+    layer is gathered and the logits are a chunk (128k vocabulary x 4 096 tokens would be 6 GB whole)."""
+    from ladle.config import load_config
+    from ladle.inputs import local_model_config
+    from ladle.plan import plan_estimate
+
+    estimates = {}
+    for shard in (True, False):
+        cfg = load_config("llama3-70b-fsdp2", [f"parallelism.fsdp2.shard_head={str(shard).lower()}"])
+        model = local_model_config(cfg)
+        made = make_plan(cfg, machines["8x80 nvswitch"], model=model)
+        assert made.strategy == "fsdp2"
+        assert made.launcher_config["vocabulary"].startswith("sharded" if shard else "gathered")
+        estimates[shard] = plan_estimate(cfg, made, model)
+    shape = sizing.shape_from_config(model)
+    tokens = made.micro_batch_size * cfg.data.seq_len
+    assert estimates[False].logits == sizing.logits_bytes(shape, tokens, 2)  # tokens x vocabulary, whole
+    assert estimates[True].logits <= sizing.LOGITS_CHUNK_BYTES * (2 + 8) // 4 < estimates[False].logits
+    assert estimates[True].gathered < estimates[False].gathered  # no embedding or head gathered
+    assert estimates[True].weights == estimates[False].weights  # the same shards

@@ -67,7 +67,7 @@ def reference(world: int):
     return losses, d_hidden, w.grad
 
 
-def rank_main(rank: int, world: int, port: int, queue) -> None:
+def rank_main(rank: int, world: int, budget: int, port: int, queue) -> None:
     import torch.distributed as dist
 
     from ladle.strategies.runtime.vocab_parallel import VocabParallelEmbedding, VocabParallelLoss
@@ -79,7 +79,7 @@ def rank_main(rank: int, world: int, port: int, queue) -> None:
         start = min(rank * per, VOCAB)
         w = weight[start : start + per].clone().requires_grad_(True)
         h = hidden[rank].clone().requires_grad_(True)
-        loss = VocabParallelLoss.apply(h, w, targets[rank], start, dist.group.WORLD)
+        loss = VocabParallelLoss.apply(h, w, targets[rank], start, dist.group.WORLD, budget)
         (loss * scales[rank]).backward()
         e = weight[start : start + per].clone().requires_grad_(True)
         out = VocabParallelEmbedding.apply(e, ids_of(targets[rank]), start, dist.group.WORLD, e.dtype, PADDING)
@@ -97,11 +97,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_matches_whole_weight_cross_entropy_and_lookup(world):
+@pytest.mark.parametrize(
+    ("world", "budget"),
+    [(2, 2**20), (3, 3 * 4 * 17)],  # the logits in one chunk; in chunks of 3 rows (the last one shorter)
+)
+def test_matches_whole_weight_cross_entropy_and_lookup(world, budget):
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, budget, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
     got = sorted((queue.get(timeout=120) for _ in procs), key=lambda item: item[0])

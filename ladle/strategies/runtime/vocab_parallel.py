@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ladle.data.packing import IGNORE
+from ladle.sizing import LOGITS_CHUNK_BYTES
 
 # torch 2.13 renamed the tensor-form collectives (the old names warn on every call).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -141,55 +142,84 @@ def gather_rows(tensor: torch.Tensor, most: int, group, fill) -> torch.Tensor:
     return out
 
 
+def row_chunks(rows: int, vocab_rows: int, budget: int) -> list[slice]:
+    """Consecutive token rows whose float32 logits over ``vocab_rows`` fit ``budget`` bytes (at least one row)."""
+    step = max(1, budget // max(1, 4 * vocab_rows))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def logits_of(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits in the model's dtype, as the head computes them, then in float32 at least, as token_loss has them."""
+    logits = hidden @ weight.t()
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 class VocabParallelLoss(torch.autograd.Function):
-    """Summed cross-entropy of this rank's tokens, the vocabulary split over ``group`` (see the module)."""
+    """Summed cross-entropy of this rank's tokens, the vocabulary split over ``group`` (see the module).
+
+    The logits are never whole: the forward computes them ``budget`` bytes of rows at a time and keeps, per
+    token, this rank's maximum, sum of exponentials and target logit (an online softmax, merged across ranks
+    with two all-reduces); the backward recomputes each chunk (one more matmul of the head's, instead of
+    keeping tokens x vocabulary float32 probabilities: 2 GB for 4 096 tokens of a 128k vocabulary).
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, start: int, group):
+    def forward(ctx, hidden, weight, targets, start: int, group, budget: int = LOGITS_CHUNK_BYTES):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         count = torch.tensor([hidden.size(0)], device=hidden.device)
         counts = torch.empty(world, dtype=count.dtype, device=hidden.device)
         all_gather_single(counts, count, group=group)
         most = int(counts.max())
         everyone = gather_rows(hidden.detach(), most, group, 0)
-        all_targets = gather_rows(targets, most, group, IGNORE)
-        # Logits in the model's dtype, as the head computes them; the softmax in float32 at least, as token_loss.
-        logits = everyone @ weight.detach().to(everyone.dtype).t()
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        top = logits.max(dim=1).values
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        logits -= top[:, None]
-        local = all_targets - start
+        local = gather_rows(targets, most, group, IGNORE) - start
         mine = (local >= 0) & (local < weight.size(0))
-        picked = torch.zeros_like(top)
-        picked[mine] = logits[mine.nonzero().squeeze(1), local[mine]]
-        dist.all_reduce(picked, group=group)
-        total = logits.exp_().sum(dim=1)  # logits now hold exp(logit - max)
+        w = weight.detach().to(everyone.dtype)
+        wide = torch.promote_types(everyone.dtype, torch.float32)
+        rows = everyone.size(0)
+        top, total, picked = (torch.zeros(rows, dtype=wide, device=everyone.device) for _ in range(3))
+        for part in row_chunks(rows, weight.size(0), budget):
+            logits = logits_of(everyone[part], w)
+            held = mine[part].nonzero().squeeze(1)
+            picked[part.start + held] = logits[held, local[part][held]]
+            top[part] = logits.max(dim=1).values
+            total[part] = logits.sub_(top[part, None]).exp_().sum(dim=1)
+        peak = top.clone()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        total *= (top - peak).exp_()  # each rank's sum, rescaled to the global maximum
         dist.all_reduce(total, group=group)
-        losses = torch.where(all_targets != IGNORE, total.log() - picked, torch.zeros_like(total))
-        ctx.save_for_backward(everyone, weight, logits.div_(total[:, None]), local, mine, all_targets != IGNORE)
-        ctx.group, ctx.most, ctx.count = group, most, hidden.size(0)
+        dist.all_reduce(picked, group=group)
+        lse = peak + total.log_()  # log of the softmax's denominator, per token
+        trained = local + start != IGNORE
+        losses = torch.where(trained, lse - picked, torch.zeros_like(lse))
+        ctx.save_for_backward(everyone, weight, local, mine, trained, lse)
+        ctx.group, ctx.most, ctx.count, ctx.budget = group, most, hidden.size(0), budget
         return losses[rank * most : rank * most + hidden.size(0)].sum()
 
     @staticmethod
     def backward(ctx, grad):
-        everyone, weight, probs, local, mine, trained = ctx.saved_tensors
+        everyone, weight, local, mine, trained, lse = ctx.saved_tensors
         group, most = ctx.group, ctx.most
         world = dist.get_world_size(group)
         scales = torch.empty(world, dtype=grad.dtype, device=grad.device)
         all_gather_single(scales, grad.reshape(1).contiguous(), group=group)
         # d loss / d logits = softmax - one-hot(target), times the upstream gradient of the token's own rank.
-        probs[mine.nonzero().squeeze(1), local[mine]] -= 1
-        probs *= (scales.repeat_interleave(most) * trained)[:, None]
-        d_logits = probs.to(everyone.dtype)
-        partial = d_logits @ weight.to(everyone.dtype)
+        row_scale = (scales.repeat_interleave(most) * trained).to(lse.dtype)
+        w = weight.to(everyone.dtype)
+        partial = torch.empty_like(everyone)
+        d_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if ctx.needs_input_grad[1] else None
+        for part in row_chunks(everyone.size(0), weight.size(0), ctx.budget):
+            probs = logits_of(everyone[part], w).sub_(lse[part, None]).exp_()
+            held = mine[part].nonzero().squeeze(1)
+            probs[held, local[part][held]] -= 1
+            d_logits = probs.mul_(row_scale[part, None]).to(everyone.dtype)
+            partial[part] = d_logits @ w
+            if d_weight is not None:  # every rank's tokens: the sum FSDP2's reduce-scatter makes (it then averages)
+                d_weight += d_logits.t() @ everyone[part]
         d_hidden = torch.empty((most, partial.size(1)), dtype=partial.dtype, device=partial.device)
         reduce_scatter_single(d_hidden, partial, group=group)
-        d_weight = None
-        if ctx.needs_input_grad[1]:
-            # Every rank's tokens are in d_logits: this is the sum FSDP2's reduce-scatter makes; it then averages.
-            d_weight = (d_logits.t() @ everyone).to(weight.dtype) / world
-        return d_hidden[: ctx.count], d_weight, None, None, None
+        if d_weight is not None:
+            d_weight = (d_weight / world).to(weight.dtype)
+        return d_hidden[: ctx.count], d_weight, None, None, None, None
 
 
 class VocabParallelEmbedding(torch.autograd.Function):
