@@ -11,12 +11,15 @@ from ladle.data.packing import IGNORE
 
 def token_loss(model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy over trained tokens of ``rows``, and their count."""
-    index = torch.tensor(rows, dtype=torch.long)
-    ids = data["input_ids"][index].to(device)
-    labels = data["labels"][index].to(device)
-    positions = data["position_ids"][index].to(device)
+    ids, labels, positions = batch_rows(data, rows, device)
     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     return token_cross_entropy(logits, labels)
+
+
+def batch_rows(data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, ...]:
+    """The input ids, labels and position ids of ``rows``, on ``device``."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return tuple(data[key][index].to(device) for key in ("input_ids", "labels", "position_ids"))
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:

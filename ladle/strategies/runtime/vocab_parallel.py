@@ -114,12 +114,9 @@ class ShardedVocab:
     def token_loss(self, model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, int]:
         """``ladle.train.loss.token_loss`` with the sharded ends applied shard-wise (collective: every rank calls
         it the same number of times)."""
-        from ladle.train.loss import token_cross_entropy
+        from ladle.train.loss import batch_rows, token_cross_entropy
 
-        index = torch.tensor(rows, dtype=torch.long)
-        ids = data["input_ids"][index].to(device)
-        labels = data["labels"][index].to(device)
-        positions = data["position_ids"][index].to(device)
+        ids, labels, positions = batch_rows(data, rows, device)
         inputs = {"input_ids": ids} if self.embed is None else {"inputs_embeds": self.embeddings(ids)}
         with self.bypassed():
             out = model(**inputs, position_ids=positions, use_cache=False).logits
@@ -131,6 +128,13 @@ class ShardedVocab:
         start = first_row(self.head.weight.shape[0], self.group)
         loss = VocabParallelLoss.apply(hidden, weight, targets, start, self.group)
         return loss, int((targets != IGNORE).sum())
+
+
+def most_rows(count: int, group, device) -> int:
+    """The largest of every rank's ``count`` (ranks may hold different numbers of tokens)."""
+    counts = torch.empty(dist.get_world_size(group), dtype=torch.long, device=device)
+    all_gather_single(counts, torch.tensor([count], device=device), group=group)
+    return int(counts.max())
 
 
 def gather_rows(tensor: torch.Tensor, most: int, group, fill) -> torch.Tensor:
@@ -165,11 +169,8 @@ class VocabParallelLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, start: int, group, budget: int = LOGITS_CHUNK_BYTES):
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        count = torch.tensor([hidden.size(0)], device=hidden.device)
-        counts = torch.empty(world, dtype=count.dtype, device=hidden.device)
-        all_gather_single(counts, count, group=group)
-        most = int(counts.max())
+        rank = dist.get_rank(group)
+        most = most_rows(hidden.size(0), group, hidden.device)
         everyone = gather_rows(hidden.detach(), most, group, 0)
         local = gather_rows(targets, most, group, IGNORE) - start
         mine = (local >= 0) & (local < weight.size(0))
@@ -231,10 +232,7 @@ class VocabParallelEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, ids, start: int, group, dtype, padding_idx):
         world = dist.get_world_size(group)
-        count = torch.tensor([ids.numel()], device=ids.device)
-        counts = torch.empty(world, dtype=count.dtype, device=ids.device)
-        all_gather_single(counts, count, group=group)
-        most = int(counts.max())
+        most = most_rows(ids.numel(), group, ids.device)
         local = gather_rows(ids, most, group, -1) - start
         mine = (local >= 0) & (local < weight.size(0))
         held = mine.nonzero().squeeze(1)
