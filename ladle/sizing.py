@@ -39,6 +39,13 @@ NF4_BYTES = 0.5 + 4 / 64
 # bytes counted with saved_tensors_hooks): full fine-tune 290 MiB saved, 347-357 MiB resident; LoRA (peft adds
 # each adapter's output to the base output, both alive at once) 262 MiB saved, 446-483 MiB resident.
 CPU_RESIDENT_ACTIVATIONS = {"full": 1.2, "lora": 1.75}
+# What a CPU rank holds during its steps beyond the tensors counted and the pre-load baseline (the interpreter,
+# the libraries imported, the process group and the data). Traced on the memory-truth test's model (2 gloo
+# ranks, FSDP2, LoRA; resident memory at each gather): 24 MiB of module, adapter and sharding objects built
+# around the model, and 18-25 MiB the first forward and backward leave behind after a heap trim (7 of them the
+# code pages of the kernels first run, the rest autograd's and the collectives' lazy state). DDP's step on the
+# same model: 25-35 MiB above its tensors. On GPUs the CUDA context term covers the like.
+CPU_STEP_RUNTIME = 40 * 2**20
 
 
 @dataclass(frozen=True)
@@ -112,12 +119,16 @@ def logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
 LOGITS_CHUNK_BYTES = 64 * 2**20
 
 
-def vocab_parallel_logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, ranks: int) -> int:
+def vocab_parallel_logits_bytes(
+    shape: ModelShape, tokens: int, dtype_bytes: int, ranks: int, budget: int = LOGITS_CHUNK_BYTES
+) -> int:
     """The logits of a vocabulary-parallel loss: every rank's ``tokens`` over this rank's 1/``ranks`` of the
-    vocabulary, a chunk of rows (``LOGITS_CHUNK_BYTES`` of float32) at a time."""
+    vocabulary, a chunk of rows (``budget`` bytes of float32) at a time. The chunk's float32 logits are
+    made into exponentials, probabilities and their gradient in place; a 16-bit run also holds the matmul's
+    16-bit output while upcasting it, and the gradient's 16-bit copy for the backward's matmul."""
     vocab_rows = -(-shape.vocab // ranks)
-    rows = min(ranks * tokens, max(1, LOGITS_CHUNK_BYTES // (4 * vocab_rows)))
-    return rows * vocab_rows * (dtype_bytes + 8)
+    rows = min(ranks * tokens, max(1, budget // (4 * vocab_rows)))
+    return rows * vocab_rows * (4 + (dtype_bytes if dtype_bytes < 4 else 0))
 
 
 @dataclass(frozen=True)
@@ -137,6 +148,7 @@ class Estimate:
     load: int = 0  # held at the end of loading: this rank's weights plus the largest tensor being read
     step: int = 0  # the optimizer step's temporaries (activations are freed by then)
     save: int = 0  # what rank 0 gathers at once to save, beside the states (CPU runs: on a GPU it goes to the host)
+    runtime: int = 0  # a CPU rank's lazily built runtime during its steps (CPU_STEP_RUNTIME)
 
     @property
     def states(self) -> int:
@@ -175,13 +187,15 @@ class Estimate:
             load,
             step,
             save,
+            0 if job.cuda else CPU_STEP_RUNTIME,
         )
 
     @property
     def total(self) -> int:
         """A training step: the states, plus the larger of the forward/backward's transients (gathered weights,
-        activations, logits) and the optimizer step's."""
-        return self.states + max(self.gathered + self.activations + self.logits, self.step) + self.context
+        activations, logits) and the optimizer step's (on CPU hosts, with the runtime the steps build)."""
+        transient = max(self.gathered + self.activations + self.logits, self.step)
+        return self.states + transient + self.runtime + self.context
 
     def fits(self, device_bytes: int) -> bool:
         return self.total <= HEADROOM * device_bytes
@@ -196,6 +210,7 @@ class Estimate:
             ("logits", self.logits),
         )
         parts += (("CUDA context" if self.context == CONTEXT_BYTES else "engine", self.context),)
+        parts += (("CPU runtime", self.runtime),)
         text = f"{gib(self.total)}/rank (" + ", ".join(f"{k} {gib(v)}" for k, v in parts if v) + ")"
         if self.step:
             text += f"; optimizer step temporaries {gib(self.step)}, once the activations are freed"
@@ -244,6 +259,13 @@ def lora_states(
         )
     if base_ranks > 1:  # a sharded base is gathered a layer at a time, beside the embedding and head if gathered
         gathered = job.dtype_bytes * (s.layer_params + (s.embedding_params if ends_gathered else s.layer_params))
+        if not ends_gathered and not job.cuda:
+            # The backward's peak: the layer being differentiated, and the next one's prefetch all-gather, which
+            # gloo (CPU hosts) receives into a flat buffer of its own before copying it to the collective's
+            # output (NCCL writes the output in place). Traced on the memory-truth test's model: the rank's
+            # peak sits inside that all-gather, one layer above the two counted before (24 of the 53 MiB the
+            # estimate missed). With the ends gathered the embedding's gather sets the figure instead.
+            gathered += job.dtype_bytes * s.layer_params
         base = memory.ModelStates(base.weights, base.gradients, base.optimizer, gathered)
     if offload_params:
         host = memory.WEIGHT_16 * s.params // job.nodes

@@ -121,3 +121,61 @@ def test_matches_whole_weight_cross_entropy_and_lookup(world, budget):
         torch.testing.assert_close(h_grad, d_hidden[rank], rtol=1e-9, atol=1e-10)
         torch.testing.assert_close(w_grad, d_weight[start : start + w_grad.size(0)], rtol=1e-9, atol=1e-10)
     assert sum(len(item[3]) for item in got) == VOCAB  # the shards cover the vocabulary once
+
+
+def chunk_peak_main(rank: int, world: int, port: int, queue) -> None:
+    """This rank's peak of tensor bytes during the loss's forward and backward (torch's MemTracker, which counts
+    the tensors the ops see: the head rows and hidden states among them), for float32 and bfloat16 runs."""
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from ladle.strategies.runtime.vocab_parallel import VocabParallelLoss
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        tokens, vocab, hidden = 256, 8192, 32
+        per = vocab // world
+        out = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.Generator().manual_seed(rank)
+            h = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_(True)
+            w = torch.randn(per, hidden, generator=g).to(dtype)
+            targets = torch.randint(0, vocab, (tokens,), generator=g)
+            tracker = MemTracker()
+            with tracker:
+                loss = VocabParallelLoss.apply(h, w, targets, rank * per, dist.group.WORLD, 2**20)
+                loss.backward()
+            peak = tracker.get_tracker_snapshot("peak")[h.device]["Total"]
+            # Beside the chunk: every rank's hidden states (gathered, the partial gradient, this rank's own and
+            # its gradient: at most 4 copies) and a few per-token vectors (maxima, sums, targets, masks).
+            small = world * tokens * (4 * hidden * dtype.itemsize + 64)
+            out[str(dtype)] = (peak, small, per * hidden * dtype.itemsize)
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_loss_holds_one_chunk_of_logits_as_the_memory_model_counts():
+    """Measured tensor bytes of the chunked loss on 2 gloo ranks against ``sizing.vocab_parallel_logits_bytes``:
+    a chunk of float32 logits (plus, in a 16-bit run, its 16-bit twin), one chunk alive at a time."""
+    from ladle import sizing
+
+    world, tokens, vocab, hidden = 2, 256, 8192, 32
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=chunk_peak_main, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    shape = sizing.ModelShape(0, 0, 1, hidden, 0, 0, 1, vocab, 0, 0)
+    for _, measured in got:
+        for name, dtype_bytes in (("torch.float32", 4), ("torch.bfloat16", 2)):
+            extra, small, weight = measured[name]
+            counted = sizing.vocab_parallel_logits_bytes(shape, tokens, dtype_bytes, world, 2**20)
+            # 2 ** 20 bytes of float32 rows of a 4 096-row shard: 64 rows at a time, of 512 (every rank's tokens).
+            assert counted == 64 * 4096 * (4 if dtype_bytes == 4 else 6)
+            # Two chunks alive at once (the next one made before the last is freed) would fail this.
+            assert counted <= extra - weight <= counted + small, (name, extra, counted, small, weight)

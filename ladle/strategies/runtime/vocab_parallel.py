@@ -184,6 +184,7 @@ class VocabParallelLoss(torch.autograd.Function):
             picked[part.start + held] = logits[held, local[part][held]]
             top[part] = logits.max(dim=1).values
             total[part] = logits.sub_(top[part, None]).exp_().sum(dim=1)
+            del logits  # before the next chunk's: one chunk alive at a time
         peak = top.clone()
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         total *= (top - peak).exp_()  # each rank's sum, rescaled to the global maximum
@@ -216,6 +217,7 @@ class VocabParallelLoss(torch.autograd.Function):
             partial[part] = d_logits @ w
             if d_weight is not None:  # every rank's tokens: the sum FSDP2's reduce-scatter makes (it then averages)
                 d_weight += d_logits.t() @ everyone[part]
+            del probs, d_logits  # before the next chunk's: one chunk alive at a time
         d_hidden = torch.empty((most, partial.size(1)), dtype=partial.dtype, device=partial.device)
         reduce_scatter_single(d_hidden, partial, group=group)
         if d_weight is not None:
