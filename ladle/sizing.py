@@ -257,15 +257,11 @@ def lora_states(
         base = memory.ModelStates(
             4 * s.params // base_ranks + adapters.weights, adapters.gradients, adapters.optimizer, 0
         )
-    if base_ranks > 1:  # a sharded base is gathered a layer at a time, beside the embedding and head if gathered
+    if base_ranks > 1:
+        # A sharded base is gathered a layer at a time: in the backward, the layer being differentiated and the
+        # next one prefetched (FSDP2's gathers write in place on gloo too: ``runtime.gloo_gather``); with the
+        # ends gathered, the embedding and the head are the largest units beside a layer.
         gathered = job.dtype_bytes * (s.layer_params + (s.embedding_params if ends_gathered else s.layer_params))
-        if not ends_gathered and not job.cuda:
-            # The backward's peak: the layer being differentiated, and the next one's prefetch all-gather, which
-            # gloo (CPU hosts) receives into a flat buffer of its own before copying it to the collective's
-            # output (NCCL writes the output in place). Traced on the memory-truth test's model: the rank's
-            # peak sits inside that all-gather, one layer above the two counted before (24 of the 53 MiB the
-            # estimate missed). With the ends gathered the embedding's gather sets the figure instead.
-            gathered += job.dtype_bytes * s.layer_params
         base = memory.ModelStates(base.weights, base.gradients, base.optimizer, gathered)
     if offload_params:
         host = memory.WEIGHT_16 * s.params // job.nodes

@@ -291,9 +291,15 @@ class FSDP2(Strategy):
             if plan.strategy_options.get("compile"):
                 layer.compile()  # in place: parameter names (and saved adapter keys) keep no `_orig_mod.` prefix
             fully_shard(layer, **options)
-        for unit in embedding_units(model):
+        units = embedding_units(model)
+        for unit in units:
             fully_shard(unit, **options)
         fully_shard(model, **options)
+        from ladle.strategies.runtime.gloo_gather import use_in_place_gather
+
+        model.ladle_all_gather = (
+            "in place" if use_in_place_gather([*layers, *units, model], accelerator.device) else "fsdp2"
+        )
         if pending is not None:
             pending.fill(model, "cpu" if options.get("offload_policy") else accelerator.device)
         wanted, offloaded = plan.strategy_options.get("shard_head", True), bool(options.get("offload_policy"))
@@ -339,6 +345,7 @@ class FSDP2(Strategy):
             "sharded_parameters": len(params),
             "decoder_layers_sharded": len(decoder_layers(model)),
             **model.ladle_vocab_notes,
+            "all_gather": model.ladle_all_gather,
             "mesh": [replicate, plan.world_size // replicate],
         }
 

@@ -95,6 +95,7 @@ def test_sharding_is_real(runs, name, param_share, state_share, tiny_model):
         # neither end is ever gathered, the trained head (peft's copy of lm_head) included
         assert sharding["output_head"] == "sharded (vocabulary-parallel loss, never gathered)"
         assert sharding["input_embedding"] == "sharded (vocabulary-parallel lookup, never gathered)"
+        assert sharding["all_gather"] == "in place"  # gloo: broadcasts into FSDP2's buffer, no second copy
     if name == "pipeline":  # rank 0: embedding + layers 0-1; rank 1: layers 2-3 + norm + head
         assert (sharding["stages"], sharding["schedule"], sharding["layers_on_rank0"]) == (2, "1f1b", [0, 1])
     if name == "zero++":  # one machine: hpZ off; CPU: no quantizer kernels (the plan says so)

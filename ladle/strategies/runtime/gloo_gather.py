@@ -1,0 +1,47 @@
+"""FSDP2's all-gather on gloo (CPU hosts) without gloo's second copy of every gathered unit.
+
+FSDP2 copies this rank's shards into its slot of a flat output buffer and all-gathers into that buffer. Gloo's
+all-gather does not write the output it is given: it receives every rank's part into a flat buffer of its own,
+then copies it out, so each gather holds the unit twice. Traced on the memory-truth test's model (FSDP2, LoRA,
+2 ranks): a rank's peak sits inside the backward's prefetch all-gather, with the layer being differentiated,
+the prefetched layer's output and gloo's copy of it alive at once.
+
+Here every rank broadcasts its slot of FSDP2's buffer in place (gloo's broadcast sends and receives the tensor
+it is given, a contiguous slice here), one broadcast per rank: the bytes each rank sends and receives are those
+of the all-gather, and no second buffer exists. The broadcasts run before the call returns; on a CPU host the
+collective and the compute share the cores, so FSDP2's prefetch has little to overlap anyway.
+NCCL writes the output in place already: GPU runs keep FSDP2's own all-gather.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+
+class InPlaceAllGather(AllGather):
+    """FSDP2's ``AllGather`` as one in-place broadcast per rank (``set_custom_all_gather``)."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> None:
+        part = input_tensor.numel()
+        for rank in range(dist.get_world_size(group)):
+            slot = output_tensor.narrow(0, rank * part, part)
+            if rank == dist.get_rank(group) and slot.data_ptr() != input_tensor.data_ptr():
+                slot.copy_(input_tensor)  # FSDP2 passes its view of this slot; any other input is copied in
+            dist.broadcast(slot, src=dist.get_global_rank(group, rank), group=group)
+        return None  # done: FSDP2 waits only on a returned Work
+
+
+def use_in_place_gather(modules, device: torch.device) -> int:
+    """Give each FSDP2 module on a CPU (gloo) run the in-place all-gather; returns how many got it."""
+    if device.type != "cpu":
+        return 0
+    for module in modules:
+        module.set_custom_all_gather(InPlaceAllGather())
+    return len(modules)
