@@ -71,6 +71,17 @@ class ModelShape:
         return max(self.vocab * self.hidden, self.hidden * self.intermediate)
 
 
+def tensor_sizes(shape: ModelShape) -> list[int]:
+    """Elements of each weight in a Llama-layout module's order: the embedding, each layer's attention
+    projections and its MLP (the rest of the layer, as three projections), then the head when untied."""
+    h, kv = shape.hidden, shape.kv_dim
+    attention = [h * h, kv * h, kv * h, h * h]
+    mlp = max(0, shape.layer_params - sum(attention)) // 3
+    embedding = shape.vocab * h
+    head = [embedding] if shape.embedding_params > embedding else []
+    return [embedding, *(attention + [mlp] * 3) * shape.layers, *head]
+
+
 def shape_from_config(config: dict, trainable: int | None = None) -> ModelShape:
     """The sizes the memory model needs, from a ``config.json`` dict."""
     total, _ = params.count_params(config)

@@ -258,3 +258,31 @@ def test_fsdp2_vocabulary_parallel_ends_gather_only_layers_and_chunk_the_logits(
     assert estimates[True].logits <= sizing.LOGITS_CHUNK_BYTES * (2 + 8) // 4 < estimates[False].logits
     assert estimates[True].gathered < estimates[False].gathered  # no embedding or head gathered
     assert estimates[True].weights == estimates[False].weights  # the same shards
+
+
+def test_ddp_broadcast_counts_the_flat_buckets_as_torch_closes_them():
+    """DDP's wrap broadcasts in buckets closed once they reach 250 MiB; a bucket of several tensors is copied
+    flat, a single tensor is not; two are in flight. Llama-3's 128k vocabulary on 4 layers (the bench's
+    wide-vocab shape): the 501 MiB embedding goes alone, the layers and the 501 MiB head make one bucket."""
+    from ladle.strategies.ddp import broadcast_bytes
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 128256,
+    }
+    shape = sizing.shape_from_config(config)
+    sizes = sizing.tensor_sizes(shape)
+    assert sum(sizes) == pytest.approx(shape.params, rel=0.001)  # every weight once (norms aside)
+    job = sizing.Job(shape, True, False, 1, 128, 4, False, 2, 1, cuda=False)
+    embedding = 128256 * 1024 * 4
+    assert broadcast_bytes(job) == 4 * sum(sizes) - embedding  # the layers and the head, as one flat copy
+    # Small tensors only: two full buckets in flight, each at most 250 MiB plus its last tensor.
+    small = sizing.shape_from_config({**config, "vocab_size": 1000, "num_hidden_layers": 40})
+    flat = broadcast_bytes(sizing.Job(small, True, False, 1, 128, 4, False, 2, 1, cuda=False))
+    assert 2 * 250 * 2**20 <= flat <= 2 * (250 * 2**20 + 4 * max(sizing.tensor_sizes(small)))
