@@ -9,7 +9,6 @@ per-gather time of each is reported.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -54,10 +53,10 @@ def rank_main(rank: int, world: int, port: int, queue) -> None:
 def main() -> None:
     from common import save
 
+    from ladle.processes import free_port
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(r, 2, port, queue)) for r in range(2)]

@@ -319,3 +319,22 @@ def deployments_file(folder: Path, **serving) -> Path:
     path = folder / "prefect.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
+
+
+def run_ranks(target, world: int, *args) -> list:
+    """Start ``target(rank, world, port, queue, *args)`` in ``world`` spawned processes (a gloo group on a free
+    port); returns what each put on the queue, once all have exited cleanly."""
+    import torch.multiprocessing as mp
+
+    from ladle.processes import free_port
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(rank, world, port, queue, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    got = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return got

@@ -3,16 +3,9 @@ the whole world and a sub-group whose ranks are not the global ones (HSDP's shar
 
 from __future__ import annotations
 
-import socket
-
 import torch
-import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import run_ranks
 
 
 def rank_main(rank: int, world: int, port: int, queue) -> None:
@@ -45,16 +38,7 @@ def rank_main(rank: int, world: int, port: int, queue) -> None:
 
 
 def test_in_place_gather_equals_gloo_all_gather_on_the_world_and_a_sub_group():
-    world = 3
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = dict(run_ranks(rank_main, 3))
     assert sorted(got) == [0, 1, 2] and "tail" not in got[0] and "tail" in got[1]
     for rank, results in got.items():
         for name, (out, loose, expected) in results.items():

@@ -4,14 +4,12 @@ padding row, a different upstream gradient per rank."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ladle.data.packing import IGNORE
+from tests.helpers import run_ranks
 
 VOCAB, HIDDEN = 50, 8  # 50 rows over 3 ranks: 17, 17, 16 (torch.chunk, as FSDP2 shards dim 0)
 
@@ -67,7 +65,7 @@ def reference(world: int):
     return losses, d_hidden, w.grad
 
 
-def rank_main(rank: int, world: int, budget: int, port: int, queue) -> None:
+def rank_main(rank: int, world: int, port: int, queue, budget: int) -> None:
     import torch.distributed as dist
 
     from ladle.strategies.runtime.vocab_parallel import VocabParallelEmbedding, VocabParallelLoss
@@ -91,26 +89,12 @@ def rank_main(rank: int, world: int, budget: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize(
     ("world", "budget"),
     [(2, 2**20), (3, 3 * 4 * 17)],  # the logits in one chunk; in chunks of 3 rows (the last one shorter)
 )
 def test_matches_whole_weight_cross_entropy_and_lookup(world, budget):
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, budget, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = sorted((queue.get(timeout=120) for _ in procs), key=lambda item: item[0])
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = sorted(run_ranks(rank_main, world, budget), key=lambda item: item[0])
     losses, d_hidden, d_weight = reference(world)
     embedded, d_embedding = embedding_reference(world)
     for rank, *arrays, start in got:
@@ -161,15 +145,7 @@ def test_the_loss_holds_one_chunk_of_logits_as_the_memory_model_counts():
     from ladle import sizing
 
     world, tokens, vocab, hidden = 2, 256, 8192, 32
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=chunk_peak_main, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = run_ranks(chunk_peak_main, world)
     shape = sizing.ModelShape(0, 0, 1, hidden, 0, 0, 1, vocab, 0, 0)
     for _, measured in got:
         for name, dtype_bytes in (("torch.float32", 4), ("torch.bfloat16", 2)):

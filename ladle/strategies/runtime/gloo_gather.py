@@ -18,13 +18,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
 
-class InPlaceAllGather(AllGather):
-    """FSDP2's ``AllGather`` as one in-place broadcast per rank (``set_custom_all_gather``)."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+class InPlaceAllGather(DefaultAllocMixin, AllGather):
+    """FSDP2's ``AllGather`` (its own buffer allocation) as one in-place broadcast per rank
+    (``set_custom_all_gather``)."""
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
