@@ -349,6 +349,9 @@ class ZeRO(Strategy):
     def optimizer_step(self, accelerator, model, optimizer, max_grad_norm: float) -> None:
         model.step()  # clipping (gradient_clipping), step and zero_grad happen inside the engine
 
+    def unwrap(self, accelerator, model):
+        return accelerator.unwrap_model(model)  # the engine's module (accelerate knows DeepSpeedEngine)
+
     def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
         """The (trainable) parameters whole on rank 0 (None elsewhere), gathered one at a time (``whole``)."""
         out: dict = {}
