@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -115,19 +117,31 @@ def upload_dir(local: str | Path, url: str, complete: bool = True) -> None:
         mark_complete(url)
 
 
-def download_dir(url: str, local: str | Path) -> Path:
-    """Copy a complete folder artifact at ``url`` into ``local``."""
+def download_dir(url: str, local: str | Path, keep: Callable[[str], bool] | None = None) -> Path:
+    """Copy a complete folder artifact at ``url`` into ``local`` (only the files whose path relative to ``url``
+    ``keep`` accepts, when given)."""
     local = Path(local)
     fs, root = filesystem(url)
     root = root.rstrip("/")
     for path in fs.find(root):
         rel = path[len(root) :].lstrip("/")
-        if rel == COMPLETE_MARKER:
+        if rel == COMPLETE_MARKER or (keep is not None and not keep(rel)):
             continue
         dest = local / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(path, str(dest))
     return local
+
+
+@contextmanager
+def local_dir(url: str, keep: Callable[[str], bool] | None = None) -> Iterator[Path]:
+    """The folder at ``url`` as a local path while the context lasts: the folder itself when it is local,
+    otherwise a temporary download of its files (those ``keep`` accepts), removed afterwards."""
+    if is_local(url):
+        yield local_path(url)
+        return
+    with tempfile.TemporaryDirectory(prefix="ladle-download-") as tmp:
+        yield download_dir(url, tmp, keep)
 
 
 def mark_complete(url: str) -> None:

@@ -27,23 +27,48 @@ os.environ["MPLBACKEND"] = "Agg"
 def pytest_sessionfinish(session, exitstatus):
     """No process outlives the suite: any left is listed, killed, and fails the run.
 
-    Under pytest-xdist each worker checks its own children; the controller's children are those workers,
-    which xdist stops after this hook, so the controller checks nothing.
+    Under pytest-xdist each worker checks its own children and reports what it killed to the controller
+    (``workeroutput``, read in ``pytest_testnodedown``), whose exit status it fails; the controller's own
+    children are those workers, which xdist stops after this hook, so the controller checks nothing itself.
     """
     import psutil
 
     if getattr(session.config.option, "dist", "no") != "no" and not hasattr(session.config, "workerinput"):
         shutil.rmtree(_SESSION, ignore_errors=True)
+        if LEAKS:
+            print(f"\nprocesses left running by the suite (killed): {'; '.join(LEAKS)}", file=sys.stderr)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
         return
-    left = psutil.Process().children(recursive=True)
+    # multiprocessing's resource tracker, which spawning a process starts, is the interpreter's own helper:
+    # it exits when this process does (its pipe closes), so it is not a leak.
+    left = [p for p in psutil.Process().children(recursive=True) if not is_resource_tracker(p)]
     if left:
-        names = "; ".join(f"{p.pid}: {describe(p)}" for p in left)
-        print(f"\nprocesses left running by the suite (killed): {names}", file=sys.stderr)
+        names = [f"{p.pid}: {describe(p)}" for p in left]
+        print(f"\nprocesses left running by the suite (killed): {'; '.join(names)}", file=sys.stderr)
         for proc in left:
             proc.kill()
         psutil.wait_procs(left, timeout=10)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if hasattr(session.config, "workeroutput"):
+            session.config.workeroutput["leaks"] = names
     shutil.rmtree(_SESSION, ignore_errors=True)
+
+
+LEAKS: list[str] = []  # in the xdist controller: what the workers killed
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    LEAKS.extend(getattr(node, "workeroutput", {}).get("leaks", []))
+
+
+def is_resource_tracker(proc) -> bool:
+    import psutil
+
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
 
 
 def describe(proc) -> str:

@@ -379,10 +379,17 @@ class ZeRO(Strategy):
         model.save_checkpoint(folder, tag=tag, save_latest=False)
         return {}  # everything is in DeepSpeed's per-rank files
 
-    def load_state(self, model, optimizer, payload: dict, folder: str | None, tag: str) -> None:
-        path, _ = model.load_checkpoint(folder, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
+    def load_state(self, model, optimizer, payload: dict, url: str, tag: str) -> None:
+        from ladle import storage
+
+        # DeepSpeed reads local files, and every rank opens every rank's ZeRO partition file (its elastic
+        # loading; stage 3 then keeps its own): a remote checkpoint is downloaded whole, as DeepSpeed would read it.
+        with storage.local_dir(url) as folder:
+            path, _ = model.load_checkpoint(
+                str(folder), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
         if path is None:
-            raise RuntimeError(f"DeepSpeed found no checkpoint {tag} in {folder}")
+            raise RuntimeError(f"DeepSpeed found no checkpoint {tag} in {url}")
         if self.stage == 3:
             # Loading gathers parameters outside any forward; left gathered, they put the first step's fetches
             # out of the order DeepSpeed traced, and with a small stage3_max_live_parameters it raises

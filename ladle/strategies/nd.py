@@ -460,10 +460,10 @@ class ND(Strategy):
         dcp_save(mp.module_of(model), optimizer, folder, tag)
         return {}
 
-    def load_state(self, model, optimizer, payload: dict, folder: str | None, tag: str) -> None:
+    def load_state(self, model, optimizer, payload: dict, url: str, tag: str) -> None:
         from ladle.strategies.runtime import mesh_parallel as mp
 
-        dcp_load(mp.module_of(model), optimizer, folder, tag)
+        dcp_load(mp.module_of(model), optimizer, url, tag)
 
 
 register(ND())

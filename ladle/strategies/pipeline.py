@@ -260,12 +260,16 @@ class Pipeline(Strategy):
         )
         return {}  # everything is in this rank's file
 
-    def load_state(self, model, optimizer, payload: dict, folder: str | None, tag: str) -> None:
-        from pathlib import Path
+    def load_state(self, model, optimizer, payload: dict, url: str, tag: str) -> None:
+        import io
 
         import torch
 
-        state = torch.load(Path(folder) / tag / f"stage-{model.stage:03d}.pt", weights_only=False)
+        from ladle import storage
+
+        # This stage's file only, wherever the checkpoint is stored.
+        data = storage.read_bytes(storage.join(url, tag, f"stage-{model.stage:03d}.pt"))
+        state = torch.load(io.BytesIO(data), weights_only=False)
         if state["layers"] != model.stage_module.layer_ids:
             raise RuntimeError(
                 f"pipeline checkpoint stage {model.stage} holds layers {state['layers']}, this run "

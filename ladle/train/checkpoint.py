@@ -114,8 +114,6 @@ def load_latest(accelerator, root: str, model, optimizer, scheduler, plan, strat
     Raises:
         RuntimeError: the checkpoint was written in a native format by another strategy or world size.
     """
-    import tempfile
-
     steps = complete_steps(root)
     if not steps:
         return None
@@ -135,12 +133,7 @@ def load_latest(accelerator, root: str, model, optimizer, scheduler, plan, strat
             f"({fmt} format); this run is {plan.strategy} on {plan.world_size}. Resume with the same strategy and "
             "world size, or start a new run (another output folder or run name)."
         )
-    if storage.is_local(target):  # read in place: each rank reads only the files its regions are in
-        strategy.load_state(model, optimizer, payload, str(storage.local_path(target)), NATIVE_TAG)
-    else:
-        with tempfile.TemporaryDirectory(prefix="ladle-ckpt-") as tmp:
-            storage.download_dir(target, tmp)
-            strategy.load_state(model, optimizer, payload, tmp, NATIVE_TAG)
+    strategy.load_state(model, optimizer, payload, target, NATIVE_TAG)  # it reads what it needs from there
     scheduler.load_state_dict(payload["scheduler"])
     rngs = payload["rng"]  # one per rank that wrote it; a DCP checkpoint may resume on more ranks
     set_rng_state(rngs[accelerator.process_index % len(rngs)])
