@@ -1,4 +1,5 @@
-"""A DCP checkpoint in S3 is read in place: each rank opens only the files holding the regions it loads."""
+"""Checkpoints in a remote store: DCP read in place (each rank opens only the files holding its regions), and the
+local folder DeepSpeed reads."""
 
 from __future__ import annotations
 
@@ -66,3 +67,23 @@ def test_each_rank_reads_only_its_own_shard_file_from_s3(s3_server):
         # the metadata, then this rank's data file only
         assert r["sharded_opened"] == sorted([".metadata", f"__{r['rank']}_0.distcp"]), r
         assert r["whole_opened"] == [".metadata", "__0_0.distcp", "__1_0.distcp"], r  # a replica needs both
+
+
+def test_local_dir_downloads_what_is_kept_and_removes_it_after(s3_server, monkeypatch, tmp_path):
+    """The folder DeepSpeed's loader reads: in place when local; from S3, a temporary download of the kept files."""
+    from ladle import storage
+
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    source = tmp_path / "ckpt"
+    for name in ("a/zero_pp_rank_0.pt", "a/zero_pp_rank_1.pt", "state.pt"):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_text(name)
+    with storage.local_dir(str(source)) as here:
+        assert here == source
+    storage.upload_dir(source, "s3://ladle/local-dir")
+    with storage.local_dir("s3://ladle/local-dir", keep=lambda rel: "rank_1" not in rel) as folder:
+        got = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        assert got == ["a/zero_pp_rank_0.pt", "state.pt"]  # the marker is not a checkpoint file either
+        assert (folder / "state.pt").read_text() == "state.pt"
+    assert not folder.exists()
