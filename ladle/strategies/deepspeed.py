@@ -286,7 +286,10 @@ class ZeRO(Strategy):
     def wrap(self, accelerator, model, make_optimizer, plan, pending=None):
         import deepspeed
 
+        from ladle.strategies.runtime.gloo_gather import use_in_place_gather_for_zero3
+
         cpu_without_shm_kernel(plan)
+        in_place = self.stage == 3 and use_in_place_gather_for_zero3(accelerator.device)
         if pending is None:
             model.to(accelerator.device)
         elif self.stage == 3:
@@ -305,6 +308,7 @@ class ZeRO(Strategy):
             engine, optimizer, _, _ = deepspeed.initialize(
                 model=model, optimizer=make_optimizer(model), config=config, dist_init_required=False
             )
+        engine.ladle_all_gather = "in place" if in_place else "deepspeed"
         return engine, optimizer
 
     def check_applied(self, accelerator, model, plan) -> dict:
@@ -335,6 +339,7 @@ class ZeRO(Strategy):
             "optimizer_state_share": state_share,
             "gradients_partitioned": self.stage >= 2,
             "trainable_numel": total,
+            "all_gather": getattr(model, "ladle_all_gather", "deepspeed"),
         }
 
     def no_sync(self, accelerator, model):

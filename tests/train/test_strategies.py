@@ -90,6 +90,8 @@ def test_sharding_is_real(runs, name, param_share, state_share, tiny_model):
         assert sharding["optimizer_state_share"] == pytest.approx(state_share, abs=0.01)
         assert sharding["zero_stage"] == (1 if name == "zero1" else 2 if name == "zero2" else 3)
         assert sharding["gradients_partitioned"] is (name != "zero1")
+        # gloo: ZeRO-3's parameter gathers broadcast into DeepSpeed's flat buffer, no second copy
+        assert sharding["all_gather"] == ("in place" if name in ("zero3", "zero++") else "deepspeed")
     if name == "fsdp2":
         assert sharding["wrapper"] == "FSDP2" and sharding["decoder_layers_sharded"] == 4
         # neither end is ever gathered, the trained head (peft's copy of lm_head) included
