@@ -110,6 +110,13 @@ class TrainingConfig(Section):
         description="Packed rows per process per forward pass. auto: the largest power of two up to 64 whose "
         "per-rank memory fits (sized from the base's config.json) and that divides the global batch.",
     )
+    eval_micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="Packed rows per process per eval forward. auto: up to 8x micro_batch_size, as far as one "
+        "no-grad layer's activations and the logits stay within what a training micro-batch's activations take "
+        "(fewer forwards: a sharded forward gathers every layer once per micro-batch); micro_batch_size for "
+        "pipeline stages, whose shapes are fixed.",
+    )
     global_batch_size: int = Field(
         0,
         ge=0,

@@ -43,6 +43,7 @@ class Plan(BaseModel):
     main_address: str = "127.0.0.1"
     main_port: int = Field(0, description="Rendezvous port; 0: pick a free one at launch (single machine).")
     micro_batch_size: int
+    eval_micro_batch_size: int = Field(0, description="Rows per rank per eval forward (0: micro_batch_size).")
     gradient_accumulation: int
     global_batch_size: int = Field(description="Packed rows per optimizer step across all ranks.")
     dtype: Literal["float32", "bfloat16", "float16"]
@@ -235,13 +236,31 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
         ),
     )
     memory = check_memory(cfg, topo, target, model, strategy, micro.value)
-    steps = (world, nodes, chosen, layout, micro, batch, dtype, checks, memory)
+    eval_micro = choose_eval_micro(cfg, target, model, strategy, micro.value)
+    steps = (world, nodes, chosen, layout, micro, batch, dtype, checks, memory, eval_micro)
     shape = shape_summary(model)
     plan = build_plan(
         cfg, topo, strategy, target, micro.value, batch.value, steps, list(chosen.value.candidates), shape
     )
     plan.memory = memory.value
+    plan.eval_micro_batch_size = eval_micro.value
     return plan
+
+
+def choose_eval_micro(cfg, target: Target, model, strategy: Strategy, micro: int) -> Decision[int]:
+    """``training.eval_micro_batch_size``, or for ``auto`` what the strategy's memory model allows (``micro``
+    when the model is not sized)."""
+    asked = cfg.training.eval_micro_batch_size
+    if asked != "auto":
+        return Decision(asked, overrides=(f"training.eval_micro_batch_size={asked}",))
+    if model is None:
+        return Decision(micro)
+    try:
+        job = sizing_job(cfg, model, target, micro)
+    except LadleError:
+        return Decision(micro)
+    rows, why = strategy.eval_micro_batch(job, strategy.options(cfg))
+    return Decision(rows, (f"eval micro-batch {rows}: {why}",))
 
 
 def build_plan(

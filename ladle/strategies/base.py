@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ladle import memory, sizing, storage
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from ladle.schema import Section
     from ladle.topology import Topology
     from ladle.train.loading import Pending
+
+EVAL_MICRO_MAX = 8  # an eval forward takes at most 8 training micro-batches' rows
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,26 @@ class Strategy(ABC):
     def logits_bytes(self, job: sizing.Job, options: Section | None) -> int:
         """The logits of one micro-batch and their float32 softmax (tokens x vocabulary)."""
         return sizing.logits_bytes(job.shape, job.micro_batch * job.seq_len, job.dtype_bytes)
+
+    def eval_micro_batch(self, job: sizing.Job, options: Section | None) -> tuple[int, str]:
+        """Rows per eval forward, and why: the largest multiple of the training micro-batch, up to
+        ``EVAL_MICRO_MAX`` times it, whose no-grad forward (one layer's activations alive at a time, and the
+        logits) needs no more than a training micro-batch's activations and logits. Fewer eval forwards: a
+        sharded forward gathers every layer once per micro-batch."""
+        budget = self.activations(job, options)[0] + self.logits_bytes(job, options)
+        rows = job.micro_batch
+        for times in range(2, EVAL_MICRO_MAX + 1):
+            wider = replace(job, micro_batch=job.micro_batch * times)
+            one_layer = sizing.activation_bytes(
+                wider.shape, wider.micro_batch * wider.seq_len, 1, wider.dtype_bytes, False
+            )
+            if one_layer + self.logits_bytes(wider, options) > budget:
+                break
+            rows = wider.micro_batch
+        return rows, (
+            f"{rows // job.micro_batch}x the training micro-batch: a no-grad forward holds one layer's activations "
+            f"and the logits, within the {sizing.gib(budget)} a training micro-batch's activations and logits take"
+        )
 
     def ends_gathered(self, job: sizing.Job, options: Section | None) -> bool:
         """Whether a sharded model's input embedding and output head are gathered whole for their forward and

@@ -399,6 +399,11 @@ class ND(Strategy):
         raw = model.train_rows(data, rows, accelerator.device, denominator / replicas)  # this replica's token sum
         return raw / Dims.of(plan.mesh).tp  # the tp ranks of a stage computed the same sum
 
+    def eval_micro_batch(self, job, options) -> tuple[int, str]:
+        if self.dims(options, job.world, job.nodes).pp > 1:
+            return job.micro_batch, "the training micro-batch: the pipeline stages' shapes are fixed"
+        return super().eval_micro_batch(job, options)
+
     def evaluate(self, accelerator, model, data, micro: int, loss_fn) -> float:
         if not hasattr(model, "schedule"):
             return super().evaluate(accelerator, model, data, micro, loss_fn)

@@ -199,6 +199,9 @@ class Pipeline(Strategy):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    def eval_micro_batch(self, job, options) -> tuple[int, str]:
+        return job.micro_batch, "the training micro-batch: the stages' shapes are fixed"
+
     def evaluate(self, accelerator, model, data, micro: int, loss_fn=None) -> float:
         import torch
 

@@ -123,7 +123,8 @@ def trained_tokens(data: dict[str, torch.Tensor], rows: list[int]) -> int:
 def evaluate(accelerator: Accelerator, model, data: dict[str, torch.Tensor], spec: TrainSpec) -> float:
     """Token-weighted eval loss over all eval rows, the same on every rank."""
     model.eval()
-    loss = strategies.get(spec.plan.strategy).evaluate(accelerator, model, data, spec.plan.micro_batch_size, token_loss)
+    micro = spec.plan.eval_micro_batch_size or spec.plan.micro_batch_size
+    loss = strategies.get(spec.plan.strategy).evaluate(accelerator, model, data, micro, token_loss)
     model.train()
     return loss
 

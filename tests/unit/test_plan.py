@@ -315,3 +315,69 @@ def test_tensor_parallel_validators():
     two = make_plan(cfg, T4, model=model)  # 12 and 4 heads split over 2 GPUs
     assert (two.strategy, two.world_size, two.strategy_options) == ("tp", 2, {})
     assert two.gradient_accumulation == 1 and two.global_batch_size == 4  # one replica: the ranks share each batch
+
+
+def tiny_model_config() -> dict:
+    import json
+
+    from ladle.assets import resolve_base
+
+    return json.loads((resolve_base("ladle://tiny-llama") / "config.json").read_text())
+
+
+def eval_costs(plan, cfg, model) -> tuple[int, int, int]:
+    """A training micro-batch's activations and logits, and the no-grad forward at the plan's eval micro-batch
+    and at the next multiple of the training micro-batch: one layer's activations and the logits."""
+    from dataclasses import replace
+
+    from ladle import sizing, strategies
+    from ladle.plan import Target, sizing_job
+
+    strategy, options = strategies.get(plan.strategy), strategies.get(plan.strategy).options(cfg)
+    job = sizing_job(cfg, model, Target(plan.device, plan.processes_per_machine, 1, plan.dtype), plan.micro_batch_size)
+
+    def forward(rows: int) -> int:
+        wider = replace(job, micro_batch=rows)
+        one_layer = sizing.activation_bytes(job.shape, rows * job.seq_len, 1, job.dtype_bytes, False)
+        return one_layer + strategy.logits_bytes(wider, options)
+
+    budget = strategy.activations(job, options)[0] + strategy.logits_bytes(job, options)
+    return budget, forward(plan.eval_micro_batch_size), forward(plan.eval_micro_batch_size + plan.micro_batch_size)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero3"])
+def test_eval_micro_batch_is_the_widest_no_grad_forward_within_a_training_micro_batchs_activations(strategy):
+    model = tiny_model_config()
+    cfg = build_config(MINIMAL, [f"parallelism.strategy={strategy}", "training.micro_batch_size=2"])
+    plan = make_plan(cfg, CPU, model=model)
+    budget, chosen, wider = eval_costs(plan, cfg, model)
+    assert plan.micro_batch_size == 2 and plan.eval_micro_batch_size > 2 and plan.eval_micro_batch_size % 2 == 0
+    assert chosen <= budget and (wider > budget or plan.eval_micro_batch_size == 16)  # 16: 8x, the cap
+    assert any(r.startswith(f"eval micro-batch {plan.eval_micro_batch_size}: ") for r in plan.reasons)
+
+
+def test_eval_micro_batch_of_the_70b_recipe_and_an_explicit_one_wins(tmp_path):
+    """With activation checkpointing (the recipe's) a training micro-batch keeps each layer's input and one
+    layer's activations, so a no-grad forward is 4x wider, not 8x."""
+    from tests.unit.test_memory_truth import load_config, local_model_config, recorded
+
+    cfg = load_config("recipes/llama3-70b-fsdp2.yaml")
+    plan = make_plan(cfg, recorded(tmp_path), model=local_model_config(cfg))
+    budget, chosen, wider = eval_costs(plan, cfg, local_model_config(cfg))
+    assert cfg.training.gradient_checkpointing and plan.eval_micro_batch_size == 4 * plan.micro_batch_size
+    assert chosen <= budget < wider
+    pinned = make_plan(
+        cfg.model_copy(update={"training": cfg.training.model_copy(update={"eval_micro_batch_size": 3})}),
+        recorded(tmp_path),
+        model=local_model_config(cfg),
+    )
+    assert pinned.eval_micro_batch_size == 3 and "training.eval_micro_batch_size=3" in pinned.overrides
+
+
+def test_pipeline_stages_evaluate_at_the_training_micro_batch():
+    cfg = build_config(
+        MINIMAL, ["parallelism.strategy=pipeline", "parallelism.pipeline.allow_cpu=true", "training.micro_batch_size=2"]
+    )
+    plan = make_plan(cfg, CPU, model=tiny_model_config())
+    assert plan.eval_micro_batch_size == 2
+    assert any("the stages' shapes are fixed" in r for r in plan.reasons)
