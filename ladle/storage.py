@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -117,15 +117,14 @@ def upload_dir(local: str | Path, url: str, complete: bool = True) -> None:
         mark_complete(url)
 
 
-def download_dir(url: str, local: str | Path, keep: Callable[[str], bool] | None = None) -> Path:
-    """Copy a complete folder artifact at ``url`` into ``local`` (only the files whose path relative to ``url``
-    ``keep`` accepts, when given)."""
+def download_dir(url: str, local: str | Path) -> Path:
+    """Copy a complete folder artifact at ``url`` into ``local``."""
     local = Path(local)
     fs, root = filesystem(url)
     root = root.rstrip("/")
     for path in fs.find(root):
         rel = path[len(root) :].lstrip("/")
-        if rel == COMPLETE_MARKER or (keep is not None and not keep(rel)):
+        if rel == COMPLETE_MARKER:
             continue
         dest = local / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -134,14 +133,14 @@ def download_dir(url: str, local: str | Path, keep: Callable[[str], bool] | None
 
 
 @contextmanager
-def local_dir(url: str, keep: Callable[[str], bool] | None = None) -> Iterator[Path]:
+def local_dir(url: str) -> Iterator[Path]:
     """The folder at ``url`` as a local path while the context lasts: the folder itself when it is local,
-    otherwise a temporary download of its files (those ``keep`` accepts), removed afterwards."""
+    otherwise a temporary download of it, removed afterwards."""
     if is_local(url):
         yield local_path(url)
         return
     with tempfile.TemporaryDirectory(prefix="ladle-download-") as tmp:
-        yield download_dir(url, tmp, keep)
+        yield download_dir(url, tmp)
 
 
 def mark_complete(url: str) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ladle import memory
+from ladle import memory, storage
 from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy, gathered_for_save
 from ladle.strategies.mesh import Dims
@@ -385,8 +385,6 @@ class ZeRO(Strategy):
         return {}  # everything is in DeepSpeed's per-rank files
 
     def load_state(self, model, optimizer, payload: dict, url: str, tag: str) -> None:
-        from ladle import storage
-
         # DeepSpeed reads local files, and every rank opens every rank's ZeRO partition file (its elastic
         # loading; stage 3 then keeps its own): a remote checkpoint is downloaded whole, as DeepSpeed would read it.
         with storage.local_dir(url) as folder:

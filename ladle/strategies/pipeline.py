@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ladle import memory, sizing
+from ladle import memory, sizing, storage
 from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy
 from ladle.strategies.mesh import Dims
@@ -267,8 +267,6 @@ class Pipeline(Strategy):
         import io
 
         import torch
-
-        from ladle import storage
 
         # This stage's file only, wherever the checkpoint is stored.
         data = storage.read_bytes(storage.join(url, tag, f"stage-{model.stage:03d}.pt"))

@@ -69,8 +69,8 @@ def test_each_rank_reads_only_its_own_shard_file_from_s3(s3_server):
         assert r["whole_opened"] == [".metadata", "__0_0.distcp", "__1_0.distcp"], r  # a replica needs both
 
 
-def test_local_dir_downloads_what_is_kept_and_removes_it_after(s3_server, monkeypatch, tmp_path):
-    """The folder DeepSpeed's loader reads: in place when local; from S3, a temporary download of the kept files."""
+def test_local_dir_is_the_folder_itself_or_a_download_removed_after(s3_server, monkeypatch, tmp_path):
+    """The folder DeepSpeed's loader reads: in place when local; from S3, a temporary download of its files."""
     from ladle import storage
 
     for key, value in s3_server.items():
@@ -82,8 +82,8 @@ def test_local_dir_downloads_what_is_kept_and_removes_it_after(s3_server, monkey
     with storage.local_dir(str(source)) as here:
         assert here == source
     storage.upload_dir(source, "s3://ladle/local-dir")
-    with storage.local_dir("s3://ladle/local-dir", keep=lambda rel: "rank_1" not in rel) as folder:
+    with storage.local_dir("s3://ladle/local-dir") as folder:
         got = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-        assert got == ["a/zero_pp_rank_0.pt", "state.pt"]  # the marker is not a checkpoint file either
+        assert got == ["a/zero_pp_rank_0.pt", "a/zero_pp_rank_1.pt", "state.pt"]  # not the marker
         assert (folder / "state.pt").read_text() == "state.pt"
     assert not folder.exists()
