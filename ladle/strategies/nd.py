@@ -227,20 +227,23 @@ class ND(Strategy):
     def model_states(self, job, options) -> memory.ModelStates:
         """Weights, gradients and optimizer state of the fullest rank. tp splits the decoder layers only: the
         embedding and head stay whole on each tp rank (divided by dp_shard alone), and with pp they sit on the
-        first and last stage. One layer's tp slice is gathered at a time across dp_shard, and the root units
-        (embedding, head) whole."""
+        first and last stage. Across dp_shard the root units (embedding, head) are gathered whole, and the largest
+        unit (a layer's tp slice, or one end) with its gradient, as FSDP2 counts its gathered ends. With dp_replicate
+        alone (dp_shard = 1) FSDP2 still copies each unit into its all-gather buffer and its gradient into the
+        reduce buffer: the largest unit's weight and gradient once more (bench/nd.py's pp=2 x dp_replicate=2 was
+        117 MiB above the prediction without it, two float32 copies of its 16.4M-element head)."""
         dims, s = degrees(options, job.world), job.shape
         layers = s.layer_params * s.layers // dims.pp  # a stage's decoder weights
         root = s.embedding_params // (2 if dims.pp > 1 else 1)  # the embedding or the head on an end stage
         held = layers // (dims.tp * dims.dp_shard) + root // dims.dp_shard  # this rank's parameters
-        layer = s.layer_params // dims.tp
-        gathered = dims.dp_shard > 1
+        largest = max(s.layer_params // dims.tp, s.embedding_params // 2)
+        sharded, wrapped = dims.dp_shard > 1, dims.dp > 1  # FSDP2 wraps the units over the data-parallel mesh
         if job.dtype_bytes == 4:  # float32 (CPU): 4-byte weights and gradients, AdamW's two moments
             states = memory.fp32(held)
-            extra = (8 * layer + 4 * root) if gathered else 0
+            extra = 8 * largest * wrapped + 4 * root * sharded
             return memory.ModelStates(states.weights, states.gradients, states.optimizer, extra)
-        states = memory.zero3(held * dims.dp_shard, layer, dims.dp_shard, 1)
-        extra = states.gathered + memory.WEIGHT_16 * root if gathered else 0
+        states = memory.zero3(held * dims.dp_shard, largest, dims.dp_shard, 1)
+        extra = states.gathered * wrapped + memory.WEIGHT_16 * root * sharded
         return memory.ModelStates(states.weights, states.gradients, states.optimizer, extra)
 
     def lora_base_ranks(self, job, options) -> int:
@@ -440,12 +443,17 @@ class ND(Strategy):
 
     def full_model_parts(self, accelerator, model, max_bytes: int):
         """Without pipeline stages every parameter is a DTensor over the whole mesh: gathered a part at a time
-        (``Strategy.full_model_parts``). With stages, each stage's lead sends its weights to rank 0 whole
-        (``full_state_dict``), which writes them in files of at most ``max_bytes``."""
+        (``Strategy.full_model_parts``). With stages, a part's tensors are made whole within their stage and
+        its lead sends them to rank 0 (``gather_parts_to_rank0``), a part at a time."""
         if self.mesh["pp"].size() == 1:
             yield from super().full_model_parts(accelerator, model, max_bytes)
-        else:
-            yield self.full_state_dict(accelerator, model, trainable_only=False)
+            return
+        from ladle.strategies.runtime import mesh_parallel as mp
+        from ladle.strategies.runtime.pipeline_stage import gather_parts_to_rank0
+
+        lead = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+        tensors = {name.removeprefix("wrapped."): p for name, p in mp.module_of(model).named_parameters()}
+        yield from gather_parts_to_rank0(tensors, accelerator.device, max_bytes, lead, self.whole)
 
     def hf_model(self, accelerator, model):
         from ladle.strategies.runtime.pipeline_stage import causal_lm

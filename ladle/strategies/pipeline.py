@@ -235,14 +235,14 @@ class Pipeline(Strategy):
     def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
         from ladle.strategies.runtime.pipeline_stage import gather_to_rank0
 
-        part = model.stage_module.wrapped
-        mine = {n: p.detach().cpu() for n, p in part.named_parameters() if p.requires_grad or not trainable_only}
-        return gather_to_rank0(mine, accelerator.device)
+        return gather_to_rank0(stage_tensors(model, trainable_only), accelerator.device)
 
     def full_model_parts(self, accelerator, model, max_bytes: int):
-        """One part: the stages' weights are sent to rank 0 whole (``full_state_dict``), which writes them in
-        files of at most ``max_bytes``."""
-        yield self.full_state_dict(accelerator, model, trainable_only=False)
+        """The stages' weights sent to rank 0 in parts of at most ``max_bytes``, each written before the next is
+        sent (``gather_parts_to_rank0``): rank 0 holds its stage, one part and one tensor, not the model."""
+        from ladle.strategies.runtime.pipeline_stage import gather_parts_to_rank0
+
+        yield from gather_parts_to_rank0(stage_tensors(model, False), accelerator.device, max_bytes)
 
     native_checkpoint = True
 
@@ -278,6 +278,13 @@ class Pipeline(Strategy):
             )
         model.stage_module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+
+
+def stage_tensors(model, trainable_only: bool) -> dict:
+    """This rank's stage parameters (all, or the trained ones) under the model's own names, where they live
+    (``gather_parts_to_rank0`` copies one at a time to the host)."""
+    part = model.stage_module.wrapped
+    return {n: p for n, p in part.named_parameters() if p.requires_grad or not trainable_only}
 
 
 register(Pipeline())

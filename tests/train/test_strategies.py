@@ -177,7 +177,10 @@ def full_runs(tmp_path_factory, tiny_model):
     specs = {name: spec_for(name, root, *full) for name in ("ddp", "tp")}
     # Saved a 1 MiB part at a time: the sharded strategies' models come out in several files with an index.
     specs.update({name: spec_for(name, root, *full, "training.save_shard_mib=1") for name in ("zero3", "fsdp2")})
-    specs["pipeline"] = spec_for("pipeline", root, *full, "parallelism.pipeline.schedule=gpipe")
+    # The pipeline's stages send their weights to rank 0 a 1 MiB part at a time as well.
+    specs["pipeline"] = spec_for(
+        "pipeline", root, *full, "parallelism.pipeline.schedule=gpipe", "training.save_shard_mib=1"
+    )
     return launch_all(specs)
 
 
@@ -201,7 +204,7 @@ def test_full_finetune_consolidates_to_the_same_safetensors(full_runs, name, tmp
     assert other.adapter_url is None and other.model_url
     weights = {n: saved_weights(Path(r.model_url)) for n, r in (("ddp", ddp), (name, other))}
     assert weights[name].keys() == weights["ddp"].keys() and len(weights[name]) >= 30
-    if name in ("zero3", "fsdp2"):  # streamed in 1 MiB parts, each file written before the next was gathered
+    if name in ("zero3", "fsdp2", "pipeline"):  # streamed in 1 MiB parts, each written before the next was gathered
         index = json.loads(Path(other.model_url, "model.safetensors.index.json").read_text())
         files = sorted(Path(other.model_url).glob("model-*-of-*.safetensors"))
         assert len(files) >= 4 and set(index["weight_map"].values()) == {f.name for f in files}

@@ -5,6 +5,11 @@ Kept apart from ``ladle.strategies.pipeline`` so that planning never imports tor
 
 from __future__ import annotations
 
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+
 import torch
 import torch.nn as nn
 
@@ -165,27 +170,57 @@ class PipelineModel(nn.Module):
 
 
 def gather_to_rank0(mine: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor] | None:
-    """Every rank's ``mine`` (a stage's whole tensors, or nothing) merged on rank 0, one tensor at a time.
+    """Every rank's ``mine`` (a stage's whole tensors, or nothing) merged on rank 0, one tensor at a time:
+    ``gather_parts_to_rank0`` as a single part (the adapters, a checkpoint's small state). Collective: every
+    rank calls it. Returns the merged dict on rank 0, None elsewhere."""
+    merged: dict[str, torch.Tensor] = {}
+    for part in gather_parts_to_rank0(mine, device, max_bytes=None):
+        merged.update(part or {})
+    return merged if torch.distributed.get_rank() == 0 else None
 
-    Each rank first tells the others what it holds (names, shapes, dtypes: small objects), then the tensors
-    travel point to point to rank 0. ``gather_object`` would pickle every stage's dict at once and pad the
-    buffers to the largest: measured, it took a 225 MB model's pipeline run above DDP's peak at save time.
-    Collective: every rank calls it. Returns the merged dict on rank 0, None elsewhere.
+
+def gather_parts_to_rank0(
+    tensors: dict[str, torch.Tensor],
+    device,
+    max_bytes: int | None,
+    lead: bool = True,
+    whole: Callable | None = None,
+) -> Iterator[dict[str, torch.Tensor] | None]:
+    """The stages' tensors sent to rank 0 in parts of at most ``max_bytes`` (None: one part), in rank order.
+
+    ``tensors`` are this rank's (a stage's) under the model's names; ``whole`` makes one whole for the send (a
+    sharded DTensor's ``full_tensor``, a collective over its stage's mesh, which every rank of the stage
+    joins); ``lead`` marks the one rank per stage that sends (rank 0 leads stage 0). The leads first tell
+    every rank what they hold (names, shapes, dtypes: small objects), so every rank cuts the same parts;
+    then one part's tensors travel point to point to rank 0 and the part is yielded (rank 0 writes it)
+    before the next is made whole. Rank 0 so holds one part and the tensor being received, never a stage
+    or the model: a full fine-tune's pipeline used to gather every stage on rank 0 at once (the whole model
+    in host RAM). ``gather_object`` would pickle every stage's dict at once and pad the buffers to the
+    largest: measured, it took a 225 MB model's pipeline run above DDP's peak. Collective: every rank
+    iterates. Yields the part on rank 0, None elsewhere.
     """
     import torch.distributed as dist
 
+    from ladle.train.saving import group
+
     rank = dist.get_rank()
     headers: list = [None] * dist.get_world_size()
-    dist.all_gather_object(headers, {name: (tuple(t.shape), t.dtype) for name, t in mine.items()})
-    merged = dict(mine) if rank == 0 else None
-    for src, header in enumerate(headers):
-        if src == 0:
-            continue
-        for name, (shape, dtype) in header.items():
-            if rank == src:
-                dist.send(mine[name].to(device).contiguous(), dst=0)
+    mine = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()} if lead else {}
+    dist.all_gather_object(headers, mine)
+    where = {name: (src, shape, dtype) for src, header in enumerate(headers) for name, (shape, dtype) in header.items()}
+    sizes = [(name, math.prod(shape) * dtype.itemsize) for name, (_, shape, dtype) in where.items()]
+    for names in group(sizes, max_bytes or sys.maxsize):
+        part: dict[str, torch.Tensor] = {}
+        for name in names:
+            src, shape, dtype = where[name]
+            if name in tensors:  # this rank's stage: every rank of it joins the gather
+                with whole(tensors[name]) if whole else nullcontext(tensors[name]) as full:
+                    if rank == src == 0:
+                        part[name] = full.detach().to("cpu", copy=True)
+                    elif rank == src:
+                        dist.send(full.detach().to(device).contiguous(), dst=0)
             elif rank == 0:
                 buffer = torch.empty(shape, dtype=dtype, device=device)
                 dist.recv(buffer, src=src)
-                merged[name] = buffer.to("cpu")
-    return merged
+                part[name] = buffer.to("cpu")
+        yield part if rank == 0 else None
