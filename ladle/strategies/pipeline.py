@@ -84,7 +84,11 @@ class Pipeline(Strategy):
         return [Candidate(self, 50, why, {"stages": job.world}, reason=reason)]
 
     def model_states(self, job, options) -> memory.ModelStates:
-        return memory.ddp(job.shape.params // job.world)  # each stage a full replica of its slice
+        """Each stage a full replica of its slice: float32 weights, gradients and AdamW's moments in a float32 run
+        (CPU), the mixed-precision layout otherwise (bench/memory.py's pipeline row was predicted 1.16x the
+        measured while float32 runs were counted in that layout)."""
+        params = job.shape.params // job.world
+        return memory.fp32(params) if job.dtype_bytes == 4 else memory.ddp(params)
 
     def lora_base_ranks(self, job, options) -> int:
         return job.world
