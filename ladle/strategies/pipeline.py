@@ -84,10 +84,13 @@ class Pipeline(Strategy):
         return [Candidate(self, 50, why, {"stages": job.world}, reason=reason)]
 
     def model_states(self, job, options) -> memory.ModelStates:
-        """Each stage a full replica of its slice: float32 weights, gradients and AdamW's moments in a float32 run
-        (CPU), the mixed-precision layout otherwise (bench/memory.py's pipeline row was predicted 1.16x the
-        measured while float32 runs were counted in that layout)."""
-        params = job.shape.params // job.world
+        """The fullest stage, a full replica of its slice: the first stage's share of the layers (it takes the
+        remainder) and one end (the embedding; the last stage holds the head). Float32 weights, gradients and
+        AdamW's moments in a float32 run (CPU), the mixed-precision layout otherwise. Measured on bench/memory.py's
+        deep model (28 layers, 32k vocabulary): 4 stages put 0.293 of the weights on stage 0, not 1/4."""
+        s = job.shape
+        end = s.embedding_params // 2 if s.embedding_params == 2 * s.vocab * s.hidden else s.embedding_params
+        params = min(s.params, s.layer_params * -(-s.layers // job.world) + end)
         return memory.fp32(params) if job.dtype_bytes == 4 else memory.ddp(params)
 
     def lora_base_ranks(self, job, options) -> int:
