@@ -186,3 +186,36 @@ def test_on_gpus_the_step_is_foreachs_and_the_save_goes_to_the_host(tmp_path):
     est = plan_estimate(cfg, plan, model)
     assert est.save == 0 and "save" not in plan.memory  # gathered to host memory, not the device
     assert est.step == 4 * (est.optimizer // 16)  # foreach AdamW: sqrt(v) of every local element at once
+
+
+@pytest.mark.parametrize(("model_name", "stages"), [("llama-3.1-8b", 3), ("llama-3.2-1b", 3)])
+def test_pipeline_states_are_the_fullest_stages(model_name, stages):
+    """A float32 pipeline's per-rank states are 16 bytes (weights, gradients, AdamW's two moments) per parameter
+    of the fullest stage, as ``StageModule`` splits a meta model: the first stage takes the remainder of the
+    layers and the embedding, the last the head (a tied head is a second copy there)."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ladle.assets import recipes_dir
+    from ladle.plan import plan_estimate
+    from ladle.strategies.runtime.pipeline_stage import StageModule
+
+    model = json.loads((recipes_dir() / "models" / model_name / "config.json").read_text())
+    held = []
+    for stage in range(stages):
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(**model))
+        held.append(sum(p.numel() for p in StageModule(skeleton, stage, stages).parameters()))
+    base = f"ladle://models/{model_name}"
+    overrides = ["training.lora.enabled=false", "parallelism.strategy=pipeline", "parallelism.pipeline.allow_cpu=true"]
+    cfg = build_config(
+        {**MINIMAL, "base": base},
+        [*overrides, f"parallelism.cpu_processes={stages}", f"parallelism.pipeline.stages={stages}"],
+    )
+    plan = make_plan(cfg, CPU, model=model)
+    assert (plan.strategy, plan.world_size, plan.dtype) == ("pipeline", stages, "float32")
+    est = plan_estimate(cfg, plan, model)
+    # The norms (a few thousand parameters per layer) are the only weights the shape's formula leaves out.
+    assert est.states == pytest.approx(16 * max(held), rel=0.001)
+    assert max(held) > 1.05 * sum(held) / stages  # the even split the model used to assume is off by > 5 %
