@@ -430,16 +430,17 @@ class ND(Strategy):
         optimizer.zero_grad(set_to_none=True)
 
     def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
-        """Each parameter gathered whole (collective over its own mesh), then the stages merged on rank 0."""
+        """Each parameter gathered whole (collective over its own mesh); with stages, each stage's lead sends its
+        tensors on to rank 0 (``gather_to_rank0``)."""
         from ladle.strategies.runtime import mesh_parallel as mp
 
-        lead = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
-        mine = mp.gather_whole(mp.module_of(model), trainable_only, keep=lead)
         if self.mesh["pp"].size() == 1:
+            mine = mp.gather_whole(mp.module_of(model), trainable_only, keep=accelerator.is_main_process)
             return mine if accelerator.is_main_process else None
         from ladle.strategies.runtime.pipeline_stage import gather_to_rank0
 
-        return gather_to_rank0(mine, accelerator.device)  # one stage's lead rank each; the others send nothing
+        tensors = self.stage_tensors(model, trainable_only)
+        return gather_to_rank0(tensors, accelerator.device, self.stage_lead(), self.whole)
 
     def full_model_parts(self, accelerator, model, max_bytes: int):
         """Without pipeline stages every parameter is a DTensor over the whole mesh: gathered a part at a time
@@ -448,12 +449,21 @@ class ND(Strategy):
         if self.mesh["pp"].size() == 1:
             yield from super().full_model_parts(accelerator, model, max_bytes)
             return
-        from ladle.strategies.runtime import mesh_parallel as mp
         from ladle.strategies.runtime.pipeline_stage import gather_parts_to_rank0
 
-        lead = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
-        tensors = {name.removeprefix("wrapped."): p for name, p in mp.module_of(model).named_parameters()}
-        yield from gather_parts_to_rank0(tensors, accelerator.device, max_bytes, lead, self.whole)
+        tensors = self.stage_tensors(model, False)
+        yield from gather_parts_to_rank0(tensors, accelerator.device, max_bytes, self.stage_lead(), self.whole)
+
+    def stage_lead(self) -> bool:
+        """Whether this rank sends its stage's tensors to rank 0: the first of the stage's dp x tp ranks."""
+        return self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+
+    def stage_tensors(self, model, trainable_only: bool) -> dict:
+        """This rank's stage parameters (all, or the trained ones) under the model's own names."""
+        from ladle.strategies.runtime import mesh_parallel as mp
+
+        named = mp.module_of(model).named_parameters()
+        return {n.removeprefix("wrapped."): p for n, p in named if p.requires_grad or not trainable_only}
 
     def hf_model(self, accelerator, model):
         from ladle.strategies.runtime.pipeline_stage import causal_lm

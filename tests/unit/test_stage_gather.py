@@ -41,9 +41,10 @@ def rank_main(rank: int, world: int, port: int, queue) -> None:
             None if part is None else {k: v.numpy() for k, v in part.items()}
             for part in gather_parts_to_rank0(tensors, "cpu", MAX_BYTES, lead, whole)
         ]
-        plain = {name: t.full_tensor() for name, t in tensors.items()}  # a collective: every rank of the stage
-        merged = gather_to_rank0(plain if lead else {}, "cpu")
-        queue.put((rank, stage, parts, len(gathers), None if merged is None else sorted(merged)))
+        in_parts = len(gathers)
+        merged = gather_to_rank0(tensors, "cpu", lead, whole)  # as N-D meshes send their adapters
+        merged = None if merged is None else {k: v.numpy() for k, v in merged.items()}
+        queue.put((rank, stage, parts, (in_parts, len(gathers)), merged))
     finally:
         dist.destroy_process_group()
 
@@ -69,6 +70,8 @@ def test_stages_reach_rank_0_a_part_at_a_time_and_whole():
     for name, tensor in expected.items():
         assert torch.equal(received[name], tensor), name
     # Each rank joined the gathers of its own stage's tensors only, the non-lead ranks included.
-    assert stage0 == 0 and all(g == len(SHAPES) for _, _, g, _ in got.values())
+    assert stage0 == 0 and all(g == (len(SHAPES), 2 * len(SHAPES)) for _, _, g, _ in got.values())
     # As one part (adapters): the same tensors, on rank 0 only.
-    assert merged == sorted(expected) and all(got[rank][3] is None for rank in (1, 2, 3))
+    assert merged.keys() == expected.keys() and all(got[rank][3] is None for rank in (1, 2, 3))
+    for name, tensor in expected.items():
+        assert torch.equal(torch.from_numpy(merged[name]), tensor), name

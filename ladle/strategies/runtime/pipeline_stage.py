@@ -169,12 +169,13 @@ class PipelineModel(nn.Module):
         return losses
 
 
-def gather_to_rank0(mine: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor] | None:
-    """Every rank's ``mine`` (a stage's whole tensors, or nothing) merged on rank 0, one tensor at a time:
-    ``gather_parts_to_rank0`` as a single part (the adapters, a checkpoint's small state). Collective: every
-    rank calls it. Returns the merged dict on rank 0, None elsewhere."""
+def gather_to_rank0(
+    tensors: dict[str, torch.Tensor], device, lead: bool = True, whole: Callable | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The stages' tensors merged on rank 0, one tensor at a time: ``gather_parts_to_rank0`` as a single part
+    (the adapters). Collective: every rank calls it. Returns the merged dict on rank 0, None elsewhere."""
     merged: dict[str, torch.Tensor] = {}
-    for part in gather_parts_to_rank0(mine, device, max_bytes=None):
+    for part in gather_parts_to_rank0(tensors, device, None, lead, whole):
         merged.update(part or {})
     return merged if torch.distributed.get_rank() == 0 else None
 
