@@ -502,6 +502,7 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         microbatches=max(1, (cfg.training.global_batch_size or micro * world) // micro),
         cuda=target.device == "cuda",
         save_shard_bytes=cfg.training.save_shard_mib * 2**20,
+        trained_ends=bool(lora.enabled and lora.modules_to_save),
     )
 
 

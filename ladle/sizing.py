@@ -249,6 +249,7 @@ class Job:
     microbatches: int = 1  # pipeline: microbatches per step
     cuda: bool = True
     save_shard_bytes: int = 512 * 2**20  # training.save_shard_mib: the part of a full model rank 0 gathers at once
+    trained_ends: bool = False  # LoRA's modules_to_save names something: the embedding or the head may be trained
 
     @property
     def world(self) -> int:

@@ -170,8 +170,12 @@ class Strategy(ABC):
         return 1
 
     def logits_bytes(self, job: sizing.Job, options: Section | None) -> int:
-        """The logits of one micro-batch and their float32 softmax (tokens x vocabulary)."""
-        return sizing.logits_bytes(job.shape, job.micro_batch * job.seq_len, job.dtype_bytes)
+        """The logits of one micro-batch and their float32 softmax (tokens x vocabulary); with the ends kept
+        sharded, the vocabulary-parallel loss's chunks over this rank's rows."""
+        tokens = job.micro_batch * job.seq_len
+        if self.ends_gathered(job, options):
+            return sizing.logits_bytes(job.shape, tokens, job.dtype_bytes)
+        return sizing.vocab_parallel_logits_bytes(job.shape, tokens, job.dtype_bytes, job.world)
 
     def eval_micro_batch(self, job: sizing.Job, options: Section | None) -> tuple[int, str]:
         """Rows per eval forward, and why: the largest multiple of the training micro-batch, up to
@@ -353,6 +357,7 @@ class Strategy(ABC):
 
         from ladle.train import schedule
 
+        loss_fn = vocab_parallel_loss(model, loss_fn)
         rank, replicas = self.data_parallel(accelerator)
         micros = schedule.micro_batches(batch, rank, replicas, plan.micro_batch_size)
         local_sum = 0.0
@@ -376,6 +381,7 @@ class Strategy(ABC):
         """
         import torch
 
+        loss_fn = vocab_parallel_loss(model, loss_fn)
         rank, replicas = self.data_parallel(accelerator)
         rows = len(data["input_ids"])
         mine = list(range(rank, rows, replicas))
@@ -415,6 +421,13 @@ class Strategy(ABC):
         while isinstance(model, DistributedDataParallel | DataParallel):
             model = model.module
         return model
+
+
+def vocab_parallel_loss(model, loss_fn):
+    """The loss to run: the vocabulary-parallel one (``runtime.vocab_parallel.ShardedVocab``) where the wrapped
+    model keeps an end sharded (FSDP2, ZeRO-3's frozen ends), else ``loss_fn``."""
+    vocab = getattr(model, "ladle_vocab", None)
+    return vocab.token_loss if vocab is not None else loss_fn
 
 
 def output_bytes(job: sizing.Job) -> int:

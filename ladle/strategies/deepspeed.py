@@ -80,6 +80,14 @@ class DeepSpeedOptions(Section):
     quantized_gradients: bool | None = Field(
         None, description="ZeRO++ qgZ (int4 gradient reduce-scatter). null: on for CUDA runs, off on CPU."
     )
+    shard_head: bool = Field(
+        True,
+        description="Stage 3 LoRA: keep the frozen input embedding and output head out of ZeRO's partitioning, "
+        "each rank holding its own rows of the vocabulary: it looks them up, and computes the logits over them, "
+        "for every rank's tokens (vocabulary-parallel, as fsdp2.shard_head), so neither is ever gathered whole. "
+        "Applies to untied ends that LoRA leaves frozen (not in modules_to_save), without offload_param. "
+        "false: both are ZeRO-3 parameters, gathered for their forward and backward.",
+    )
 
 
 class ZeRO(Strategy):
@@ -147,6 +155,9 @@ class ZeRO(Strategy):
     def lora_base_ranks(self, job, options) -> int:
         return job.world if self.stage == 3 else 1
 
+    def ends_gathered(self, job, options) -> bool:
+        return not (self.stage == 3 and ends_stay_local(job, options))
+
     def step_bytes(self, job, options, states) -> int:
         """DeepSpeed steps a flat float32 partition: stages 1/2 the rank's whole partition as one tensor (torch
         AdamW's temporaries as large as it), stage 3 one sub-group at a time (sub_group_size), beside a copy of
@@ -172,9 +183,15 @@ class ZeRO(Strategy):
         return gathered_for_save(job)
 
     def load_bytes(self, job, options, states) -> int:
-        """ZeRO-3 loads module by module: the module's gathered weights, and on rank 0 the tensor read."""
-        extra = job.shape.largest_tensor * job.dtype_bytes if self.stage == 3 else 0
-        return super().load_bytes(job, options, states) + extra
+        """ZeRO-3 loads module by module: the module's gathered weights, and on rank 0 the tensor read. Ends kept
+        local are read a rank's rows at a time, beside their partition until it is dropped."""
+        if self.stage != 3 or self.ends_gathered(job, options):
+            extra = job.shape.largest_tensor * job.dtype_bytes if self.stage == 3 else 0
+            return super().load_bytes(job, options, states) + extra
+        s = job.shape
+        weights = states.weights or job.dtype_bytes * s.params // job.world
+        rows = -(-s.vocab // job.world) * s.hidden
+        return weights + job.dtype_bytes * max(2 * s.hidden * s.intermediate, 2 * rows)
 
     def validate(self, cfg, topo, target) -> list[str]:
         ds = cfg.parallelism.deepspeed
@@ -224,6 +241,18 @@ class ZeRO(Strategy):
             if opts["offload_param"] != "none":
                 zero["offload_param"] = offload(opts["offload_param"], opts)
         reasons = [r for key, r in knob_reasons.items() if self.stage == 3 or key not in STAGE3_ONLY]
+        lora = cfg.training.lora
+        if self.stage == 3 and lora.enabled and plan.world_size > 1:
+            if not opts["shard_head"] or opts["offload_param"] != "none":
+                why = "shard_head=false" if not opts["shard_head"] else "offload_param is on"
+                reasons.append(f"{self.name} vocabulary: the embedding and the head are ZeRO-3 parameters ({why})")
+            else:
+                trained = f" unless modules_to_save {lora.modules_to_save} trains them" if lora.modules_to_save else ""
+                reasons.append(
+                    f"{self.name} vocabulary: LoRA leaves the embedding and the head frozen, so each rank holds its "
+                    f"rows as a plain tensor and the lookup and loss run vocabulary-parallel: neither is gathered "
+                    f"whole{trained} (untied ends only; the run's sharding says which)"
+                )
         if plan.device == "cpu" and opts["overlap_comm"]:
             reasons.append("deepspeed overlap_comm off: it overlaps on CUDA streams, which a CPU run lacks")
         config = {
@@ -290,9 +319,11 @@ class ZeRO(Strategy):
 
         cpu_without_shm_kernel(plan)
         in_place = self.stage == 3 and use_in_place_gather_for_zero3(accelerator.device)
+        vocab, notes = None, {}
         if pending is None:
             model.to(accelerator.device)
         elif self.stage == 3:
+            vocab, notes = keep_ends_local(model, pending, plan.strategy_options, accelerator.device)
             fill_partitioned(model, pending, accelerator.is_main_process)
         else:
             pending.fill(model, accelerator.device)
@@ -309,6 +340,7 @@ class ZeRO(Strategy):
                 model=model, optimizer=make_optimizer(model), config=config, dist_init_required=False
             )
         engine.ladle_all_gather = "in place" if in_place else "deepspeed"
+        engine.ladle_vocab, engine.ladle_vocab_notes = vocab, notes
         return engine, optimizer
 
     def check_applied(self, accelerator, model, plan) -> dict:
@@ -324,7 +356,11 @@ class ZeRO(Strategy):
         if self.stage == 3:
             local_state = sum(t.numel() for t in opt.fp32_partitioned_groups_flat)
             local_params = sum(p.ds_tensor.numel() for p in model.module.parameters())
-            param_share = local_params / sum(p.ds_numel for p in model.module.parameters())
+            full_params = sum(p.ds_numel for p in model.module.parameters())
+            for end in local_ends(model.module):  # rows held outside ZeRO's partitioning (keep_ends_local)
+                local_params += end.weight.numel()
+                full_params += end.ladle_rows * end.weight.shape[1]
+            param_share = local_params / full_params
         else:
             local_state = sum(t.numel() for t in opt.single_partition_of_fp32_groups)
             param_share = 1.0
@@ -340,6 +376,7 @@ class ZeRO(Strategy):
             "gradients_partitioned": self.stage >= 2,
             "trainable_numel": total,
             "all_gather": getattr(model, "ladle_all_gather", "deepspeed"),
+            **getattr(model, "ladle_vocab_notes", {}),
         }
 
     def no_sync(self, accelerator, model):
@@ -578,6 +615,72 @@ def cpu_without_shm_kernel(plan) -> None:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def ends_stay_local(job, options) -> bool:
+    """Whether a stage-3 plan keeps the embedding and the head out of ZeRO's partitioning (``keep_ends_local``):
+    a LoRA run's untied, frozen ends over 2 or more ranks, their parameters not offloaded."""
+    untied = job.shape.embedding_params == 2 * job.shape.vocab * job.shape.hidden
+    frozen = job.lora and not job.qlora and not job.trained_ends
+    return frozen and untied and job.world > 1 and options.shard_head and options.offload_param == "none"
+
+
+def keep_ends_local(model, pending, options: dict, device):
+    """Take a LoRA run's frozen input embedding and output head out of ZeRO-3's partitioning, each rank holding
+    its rows of the vocabulary (``torch.chunk``'s split, as FSDP2 shards them) as a plain tensor read from the
+    checkpoint; the loss then runs vocabulary-parallel (``runtime.vocab_parallel.ShardedVocab``).
+
+    Partitioned, each end is a ZeRO-3 parameter gathered whole for its forward and again for its backward: on
+    a big-vocabulary model the largest tensor a rank ever holds beside the activations (Llama-3-70B: 128k x 8k,
+    2.1 GB in bf16). Frozen, it needs no gradient and no optimizer state, so nothing of ZeRO's is lost by holding
+    rows instead: the ranks exchange token ids and hidden states (tokens x hidden), not the weight. The ends'
+    weights become non-persistent buffers (outside DeepSpeed's parameters, its checkpoints and the adapter);
+    ZeRO-3 models are never broadcast at ``deepspeed.initialize``, so each rank keeps its own rows.
+
+    Returns the ``ShardedVocab`` (None when neither end qualifies) and what ``check_applied`` reports for each.
+    """
+    import torch.distributed as dist
+
+    from ladle.strategies.runtime.vocab_parallel import ShardedVocab, active_module, shardable
+    from ladle.train.loading import shard_range
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not options.get("shard_head", True):
+        why = ["parallelism.deepspeed.shard_head = false"] * 2
+    elif options.get("offload_param", "none") != "none":
+        why = ["its weights are offloaded"] * 2
+    else:
+        why = list(shardable(model, world))
+    ends = (model.get_input_embeddings(), model.get_output_embeddings())
+    names = {id(m): name for name, m in model.named_modules()}
+    for i, end in enumerate(ends):
+        if why[i] is None and (active_module(end) is not end or any(p.requires_grad for p in end.parameters())):
+            why[i] = "trained (modules_to_save): ZeRO-3 partitions what it steps"
+        if why[i] is not None:
+            continue
+        weight = end.weight
+        full_rows = weight.ds_shape[0] if hasattr(weight, "ds_shape") else weight.shape[0]
+        start, count = shard_range(full_rows, world, rank)
+        rows = pending.source(f"{names[id(end)]}.weight", (slice(start, start + count), slice(None)))
+        del end.weight  # the ZeRO-3 parameter and its partition go with it
+        end.register_buffer("weight", rows.to(device=device, dtype=weight.dtype), persistent=False)
+        end.ladle_first_row, end.ladle_rows = start, full_rows
+    embed, head = (reason is None for reason in why)
+    dtype = ends[0].weight.dtype if embed else None
+    vocab = ShardedVocab(model, dist.group.WORLD, dtype, embed, head) if embed or head else None
+    notes = {
+        "input_embedding": "local rows (vocabulary-parallel lookup, never gathered)"
+        if embed
+        else f"gathered ({why[0]})",
+        "output_head": "local rows (vocabulary-parallel loss, never gathered)" if head else f"gathered ({why[1]})",
+    }
+    return vocab, notes
+
+
+def local_ends(module) -> list:
+    """The ends ``keep_ends_local`` took out of ZeRO-3's partitioning."""
+    ends = (module.get_input_embeddings(), module.get_output_embeddings())
+    return [end for end in ends if end is not None and hasattr(end, "ladle_first_row")]
 
 
 def fill_partitioned(model, pending, main_process: bool) -> None:

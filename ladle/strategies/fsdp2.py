@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ladle import memory, sizing
+from ladle import memory
 from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy
 from ladle.strategies.mesh import Dims
@@ -73,7 +73,7 @@ def keep_vocab_sharded(model, mesh, wanted: bool, offloaded: bool, dtype) -> Non
     elif offloaded:
         why = ("its weights are offloaded to CPU",) * 2
     else:
-        why = shardable(model, mesh)
+        why = shardable(model, mesh.size() if mesh.ndim == 1 else 0)
     embed, head = (reason is None for reason in why)
     model.ladle_vocab = ShardedVocab(model, mesh.get_group(), dtype, embed, head) if embed or head else None
     model.ladle_vocab_notes = {
@@ -85,12 +85,6 @@ def keep_vocab_sharded(model, mesh, wanted: bool, offloaded: bool, dtype) -> Non
 def vocab_stays_sharded(options: dict, replicate: int) -> bool:
     """Whether the plan keeps the embedding and the head sharded (untied ones; checked on the model itself)."""
     return options.get("shard_head", True) and replicate == 1 and not options.get("cpu_offload")
-
-
-def loss_for(model, loss_fn):
-    """The loss to run: the sharded vocabulary's where the model keeps an end sharded."""
-    vocab = getattr(model, "ladle_vocab", None)
-    return vocab.token_loss if vocab is not None else loss_fn
 
 
 def compile_problems(topo) -> list[str]:
@@ -189,12 +183,6 @@ class FSDP2(Strategy):
         return memory.ModelStates(
             states.weights, states.gradients, states.optimizer, states.gathered + root, states.host
         )
-
-    def logits_bytes(self, job, options) -> int:
-        if self.ends_gathered(job, options):
-            return super().logits_bytes(job, options)
-        tokens = job.micro_batch * job.seq_len
-        return sizing.vocab_parallel_logits_bytes(job.shape, tokens, job.dtype_bytes, job.world)
 
     def load_bytes(self, job, options, states) -> int:
         """Loading fills each rank's rows from the safetensors (``Pending.fill`` reads a slice at a time), so
@@ -305,12 +293,6 @@ class FSDP2(Strategy):
         wanted, offloaded = plan.strategy_options.get("shard_head", True), bool(options.get("offload_policy"))
         keep_vocab_sharded(model, mesh, wanted, offloaded, compute)
         return model, make_optimizer(model)
-
-    def forward_backward(self, accelerator, model, data, batch, plan, denominator, loss_fn) -> float:
-        return super().forward_backward(accelerator, model, data, batch, plan, denominator, loss_for(model, loss_fn))
-
-    def evaluate(self, accelerator, model, data, micro: int, loss_fn) -> float:
-        return super().evaluate(accelerator, model, data, micro, loss_for(model, loss_fn))
 
     def check_applied(self, accelerator, model, plan) -> dict:
         from torch.distributed.tensor import DTensor, Replicate, Shard

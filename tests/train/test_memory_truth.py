@@ -74,9 +74,16 @@ def test_sharded_loading_holds_half_the_weights_and_trains_the_same(mid_runs):
     load = above_baseline(results["fsdp2"], "load_peak_memory_mib")
     assert load < 1.2 * weights_mib / 2 + shard_mib, (load, weights_mib, shard_mib)
     assert above_baseline(ddp, "load_peak_memory_mib") > weights_mib
-    # FSDP2's whole-run peak (load, eval and the step): 0.75x DDP's here, 0.81x on the 1.5 GB model
-    # (bench/RESULTS.md) where the goal is 0.75x; asserted at what it reaches, so a regression fails.
-    assert results["fsdp2"].peak_memory_mib < 0.8 * ddp.peak_memory_mib
+    # Neither end is ever gathered: FSDP2 and ZeRO-3 (whose LoRA run holds the frozen ends as local rows) both
+    # look up and compute the loss vocabulary-parallel.
+    for name, held in (("fsdp2", "sharded"), ("zero3", "local rows")):
+        assert results[name].sharding["input_embedding"] == f"{held} (vocabulary-parallel lookup, never gathered)"
+        assert results[name].sharding["output_head"] == f"{held} (vocabulary-parallel loss, never gathered)"
+    # The whole-run peaks (load, eval and the step), asserted near what they reach so a regression fails:
+    # measured 0.62x DDP's for FSDP2 and 0.75x for ZeRO-3 (0.84x with its ends gathered); the 1.5 GB model's
+    # are in bench/RESULTS.md.
+    assert results["fsdp2"].peak_memory_mib < 0.7 * ddp.peak_memory_mib
+    assert results["zero3"].peak_memory_mib < 0.8 * ddp.peak_memory_mib
 
 
 def test_planner_predicts_the_measured_peak(mid_runs):

@@ -98,6 +98,12 @@ def test_sharding_is_real(runs, name, param_share, state_share, tiny_model):
         assert sharding["output_head"] == "sharded (vocabulary-parallel loss, never gathered)"
         assert sharding["input_embedding"] == "sharded (vocabulary-parallel lookup, never gathered)"
         assert sharding["all_gather"] == "in place"  # gloo: broadcasts into FSDP2's buffer, no second copy
+    if name in (
+        "zero3",
+        "zero++",
+    ):  # the frozen embedding as local rows; the trained head (modules_to_save) partitioned
+        assert sharding["input_embedding"] == "local rows (vocabulary-parallel lookup, never gathered)"
+        assert sharding["output_head"] == "gathered (trained (modules_to_save): ZeRO-3 partitions what it steps)"
     if name == "pipeline":  # rank 0: embedding + layers 0-1; rank 1: layers 2-3 + norm + head
         assert (sharding["stages"], sharding["schedule"], sharding["layers_on_rank0"]) == (2, "1f1b", [0, 1])
     if name == "zero++":  # one machine: hpZ off; CPU: no quantizer kernels (the plan says so)

@@ -286,3 +286,30 @@ def test_ddp_broadcast_counts_the_flat_buckets_as_torch_closes_them():
     small = sizing.shape_from_config({**config, "vocab_size": 1000, "num_hidden_layers": 40})
     flat = broadcast_bytes(sizing.Job(small, True, False, 1, 128, 4, False, 2, 1, cuda=False))
     assert 2 * 250 * 2**20 <= flat <= 2 * (250 * 2**20 + 4 * max(sizing.tensor_sizes(small)))
+
+
+def test_zero3_lora_keeps_frozen_ends_local_unless_trained_or_asked_not_to(machines):
+    """The 70B LoRA recipe under ZeRO-3 on 8 GPUs: the frozen ends stay local rows (nothing larger than a decoder
+    layer gathered, the logits a chunk); an end that modules_to_save trains, or shard_head=false, gathers them."""
+    from ladle.config import load_config
+    from ladle.inputs import local_model_config
+    from ladle.plan import plan_estimate
+
+    estimates = {}
+    for name, extra in {
+        "local": [],
+        "trained": ["training.lora.modules_to_save=[lm_head]"],
+        "off": ["parallelism.deepspeed.shard_head=false"],
+    }.items():
+        cfg = load_config("llama3-70b-fsdp2", ["parallelism.strategy=zero3", "parallelism.fsdp2.compile=false", *extra])
+        model = local_model_config(cfg)
+        made = make_plan(cfg, machines["8x80 nvswitch"], model=model)
+        assert made.strategy == "zero3"
+        estimates[name] = plan_estimate(cfg, made, model)
+    shape = sizing.shape_from_config(model)
+    layer = 2 * shape.layer_params  # bf16
+    assert estimates["local"].gathered == 2 * layer  # the layer in its backward and the one prefetched
+    for gathered in ("trained", "off"):
+        assert estimates[gathered].gathered == layer + 2 * shape.embedding_params
+        assert estimates[gathered].logits > estimates["local"].logits
+        assert estimates[gathered].weights == estimates["local"].weights  # the same share of the base

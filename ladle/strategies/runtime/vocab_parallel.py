@@ -14,6 +14,9 @@ averages.
 The head stays a FSDP unit (so its parameter is the same ``Shard(0)`` DTensor for the optimizer, checkpoints and
 saving); it is only taken out of the model's forward while the loss runs (``bypassed``), so FSDP2's runtime never
 sees it and never gathers it.
+
+ZeRO-3 runs the same ops for a LoRA run's frozen ends: ``deepspeed.keep_ends_local`` takes them out of ZeRO's
+partitioning and leaves each rank its rows as a plain tensor (``local_rows`` reads either form).
 """
 
 from __future__ import annotations
@@ -39,12 +42,13 @@ def active_module(wrapped):
     return getattr(wrapped, "original_module", wrapped)
 
 
-def shardable(model, mesh) -> tuple[str | None, str | None]:
-    """Why the input embedding and the output head cannot be kept sharded here (``None`` for each that can)."""
+def shardable(model, ranks: int) -> tuple[str | None, str | None]:
+    """Why the input embedding and the output head cannot be kept sharded over ``ranks`` data-parallel ranks
+    (``None`` for each that can; ``ranks`` 0: more than one data-parallel dimension)."""
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         tied = "its weight is tied to the other end of the model, which needs it whole"
         return tied, tied
-    if mesh.ndim != 1 or mesh.size() < 2:
+    if ranks < 2:
         one = "kept sharded over one data-parallel dimension of 2 or more ranks only"
         return one, one
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -66,6 +70,15 @@ def owner_of(model, child) -> tuple[torch.nn.Module, str]:
     raise RuntimeError(f"{type(child).__name__} is not a submodule of {type(model).__name__}")
 
 
+def local_rows(module, group) -> tuple[torch.Tensor, int]:
+    """This rank's rows of ``module``'s weight and the index of the first: a FSDP2 ``Shard(0)`` DTensor's local
+    part, or the rows a ZeRO-3 end holds as a plain tensor (``deepspeed.keep_ends_local``)."""
+    weight = module.weight
+    if hasattr(weight, "to_local"):
+        return weight.to_local(), first_row(weight.shape[0], group)
+    return weight, module.ladle_first_row
+
+
 def first_row(vocab: int, group) -> int:
     """This rank's first row of a ``vocab``-row weight that FSDP2 shards on dim 0 (as torch.chunk does)."""
     rows = -(-vocab // dist.get_world_size(group))
@@ -73,11 +86,11 @@ def first_row(vocab: int, group) -> int:
 
 
 class ShardedVocab:
-    """The loss of a FSDP2 model whose input embedding and/or output head stay sharded.
+    """The loss of a model whose input embedding and/or output head stay sharded (FSDP2, or ZeRO-3's frozen ends).
 
     Args:
-        model: the FSDP2-wrapped (peft or Hugging Face) causal LM.
-        group: the process group FSDP2 shards over.
+        model: the (peft or Hugging Face) causal LM, FSDP2-wrapped or DeepSpeed's engine's module.
+        group: the process group the ends are sharded over.
         dtype: the compute dtype (FSDP2's ``param_dtype``): the embedding's output is cast to it.
         embed, head: keep this end sharded (the caller checked ``shardable``).
     """
@@ -104,8 +117,7 @@ class ShardedVocab:
 
     def embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of ``ids`` (batch x seq), looked up shard-wise (collective)."""
-        weight = self.embed.weight.to_local()
-        start = first_row(self.embed.weight.shape[0], self.group)
+        weight, start = local_rows(self.embed, self.group)
         flat = VocabParallelEmbedding.apply(
             weight, ids.reshape(-1), start, self.group, self.dtype, self.embed.padding_idx
         )
@@ -124,8 +136,7 @@ class ShardedVocab:
         if self.head is None:
             return token_cross_entropy(out, labels)
         hidden = out[:, :-1].reshape(-1, out.size(-1))
-        weight = self.head.weight.to_local()
-        start = first_row(self.head.weight.shape[0], self.group)
+        weight, start = local_rows(self.head, self.group)
         loss = VocabParallelLoss.apply(hidden, weight, targets, start, self.group)
         return loss, int((targets != IGNORE).sum())
 
