@@ -654,8 +654,10 @@ def keep_ends_local(model, pending, options: dict, device):
     ends = (model.get_input_embeddings(), model.get_output_embeddings())
     names = {id(m): name for name, m in model.named_modules()}
     for i, end in enumerate(ends):
-        if why[i] is None and (active_module(end) is not end or any(p.requires_grad for p in end.parameters())):
+        if why[i] is None and active_module(end) is not end:
             why[i] = "trained (modules_to_save): ZeRO-3 partitions what it steps"
+        elif why[i] is None and any(p.requires_grad for p in end.parameters()):
+            why[i] = "trained: ZeRO-3 partitions what it steps"
         if why[i] is not None:
             continue
         weight = end.weight
