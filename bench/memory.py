@@ -12,7 +12,7 @@ and the planner's per-rank prediction for this CPU host (no CUDA context, float3
 step, compared with the measured peak minus the baseline. Then the merge of a LoRA adapter into the same
 base: peak RSS of the streaming merge against one full copy of the weights.
 
-    python bench/memory.py [--only ddp,fsdp2] [--modes lora,full] [--shape deep|wide-vocab] [--set k=v]
+    python bench/memory.py [--only ddp,fsdp2] [--modes lora,full] [--shape deep|wide-vocab|large] [--set k=v]
 
 Runs one training at a time (memory, not speed, is measured; two at once would not change a process's
 RSS, but the full fine-tunes need ~15 GB together).
@@ -44,7 +44,21 @@ SHAPE = {
 # Llama-3's 128k vocabulary on 4 layers: the embedding and the head (501 MiB each in float32) are 84 % of the
 # weights, so what happens to the head (gathered, or kept sharded) shows in each rank's peak.
 WIDE_VOCAB = {**SHAPE, "num_hidden_layers": 4, "vocab_size": 128256}
-SHAPES = {"deep": ("big-random-llama-v1", SHAPE), "wide-vocab": ("wide-vocab-random-llama-v1", WIDE_VOCAB)}
+# The size the memory-truth issue measured with (0.73B parameters, 2.8 GB in float32): LoRA rows only, as there
+# (a full fine-tune's DDP replica with its Adam states would need ~24 GB for the two ranks).
+LARGE = {
+    **SHAPE,
+    "hidden_size": 1536,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 25,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+}
+SHAPES = {
+    "deep": ("big-random-llama-v1", SHAPE),
+    "wide-vocab": ("wide-vocab-random-llama-v1", WIDE_VOCAB),
+    "large": ("large-random-llama-v1", LARGE),
+}
 
 
 def big_model(shape: str = "deep") -> Path:
