@@ -75,9 +75,12 @@ def zero3(
 
 
 def lora(params: int, trainable: int, ranks: int = 1, shard_base: bool = False) -> ModelStates:
-    """LoRA: a frozen 16-bit base (sharded under FSDP2/ZeRO-3 when ``shard_base``), states only for the adapters."""
-    base = WEIGHT_16 * params // (ranks if shard_base else 1)
-    return ModelStates(base + WEIGHT_16 * trainable, GRAD_16 * trainable, FP32_STATES * trainable, 0)
+    """LoRA: a frozen 16-bit base, states only for what is trained (the adapters and any ``modules_to_save``
+    copies); under FSDP2/ZeRO-3 (``shard_base``) both are sharded over ``ranks``."""
+    r = ranks if shard_base else 1
+    return ModelStates(
+        WEIGHT_16 * params // r + WEIGHT_16 * trainable // r, GRAD_16 * trainable // r, FP32_STATES * trainable // r, 0
+    )
 
 
 def fp32(params: int, ranks: int = 1, master_copy: bool = False) -> ModelStates:

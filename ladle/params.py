@@ -248,23 +248,56 @@ def count_params(config: dict) -> tuple[int, str]:
     return meta_count(config), "meta-device"
 
 
-def lora_params(config: dict, r: int, target_modules: list[str] | str) -> int:
-    """Trainable LoRA parameters for ``target_modules`` (name suffix match, or 'all-linear' minus the head), as peft builds them."""
+def lora_params(config: dict, r: int, target_modules: list[str] | str, modules_to_save: list[str] = ()) -> int:
+    """Trainable parameters of a LoRA run as peft builds them: the adapters on ``target_modules`` (name suffix
+    match, or 'all-linear' minus the head), plus the trained copy peft makes of each ``modules_to_save`` module
+    (an embedding or head copy can outweigh every adapter: Llama-3's head is 525M parameters)."""
     parts = layout(config)
     if parts is None:
         raise LadleError(
             f"model_type = {config.get('model_type')!r}: LoRA counting needs a known family ({', '.join(FAMILIES)})."
         )
-    if any(isinstance(p, Experts) for p in parts):
-        # peft wraps fused expert parameters too (all-linear, and names that collide with them)
-        # by rules of its own; ask peft itself rather than mirror them.
-        return meta_lora_count(config, r, target_modules)
+    saved = saved_parts(parts, modules_to_save)
+    if saved is None or any(isinstance(p, Experts) for p in parts):
+        # peft wraps fused expert parameters too (all-linear, and names that collide with them) by rules of its
+        # own, and matches modules_to_save against full module names; where the layout cannot say which modules
+        # those are, ask peft itself rather than mirror its rules.
+        return meta_lora_count(config, r, target_modules, modules_to_save)
     linears = [p for p in parts if isinstance(p, Linear)]
     if target_modules == "all-linear":
         chosen = [p for p in linears if p.name != "lm_head"]
     else:
         chosen = [p for p in linears if p.name in set(target_modules)]
-    return sum(p.count * r * (p.fan_in + p.fan_out) for p in chosen)
+    return sum(p.count * r * (p.fan_in + p.fan_out) for p in chosen) + sum(p.params for p in saved)
+
+
+ENDS = ("embed_tokens", "lm_head")
+END_KEYS = ("model.embed_tokens", "lm_head")  # their full names in every family the layout knows
+
+
+def saved_parts(parts: Layout, modules_to_save: list[str]) -> list | None:
+    """The layout's parts that ``modules_to_save`` names, or None when the layout cannot say. Only the ends are
+    read from the layout: peft matches every module whose full name ends with an entry (``norm`` is every
+    layer's norms too), and a tied head is no part of its own; anything else is counted by peft itself."""
+    out: list = []
+    for entry in modules_to_save:
+        name = entry.rsplit(".", 1)[-1]
+        matched = [p for p in parts if p.name == name]
+        if name not in ENDS or not matched:
+            return None
+        out += [p for p in matched if p not in out]
+    return out
+
+
+def trains_ends(config: dict, modules_to_save: list[str]) -> bool:
+    """Whether ``modules_to_save`` trains the input embedding or the output head, matched as peft matches (a
+    module whose full name ends with an entry). True for a family the layout does not know, whose ends may be
+    named otherwise: a sharded strategy then sizes both ends as gathered, the larger figure."""
+    if not modules_to_save:
+        return False
+    if layout(config) is None:
+        return True
+    return any(key.endswith(entry) for key in END_KEYS for entry in modules_to_save)
 
 
 def meta_count(config: dict) -> int:
@@ -278,13 +311,15 @@ def meta_count(config: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def meta_lora_count(config: dict, r: int, target_modules: list[str] | str) -> int:
-    """LoRA trainable parameters as peft builds them, on a meta-device model."""
+def meta_lora_count(config: dict, r: int, target_modules: list[str] | str, modules_to_save: list[str] = ()) -> int:
+    """LoRA trainable parameters (adapters and ``modules_to_save`` copies) as peft builds them, on a meta-device
+    model."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-    peft_model = get_peft_model(model, LoraConfig(r=r, target_modules=target_modules))
+    lora = LoraConfig(r=r, target_modules=target_modules, modules_to_save=list(modules_to_save) or None)
+    peft_model = get_peft_model(model, lora)
     return sum(p.numel() for p in peft_model.parameters() if p.requires_grad)

@@ -487,7 +487,8 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
     from ladle import params
 
     lora = cfg.training.lora
-    trainable = params.lora_params(model, lora.r, lora.target_modules) if lora.enabled else None
+    saved = lora.modules_to_save
+    trainable = params.lora_params(model, lora.r, lora.target_modules, saved) if lora.enabled else None
     world = target.world_size
     return sizing.Job(
         shape=sizing.shape_from_config(model, trainable),
@@ -502,7 +503,7 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         microbatches=max(1, (cfg.training.global_batch_size or micro * world) // micro),
         cuda=target.device == "cuda",
         save_shard_bytes=cfg.training.save_shard_mib * 2**20,
-        trained_ends=bool(lora.enabled and lora.modules_to_save),
+        trained_ends=lora.enabled and params.trains_ends(model, saved),
     )
 
 

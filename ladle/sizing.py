@@ -249,7 +249,7 @@ class Job:
     microbatches: int = 1  # pipeline: microbatches per step
     cuda: bool = True
     save_shard_bytes: int = 512 * 2**20  # training.save_shard_mib: the part of a full model rank 0 gathers at once
-    trained_ends: bool = False  # LoRA's modules_to_save names something: the embedding or the head may be trained
+    trained_ends: bool = False  # LoRA's modules_to_save trains the embedding or the head (params.trains_ends)
 
     @property
     def world(self) -> int:
@@ -259,13 +259,14 @@ class Job:
 def lora_states(
     job: Job, base_ranks: int, offload_params: bool = False, ends_gathered: bool = True
 ) -> memory.ModelStates:
-    """LoRA (and QLoRA) states per rank: the frozen base divided over ``base_ranks`` ranks, states for
-    the adapters only; ``offload_params`` keeps the base in host memory; ``ends_gathered``: a sharded base's
+    """LoRA (and QLoRA) states per rank: the frozen base divided over ``base_ranks`` ranks, states only for
+    what is trained (``shape.trainable``: the adapters and any modules_to_save copies), divided with the base;
+    ``offload_params`` keeps the base in host memory; ``ends_gathered``: a sharded base's
     embedding and head are gathered whole (false: FSDP2's vocabulary-parallel ends, never gathered)."""
     s = job.shape
     base = memory.lora(s.params, s.trainable, base_ranks, shard_base=base_ranks > 1)
     if job.dtype_bytes == 4:  # a float32 run (CPU): 4-byte base and adapters, torch AdamW's moments
-        adapters = memory.fp32(s.trainable)
+        adapters = memory.fp32(s.trainable, base_ranks)  # sharded with the base where the base is
         base = memory.ModelStates(
             4 * s.params // base_ranks + adapters.weights, adapters.gradients, adapters.optimizer, 0
         )

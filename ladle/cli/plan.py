@@ -16,7 +16,7 @@ def model_size(cfg, model: dict | None) -> dict:
         return {}
     params, how = count_params(model)
     lora = cfg.training.lora
-    trainable = lora_params(model, lora.r, lora.target_modules) if lora.enabled else params
+    trainable = lora_params(model, lora.r, lora.target_modules, lora.modules_to_save) if lora.enabled else params
     return {
         "params": params,
         "trainable_params": trainable,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ladle.params import FAMILIES, count_params, lora_params, meta_count
+from ladle.params import FAMILIES, count_params, lora_params, meta_count, trains_ends
 from tests.helpers import LLAMA3_8B, MISTRAL_7B, QWEN2_7B
 
 SMALL = {
@@ -73,9 +73,19 @@ def test_real_configs(config, published):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "phi3", "deepseek_v3", "mixtral"])
 @pytest.mark.parametrize(
-    "targets", [["q_proj", "v_proj"], "all-linear", ["o_proj", "down_proj", "qkv_proj", "kv_b_proj"]]
+    ("targets", "saved"),
+    [
+        (["q_proj", "v_proj"], []),
+        ("all-linear", []),
+        (["o_proj", "down_proj", "qkv_proj", "kv_b_proj"], []),
+        # peft trains a full copy of each: the head (tied to the embedding in some families) and the embedding
+        (["q_proj", "v_proj"], ["lm_head"]),
+        ("all-linear", ["lm_head", "embed_tokens"]),
+        (["q_proj"], ["model.norm"]),
+        (["q_proj"], ["norm"]),  # every module whose name ends with it: the layers' norms too
+    ],
 )
-def test_lora_counts_match_peft(family, targets):
+def test_lora_counts_match_peft(family, targets, saved):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -87,6 +97,8 @@ def test_lora_counts_match_peft(family, targets):
     wanted = targets if targets == "all-linear" else [t for t in targets if t in names]
     if not wanted:
         pytest.skip(f"{family} has none of {targets}")
-    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=wanted))
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=wanted, modules_to_save=saved or None))
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    assert lora_params(config, 4, wanted) == trainable
+    assert lora_params(config, 4, wanted, saved) == trainable
+    trains = any(n.endswith(("lm_head", "embed_tokens")) for n in saved)
+    assert trains_ends(config, saved) is trains

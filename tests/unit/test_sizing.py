@@ -290,7 +290,8 @@ def test_ddp_broadcast_counts_the_flat_buckets_as_torch_closes_them():
 
 def test_zero3_lora_keeps_frozen_ends_local_unless_trained_or_asked_not_to(machines):
     """The 70B LoRA recipe under ZeRO-3 on 8 GPUs: the frozen ends stay local rows (nothing larger than a decoder
-    layer gathered, the logits a chunk); an end that modules_to_save trains, or shard_head=false, gathers them."""
+    layer gathered, the logits a chunk); an end that modules_to_save trains, or shard_head=false, gathers them,
+    and a trained head's copy is sized with its states."""
     from ladle.config import load_config
     from ladle.inputs import local_model_config
     from ladle.plan import plan_estimate
@@ -312,4 +313,8 @@ def test_zero3_lora_keeps_frozen_ends_local_unless_trained_or_asked_not_to(machi
     for gathered in ("trained", "off"):
         assert estimates[gathered].gathered == layer + 2 * shape.embedding_params
         assert estimates[gathered].logits > estimates["local"].logits
-        assert estimates[gathered].weights == estimates["local"].weights  # the same share of the base
+    assert estimates["off"].weights == estimates["local"].weights  # the same share of the base
+    # modules_to_save: peft's trained copy of the head, with its gradient and Adam states, sharded over the 8 ranks
+    head = shape.embedding_params // 2
+    added = {k: getattr(estimates["trained"], k) - getattr(estimates["local"], k) for k in ("weights", "optimizer")}
+    assert added == {"weights": pytest.approx(2 * head / 8, abs=2), "optimizer": pytest.approx(16 * head / 8, abs=2)}
