@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pydantic import Field
@@ -61,6 +62,14 @@ class DDP(Strategy):
         states = memory.fp32(params) if job.dtype_bytes == 4 else memory.ddp(params)
         buckets = job.dtype_bytes * params
         return memory.ModelStates(states.weights, states.gradients + buckets, states.optimizer, states.gathered)
+
+    def estimate(self, job, options):
+        """A LoRA run's reducer holds flat buckets too: a second copy of every trained gradient (the adapters', and
+        those of a modules_to_save copy, which can be as large as the head)."""
+        est = super().estimate(job, options)
+        if not job.lora or job.world == 1:
+            return est
+        return dataclasses.replace(est, gradients=est.gradients + job.dtype_bytes * job.shape.trainable)
 
     def load_bytes(self, job, options, states) -> int:
         """Loading reads one tensor at a time; once it is done, wrapping broadcasts rank 0's weights
