@@ -150,13 +150,19 @@ def test_plan_reports_model_size(tmp_path):
         timeout=60,
     )
     plan = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (plan["params"], plan["trainable_params"], plan["strategy"]) == (8_030_261_248, 3_407_872, "ddp")
+    # the adapters (3,407,872), plus the trained copies of both ends the recipe's modules_to_save asks for
+    adapters, ends = 3_407_872, 2 * 128_256 * 4_096
+    assert (plan["params"], plan["trainable_params"], plan["strategy"]) == (8_030_261_248, adapters + ends, "ddp")
     # an 8B base in float32 is 30 GiB per CPU process: the explicit choice wins, with the numbers
     assert any(w.startswith("parallelism.strategy = ddp needs") for w in plan["warnings"])
     too_big = run_cli("plan", RECIPE, "--model-config", str(tmp_path), *lora, "--json", timeout=60)
     assert_clean_error(too_big, "parallelism.strategy = auto: no strategy fits")
     failed = json.loads(too_big.stdout.strip().splitlines()[-1])  # what was computed comes with the failure
-    assert (failed["status"], failed["params"], failed["trainable_params"]) == ("failed", 8_030_261_248, 3_407_872)
+    assert (failed["status"], failed["params"], failed["trainable_params"]) == (
+        "failed",
+        8_030_261_248,
+        adapters + ends,
+    )
     assert failed["candidates"] and all(c["per_rank_gib"] > 0 and not c["fits"] for c in failed["candidates"])
     assert plan["launch_command"].startswith("accelerate launch --multi_gpu --num_processes 2")
     (tmp_path / "config.json").write_text("{oops")
