@@ -66,6 +66,11 @@ class ModelShape:
         return self.params - self.embedding_params
 
     @property
+    def untied(self) -> bool:
+        """Whether the head is a weight of its own (not the input embedding's)."""
+        return self.embedding_params == 2 * self.vocab * self.hidden
+
+    @property
     def largest_tensor(self) -> int:
         """Elements of the largest single weight (the embedding, or an MLP projection)."""
         return max(self.vocab * self.hidden, self.hidden * self.intermediate)

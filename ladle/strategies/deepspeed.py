@@ -185,13 +185,14 @@ class ZeRO(Strategy):
     def load_bytes(self, job, options, states) -> int:
         """ZeRO-3 loads module by module: the module's gathered weights, and on rank 0 the tensor read. Ends kept
         local are read a rank's rows at a time, beside their partition until it is dropped."""
-        if self.stage != 3 or self.ends_gathered(job, options):
-            extra = job.shape.largest_tensor * job.dtype_bytes if self.stage == 3 else 0
-            return super().load_bytes(job, options, states) + extra
+        base = super().load_bytes(job, options, states)  # the share plus the largest tensor read
+        if self.stage != 3:
+            return base
         s = job.shape
-        weights = states.weights or job.dtype_bytes * s.params // job.world
+        if self.ends_gathered(job, options):
+            return base + s.largest_tensor * job.dtype_bytes
         rows = -(-s.vocab // job.world) * s.hidden
-        return weights + job.dtype_bytes * max(2 * s.hidden * s.intermediate, 2 * rows)
+        return base + job.dtype_bytes * (max(2 * s.hidden * s.intermediate, 2 * rows) - s.largest_tensor)
 
     def validate(self, cfg, topo, target) -> list[str]:
         ds = cfg.parallelism.deepspeed
@@ -620,9 +621,8 @@ def cpu_without_shm_kernel(plan) -> None:
 def ends_stay_local(job, options) -> bool:
     """Whether a stage-3 plan keeps the embedding and the head out of ZeRO's partitioning (``keep_ends_local``):
     a LoRA run's untied, frozen ends over 2 or more ranks, their parameters not offloaded."""
-    untied = job.shape.embedding_params == 2 * job.shape.vocab * job.shape.hidden
     frozen = job.lora and not job.qlora and not job.trained_ends
-    return frozen and untied and job.world > 1 and options.shard_head and options.offload_param == "none"
+    return frozen and job.shape.untied and job.world > 1 and options.shard_head and options.offload_param == "none"
 
 
 def keep_ends_local(model, pending, options: dict, device):
@@ -641,7 +641,7 @@ def keep_ends_local(model, pending, options: dict, device):
     """
     import torch.distributed as dist
 
-    from ladle.strategies.runtime.vocab_parallel import ShardedVocab, active_module, shardable
+    from ladle.strategies.runtime.vocab_parallel import ShardedVocab, active_module, end_notes, shardable
     from ladle.train.loading import shard_range
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -670,13 +670,7 @@ def keep_ends_local(model, pending, options: dict, device):
     embed, head = (reason is None for reason in why)
     dtype = ends[0].weight.dtype if embed else None
     vocab = ShardedVocab(model, dist.group.WORLD, dtype, embed, head) if embed or head else None
-    notes = {
-        "input_embedding": "local rows (vocabulary-parallel lookup, never gathered)"
-        if embed
-        else f"gathered ({why[0]})",
-        "output_head": "local rows (vocabulary-parallel loss, never gathered)" if head else f"gathered ({why[1]})",
-    }
-    return vocab, notes
+    return vocab, end_notes(why, "local rows")
 
 
 def local_ends(module) -> list:

@@ -66,7 +66,7 @@ def keep_vocab_sharded(model, mesh, wanted: bool, offloaded: bool, dtype) -> Non
     """Look up the embeddings and compute the loss against each rank's own rows (``runtime.vocab_parallel``)
     where that applies, so neither end of the model is ever gathered; record why not otherwise
     (``check_applied`` reports it)."""
-    from ladle.strategies.runtime.vocab_parallel import ShardedVocab, shardable
+    from ladle.strategies.runtime.vocab_parallel import ShardedVocab, end_notes, shardable
 
     if not wanted:
         why = ("parallelism.fsdp2.shard_head = false",) * 2
@@ -76,10 +76,7 @@ def keep_vocab_sharded(model, mesh, wanted: bool, offloaded: bool, dtype) -> Non
         why = shardable(model, mesh.size() if mesh.ndim == 1 else 0)
     embed, head = (reason is None for reason in why)
     model.ladle_vocab = ShardedVocab(model, mesh.get_group(), dtype, embed, head) if embed or head else None
-    model.ladle_vocab_notes = {
-        "input_embedding": "sharded (vocabulary-parallel lookup, never gathered)" if embed else f"gathered ({why[0]})",
-        "output_head": "sharded (vocabulary-parallel loss, never gathered)" if head else f"gathered ({why[1]})",
-    }
+    model.ladle_vocab_notes = end_notes(why, "sharded")
 
 
 def vocab_stays_sharded(options: dict, replicate: int) -> bool:
@@ -158,8 +155,7 @@ class FSDP2(Strategy):
         return [*out, Candidate(self, 35, why)]
 
     def ends_gathered(self, job, options) -> bool:
-        untied = job.shape.embedding_params == 2 * job.shape.vocab * job.shape.hidden
-        return not (untied and job.world > 1 and vocab_stays_sharded(options.model_dump(), options.replicate))
+        return not (job.shape.untied and job.world > 1 and vocab_stays_sharded(options.model_dump(), options.replicate))
 
     def model_states(self, job, options) -> memory.ModelStates:
         s, hsdp, offload = job.shape, options.replicate != 1, options.cpu_offload

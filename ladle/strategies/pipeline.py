@@ -89,7 +89,7 @@ class Pipeline(Strategy):
         AdamW's moments in a float32 run (CPU), the mixed-precision layout otherwise. Measured on bench/memory.py's
         deep model (28 layers, 32k vocabulary): 4 stages put 0.293 of the weights on stage 0, not 1/4."""
         s = job.shape
-        end = s.embedding_params // 2 if s.embedding_params == 2 * s.vocab * s.hidden else s.embedding_params
+        end = s.embedding_params // 2 if s.untied else s.embedding_params
         params = min(s.params, s.layer_params * -(-s.layers // job.world) + end)
         return memory.fp32(params) if job.dtype_bytes == 4 else memory.ddp(params)
 

@@ -61,6 +61,19 @@ def shardable(model, ranks: int) -> tuple[str | None, str | None]:
     return embed_why, head_why
 
 
+def end_notes(why: list | tuple, held: str) -> dict[str, str]:
+    """What ``check_applied`` reports for each end: ``held`` (how a kept-sharded end is held) or why it is
+    gathered, from ``why`` (a reason per end, ``None`` where it is kept sharded)."""
+    return {
+        "input_embedding": f"{held} (vocabulary-parallel lookup, never gathered)"
+        if why[0] is None
+        else f"gathered ({why[0]})",
+        "output_head": f"{held} (vocabulary-parallel loss, never gathered)"
+        if why[1] is None
+        else f"gathered ({why[1]})",
+    }
+
+
 def owner_of(model, child) -> tuple[torch.nn.Module, str]:
     """The module holding ``child`` as an attribute, and the attribute's name."""
     for module in model.modules():
