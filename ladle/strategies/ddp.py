@@ -9,13 +9,23 @@ from pydantic import Field
 
 from ladle import memory, sizing
 from ladle.schema import Section
-from ladle.strategies.base import Candidate, Strategy
+from ladle.strategies.base import Candidate, Strategy, gathered_for_save
 from ladle.strategies.registry import register
 
 
 class DDPOptions(Section):
     bucket_cap_mb: int = Field(25, ge=1, description="DDP gradient bucket size in MiB.")
     find_unused_parameters: bool = Field(False, description="Let DDP tolerate parameters without gradients.")
+    gradient_as_bucket_view: bool = Field(
+        True,
+        description="Gradients are views into DDP's all-reduce buckets, so a rank holds one copy of them, not two "
+        "(the gradients and the reducer's flat buckets). false: torch's default layout, a second copy.",
+    )
+
+
+def grads_in_buckets(job, options) -> bool:
+    """Whether a rank's gradients live in the reducer's buckets (one copy), not beside them (two)."""
+    return job.world > 1 and getattr(options, "gradient_as_bucket_view", True)
 
 
 BROADCAST_BUCKET = 250 * 2**20  # DDP's _sync_module_states bucket
@@ -57,19 +67,29 @@ class DDP(Strategy):
         return [Candidate(self, 0, why)]
 
     def model_states(self, job, options) -> memory.ModelStates:
-        """A full replica, plus the reducer's flat gradient buckets (a second copy of every gradient)."""
+        """A full replica. With more than one rank the reducer's flat buckets hold the gradients
+        (``gradient_as_bucket_view``), or, with that option off, a second copy of every gradient beside them."""
         params = job.shape.params
         states = memory.fp32(params) if job.dtype_bytes == 4 else memory.ddp(params)
+        if job.world == 1 or grads_in_buckets(job, options):
+            return states
         buckets = job.dtype_bytes * params
         return memory.ModelStates(states.weights, states.gradients + buckets, states.optimizer, states.gathered)
 
     def estimate(self, job, options):
-        """A LoRA run's reducer holds flat buckets too: a second copy of every trained gradient (the adapters', and
-        those of a modules_to_save copy, which can be as large as the head)."""
+        """With ``gradient_as_bucket_view`` off, a LoRA run's reducer holds flat buckets too: a second copy of
+        every trained gradient (the adapters', and those of a modules_to_save copy, which can be as large as
+        the head)."""
         est = super().estimate(job, options)
-        if not job.lora or job.world == 1:
+        if not job.lora or job.world == 1 or grads_in_buckets(job, options):
             return est
         return dataclasses.replace(est, gradients=est.gradients + job.dtype_bytes * job.shape.trainable)
+
+    def save_bytes(self, job, options, states) -> int:
+        """With the gradients in the reducer's buckets, zero_grad frees nothing: the buckets stay allocated."""
+        if not grads_in_buckets(job, options):
+            return super().save_bytes(job, options, states)
+        return gathered_for_save(job)
 
     def load_bytes(self, job, options, states) -> int:
         """Loading reads one tensor at a time; once it is done, wrapping broadcasts rank 0's weights
@@ -84,6 +104,7 @@ class DDP(Strategy):
         ddp = DistributedDataParallelKwargs(
             bucket_cap_mb=opts.get("bucket_cap_mb", 25),
             find_unused_parameters=opts.get("find_unused_parameters", False),
+            gradient_as_bucket_view=opts.get("gradient_as_bucket_view", True),
         )
         return {"kwargs_handlers": [ddp]}
 
@@ -92,6 +113,17 @@ class DDP(Strategy):
             pending.fill(model, accelerator.device)  # a full replica on every rank
         return accelerator.prepare(model, make_optimizer(model))
 
+    def optimizer_step(self, accelerator, model, optimizer, max_grad_norm: float) -> None:
+        """With the gradients as bucket views, zero them in place: set to None, the next micro-batches of an
+        accumulated step would accumulate into fresh tensors beside the buckets (two copies again) until the
+        reducer re-points them at its synchronising backward."""
+        if not getattr(model, "gradient_as_bucket_view", False):
+            return super().optimizer_step(accelerator, model, optimizer, max_grad_norm)
+        if max_grad_norm > 0:
+            accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
     def check_applied(self, accelerator, model, plan) -> dict:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -99,7 +131,13 @@ class DDP(Strategy):
             raise RuntimeError(
                 f"strategy ddp planned for {plan.world_size} ranks but the model is {type(model).__name__}"
             )
-        return {"wrapper": type(model).__name__, "parameter_share": 1.0}
+        report = {"wrapper": type(model).__name__, "parameter_share": 1.0}
+        if isinstance(model, DistributedDataParallel):
+            wanted = plan.strategy_options.get("gradient_as_bucket_view", True)
+            if model.gradient_as_bucket_view != wanted:
+                raise RuntimeError(f"ddp: gradient_as_bucket_view={wanted} planned, the wrapper has the opposite")
+            report["gradients"] = "views into the all-reduce buckets" if wanted else "a copy beside the buckets"
+        return report
 
 
 register(DDP())

@@ -92,6 +92,9 @@ def test_sharding_is_real(runs, name, param_share, state_share, tiny_model):
         assert sharding["gradients_partitioned"] is (name != "zero1")
         # gloo: ZeRO-3's parameter gathers broadcast into DeepSpeed's flat buffer, no second copy
         assert sharding["all_gather"] == ("in place" if name in ("zero3", "zero++") else "deepspeed")
+    if name == "ddp":  # one copy of the gradients: in the reducer's buckets (accumulation zeroes them in place)
+        assert sharding["wrapper"] == "DistributedDataParallel"
+        assert sharding["gradients"] == "views into the all-reduce buckets"
     if name == "fsdp2":
         assert sharding["wrapper"] == "FSDP2" and sharding["decoder_layers_sharded"] == 4
         # neither end is ever gathered, the trained head (peft's copy of lm_head) included

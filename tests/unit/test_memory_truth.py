@@ -167,9 +167,14 @@ def test_step_and_save_transients_are_sized():
     ddp = estimate("parallelism.strategy=ddp")
     assert ddp.step == 8 * shape["largest_tensor"]  # sqrt(v) and its quotient, one tensor at a time
     # Rank 0 gathers a part of the weights at a time (512 MiB: the tiny model is one part) plus the tensor being
-    # gathered, less the gradients zero_grad freed; DeepSpeed keeps its gradient partitions.
+    # gathered. DDP's gradients live in its reducer's buckets, which zero_grad does not free (nor does DeepSpeed
+    # free its gradient partitions); with gradient_as_bucket_view off, zero_grad frees the gradients beside the
+    # buckets, and the reducer holds a second copy of them throughout.
     largest = 4 * shape["largest_tensor"]
-    assert ddp.save == 4 * shape["params"] + largest - 4 * shape["params"] and ddp.peak == max(ddp.total, ddp.load)
+    assert world == 2 and ddp.save == 4 * shape["params"] + largest and ddp.gradients == 4 * shape["params"]
+    copied = estimate("parallelism.strategy=ddp", "parallelism.ddp.gradient_as_bucket_view=false")
+    assert copied.save == 4 * shape["params"] + largest - 4 * shape["params"]
+    assert copied.gradients == 2 * ddp.gradients and copied.peak > ddp.peak == max(ddp.total, ddp.load)
     assert auto.save == 4 * shape["params"] + largest
     assert auto.context == ENGINE_HOST_BYTES  # DeepSpeed's engine on a CPU host
     assert auto.peak == max(auto.total, auto.load + auto.context, auto.states + auto.save + auto.context)
