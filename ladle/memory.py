@@ -83,9 +83,7 @@ def lora(params: int, trainable: int, ranks: int = 1, shard_base: bool = False) 
     )
 
 
-def fp32(params: int, ranks: int = 1, master_copy: bool = False) -> ModelStates:
+def fp32(params: int, ranks: int = 1) -> ModelStates:
     """A float32 run (CPU): 4-byte weights and gradients, torch AdamW's two 4-byte moments, all divided over
-    ``ranks``; ``master_copy`` adds the float32 copy DeepSpeed keeps of its partition even when the model is
-    already float32."""
-    optimizer = (8 + (4 if master_copy else 0)) * params // ranks
-    return ModelStates(4 * params // ranks, 4 * params // ranks, optimizer, 0)
+    ``ranks`` (no master copy: the weights are their own)."""
+    return ModelStates(4 * params // ranks, 4 * params // ranks, 8 * params // ranks, 0)

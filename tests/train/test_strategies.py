@@ -92,7 +92,7 @@ def test_sharding_is_real(runs, name, param_share, state_share, tiny_model):
         assert sharding["gradients_partitioned"] is (name != "zero1")
         # gloo: ZeRO-3's parameter gathers broadcast into DeepSpeed's flat buffer, no second copy
         assert sharding["all_gather"] == ("in place" if name in ("zero3", "zero++") else "deepspeed")
-    if name == "ddp":  # one copy of the gradients: in the reducer's buckets (accumulation zeroes them in place)
+    if name == "ddp":  # the gradients are views into the reducer's buckets
         assert sharding["wrapper"] == "DistributedDataParallel"
         assert sharding["gradients"] == "views into the all-reduce buckets"
     if name == "fsdp2":
@@ -106,6 +106,8 @@ def test_sharding_is_real(runs, name, param_share, state_share, tiny_model):
         "zero++",
     ):  # the frozen embedding as local rows; the trained head (modules_to_save) partitioned
         assert sharding["input_embedding"] == "local rows (vocabulary-parallel lookup, never gathered)"
+        # float32: the master partition is the parameter partition (DeepSpeed's own check never matches on CPU)
+        assert sharding["master_weights"] == "the parameter partition itself (float32 run: no second copy)"
         assert sharding["output_head"] == "gathered (trained (modules_to_save): ZeRO-3 partitions what it steps)"
     if name == "pipeline":  # rank 0: embedding + layers 0-1; rank 1: layers 2-3 + norm + head
         assert (sharding["stages"], sharding["schedule"], sharding["layers_on_rank0"]) == (2, "1f1b", [0, 1])

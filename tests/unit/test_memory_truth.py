@@ -175,6 +175,10 @@ def test_step_and_save_transients_are_sized():
     copied = estimate("parallelism.strategy=ddp", "parallelism.ddp.gradient_as_bucket_view=false")
     assert copied.save == 4 * shape["params"] + largest - 4 * shape["params"]
     assert copied.gradients == 2 * ddp.gradients and copied.peak > ddp.peak == max(ddp.total, ddp.load)
+    # Accumulating, the no_sync micro-batches' gradients sit beside the buckets until the synchronising backward.
+    micro = plan.micro_batch_size
+    accumulating = estimate("parallelism.strategy=ddp", f"training.global_batch_size={4 * micro * world}")
+    assert accumulating.gradients == copied.gradients and accumulating.save == ddp.save
     assert auto.save == 4 * shape["params"] + largest
     assert auto.context == ENGINE_HOST_BYTES  # DeepSpeed's engine on a CPU host
     assert auto.peak == max(auto.total, auto.load + auto.context, auto.states + auto.save + auto.context)
