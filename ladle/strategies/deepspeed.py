@@ -341,7 +341,7 @@ class ZeRO(Strategy):
                 model=model, optimizer=make_optimizer(model), config=config, dist_init_required=False
             )
         engine.ladle_all_gather = "in place" if in_place else "deepspeed"
-        engine.ladle_master = share_master(optimizer) if self.stage == 3 else None
+        engine.ladle_master = share_master(optimizer, self.stage)
         engine.ladle_vocab, engine.ladle_vocab_notes = vocab, notes
         return engine, optimizer
 
@@ -707,35 +707,50 @@ def fill_partitioned(model, pending, main_process: bool) -> None:
                         p.data.copy_(pending.source(name).to(p.dtype))
 
 
-def share_master(optimizer) -> str:
-    """ZeRO-3 in a float32 run: make each sub-group's float32 master partition its parameter partition.
+def share_master(optimizer, stage: int) -> str:
+    """A float32 run: make each float32 master partition the rank's parameter partition itself.
 
-    DeepSpeed means to do this itself when the two agree in dtype and device (``_create_fp32_partitions``:
-    "we don't need another copy of the weights"), but it compares the partition's ``torch.device`` with its
-    accelerator's device *name* (``device("cpu") == "cpu"`` is False in torch), so it always clones: a second
-    float32 copy of the rank's whole partition (727 MiB per rank on the 0.38B bench model's full fine-tune). The
-    master is pointed at the partition's storage instead; stepping it then updates the parameters in place, and
-    DeepSpeed's copy back after the step copies each onto itself. Nothing is shared where the dtypes differ
-    (16-bit runs need their float32 master), or where the optimizer is offloaded or swapped to NVMe.
+    ZeRO-3 means to do this itself when the two agree in dtype and device (``_create_fp32_partitions``: "we
+    don't need another copy of the weights"), but it compares the partition's ``torch.device`` with its
+    accelerator's device *name* (``device("cpu") == "cpu"`` is False in torch), so it always clones; ZeRO-1/2
+    always clone. Either way a float32 run holds a second float32 copy of the rank's partition (727 MiB per rank
+    on the 0.38B bench model's full fine-tune). The master is pointed at the partition's storage instead:
+    stepping it updates the parameters in place, and DeepSpeed's copy back after the step copies each onto
+    itself. Nothing is shared where the dtypes differ (16-bit runs need their float32 master), or where the
+    optimizer is offloaded or swapped to NVMe.
     """
     import torch
+    import torch.distributed as dist
 
-    if getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "swap_optimizer", False):
+    if any(getattr(optimizer, flag, False) for flag in ("offload_optimizer", "swap_optimizer", "cpu_offload")):
         return "a float32 copy on the host (optimizer offload)"
-    shared = 0
-    pairs = list(zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, strict=True))
-    for low, master in pairs:
-        if low is None or (low.dtype, low.device, low.numel()) != (master.dtype, master.device, master.numel()):
-            continue
+    if stage == 3:
+        pairs = list(zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, strict=True))
+    else:
+        pairs = [
+            (optimizer.parallel_partitioned_bit16_groups[i][dist.get_rank(group=group)], master)
+            for i, (master, group) in enumerate(
+                zip(optimizer.single_partition_of_fp32_groups, optimizer.real_dp_process_group, strict=True)
+            )
+        ]
+    same = [
+        (low, master)
+        for low, master in pairs
+        if low is not None and (low.dtype, low.device, low.numel()) == (master.dtype, master.device, master.numel())
+    ]
+    if not same:
+        return "a float32 copy of the partition (mixed precision)"
+    if len(same) != len(pairs):
+        raise RuntimeError(f"zero{stage}: {len(same)} of {len(pairs)} partitions could share their float32 master")
+    for low, master in same:
         if master.data_ptr() != low.data_ptr():
             if not torch.equal(master, low):
-                raise RuntimeError("ZeRO-3's master partition differs from its parameters before the first step")
+                raise RuntimeError(f"zero{stage}: a master partition differs from its parameters before any step")
             master.data = low.data
-        shared += 1
-    if shared == 0:
-        return "a float32 copy of the partition (mixed precision)"
-    if shared != len(pairs):
-        raise RuntimeError(f"ZeRO-3: {shared} of {len(pairs)} sub-groups share their master partition")
+    if stage < 3:
+        # ZeRO-1/2 map each parameter to its slice of the master (views, for DeepSpeed's per-parameter API):
+        # made again, so that they view the shared storage and the clone is freed.
+        optimizer._link_all_hp_params()
     return "the parameter partition itself (float32 run: no second copy)"
 
 
