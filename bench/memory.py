@@ -92,7 +92,9 @@ def predicted(cfg, plan, model_config: dict) -> dict:
     from ladle.plan import plan_estimate
 
     est = plan_estimate(cfg, plan, model_config)
-    return {"load": est.load / MIB, "step": est.total / MIB, "peak": est.peak / MIB, "breakdown": est.summary()}
+    # The load as `ladle plan` reports it: what loading holds plus the CPU runtime and DeepSpeed's engine.
+    load = est.load + est.context
+    return {"load": load / MIB, "step": est.total / MIB, "peak": est.peak / MIB, "breakdown": est.summary()}
 
 
 def run(base: Path, strategy: str, lora: bool, root: Path, overrides: list[str]) -> dict:
@@ -128,6 +130,7 @@ def run(base: Path, strategy: str, lora: bool, root: Path, overrides: list[str])
         "adapter_url": result.adapter_url,
     }
     row["prediction_ratio"] = row["predicted_peak_mib"] / row["measured_above_baseline_mib"]
+    row["load_prediction_ratio"] = row["predicted_load_mib"] / row["load_above_baseline_mib"]
     print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
     return row
 

@@ -183,16 +183,33 @@ class ZeRO(Strategy):
         return gathered_for_save(job)
 
     def load_bytes(self, job, options, states) -> int:
-        """ZeRO-3 loads module by module: the module's gathered weights, and on rank 0 the tensor read. Ends kept
-        local are read a rank's rows at a time, beside their partition until it is dropped."""
-        base = super().load_bytes(job, options, states)  # the share plus the largest tensor read
-        if self.stage != 3:
-            return base
+        """Loading, or ``deepspeed.initialize`` after it, whichever holds more.
+
+        Loading: ZeRO-1/2 read the whole replica (in the run's dtype) a tensor at a time; ZeRO-3 loads module by
+        module: the module's gathered weights, and on rank 0 the tensor read. Ends kept local are read a rank's
+        rows at a time, beside their partition until it is dropped.
+
+        Initialize builds DeepSpeed's buffers for what it steps (a full fine-tune's parameters, a LoRA run's
+        trained ones) beside the loaded weights: ZeRO-1/2 flatten them into one buffer while the module's tensors
+        still exist (a second copy for the moment of the copy); ZeRO-3 allocates its gradient partitions (in the
+        run's dtype) and a float32 master of its partition (kept in 16-bit runs; in float32 a clone, until
+        ``share_master`` drops it). Measured on the 0.38B bench model's full fine-tune, 2 float32 ranks: ZeRO-1/2
+        peak at 3 026 MiB above the baseline while loading, ZeRO-3 at 2 673 (with DeepSpeed's engine)."""
         s = job.shape
+        trained = s.trainable if job.lora else s.params
+        if self.stage < 3:
+            replica = states.weights if job.lora else job.dtype_bytes * s.params  # the layout's weights are 16-bit
+            return replica + job.dtype_bytes * (s.largest_tensor + trained)
+        base = super().load_bytes(job, options, states)  # the share plus the largest tensor read
         if self.ends_gathered(job, options):
-            return base + s.largest_tensor * job.dtype_bytes
-        rows = -(-s.vocab // job.world) * s.hidden
-        return base + job.dtype_bytes * (max(2 * s.hidden * s.intermediate, 2 * rows) - s.largest_tensor)
+            filled = base + s.largest_tensor * job.dtype_bytes
+        else:
+            rows = -(-s.vocab // job.world) * s.hidden
+            filled = base + job.dtype_bytes * (max(2 * s.hidden * s.intermediate, 2 * rows) - s.largest_tensor)
+        if any(self.offload(options)):
+            return filled
+        share = states.weights or job.dtype_bytes * s.params // job.world
+        return max(filled, share + (job.dtype_bytes + 4) * trained // job.world)
 
     def validate(self, cfg, topo, target) -> list[str]:
         ds = cfg.parallelism.deepspeed

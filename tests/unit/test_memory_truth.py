@@ -182,6 +182,11 @@ def test_step_and_save_transients_are_sized():
     assert auto.save == 4 * shape["params"] + largest
     assert auto.context == ENGINE_HOST_BYTES  # DeepSpeed's engine on a CPU host
     assert auto.peak == max(auto.total, auto.load + auto.context, auto.states + auto.save + auto.context)
+    # deepspeed.initialize's buffers beside the loaded weights: ZeRO-3's gradient partitions and its float32
+    # master (a clone in float32 until share_master drops it); ZeRO-1/2 flatten the float32 replica (two copies).
+    assert auto.load == max(4 * shape["params"] // world + 2 * largest, 12 * shape["params"] // world)
+    zero1 = estimate("parallelism.strategy=zero1")
+    assert zero1.load == 8 * shape["params"] + largest
     parted = estimate("parallelism.strategy=zero3", "training.save_shard_mib=1")  # 1 MiB parts
     assert 4 * shape["params"] > 2**20 and parted.save == max(2**20, largest) + largest < auto.save
 
