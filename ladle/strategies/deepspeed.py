@@ -757,8 +757,6 @@ def share_master(optimizer, stage: int) -> str:
     ]
     if not same:
         return "a float32 copy of the partition (mixed precision)"
-    if len(same) != len(pairs):
-        raise RuntimeError(f"zero{stage}: {len(same)} of {len(pairs)} partitions could share their float32 master")
     for low, master in same:
         if master.data_ptr() != low.data_ptr():
             if not torch.equal(master, low):
@@ -768,6 +766,8 @@ def share_master(optimizer, stage: int) -> str:
         # ZeRO-1/2 map each parameter to its slice of the master (views, for DeepSpeed's per-parameter API):
         # made again, so that they view the shared storage and the clone is freed.
         optimizer._link_all_hp_params()
+    if len(same) != len(pairs):  # e.g. sub-groups whose parameters are swapped out to NVMe
+        return f"the parameter partition itself in {len(same)} of {len(pairs)} sub-groups, a copy in the rest"
     return "the parameter partition itself (float32 run: no second copy)"
 
 
