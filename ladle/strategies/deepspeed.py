@@ -140,6 +140,12 @@ class ZeRO(Strategy):
 
     def model_states(self, job, options) -> memory.ModelStates:
         s, offload = job.shape, self.offload(options)
+        if self.stage < 3 and job.dtype_bytes == 4 and not any(offload):
+            # float32 (CPU): a 4-byte replica. At the step, the peak, a rank holds the float32 gradient partition
+            # it steps (the replicated gradients are freed as they are flattened into it), AdamW's moments of
+            # that partition, and no master copy (``share_master``).
+            states = memory.fp32(s.params, job.world)
+            return memory.ModelStates(4 * s.params, states.gradients, states.optimizer, 0)
         if self.stage == 1:
             return memory.zero1(s.params, job.world)
         if self.stage == 2:

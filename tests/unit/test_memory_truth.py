@@ -187,6 +187,13 @@ def test_step_and_save_transients_are_sized():
     assert auto.load == max(4 * shape["params"] // world + 2 * largest, 12 * shape["params"] // world)
     zero1 = estimate("parallelism.strategy=zero1")
     assert zero1.load == 8 * shape["params"] + largest
+    # float32 ZeRO-1/2 at their step: a 4-byte replica, the float32 gradient partition and its moments, no master
+    for stage in (zero1, estimate("parallelism.strategy=zero2")):
+        assert (stage.weights, stage.gradients, stage.optimizer) == (
+            4 * shape["params"],
+            4 * shape["params"] // world,
+            8 * shape["params"] // world,
+        )
     parted = estimate("parallelism.strategy=zero3", "training.save_shard_mib=1")  # 1 MiB parts
     assert 4 * shape["params"] > 2**20 and parted.save == max(2**20, largest) + largest < auto.save
 
