@@ -243,9 +243,7 @@ class Strategy(ABC):
     def load_bytes(self, job: sizing.Job, options: Section | None, states: memory.ModelStates) -> int:
         """Memory at the end of loading: the weights this rank holds, plus the tensor being read (lazy loading
         reads one at a time, so a rank never holds more than its share and one tensor)."""
-        # ZeRO-3's layout counts a full fine-tune's 16-bit weights inside its optimizer term: take the share.
-        weights = states.weights or job.dtype_bytes * job.shape.params // max(1, job.world)
-        return weights + job.shape.largest_tensor * job.dtype_bytes
+        return weights_held(job, states) + job.shape.largest_tensor * job.dtype_bytes
 
     # -- planner side: rendering -------------------------------------------------------------------
 
@@ -443,6 +441,12 @@ def gathered_for_save(job: sizing.Job) -> int:
         return output_bytes(job)
     largest = job.shape.largest_tensor * job.dtype_bytes
     return min(output_bytes(job), max(job.save_shard_bytes, largest)) + largest
+
+
+def weights_held(job: sizing.Job, states: memory.ModelStates) -> int:
+    """The weights a rank holds once loaded. ZeRO-3's mixed-precision layout counts a full fine-tune's 16-bit
+    weights inside its optimizer term: then the rank's share."""
+    return states.weights or job.dtype_bytes * job.shape.params // max(1, job.world)
 
 
 def stepped_elements(job: sizing.Job, states: memory.ModelStates) -> int:

@@ -25,7 +25,7 @@ class DDPOptions(Section):
 
 def grads_in_buckets(job, options) -> bool:
     """Whether a rank's gradients live in the reducer's buckets (views into them), not beside them."""
-    return job.world > 1 and getattr(options, "gradient_as_bucket_view", True)
+    return job.world > 1 and options.gradient_as_bucket_view
 
 
 def second_copy(job, options) -> bool:
@@ -33,9 +33,7 @@ def second_copy(job, options) -> bool:
     ``gradient_as_bucket_view`` off; with it on, while accumulating (zero_grad sets the views to None, the
     no_sync micro-batches accumulate into fresh tensors, and only the synchronising backward points the
     gradients at the buckets again)."""
-    if job.world == 1:
-        return False
-    return not grads_in_buckets(job, options) or job.microbatches > job.world
+    return job.world > 1 and (not options.gradient_as_bucket_view or job.microbatches > job.world)
 
 
 BROADCAST_BUCKET = 250 * 2**20  # DDP's _sync_module_states bucket

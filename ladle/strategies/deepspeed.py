@@ -25,7 +25,7 @@ from pydantic import Field
 
 from ladle import memory, storage
 from ladle.schema import Section
-from ladle.strategies.base import Candidate, Strategy, gathered_for_save
+from ladle.strategies.base import Candidate, Strategy, gathered_for_save, weights_held
 from ladle.strategies.mesh import Dims
 from ladle.strategies.registry import register
 
@@ -140,20 +140,19 @@ class ZeRO(Strategy):
 
     def model_states(self, job, options) -> memory.ModelStates:
         s, offload = job.shape, self.offload(options)
-        if self.stage < 3 and job.dtype_bytes == 4 and not any(offload):
-            # float32 (CPU): a 4-byte replica. At the step, the peak, a rank holds the float32 gradient partition
-            # it steps (the replicated gradients are freed as they are flattened into it), AdamW's moments of
-            # that partition, and no master copy (``share_master``).
+        largest = max(s.layer_params, s.embedding_params // 2)
+        if job.dtype_bytes == 4 and not any(offload):
+            # float32 (CPU): the partition is its own master (``share_master``). ZeRO-1/2 hold a 4-byte replica
+            # and, at the step (their peak), the float32 gradient partition they step (the replicated gradients
+            # are freed as they are flattened into it) and its moments; ZeRO-3 gathers a layer at a time.
             states = memory.fp32(s.params, job.world)
-            return memory.ModelStates(4 * s.params, states.gradients, states.optimizer, 0)
+            if self.stage < 3:
+                return dataclasses.replace(states, weights=4 * s.params)
+            return dataclasses.replace(states, gathered=8 * largest)
         if self.stage == 1:
             return memory.zero1(s.params, job.world)
         if self.stage == 2:
             return memory.zero2(s.params, job.gpus_per_node, job.nodes, offload_optimizer=offload[0])
-        largest = max(s.layer_params, s.embedding_params // 2)
-        if job.dtype_bytes == 4 and not any(offload):  # float32: the partition is its own master (share_master)
-            states = memory.fp32(s.params, job.world)
-            return memory.ModelStates(states.weights, states.gradients, states.optimizer, 8 * largest)
         return memory.zero3(
             s.params, largest, job.gpus_per_node, job.nodes, offload_optimizer=any(offload), offload_params=offload[1]
         )
@@ -203,9 +202,8 @@ class ZeRO(Strategy):
         peak at 3 026 MiB above the baseline while loading, ZeRO-3 at 2 673 (with DeepSpeed's engine)."""
         s = job.shape
         trained = s.trainable if job.lora else s.params
-        if self.stage < 3:
-            replica = states.weights if job.lora else job.dtype_bytes * s.params  # the layout's weights are 16-bit
-            return replica + job.dtype_bytes * (s.largest_tensor + trained)
+        if self.stage < 3:  # the replica, the tensor being read, then the flattened copy
+            return states.weights + job.dtype_bytes * (s.largest_tensor + trained)
         base = super().load_bytes(job, options, states)  # the share plus the largest tensor read
         if self.ends_gathered(job, options):
             filled = base + s.largest_tensor * job.dtype_bytes
@@ -214,8 +212,7 @@ class ZeRO(Strategy):
             filled = base + job.dtype_bytes * (max(2 * s.hidden * s.intermediate, 2 * rows) - s.largest_tensor)
         if any(self.offload(options)):
             return filled
-        share = states.weights or job.dtype_bytes * s.params // job.world
-        return max(filled, share + (job.dtype_bytes + 4) * trained // job.world)
+        return max(filled, weights_held(job, states) + (job.dtype_bytes + 4) * trained // job.world)
 
     def validate(self, cfg, topo, target) -> list[str]:
         ds = cfg.parallelism.deepspeed
@@ -401,7 +398,7 @@ class ZeRO(Strategy):
             "gradients_partitioned": self.stage >= 2,
             "trainable_numel": total,
             "all_gather": getattr(model, "ladle_all_gather", "deepspeed"),
-            **({"master_weights": model.ladle_master} if getattr(model, "ladle_master", None) else {}),
+            "master_weights": model.ladle_master,
             **getattr(model, "ladle_vocab_notes", {}),
         }
 
