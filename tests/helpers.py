@@ -259,14 +259,15 @@ class Traffic:
 
     def __init__(self, url: str, model: str, clients: int = 4, pause_s: float = 0.0):
         self.url, self.model, self.pause_s, self.stop_flag = url, model, pause_s, threading.Event()
-        self.results: list[tuple[float, str, str]] = []  # (time, version header or error, kind)
+        # (time answered, version header or error, kind, time sent)
+        self.results: list[tuple[float, str, str, float]] = []
         self.threads = [threading.Thread(target=self.loop, args=(i,), daemon=True) for i in range(clients)]
 
     def loop(self, i: int) -> None:
         body = {"model": self.model, "messages": [{"role": "user", "content": "red blue"}], "max_tokens": 6}
         with httpx.Client(timeout=60) as client:
             while not self.stop_flag.is_set():
-                stream = i % 2 == 1
+                stream, sent = i % 2 == 1, time.monotonic()
                 try:
                     if stream:
                         with client.stream(
@@ -280,7 +281,7 @@ class Traffic:
                     outcome = answer.headers.get("x-ladle-model-version", "?") if ok else f"HTTP {answer.status_code}"
                 except httpx.HTTPError as exc:
                     outcome = f"error {exc.__class__.__name__}: {exc}"
-                self.results.append((time.monotonic(), outcome, "stream" if stream else "whole"))
+                self.results.append((time.monotonic(), outcome, "stream" if stream else "whole", sent))
                 self.stop_flag.wait(self.pause_s)
 
     def __enter__(self) -> Traffic:
