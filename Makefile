@@ -15,7 +15,8 @@ TORCH_INDEX ?=
 # Extras installed with ladle (the worker image adds qlora,mii,k8s).
 EXTRAS ?= dev
 # pytest-xdist processes for `make test`, each taking whole test files (module fixtures are built once).
-# Two on a 2-core machine: a third of the suite's time is spent waiting on process start-up and servers.
+# Two on a 2-core machine: one leaves a third of the time waiting on process start-up and servers; three are
+# slower (777 s against 733-750 s, the CPU 99.6 % busy). conftest.py gives each its share of the cores.
 TEST_WORKERS ?= 2
 
 .PHONY: setup slurm demo test bench clean
