@@ -4,6 +4,7 @@ a moto S3 server on 127.0.0.1, Prefect's test harness or its ephemeral server.""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,15 +26,32 @@ os.environ["MPLBACKEND"] = "Agg"
 
 
 def pytest_configure(config):
+    """The session's environment, set before any test module imports torch: GPUs hidden for the CPU suite
+    on a GPU host, and each xdist worker's share of the cores."""
+    hide_gpus(config)
+    share_cores(config)
+
+
+def share_cores(config) -> None:
     """Each pytest-xdist worker gets its share of the cores, for its own compute and every process it starts
     (training ranks, flow runs, servers), as ladle gives each training rank its share. With all cores per
     process, two workers' processes oversubscribe the machine and OpenMP's spinning threads wait on each
     other: measured on 2 cores, a one-process tiny training run beside the other worker took 24.5 s instead
-    of 1.6 s (same losses). Set before any test module imports torch; a user's OMP_NUM_THREADS wins."""
+    of 1.6 s (same losses). A user's OMP_NUM_THREADS wins."""
     if getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput"):
         return  # the xdist controller: its workers, started after this hook, set their own
     workers = config.workerinput["workercount"] if hasattr(config, "workerinput") else 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+
+
+def hide_gpus(config) -> None:
+    """On a host with NVIDIA GPUs, a session that does not select the ``gpu`` marker is the CPU suite: it
+    hides the GPUs (``CUDA_VISIBLE_DEVICES=""``, inherited by every process it starts), so that ladle's probe
+    and torch see a CPU host and its tests (gloo ranks, the CPU-only refusals) mean what they do on one.
+    ``pytest -m gpu`` keeps them visible. A host without ``nvidia-smi`` is left as it is."""
+    selects_gpu = re.search(r"(?<!not )\bgpu\b", config.option.markexpr or "") is not None
+    if shutil.which("nvidia-smi") and not selects_gpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -36,6 +36,14 @@ Legend:
 """
 
 
+def visible_gpus() -> int:
+    """CUDA GPUs this session may use, as ladle's probe counts them (after ``CUDA_VISIBLE_DEVICES``, which
+    ``conftest.py`` empties for a session that does not select the ``gpu`` marker)."""
+    from ladle.topology import probe
+
+    return probe().gpu_count
+
+
 def matrix(
     links: list[list[str]],
     nics: dict[str, list[str]] | None = None,

@@ -3,20 +3,9 @@ tp=2 / pp=2 and 4 for the 2-D meshes; skipped where there are fewer (a 1-GPU mac
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
 
-from tests.helpers import strategy_spec
-
-
-def gpu_count() -> int:
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
+from tests.helpers import strategy_spec, visible_gpus
 
 pytestmark = [pytest.mark.gpu]
 FULL = ("training.lora.enabled=false", "training.dtype=bfloat16", "training.global_batch_size=8")
@@ -32,8 +21,8 @@ FULL = ("training.lora.enabled=false", "training.dtype=bfloat16", "training.glob
     ],
 )
 def test_mesh_matches_one_gpu(gpus, dims, mesh, tmp_path, tiny_model):
-    if gpu_count() < gpus:
-        pytest.skip(f"needs {gpus} GPUs, this machine has {gpu_count()}")
+    if visible_gpus() < gpus:
+        pytest.skip(f"needs {gpus} GPUs, this machine has {visible_gpus()}")
     from ladle.topology import probe
     from ladle.train.run import launch
 

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from tests.helpers import strategy_spec
+from tests.helpers import strategy_spec, visible_gpus
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs a CUDA GPU (nvidia-smi not found)"),
+    pytest.mark.skipif(visible_gpus() == 0, reason="needs a CUDA GPU (none visible; on a GPU host: pytest -m gpu)"),
 ]
 
 

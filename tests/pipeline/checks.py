@@ -53,7 +53,9 @@ def check_merged_equals_base_plus_adapter(summary: dict, base_dir: Path) -> None
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
-def check_mlflow(summary: dict, steps: int, model_name: str) -> None:
+def check_mlflow(summary: dict, steps: int, model_name: str, world_size: int = 2) -> None:
+    """The MLflow run of a finished pipeline: its params, metrics and artifacts, and the registered version.
+    ``world_size``: the processes the run trained on (2 gloo processes on a CPU host; 1 on one GPU)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(summary["mlflow_tracking_uri"])
@@ -61,7 +63,7 @@ def check_mlflow(summary: dict, steps: int, model_name: str) -> None:
     assert run.info.status == "FINISHED"
     assert run.data.tags["prefect.flow_run_id"] == summary["flow_run_id"]
     assert run.data.params["plan.strategy"] == "ddp"
-    assert run.data.params["plan.world_size"] == "2"
+    assert summary["world_size"] == world_size and run.data.params["plan.world_size"] == str(world_size)
     assert "config.training.lr" in run.data.params
     losses = client.get_metric_history(run.info.run_id, "train_loss")
     assert [m.step for m in losses] == list(range(1, steps + 1))

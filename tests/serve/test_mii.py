@@ -4,7 +4,6 @@ the startup watchdog, the options that reach it), and the real deployment on a G
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.serve.deploy import server_argv
 from ladle.serve.fastgen import check_architecture, fastgen_model_types, start_within
+from tests.helpers import visible_gpus
 
 
 def test_fastgen_architectures_come_from_the_installed_deepspeed(tmp_path):
@@ -63,7 +63,7 @@ def test_serve_settings_reach_the_backend_that_accepts_them(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs a CUDA GPU (nvidia-smi not found)")
+@pytest.mark.skipif(visible_gpus() == 0, reason="needs a CUDA GPU (none visible; on a GPU host: pytest -m gpu)")
 def test_mii_serves_the_offline_greedy_answer(tiny_model):
     pytest.importorskip("mii", reason="needs the mii extra: pip install 'ladle[mii]'")
     from ladle.serve.backends import MiiBackend
