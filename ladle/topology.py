@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -84,6 +85,17 @@ def node_layout(env: dict[str, str]) -> tuple[int, int]:
     nodes = env.get("NNODES") or env.get("SLURM_NNODES") or "1"
     rank = env.get("NODE_RANK") or env.get("GROUP_RANK") or env.get("SLURM_NODEID") or "0"
     return (int(nodes) if nodes.isdigit() else 1), (int(rank) if rank.isdigit() else 0)
+
+
+def usable_cores(env: Mapping[str, str]) -> int:
+    """The CPU cores this task may use: Slurm's allotment (``SLURM_CPUS_PER_TASK``), else the affinity mask
+    (a container's or cgroup's), else the machine's count."""
+    slurm = env.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit():
+        return int(slurm)
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def run_nvidia_smi() -> str | None:
@@ -167,7 +179,7 @@ def probe(env: dict[str, str] | None = None, query_output: str | None = None, nv
     """
     env = dict(os.environ if env is None else env)
     nodes, node_rank = node_layout(env)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cores(env)
     if query_output is None:
         from ladle import nvml as nvml_probe
 

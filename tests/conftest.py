@@ -40,8 +40,10 @@ def share_cores(config) -> None:
     of 1.6 s (same losses). A user's OMP_NUM_THREADS wins."""
     if getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput"):
         return  # the xdist controller: its workers, started after this hook, set their own
+    from ladle.topology import usable_cores
+
     workers = config.workerinput["workercount"] if hasattr(config, "workerinput") else 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores(os.environ) // workers)))
 
 
 def hide_gpus(config) -> None:

@@ -44,6 +44,16 @@ def visible_gpus() -> int:
     return probe().gpu_count
 
 
+def needs_gpus(n: int = 1):
+    """A mark that skips a test unless this session sees at least ``n`` CUDA GPUs."""
+    import pytest
+
+    have = visible_gpus()
+    return pytest.mark.skipif(
+        have < n, reason=f"needs {n} CUDA GPU(s), this session sees {have} (on a GPU host: pytest -m gpu)"
+    )
+
+
 def matrix(
     links: list[list[str]],
     nics: dict[str, list[str]] | None = None,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ladle import storage
 from ladle.processes import free_port, stop_process  # noqa: F401 - free_port is also imported from here
+from ladle.topology import usable_cores
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
 ProgressFn = Callable[[dict], None]
@@ -27,14 +28,7 @@ def worker_env(spec: TrainSpec) -> dict[str, str]:
     env = dict(os.environ)
     if spec.plan.device == "cpu":
         # Each rank gets its share of the cores instead of all of them (oversubscription halves throughput).
-        # The cores this task may use: Slurm's allotment, else the affinity mask (a container's or cgroup's).
-        slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
-        if slurm.isdigit():
-            cores = int(slurm)
-        elif hasattr(os, "sched_getaffinity"):
-            cores = len(os.sched_getaffinity(0))
-        else:
-            cores = os.cpu_count() or 1
+        cores = usable_cores(env)
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // spec.plan.processes_per_machine)))
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise guess, and say so on stdout
     if spec.plan.device == "cuda":

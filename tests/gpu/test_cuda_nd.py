@@ -21,8 +21,8 @@ FULL = ("training.lora.enabled=false", "training.dtype=bfloat16", "training.glob
     ],
 )
 def test_mesh_matches_one_gpu(gpus, dims, mesh, tmp_path, tiny_model):
-    if visible_gpus() < gpus:
-        pytest.skip(f"needs {gpus} GPUs, this machine has {visible_gpus()}")
+    if (have := visible_gpus()) < gpus:
+        pytest.skip(f"needs {gpus} GPUs, this session sees {have}")
     from ladle.topology import probe
     from ladle.train.run import launch
 

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from tests.helpers import ROOT, run_cli, visible_gpus
+from tests.helpers import ROOT, needs_gpus, run_cli
 from tests.pipeline import checks
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(visible_gpus() == 0, reason="needs a CUDA GPU (none visible; on a GPU host: pytest -m gpu)"),
+    needs_gpus(),
 ]
 
 

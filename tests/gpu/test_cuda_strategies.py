@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import strategy_spec, visible_gpus
+from tests.helpers import needs_gpus, strategy_spec
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(visible_gpus() == 0, reason="needs a CUDA GPU (none visible; on a GPU host: pytest -m gpu)"),
+    needs_gpus(),
 ]
 
 

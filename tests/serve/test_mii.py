@@ -15,7 +15,7 @@ from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.serve.deploy import server_argv
 from ladle.serve.fastgen import check_architecture, fastgen_model_types, start_within
-from tests.helpers import visible_gpus
+from tests.helpers import needs_gpus
 
 
 def test_fastgen_architectures_come_from_the_installed_deepspeed(tmp_path):
@@ -63,7 +63,7 @@ def test_serve_settings_reach_the_backend_that_accepts_them(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(visible_gpus() == 0, reason="needs a CUDA GPU (none visible; on a GPU host: pytest -m gpu)")
+@needs_gpus()
 def test_mii_serves_the_offline_greedy_answer(tiny_model):
     pytest.importorskip("mii", reason="needs the mii extra: pip install 'ladle[mii]'")
     from ladle.serve.backends import MiiBackend
