@@ -9,16 +9,27 @@ import pytest
 from tests.compute.slurm_cluster import LocalSlurm, missing
 
 
-@pytest.fixture(scope="session")
-def slurm():
-    """The two-node local Slurm cluster. Without Slurm installed it is a skip on a developer's machine and a
-    failure in CI, where `make test` installs it (`make slurm`)."""
+def require_slurm() -> None:
+    """Skip on a developer's machine without Slurm; fail in CI, where `make test` installs it (`make slurm`)."""
     absent = missing()
     if absent:
         message = f"Slurm is not installed ({', '.join(absent)} missing): run `make slurm`"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def slurm_client():
+    """The Slurm client on PATH (planning a Slurm target checks for it); no cluster started."""
+    require_slurm()
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """The two-node local Slurm cluster. Without Slurm installed it is a skip on a developer's machine and a
+    failure in CI, where `make test` installs it (`make slurm`)."""
+    require_slurm()
     # A short root: Slurm and munge put sockets under it, and a socket path has at most 107 bytes.
     cluster = LocalSlurm(Path(tempfile.mkdtemp(prefix="ladle-slurm-"))).start()
     yield cluster

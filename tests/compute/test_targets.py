@@ -107,7 +107,7 @@ def launch_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProce
 
 
 @pytest.fixture(scope="module")
-def specs(tmp_path_factory):
+def specs(tmp_path_factory, slurm_client):  # planning the Slurm target checks that its client is installed
     from tests.helpers import train_spec
 
     root = tmp_path_factory.mktemp("specs")
@@ -147,13 +147,10 @@ def test_launch_rank_rules(specs):
     )
 
 
-def test_probing_without_a_reachable_cluster_is_one_clear_line(tmp_path):
+def test_probing_without_a_reachable_cluster_is_one_clear_line(tmp_path, slurm_client):
     """srun is installed here but no controller answers at the configured address."""
     import os
-    import shutil
 
-    if shutil.which("srun") is None:
-        pytest.skip("needs the Slurm client (`make slurm`)")
     conf = tmp_path / "slurm.conf"
     conf.write_text("ClusterName=nowhere\nSlurmctldHost=nohost(127.0.0.1)\nSlurmctldPort=9\nAuthType=auth/none\n")
     done = subprocess.run(
