@@ -18,6 +18,7 @@ mid-run (a compile killed halfway leaves a lock that hangs every later run).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Literal
 
@@ -30,6 +31,29 @@ from ladle.strategies.mesh import Dims
 from ladle.strategies.registry import register
 
 NO_PRINT = 10**9
+
+
+def import_deepspeed():
+    """``import deepspeed``, without the MLflow import its autotuner makes at module level.
+
+    ``deepspeed/__init__`` imports ``deepspeed.autotuning.autotuner``, which imports mlflow (and with it
+    pandas, protobuf and OpenTelemetry) whenever mlflow is installed, only to log autotuning experiments, which
+    ladle never runs. Measured on each rank: +78 MiB resident and 0.83 s of CPU with it, +11 MiB and 0.10 s
+    without. While DeepSpeed imports, ``import mlflow`` fails (the autotuner then records ``has_mlflow =
+    False``); afterwards mlflow imports as usual, so rank 0 still logs to MLflow. Where mlflow is already
+    imported, nothing is blocked (the import costs nothing more).
+    """
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    block = "mlflow" not in sys.modules
+    if block:
+        sys.modules["mlflow"] = None  # an import of a module set to None raises ImportError
+    try:
+        import deepspeed
+    finally:
+        if block and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
+    return deepspeed
 
 
 class DeepSpeedOptions(Section):
