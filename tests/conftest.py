@@ -71,9 +71,9 @@ def pytest_sessionfinish(session, exitstatus):
             print(f"\nprocesses left running by the suite (killed): {'; '.join(LEAKS)}", file=sys.stderr)
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         return
-    # multiprocessing's resource tracker, which spawning a process starts, is the interpreter's own helper:
-    # it exits when this process does (its pipe closes), so it is not a leak.
-    left = [p for p in psutil.Process().children(recursive=True) if not is_resource_tracker(p)]
+    # multiprocessing's resource tracker and fork server (``run_ranks`` starts ranks from one) are the
+    # interpreter's own helpers: each exits when this process does (its pipe closes), so neither is a leak.
+    left = [p for p in psutil.Process().children(recursive=True) if not is_multiprocessing_helper(p)]
     if left:
         names = [f"{p.pid}: {describe(p)}" for p in left]
         print(f"\nprocesses left running by the suite (killed): {'; '.join(names)}", file=sys.stderr)
@@ -94,11 +94,12 @@ def pytest_testnodedown(node, error):
     LEAKS.extend(getattr(node, "workeroutput", {}).get("leaks", []))
 
 
-def is_resource_tracker(proc) -> bool:
+def is_multiprocessing_helper(proc) -> bool:
     import psutil
 
     try:
-        return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+        command = " ".join(proc.cmdline())
+        return "multiprocessing.resource_tracker" in command or "from multiprocessing.forkserver import main" in command
     except psutil.Error:
         return False
 
