@@ -41,7 +41,8 @@ def import_deepspeed():
     ladle never runs. Measured on each rank: +78 MiB resident and 0.83 s of CPU with it, +11 MiB and 0.10 s
     without. While DeepSpeed imports, ``import mlflow`` fails (the autotuner then records ``has_mlflow =
     False``); afterwards mlflow imports as usual, so rank 0 still logs to MLflow. Where mlflow is already
-    imported, nothing is blocked (the import costs nothing more).
+    imported, nothing is blocked (the import costs nothing more). Every function here that needs DeepSpeed
+    imports it through this, so a rank's first import is this one whoever calls first.
     """
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
@@ -339,7 +340,7 @@ class ZeRO(Strategy):
         created, so no rank ever holds the whole model; stages 1 and 2 keep a full replica (the meta device)."""
         if self.stage < 3:
             return super().empty_context(plan, dtype)
-        import deepspeed
+        deepspeed = import_deepspeed()
         from transformers.initialization import no_init_weights
         from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
@@ -358,7 +359,7 @@ class ZeRO(Strategy):
         return stack
 
     def wrap(self, accelerator, model, make_optimizer, plan, pending=None):
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         from ladle.strategies.runtime.gloo_gather import use_in_place_gather_for_zero3
 
@@ -457,7 +458,7 @@ class ZeRO(Strategy):
         if not hasattr(tensor, "ds_id"):
             yield tensor
             return
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
             yield tensor
@@ -604,8 +605,8 @@ class ZeROPlusPlus(ZeRO):
 # (663 modules, 0.86 s of CPU) one import: ZeRO-3's optimizer imports DeepSpeed's Muon optimizer module
 # unconditionally (stage3.py), whose `@torch.compile` decorators import inductor, functorch's partitioners
 # and networkx. It cannot be skipped without patching DeepSpeed (the import is not guarded); the rest are
-# its buffers. Without it ZeRO-3's LoRA prediction was
-# 0.85 of the measured (FSDP2's, which builds no engine, 0.96). On GPUs the CUDA context term covers it.
+# its buffers. Without this term ZeRO-3's LoRA prediction was 0.85 of the measured (FSDP2's, which builds no
+# engine, 0.96). On GPUs the CUDA context term covers it.
 ENGINE_HOST_BYTES = 110 * 2**20
 
 DEEPSPEED_DEFAULTS = {
@@ -662,6 +663,7 @@ def sub_group_elements(asked: int | str, layer: int, largest: int) -> int:
 def cpu_without_shm_kernel(plan) -> None:
     """On CPU, keep DeepSpeed from compiling its shared-memory all-reduce kernel (see the module docstring)."""
     if plan.device == "cpu":
+        import_deepspeed()
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -734,7 +736,7 @@ def fill_partitioned(model, pending, main_process: bool) -> None:
     whole in memory. Parameters made after ``zero.Init`` are plain tensors that every rank fills: peft's
     ``modules_to_save`` copies from the checkpoint, LoRA weights from their initial values. Buffers are never
     partitioned and already hold theirs."""
-    import deepspeed
+    deepspeed = import_deepspeed()
     import torch
 
     seen: set[int] = set()
@@ -821,6 +823,7 @@ def validate_with_deepspeed(config: dict, world_size: int) -> None:
     Raises:
         ValueError: DeepSpeed rejected the config (its message is kept).
     """
+    import_deepspeed()
     from deepspeed.runtime.config import DeepSpeedConfig
 
     one_rank = {**config, "train_batch_size": config["train_batch_size"] // world_size}

@@ -225,12 +225,12 @@ def setup(spec: TrainSpec) -> Session:
     resume -> first eval (skipped on resume: the checkpoint carries it)."""
     plan, cfg = spec.plan, spec.config
     strategy = strategies.get(plan.strategy)
-    warm_imports(strategy)  # first: DeepSpeed's import must be ladle's (see import_deepspeed)
     accelerator = Accelerator(cpu=plan.device == "cpu", **strategy.accelerator_kwargs(plan))
     if accelerator.num_processes != plan.world_size:
         raise RuntimeError(
             f"planned world size {plan.world_size} but the launcher started {accelerator.num_processes} process(es)"
         )
+    warm_imports(strategy)
     torch.manual_seed(cfg.training.seed)
     train, evals = load_split(spec, "train"), load_split(spec, "eval")
     # The process before any weight: interpreter, libraries, the process group, the packed data (and the

@@ -21,7 +21,7 @@ def require_slurm() -> None:
 
 @pytest.fixture(scope="session")
 def slurm_client():
-    """The Slurm client on PATH (planning a Slurm target checks for it); no cluster started."""
+    """Slurm installed, as planning a Slurm target needs its client on PATH; no cluster started."""
     require_slurm()
 
 
