@@ -220,11 +220,35 @@ class Session:
     baseline_mib: float
 
 
+def one_process_group(plan) -> None:
+    """A process group of one rank for a one-process run.
+
+    ``accelerate launch`` starts a single process without torchrun (it refuses ``--multi_gpu`` for one), so
+    nothing creates a process group, yet DeepSpeed's engine (``dist_init_required=False``) and FSDP2's device
+    mesh need one even alone: without it every strategy but DDP failed on one GPU (or one CPU process). The
+    group meets on a local TCP store (torchrun's variables, unless the environment has them), NCCL on a GPU and
+    gloo on a CPU as the plan's backend says, so a one-rank run goes through the same code as N ranks do.
+    """
+    if plan.world_size != 1 or torch.distributed.is_initialized():
+        return
+    from ladle.processes import free_port
+
+    # torchrun's variables, as the N-rank launch sets them: DeepSpeed reads LOCAL_RANK and RANK itself.
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if plan.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.distributed.init_process_group(plan.backend, init_method="env://", rank=0, world_size=1)
+
+
 def setup(spec: TrainSpec) -> Session:
     """Accelerator -> data -> model (+LoRA) -> strategy wrap (+optimizer) -> check applied -> scheduler ->
     resume -> first eval (skipped on resume: the checkpoint carries it)."""
     plan, cfg = spec.plan, spec.config
     strategy = strategies.get(plan.strategy)
+    one_process_group(plan)
     accelerator = Accelerator(cpu=plan.device == "cpu", **strategy.accelerator_kwargs(plan))
     if accelerator.num_processes != plan.world_size:
         raise RuntimeError(
