@@ -373,6 +373,8 @@ class ZeRO(Strategy):
             fill_partitioned(model, pending, accelerator.is_main_process)
         else:
             pending.fill(model, accelerator.device)
+        if self.stage == 3:
+            one_dtype(model, plan.dtype)
         config = dict(plan.launcher_config)
         if "optimizer" in config:
             # Optimizer offload: DeepSpeed builds its own optimizer from the config (DeepSpeedCPUAdam for the
@@ -444,6 +446,7 @@ class ZeRO(Strategy):
 
     def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
         """The (trainable) parameters whole on rank 0 (None elsewhere), gathered one at a time (``whole``)."""
+        self.settle(model)
         out: dict = {}
         for name, param in model.module.named_parameters():
             if param.requires_grad or not trainable_only:
@@ -451,6 +454,21 @@ class ZeRO(Strategy):
                     if accelerator.is_main_process:
                         out[name] = full.detach().to("cpu", copy=True)
         return out if accelerator.is_main_process else None
+
+    def full_model_parts(self, accelerator, model, max_bytes: int):
+        self.settle(model)
+        yield from super().full_model_parts(accelerator, model, max_bytes)
+
+    def settle(self, model) -> None:
+        """ZeRO-3: release every parameter a forward left fetched or still in flight before gathering outside one.
+
+        On CUDA the engine prefetches the next modules' parameters on a side stream (overlap_comm), so after the
+        last eval forward some are INFLIGHT, and a ``GatheredParameters`` over one of them fails on exit
+        ("Cannot partition a param in flight"; seen saving a full fine-tune on an H200). ``empty_partition_cache``
+        waits for those fetches and partitions everything again.
+        """
+        if self.stage == 3:
+            model.empty_partition_cache()
 
     @contextmanager
     def whole(self, tensor):
@@ -728,6 +746,21 @@ def local_ends(module) -> list:
     """The ends ``keep_ends_local`` took out of ZeRO-3's partitioning."""
     ends = (module.get_input_embeddings(), module.get_output_embeddings())
     return [end for end in ends if end is not None and hasattr(end, "ladle_first_row")]
+
+
+def one_dtype(model, dtype_name: str) -> None:
+    """Give the trainable parameters ZeRO-3 did not create (peft's LoRA weights, ``modules_to_save`` copies)
+    the run's dtype, as the engine itself does for stages 1 and 2 (``module.bfloat16()``) but skips for
+    ZeRO-3. peft keeps adapters in float32 beside a 16-bit base, and ZeRO-3 packs each group's partitions
+    into one flat buffer of a single dtype: a float32 adapter beside a bf16 ``modules_to_save`` head failed
+    its assertion (``defragment``) on a GPU. The float32 master copy DeepSpeed keeps for the step is the
+    precision the adapter trains in, as at stages 1 and 2."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    for param in model.parameters():
+        if param.requires_grad and not hasattr(param, "ds_id") and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def fill_partitioned(model, pending, main_process: bool) -> None:
