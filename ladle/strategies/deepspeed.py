@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Literal
 
@@ -54,7 +55,37 @@ def import_deepspeed():
     finally:
         if block and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
             del sys.modules["mlflow"]
+    stand_in_for_muon()
     return deepspeed
+
+
+MUON = "deepspeed.runtime.zero.muon"
+
+
+def stand_in_for_muon() -> None:
+    """Let DeepSpeed's ZeRO optimizers ask whether the optimizer is Muon without importing Muon.
+
+    At ``deepspeed.initialize`` ZeRO-3's optimizer imports ``MuonWithAuxAdam`` for an ``isinstance`` check,
+    and ZeRO-1/2's gradient partitioning imports ``muon_update`` every step, calling it only for Muon's
+    parameters. Importing either applies ``torch.compile`` to DeepSpeed's Newton-Schulz kernels, which
+    imports inductor's compiler, functorch's partitioners and networkx. Measured on a one-rank ZeRO-3
+    initialize and step on a CPU (after the optimizer's own dynamo import): +52 MiB resident and 0.77 s of CPU
+    per rank, for an optimizer ladle never builds (its ranks step a torch AdamW, or DeepSpeedCPUAdam with
+    offload). Stand-in modules answer the same: nothing is a ``MuonWithAuxAdam``, and ``muon_update``
+    raises if DeepSpeed ever reaches it, which it does only for a Muon optimizer.
+    """
+    if f"{MUON}.original_muon" in sys.modules or f"{MUON}.muon_optimizer" in sys.modules:
+        return  # something imported the real Muon already: nothing left to save
+
+    def muon_update(*args, **kwargs):
+        raise RuntimeError("DeepSpeed reached Muon's update, but ladle builds no Muon optimizer")
+
+    note = "ladle's stand-in: no optimizer ladle builds is Muon (ladle.strategies.deepspeed.stand_in_for_muon)."
+    optimizer = types.ModuleType(f"{MUON}.muon_optimizer", note)
+    optimizer.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {"__doc__": "Never instantiated in a ladle rank."})
+    original = types.ModuleType(f"{MUON}.original_muon", note)
+    original.muon_update = muon_update
+    sys.modules[optimizer.__name__], sys.modules[original.__name__] = optimizer, original
 
 
 class DeepSpeedOptions(Section):
@@ -618,14 +649,12 @@ class ZeROPlusPlus(ZeRO):
 
 
 # What deepspeed.initialize adds to a CPU rank beside the model's states, measured on the 0.38B bench Llama
-# (2 gloo ranks, ZeRO-3, LoRA; resident memory just before and after it): 104-114 MiB. Of that, 62 MiB are the
-# modules it imports on first use (measured around deepspeed.initialize of a two-layer model), 52 MiB of them
-# (663 modules, 0.86 s of CPU) one import: ZeRO-3's optimizer imports DeepSpeed's Muon optimizer module
-# unconditionally (stage3.py), whose `@torch.compile` decorators import inductor, functorch's partitioners
-# and networkx. It cannot be skipped without patching DeepSpeed (the import is not guarded); the rest are
-# its buffers. Without this term ZeRO-3's LoRA prediction was 0.85 of the measured (FSDP2's, which builds no
-# engine, 0.96). On GPUs the CUDA context term covers it.
-ENGINE_HOST_BYTES = 110 * 2**20
+# (2 gloo ranks, ZeRO-3, LoRA; resident memory just before and after it): 104-114 MiB, of which 62 MiB were the
+# modules it imports on first use and 52 MiB of those DeepSpeed's Muon module (its `@torch.compile` kernels:
+# inductor's compiler, functorch's partitioners, networkx). `stand_in_for_muon` now skips that import, which
+# leaves 58 MiB: 10 MiB of modules and the engine's buffers. Without this term ZeRO-3's LoRA prediction was
+# 0.85 of the measured (FSDP2's, which builds no engine, 0.96). On GPUs the CUDA context term covers it.
+ENGINE_HOST_BYTES = 58 * 2**20
 
 DEEPSPEED_DEFAULTS = {
     "reduce_bucket_size": 500_000_000,

@@ -164,7 +164,7 @@ def test_one_process_runs_sharded_strategies(runs, name, tmp_path):
     """One process (one GPU, or parallelism.cpu_processes=1) is launched without torchrun, so no process group
     exists unless the worker makes one; DeepSpeed's engine and FSDP2's device mesh need it. The one-rank run
     takes the same global batch by accumulation, so its losses are DDP's two-process ones."""
-    result = launch(spec_for(name, tmp_path, "parallelism.cpu_processes=1"))
+    result = launch(spec_for(name, tmp_path, "parallelism.cpu_processes=1", "training.checkpoint_every=0"))
     assert (result.strategy, result.world_size, result.backend) == (name, 1, "gloo")
     assert result.sharding["parameter_share"] == 1.0  # one rank holds every shard
     assert result.train_losses == pytest.approx(runs["ddp"][0].train_losses, abs=1e-5)

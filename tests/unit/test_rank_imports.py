@@ -1,4 +1,5 @@
-"""What a DeepSpeed rank imports: DeepSpeed itself, not the MLflow its autotuner would pull in."""
+"""What a DeepSpeed rank imports: DeepSpeed itself, not the MLflow its autotuner would pull in, nor the compiled
+kernels of a Muon optimizer ladle never builds."""
 
 from __future__ import annotations
 
@@ -27,3 +28,45 @@ def test_deepspeed_imports_without_mlflow_and_mlflow_imports_afterwards():
     done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1].startswith("ok ")
+
+
+MUON_CHECK = """
+import os, sys
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+import torch
+import torch.distributed as dist
+from ladle.strategies.deepspeed import import_deepspeed
+
+deepspeed = import_deepspeed()
+dist.init_process_group("gloo", rank=0, world_size=1)
+for stage in (3, 2):  # ZeRO-3 asks at initialize, ZeRO-1/2 at every step
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config, dist_init_required=False
+    )
+    engine.backward(engine(torch.randn(2, 8)).sum())
+    engine.step()
+compiled = [m for m in ("torch._inductor.compile_fx", "torch._functorch.partitioners", "networkx") if m in sys.modules]
+assert not compiled, f"Muon's compiled kernels were imported after all: {compiled}"
+from deepspeed.runtime.zero.muon.original_muon import muon_update
+try:
+    muon_update(None, None)
+except RuntimeError as exc:
+    assert "no Muon optimizer" in str(exc)
+else:
+    raise AssertionError("the stand-in muon_update returned")
+print("ok")
+"""
+
+
+def test_zero_ranks_never_import_muons_compiled_kernels():
+    """DeepSpeed's ZeRO optimizers import Muon only to ask whether the optimizer is one; ladle's stand-in
+    answers no, so a ZeRO-3 and a ZeRO-2 engine initialise and step without inductor's compiler."""
+    from ladle.processes import free_port
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    argv = [sys.executable, "-c", MUON_CHECK, str(free_port())]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "ok"
