@@ -17,6 +17,7 @@ mid-run (a compile killed halfway leaves a lock that hangs every later run).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import types
@@ -35,7 +36,7 @@ NO_PRINT = 10**9
 
 
 def import_deepspeed():
-    """``import deepspeed``, without the MLflow import its autotuner makes at module level.
+    """``import deepspeed``, without the MLflow import its autotuner makes at module level, and logging to stderr.
 
     ``deepspeed/__init__`` imports ``deepspeed.autotuning.autotuner``, which imports mlflow (and with it
     pandas, protobuf and OpenTelemetry) whenever mlflow is installed, only to log autotuning experiments, which
@@ -51,7 +52,11 @@ def import_deepspeed():
     if block:
         sys.modules["mlflow"] = None  # an import of a module set to None raises ImportError
     try:
-        import deepspeed
+        # DeepSpeed's logger writes to whatever sys.stdout is when it is created, during this import. Made while
+        # stdout points at stderr, its messages (e.g. "Setting accelerator to CPU" on a host without a GPU) go
+        # to stderr, so a `--json` command's stdout holds only its JSON. Ranks send both streams to one pipe.
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed
     finally:
         if block and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
             del sys.modules["mlflow"]

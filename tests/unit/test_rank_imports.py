@@ -70,3 +70,23 @@ def test_zero_ranks_never_import_muons_compiled_kernels():
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "ok"
+
+
+LOG_CHECK = """
+from ladle.strategies.deepspeed import import_deepspeed
+
+import_deepspeed()
+from deepspeed.accelerator import get_accelerator
+
+get_accelerator()  # without DS_ACCELERATOR on a host without CUDA, DeepSpeed warns that it picked the CPU
+"""
+
+
+def test_deepspeed_logs_to_stderr_so_json_stdout_stays_clean():
+    """`ladle run --json` promises JSON on stdout; DeepSpeed's logger, made at import, wrote there."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", LOG_CHECK], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Setting accelerator to CPU" in done.stderr
+    assert done.stdout == ""
