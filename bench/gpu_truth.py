@@ -80,22 +80,22 @@ class Recorder:
     def add(self, phase: str, row: dict) -> None:
         self.data["phases"].setdefault(phase, []).append(row)
         self.flush()
-        print(json.dumps({"phase": phase, **{k: v for k, v in row.items() if k not in ("plan", "losses")}}), flush=True)
+        print(json.dumps({"phase": phase, **{k: v for k, v in row.items() if k != "trace"}}), flush=True)
 
     def flush(self) -> None:
         self.path.write_text(json.dumps(self.data, indent=1, default=str))
 
 
 def header() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
 
     versions = {}
     for name in ("torch", "transformers", "accelerate", "peft", "deepspeed", "bitsandbytes", "tokenizers"):
         try:
-            from importlib.metadata import version
-
             versions[name] = version(name)
-        except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+        except PackageNotFoundError as exc:  # recorded, not fatal: the row that needs it fails and says so
             versions[name] = f"missing: {exc!r}"
     props = torch.cuda.get_device_properties(0)
     return {

@@ -17,11 +17,10 @@ mid-run (a compile killed halfway leaves a lock that hangs every later run).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import types
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext, redirect_stdout
 from typing import Any, Literal
 
 from pydantic import Field
@@ -55,7 +54,7 @@ def import_deepspeed():
         # DeepSpeed's logger writes to whatever sys.stdout is when it is created, during this import. Made while
         # stdout points at stderr, its messages (e.g. "Setting accelerator to CPU" on a host without a GPU) go
         # to stderr, so a `--json` command's stdout holds only its JSON. Ranks send both streams to one pipe.
-        with contextlib.redirect_stdout(sys.stderr):
+        with redirect_stdout(sys.stderr):
             import deepspeed
     finally:
         if block and "mlflow" in sys.modules and sys.modules["mlflow"] is None:

@@ -7,6 +7,14 @@ import os
 import subprocess
 import sys
 
+
+def run_python(code: str, *args: str, env: dict) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (nothing imported yet), asserting it exits 0."""
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 CHECK = """
 import sys
 from ladle.strategies.deepspeed import import_deepspeed
@@ -24,9 +32,7 @@ print("ok", mlflow.__version__)
 
 
 def test_deepspeed_imports_without_mlflow_and_mlflow_imports_afterwards():
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(CHECK, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert done.stdout.splitlines()[-1].startswith("ok ")
 
 
@@ -65,10 +71,7 @@ def test_zero_ranks_never_import_muons_compiled_kernels():
     answers no, so a ZeRO-3 and a ZeRO-2 engine initialise and step without inductor's compiler."""
     from ladle.processes import free_port
 
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    argv = [sys.executable, "-c", MUON_CHECK, str(free_port())]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(MUON_CHECK, str(free_port()), env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert done.stdout.splitlines()[-1] == "ok"
 
 
@@ -86,7 +89,6 @@ def test_deepspeed_logs_to_stderr_so_json_stdout_stays_clean():
     """`ladle run --json` promises JSON on stdout; DeepSpeed's logger, made at import, wrote there."""
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    done = subprocess.run([sys.executable, "-c", LOG_CHECK], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(LOG_CHECK, env=env)
     assert "Setting accelerator to CPU" in done.stderr
     assert done.stdout == ""
