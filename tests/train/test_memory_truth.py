@@ -69,10 +69,12 @@ def test_sharded_loading_holds_half_the_weights_and_trains_the_same(mid_runs):
         assert other.sharding["parameter_share"] == pytest.approx(0.5, abs=0.01)
         # Loaded and wrapped, below DDP's, which holds all the weights (plus its broadcast).
         assert other.load_peak_memory_mib < 0.75 * ddp.load_peak_memory_mib, (name, other, ddp)
-    # FSDP2's load: at most 1.2x its half of the weights plus one checkpoint shard file. (ZeRO-3's is not:
-    # deepspeed.initialize and zero.Init's full-then-partitioned construction add ~1x its share; bench/RESULTS.md.)
-    load = above_baseline(results["fsdp2"], "load_peak_memory_mib")
-    assert load < 1.2 * weights_mib / 2 + shard_mib, (load, weights_mib, shard_mib)
+    # Each sharded rank's load: at most 1.2x its half of the weights plus one checkpoint shard file. Measured
+    # 263 MiB for FSDP2 and 358 MiB for ZeRO-3 (DeepSpeed's engine included) against a bound of 379; before
+    # reads went straight into their destinations and ZeRO-3 freed its ends' partitions at once, 319 and 459.
+    for name in ("fsdp2", "zero3"):
+        load = above_baseline(results[name], "load_peak_memory_mib")
+        assert load < 1.2 * weights_mib / 2 + shard_mib, (name, load, weights_mib, shard_mib)
     assert above_baseline(ddp, "load_peak_memory_mib") > weights_mib
     # Neither end is ever gathered: FSDP2 and ZeRO-3 (whose LoRA run holds the frozen ends as local rows) both
     # look up and compute the loss vocabulary-parallel.
