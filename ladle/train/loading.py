@@ -63,6 +63,9 @@ STORED_DTYPES = {
 }
 
 
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on a header
+
+
 @dataclass(frozen=True)
 class Stored:
     """Where one tensor lies in its safetensors file (from the file's header)."""
@@ -83,7 +86,13 @@ def read_header(file: Path) -> dict[str, Stored]:
     tensor's dtype, shape and byte range relative to the data that follows it (the format's specification)."""
     with open(file, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
+        try:
+            header = json.loads(f.read(min(size, MAX_HEADER_BYTES)))
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
+            raise ValueError(
+                f"{file} is not a readable safetensors file (its header does not parse: {exc}); re-save the "
+                "model with save_pretrained(..., safe_serialization=True)"
+            ) from None
     data = 8 + size
     return {
         name: Stored(file, entry["dtype"], tuple(entry["shape"]), data + entry["data_offsets"][0])

@@ -93,6 +93,12 @@ def test_a_cut_short_file_is_an_error_not_a_half_read_tensor(tmp_path):
         ckpt.read("w")
 
 
+def test_a_file_that_is_not_safetensors_is_named(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file .* re-save the model"):
+        Checkpoint(tmp_path)
+
+
 PEAK_SCRIPT = """
 import json, resource, sys
 import torch
