@@ -155,7 +155,7 @@ class Checkpoint:
         if not direct:
             return self._from_mapped(name, region, out)
         offset, size = stored.rows(*rows)
-        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+        buffer = memoryview(out.detach().view(-1).view(torch.uint8).numpy())
         with open(stored.file, "rb", buffering=0) as f:
             f.seek(offset)
             done = 0

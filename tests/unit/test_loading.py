@@ -124,3 +124,11 @@ def test_reading_rows_adds_nothing_beside_their_destination(tmp_path):
     measured = json.loads(report.read_text())
     assert measured["sum"] == pytest.approx(float(embed[8192:].double().sum()))
     assert measured["added_mib"] < 6.4, measured
+
+
+def test_reads_into_a_parameter_that_requires_grad(folder):
+    """A rank's parameter is read in place, outside no_grad too; autograd records nothing."""
+    param = torch.nn.Parameter(torch.zeros(18, 8))
+    Checkpoint(folder).read_into("embed.weight", param, (slice(19, 37), slice(None)))
+    assert torch.equal(param.detach(), TENSORS["embed.weight"][19:])
+    assert param.requires_grad and param.grad_fn is None
