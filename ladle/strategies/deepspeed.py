@@ -657,8 +657,9 @@ class ZeROPlusPlus(ZeRO):
 # modules it imports on first use and 52 MiB of those DeepSpeed's Muon module (its `@torch.compile` kernels:
 # inductor's compiler, functorch's partitioners, networkx). `stand_in_for_muon` now skips that import, which
 # leaves 58 MiB: 10 MiB of modules, ~25 MiB of the hooks and autograd Function classes ZeRO-3 makes for every
-# module (peft's LoRA layers are ten modules each), and the engine's buffers. Without this term ZeRO-3's LoRA prediction was
-# 0.85 of the measured (FSDP2's, which builds no engine, 0.96). On GPUs the CUDA context term covers it.
+# module (peft's LoRA layers are ten modules each), and the engine's buffers. Without this term ZeRO-3's LoRA
+# prediction was 0.85 of the measured (FSDP2's, which builds no engine, 0.96). On GPUs the CUDA context term
+# covers it.
 ENGINE_HOST_BYTES = 58 * 2**20
 
 DEEPSPEED_DEFAULTS = {
