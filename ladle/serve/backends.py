@@ -94,6 +94,9 @@ class Backend(ABC):
     """Tokens the model attends over: a prompt plus its completion must fit."""
     max_batch: int = 1
     """Requests generated together."""
+    kv_tokens: int | None = None
+    """KV cache columns (rows x padded width) this server holds across its batch; a request whose prompt and
+    ``max_tokens`` exceed it can never run and is refused. None: the backend's engine sizes its own cache."""
 
     @abstractmethod
     def encode(self, prompt: str) -> list[int]:
@@ -122,9 +125,9 @@ class TransformersBackend(Backend):
     name = "transformers"
     title = "transformers"
     summary = "Hugging Face generate on CPU or GPU, concurrent requests batched"
-    options = {"max_batch": int}
+    options = {"max_batch": int, "kv_tokens": int}
 
-    def __init__(self, model_dir: str, max_batch: int = 32):
+    def __init__(self, model_dir: str, max_batch: int = 32, kv_tokens: int = 0):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,13 +135,17 @@ class TransformersBackend(Backend):
 
         if not 1 <= max_batch <= 1024:
             raise LadleError(f"max_batch = {max_batch}: must be 1..1024 (serve.max_batch_size).")
+        if kv_tokens < 0:
+            raise LadleError(f"kv_tokens = {kv_tokens}: must be >= 0 (serve.kv_cache_tokens; 0: derived).")
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.context_length = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.max_batch = max_batch
-        self.engine = Engine(model, self.tokenizer, device, max_batch)
+        # 0: every row may reach the model's context (the bound a standalone server has without a plan).
+        self.kv_tokens = kv_tokens or max_batch * self.context_length
+        self.engine = Engine(model, self.tokenizer, device, max_batch, kv_tokens=self.kv_tokens)
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=False).input_ids
@@ -154,7 +161,7 @@ class TransformersBackend(Backend):
         return self.engine.alive()
 
     def queue_depth(self) -> int:
-        return self.engine.jobs.qsize()
+        return self.engine.depth()
 
 
 class MiiBackend(Backend):

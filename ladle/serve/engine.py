@@ -3,10 +3,24 @@
 The engine thread keeps the running requests in one batch with a shared KV cache. A request that arrives
 is prefilled on its own and joins at the next decode step; one that ends (its ``max_tokens``, EOS, a stop
 string, or its client gone) leaves at once, so nobody waits for another request's answer to finish. Each
-row keeps its own sampling: ``RowSampler`` chooses every row's token by that request's settings (greedy
+row keeps its own sampling: ``sample`` chooses every row's token by that request's settings (greedy
 argmax, or temperature / top-p from the request's own generator, seeded when it has a seed), and
 ``RowStop`` ends and streams each row on its own. Rows are left-padded; attention treats the padding as
 absent and position ids are per row, so a request's greedy answer does not depend on its neighbours.
+
+The KV cache is transformers' ``DynamicCache``, built and rebuilt only through its own constructor,
+``update`` and ``batch_select_indices``: rows that join or leave give a new cache of the joined tensors, so
+every layer's own bookkeeping (its length, for a sliding window its position) stays the library's. Every
+layer keeps its full width, sliding-window ones included: the window is applied by the attention mask, which
+transformers builds from the cache's lengths, so a row that joins a running batch sees exactly the window it
+would alone. That gives up a sliding layer's memory saving for correctness under joins; the planner's KV
+term already counts every layer at full width. Layers that are not key/value attention (linear attention,
+state-space) cannot be joined this way and are refused when the backend starts.
+
+Memory is bounded by a KV budget in tokens (``kv_tokens``: rows x padded width, from the plan's
+``serve.kv_cache_tokens``). A request is admitted, in arrival order, only when the batch with it can run to
+every row's ``max_tokens`` within the budget; one that can never fit is refused by the server with a 400
+before it reaches the engine, so no request fails its neighbours by running the cache out of memory.
 
 Why not transformers' own continuous batching (``init_continuous_batching``): its manager samples with one
 generation config and one RNG for all requests, so a greedy request beside a sampled one, per-request
@@ -16,13 +30,20 @@ generation config and one RNG for all requests, so a greedy request beside a sam
 from __future__ import annotations
 
 import queue
+import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LogitsProcessor, StoppingCriteria
+from transformers import StoppingCriteria
+
+from ladle.errors import LadleError
+
+KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+"""Decoder layer types whose cache is keys and values the engine can join and split."""
 
 
 @dataclass
@@ -44,31 +65,29 @@ class Job:
     finish: str | None = None
     generator: torch.Generator | None = None
 
-    def __post_init__(self):
-        if self.temperature > 0:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(self.seed if self.seed is not None else torch.seed())
+    @property
+    def tokens_needed(self) -> int:
+        """KV cache columns this request needs alone: its prompt and every token it may generate."""
+        return len(self.ids) + self.max_new_tokens
+
+    def generator_on(self, device: torch.device) -> torch.Generator:
+        """The request's own random generator, on the device its logits are on (a CUDA ``multinomial`` refuses
+        a CPU generator). Seeded by the request's ``seed``, or once from the OS when it has none, so a job's
+        draws never depend on the process-wide RNG or on its neighbours."""
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.seed if self.seed is not None else random.SystemRandom().getrandbits(63))
+        return self.generator
 
 
-class RowSampler(LogitsProcessor):
-    """Chooses each row's next token by its own request's settings, then leaves only that token."""
-
-    def __init__(self, jobs: list[Job]):
-        self.jobs = jobs
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        for row, job in enumerate(self.jobs):
-            if job.finish is not None or job.temperature <= 0:
-                continue  # greedy: generate's own argmax over the untouched scores
-            probs = torch.softmax(scores[row].float() / job.temperature, dim=-1)
-            if job.top_p < 1.0:
-                ordered, order = torch.sort(probs, descending=True)
-                keep = torch.cumsum(ordered, dim=-1) - ordered < job.top_p  # always keeps the top token
-                probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
-            token = int(torch.multinomial(probs, 1, generator=job.generator))
-            scores[row] = float("-inf")
-            scores[row, token] = 0.0
-        return scores
+def sample(job: Job, logits: torch.Tensor) -> int:
+    """One token from a row's logits by its request's temperature and top-p, drawn with its own generator."""
+    probs = torch.softmax(logits.float() / job.temperature, dim=-1)
+    if job.top_p < 1.0:
+        ordered, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(ordered, dim=-1) - ordered < job.top_p  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
+    return int(torch.multinomial(probs, 1, generator=job.generator_on(probs.device)))
 
 
 class RowStop(StoppingCriteria):
@@ -127,14 +146,25 @@ class Engine:
     Every decode step runs all active requests together with one ``forward`` over a shared KV cache
     (left-padded rows, explicit position ids). A request that arrives is prefilled on its own and joins
     the running batch at the next step; a finished or cancelled one leaves at once. So no request waits
-    for another's answer to end, and each row samples and stops by its own settings (``RowSampler``,
+    for another's answer to end, and each row samples and stops by its own settings (``sample``,
     ``RowStop``). Attention treats a row's padding as absent, so a request's greedy answer is the one it
     gets alone (tested).
     """
 
-    def __init__(self, model, tokenizer, device: str, max_batch: int, on_batch: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        device: str,
+        max_batch: int,
+        on_batch: Callable[[int], None] | None = None,
+        kv_tokens: int | None = None,
+    ):
+        check_cache_layers(model.config)
         self.model, self.tokenizer, self.device, self.max_batch = model, tokenizer, device, max_batch
+        self.kv_tokens = kv_tokens or max_batch * int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.on_batch = on_batch or (lambda size: None)
+        self.waiting: deque[Job] = deque()  # taken from ``jobs``, in arrival order, not yet admitted
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos])
@@ -148,17 +178,22 @@ class Engine:
     def alive(self) -> bool:
         return self.thread.is_alive()
 
+    def depth(self) -> int:
+        """Requests waiting for a place in the batch."""
+        return len(self.waiting) + self.jobs.qsize()
+
     def loop(self) -> None:
         batch = Batch(self)
         while True:
-            arrivals = [self.jobs.get()] if not batch.jobs else []  # idle: wait for work
-            while len(batch.jobs) + len(arrivals) < self.max_batch:
+            if not batch.jobs and not self.waiting:
+                self.waiting.append(self.jobs.get())  # idle: wait for work
+            while True:
                 try:
-                    arrivals.append(self.jobs.get_nowait())
+                    self.waiting.append(self.jobs.get_nowait())
                 except queue.Empty:
                     break
+            arrivals = self.admissible(batch)
             try:
-                arrivals = [job for job in arrivals if not job.cancelled.is_set()]
                 if arrivals:
                     batch.admit(arrivals)
                 if batch.jobs:
@@ -171,6 +206,50 @@ class Engine:
                         job.emit("error", {"message": f"{type(exc).__name__}: {exc}"})
                 batch = Batch(self)
 
+    def admissible(self, batch: Batch) -> list[Job]:
+        """The waiting jobs that join now: in arrival order, while the batch has a row free and the KV budget
+        holds the batch with them to the end of every row. A job that does not fit waits, and so does everyone
+        behind it (no request is passed over for ever by shorter ones)."""
+        arrivals: list[Job] = []
+        while self.waiting and len(batch.jobs) + len(arrivals) < self.max_batch:
+            job = self.waiting[0]
+            if job.cancelled.is_set():
+                self.waiting.popleft()
+                continue
+            if (batch.jobs or arrivals) and batch.projected_tokens([*arrivals, job]) > self.kv_tokens:
+                break
+            arrivals.append(self.waiting.popleft())
+        return arrivals
+
+
+def check_cache_layers(config) -> None:
+    """Refuse a model whose decoder has layers the engine cannot batch (their cache is not keys and values).
+
+    Raises:
+        LadleError: naming the layer types and the fix.
+    """
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if not kinds <= KV_LAYER_TYPES:
+        raise LadleError(
+            f"serve.backend = transformers: model_type {getattr(config, 'model_type', '?')!r} has decoder layers of "
+            f"type {', '.join(sorted(kinds - KV_LAYER_TYPES))}, whose cache the batching engine cannot join or split "
+            f"(it handles {', '.join(sorted(KV_LAYER_TYPES))}). Serve it with a backend that implements its "
+            "cache, or a model with attention layers only."
+        )
+
+
+def kv_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's ``(keys, values)``, ``[rows, heads, width, dim]``."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def cache_of(kv: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A ``DynamicCache`` holding ``kv``, built by transformers' own constructor (each layer ``update``d)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=kv)
+
 
 class Batch:
     """The running requests and their shared KV cache: rows left-padded to a common length."""
@@ -178,7 +257,7 @@ class Batch:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.jobs: list[Job] = []
-        self.cache = None  # DynamicCache, [rows, heads, width, dim] per layer
+        self.cache = None  # DynamicCache of full-width layers, [rows, heads, width, dim] per layer
         self.mask = torch.zeros((0, 0), dtype=torch.long)  # 1 where a row has a real token
         self.last = torch.zeros((0, 1), dtype=torch.long)  # each row's newest token, the next step's input
 
@@ -195,7 +274,7 @@ class Batch:
             ids[row, width - len(job.ids) :] = torch.tensor(job.ids)
             mask[row, width - len(job.ids) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache()  # no config: every layer full width (see the module's docstring)
         with torch.no_grad():
             logits = model(
                 input_ids=ids.to(device),
@@ -218,9 +297,15 @@ class Batch:
         if self.cache is None:
             self.cache = cache
         else:
-            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-                mine.keys = torch.cat([pad_left(mine.keys, width), pad_left(theirs.keys, width)])
-                mine.values = torch.cat([pad_left(mine.values, width), pad_left(theirs.values, width)])
+            self.cache = cache_of(
+                [
+                    (
+                        torch.cat([pad_left(k, width), pad_left(k2, width)]),
+                        torch.cat([pad_left(v, width), pad_left(v2, width)]),
+                    )
+                    for (k, v), (k2, v2) in zip(kv_of(self.cache), kv_of(cache), strict=True)
+                ]
+            )
         self.mask = torch.cat([pad_mask(self.mask, width), pad_mask(mask, width)])
         self.last = torch.cat([self.last, torch.tensor([[job.tokens[-1]] for job in jobs])])
         self.jobs += jobs
@@ -244,13 +329,31 @@ class Batch:
         if len(keep) < len(self.jobs):
             self.select(keep)
 
+    def projected_tokens(self, arrivals: list[Job]) -> int:
+        """KV columns the batch would hold at most with ``arrivals`` joined: every row padded to the widest,
+        and the width growing one column a step until the row with the most tokens left ends."""
+        rows = len(self.jobs) + len(arrivals)
+        width = max([self.mask.shape[1], *(len(job.ids) for job in arrivals)])
+        left = max(
+            [*(job.max_new_tokens - len(job.tokens) for job in self.jobs), *(j.max_new_tokens for j in arrivals)]
+        )
+        return rows * (width + left)
+
     def choose(self, jobs: list[Job], logits: torch.Tensor) -> None:
-        """Each row's next token by its own sampling, fed to its stop logic; ended rows are told so."""
-        scores = RowSampler(jobs)(None, logits.float())
-        tokens = scores.argmax(dim=-1).tolist()
+        """Each row's next token by its own sampling (greedy: the argmax), fed to its stop logic; ended rows are
+        told so. A row whose sampling fails ends with an error alone: its neighbours go on."""
+        tokens = logits.argmax(dim=-1).tolist()
         stopper = RowStop(jobs, self.engine.tokenizer, self.engine.eos)
-        for job, token in zip(jobs, tokens, strict=True):
-            stopper.advance(job, int(token))
+        for row, job in enumerate(jobs):
+            if job.finish is not None:
+                continue
+            try:
+                token = sample(job, logits[row]) if job.temperature > 0 else int(tokens[row])
+            except Exception as exc:
+                job.finish = "error"
+                job.emit("error", {"message": f"sampling failed: {type(exc).__name__}: {exc}"})
+                continue
+            stopper.advance(job, token)
             if job.finish is not None:
                 finish(job)
 
@@ -265,8 +368,7 @@ class Batch:
         unused = int((self.mask.cumsum(dim=1) == 0).sum(dim=1).min())  # columns that are padding in every row
         if unused:
             self.mask = self.mask[:, unused:]
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+            self.cache = cache_of([(k[:, :, unused:], v[:, :, unused:]) for k, v in kv_of(self.cache)])
 
 
 def pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:

@@ -346,6 +346,14 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
             param="messages" if isinstance(req, ChatRequest) else "prompt",
             code="context_length_exceeded",
         )
+    if backend.kv_tokens is not None and len(ids) + limit > backend.kv_tokens:
+        raise ApiError(
+            400,
+            f"This server's KV cache holds {backend.kv_tokens} tokens across its batch (serve.kv_cache_tokens); "
+            f"the prompt has {len(ids)} and max_tokens is {limit}. Shorten the prompt or lower max_tokens.",
+            param="messages" if isinstance(req, ChatRequest) else "prompt",
+            code="context_length_exceeded",
+        )
     if not ids:
         raise ApiError(400, "the prompt is empty.", param="prompt")
     return Job(
