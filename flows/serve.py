@@ -46,7 +46,7 @@ def serve_champion(
     logger = get_run_logger()
     if version:
         logger.info("event: %s v%s became champion", name, version)
-    served = champion.reconcile(uri, name, cfg.serve)
+    served = champion.reconcile(uri, name, cfg.serving())
     logger.info(served.message())
     if served.action != "unchanged":
         create_link_artifact(

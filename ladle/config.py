@@ -260,6 +260,15 @@ class ServeConfig(Section):
         le=1024,
         description="Requests generated together (backends that batch: transformers). 1: one at a time.",
     )
+    kv_cache_tokens: int = Field(
+        0,
+        ge=0,
+        le=100_000_000,
+        description="KV cache the transformers backend holds across its batch, in tokens (rows x padded width). "
+        "Requests join the running batch in arrival order while it fits; one whose prompt plus max_tokens exceeds "
+        "it is refused with HTTP 400. 0: max_batch_size x (data.seq_len + max_new_tokens), the size the planner "
+        "counts (a bare `python -m ladle.serve`: max_batch_size x the model's context).",
+    )
     api_key_env: str | None = Field(
         None,
         description="Environment variable holding the API key clients must send as `Authorization: Bearer`. "
@@ -521,6 +530,14 @@ class LadleConfig(Section):
                 "set promote.metric to one of them, or eval.metric to the metric you want"
             )
         return self
+
+    def serving(self) -> ServeConfig:
+        """``serve`` with its derived values filled in: ``kv_cache_tokens`` 0 becomes the planner's size,
+        ``max_batch_size x (data.seq_len + max_new_tokens)``."""
+        tokens = self.serve.kv_cache_tokens or self.serve.max_batch_size * (
+            self.data.seq_len + self.serve.max_new_tokens
+        )
+        return self.serve.model_copy(update={"kv_cache_tokens": tokens})
 
     def gate_metric(self) -> str:
         """The metric the promotion gate compares."""

@@ -16,10 +16,11 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
-from ladle import sizing, strategies
+from ladle import cuda_arch, sizing, strategies
 from ladle.config import LadleConfig
 from ladle.errors import ConfigError, LadleError
 from ladle.serve import backends
+from ladle.serve.backends import Backend
 from ladle.strategies import Candidate, Strategy, Target
 from ladle.strategies.mesh import Dims
 from ladle.topology import Topology
@@ -237,7 +238,8 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     )
     memory = check_memory(cfg, topo, target, model, strategy, micro.value)
     eval_micro = choose_eval_micro(cfg, target, model, strategy, micro.value)
-    steps = (world, nodes, chosen, layout, micro, batch, dtype, checks, memory, eval_micro)
+    serving = check_serving(cfg, model, target)
+    steps = (world, nodes, chosen, layout, micro, batch, dtype, checks, memory, eval_micro, serving)
     shape = shape_summary(model)
     plan = build_plan(
         cfg, topo, strategy, target, micro.value, batch.value, steps, list(chosen.value.candidates), shape
@@ -245,6 +247,23 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     plan.memory = memory.value
     plan.eval_micro_batch_size = eval_micro.value
     return plan
+
+
+def check_serving(cfg: LadleConfig, model: dict | None, target: Target) -> Decision[None]:
+    """Whether ``serve.backend`` can serve what this run will produce (the base's architecture, in the run's
+    dtype), decided before anything trains; and, on a GPU, the arch list DeepSpeed's op builds will get."""
+    reasons, warnings = [], []
+    backend = backends.get(cfg.serve.backend)
+    problems = backend.model_problems(model, target.dtype) if model is not None else []
+    if model is None and backend.model_problems.__func__ is not Backend.model_problems.__func__:
+        warnings.append(
+            f"serve.backend = {backend.name}: the base's config.json was not read, so whether {backend.title} can "
+            "serve the model is checked only when the server starts."
+        )
+    if target.device == "cuda":
+        _, changed = cuda_arch.fixed_env()
+        reasons += [changed] if changed else []
+    return Decision(None, tuple(reasons), tuple(warnings), tuple(problems))
 
 
 def choose_eval_micro(cfg, target: Target, model, strategy: Strategy, micro: int) -> Decision[int]:
@@ -348,7 +367,8 @@ def check_memory(cfg, topo, target: Target, model, strategy: Strategy, micro: in
     shards = 1
     if backends.get(serve_cfg.backend).shards_model and target.device == "cuda":
         shards = serve_cfg.tensor_parallel or max(topo.gpu_count, 1)
-    tokens = cfg.data.seq_len + serve_cfg.max_new_tokens
+    kv_tokens = cfg.serving().kv_cache_tokens
+    tokens = kv_tokens // serve_cfg.max_batch_size  # the sizing counts rows x columns; the budget is the product
     serve = sizing.serve_bytes(job.shape, stored, serve_cfg.max_batch_size, tokens, shards)
     serve += sizing.CONTEXT_BYTES if target.device == "cuda" else 0
     memory = {"load": est.load + est.context, "train": est.total, "merge": merge, "serve": serve}
@@ -374,8 +394,8 @@ def check_memory(cfg, topo, target: Target, model, strategy: Strategy, micro: in
             )
     where = f"{shards} device(s)" if shards > 1 else "one device"
     reasons.append(
-        f"serve ({serve_cfg.backend}): {sizing.gib(serve)} per device over {where} (weights, and the KV cache of "
-        f"{serve_cfg.max_batch_size} request(s) x {tokens} tokens)"
+        f"serve ({serve_cfg.backend}): {sizing.gib(serve)} per device over {where} (weights, and a KV cache of "
+        f"{kv_tokens} tokens: serve.kv_cache_tokens, {serve_cfg.max_batch_size} request(s) x {tokens})"
     )
     warnings = []
     if device and serve > sizing.HEADROOM * device:

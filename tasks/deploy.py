@@ -15,7 +15,7 @@ from ladle.tasks.policy import retry_unless_user_error
 
 @task(name="deploy-server", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
 def deploy_task(cfg: LadleConfig, merged: MergedModel, prepared: PreparedDataset) -> Endpoint:
-    endpoint = deploy(merged, cfg.serve, cfg.name, held_out=load_samples(prepared, 1))
+    endpoint = deploy(merged, cfg.serving(), cfg.name, held_out=load_samples(prepared, 1))
     logger = get_run_logger()
     verdict = (
         ""

@@ -133,7 +133,7 @@ def serve(
 
     cfg = load(config, set_, None, None)
     uri, _ = tracking.tracking_uri(cfg)
-    served = champion.reconcile(uri, cfg.tracking.registered_model or cfg.name, cfg.serve)
+    served = champion.reconcile(uri, cfg.tracking.registered_model or cfg.name, cfg.serving())
     if as_json:
         print_json(served.model_dump())
         return

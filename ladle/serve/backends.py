@@ -48,6 +48,12 @@ class Backend(ABC):
         return []
 
     @classmethod
+    def model_problems(cls, config: dict, dtype: str) -> list[str]:
+        """What stops this backend serving a model with ``config`` (its ``config.json``) saved in ``dtype``;
+        empty when it can. The planner asks before anything trains."""
+        return []
+
+    @classmethod
     def check_host(cls, has_cuda: bool | None = None) -> None:
         """Raise unless this host can run the backend (``has_cuda`` None: probe this machine).
 
@@ -178,6 +184,12 @@ class MiiBackend(Backend):
     package = "mii"
     requirement = "deepspeed-mii"
     options = {"tensor_parallel": int, "replica_num": int, "start_timeout_s": float, "max_batch": int}
+
+    @classmethod
+    def model_problems(cls, config: dict, dtype: str) -> list[str]:
+        from ladle.serve.fastgen import fastgen_problems
+
+        return fastgen_problems(config, dtype)
 
     def __init__(
         self,

@@ -47,6 +47,7 @@ def backend_options(cfg: ServeConfig) -> dict:
     """The ``serve.*`` settings a backend may accept as options, by the option's name."""
     return {
         "max_batch": cfg.max_batch_size,
+        "kv_tokens": cfg.kv_cache_tokens,
         "tensor_parallel": cfg.tensor_parallel,
         "replica_num": cfg.replica_num,
         "start_timeout_s": cfg.start_timeout_s,

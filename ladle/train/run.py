@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import shlex
 import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from ladle import storage
+from ladle import cuda_arch, storage
 from ladle.processes import free_port, stop_process  # noqa: F401 - free_port is also imported from here
 from ladle.topology import usable_cores
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
@@ -24,8 +23,9 @@ class TrainingFailed(RuntimeError):
 
 
 def worker_env(spec: TrainSpec) -> dict[str, str]:
-    """The launch environment: the user's settings win over ladle's hints."""
-    env = dict(os.environ)
+    """The launch environment: the user's settings win over ladle's hints (but for an arch list DeepSpeed
+    cannot parse, rewritten to the same capabilities: ``ladle.cuda_arch``)."""
+    env, _ = cuda_arch.fixed_env()
     if spec.plan.device == "cpu":
         # Each rank gets its share of the cores instead of all of them (oversubscription halves throughput).
         cores = usable_cores(env)

@@ -14,17 +14,23 @@ import pytest
 from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.serve.deploy import server_argv
-from ladle.serve.fastgen import check_architecture, fastgen_model_types, start_within
+from ladle.serve.fastgen import check_architecture, fastgen_head_sizes, fastgen_model_types, start_within
 from tests.helpers import needs_gpus
 
 
 def test_fastgen_architectures_come_from_the_installed_deepspeed(tmp_path):
     known = fastgen_model_types()
     assert {"llama", "mistral", "qwen2"} <= set(known)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert fastgen_head_sizes() == [64, 80, 96, 128]
+    config = {"model_type": "llama", "hidden_size": 1024, "num_attention_heads": 8, "dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     assert check_architecture(str(tmp_path)) == "llama"
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
     with pytest.raises(LadleError, match=r"cannot serve model_type 'gemma2'.*Use serve.backend=transformers"):
+        check_architecture(str(tmp_path))
+    # The demo's tiny model as saved: float32 and 32-wide heads, both named at once.
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_attention_heads": 32, "dtype": "float32"}))
+    with pytest.raises(LadleError, match=r"would be float32.*this model's is 32"):
         check_architecture(str(tmp_path))
 
 
