@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         draining_server_class()(config).run()
     finally:
         record.unlink(missing_ok=True)
+        backend.close()
     return 0
 
 

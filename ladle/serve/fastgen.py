@@ -12,15 +12,21 @@ process it spawned and says why.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
+import socket
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from ladle import cuda_arch
 from ladle.errors import LadleError
+from ladle.processes import free_port
 
 T = TypeVar("T")
 
@@ -104,11 +110,13 @@ def check_architecture(model_dir: str) -> str:
     return config.get("model_type", "?")
 
 
-def start_within(start: Callable[[], T], timeout_s: float, what: str) -> T:
-    """``start()``, or after ``timeout_s`` every process the start spawned killed and a clear error.
+def start_within(start: Callable[[], T], timeout_s: float, what: str) -> tuple[T, list]:
+    """``start()`` under a deadline; returns its value and the processes it left running (``psutil.Process``).
 
-    Only what appeared during the start is killed: processes this one had already started (another server,
-    a Prefect API, a test harness) are left alone.
+    Only what appeared during the start is counted, and killed when the start fails or runs out of time:
+    processes this one had already started (another server, a Prefect API, a test harness) are left alone.
+    MII's start raises after its servers are up (or one of them died), and waits for ever for a server that
+    never listens: either way every process it spawned is stopped before the error is raised.
 
     Raises:
         LadleError: the start raised, or did not finish in time.
@@ -124,17 +132,127 @@ def start_within(start: Callable[[], T], timeout_s: float, what: str) -> T:
         except BaseException as exc:  # reported below, in the caller's thread
             box["error"] = exc
 
+    seen: dict[int, psutil.Process] = {}
+
+    def spawned() -> list:
+        """Every process the start has spawned so far, remembered as it is seen: one whose parent died (a
+        launcher killed) leaves this process's tree, but not this list."""
+        for child in psutil.Process().children(recursive=True):
+            if child.pid not in before:
+                seen.setdefault(child.pid, child)
+        return list(seen.values())
+
     thread = threading.Thread(target=run, name="ladle-start", daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and time.monotonic() < deadline:
+        spawned()
+        thread.join(min(0.25, max(deadline - time.monotonic(), 0)))
     if thread.is_alive():
-        children = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
-        for child in children:
-            child.kill()
+        killed = stop_all(spawned(), grace_s=0)
         raise LadleError(
-            f"serve.start_timeout_s = {timeout_s:g}: {what} did not start in time; its {len(children)} process(es) "
+            f"serve.start_timeout_s = {timeout_s:g}: {what} did not start in time; its {killed} process(es) "
             "were killed. Its log above says why (often: the GPUs are busy, or the model does not fit)."
         )
     if "error" in box:
-        raise LadleError(f"serve.backend: {what} failed to start: {type(box['error']).__name__}: {box['error']}")
-    return box["value"]
+        killed = stop_all(spawned(), grace_s=0)
+        raise LadleError(
+            f"serve.backend: {what} failed to start: {type(box['error']).__name__}: {box['error']} "
+            f"({killed} process(es) it had started were killed)."
+        )
+    return box["value"], [p for p in spawned() if running(p)]
+
+
+def running(process) -> bool:
+    """The process runs (a zombie has ended: only its parent has not reaped it)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stop_all(processes: list, grace_s: float = 10.0) -> int:
+    """SIGTERM every process, SIGKILL what is left after ``grace_s``; returns how many were running. The list is
+    taken whole first: a launcher killed before its children would leave them to init, out of reach."""
+    import psutil
+
+    alive = [p for p in processes if running(p)]
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill() if grace_s <= 0 else process.terminate()
+    _, left = psutil.wait_procs(alive, timeout=max(grace_s, 0.1))
+    for process in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(left, timeout=10)
+    return len(alive)
+
+
+def free_run(count: int, tries: int = 50) -> int:
+    """The first of ``count`` consecutive TCP ports on 127.0.0.1 that nothing listens on now."""
+    for _ in range(tries):
+        first = free_port()
+        if first + count < 65536 and all(port_free(first + i) for i in range(1, count)):
+            return first
+    raise LadleError(f"no {count} consecutive free ports on 127.0.0.1 after {tries} tries; free some ports.")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except (OSError, OverflowError):
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class Ports:
+    """One MII deployment's own ports, so that a champion swap's new deployment never meets the old one's:
+    MII's load balancer takes ``port_number``, each tensor-parallel rank of each replica the ports after it,
+    replica ``i``'s process group ``torch_dist_port + 100 i`` and its ZeroMQ ``zmq_port_number + i``."""
+
+    port_number: int
+    torch_dist_port: int
+    zmq_port_number: int
+
+    @classmethod
+    def pick(cls, tensor_parallel: int, replica_num: int) -> Ports:
+        grpc = free_run(1 + tensor_parallel * replica_num)
+        dist = next(p for p in iter(free_port, None) if all(port_free(p + 100 * i) for i in range(replica_num)))
+        return cls(grpc, dist, free_run(replica_num))
+
+
+def prebuild_ops(timeout_s: float) -> float:
+    """Build (or load from ``TORCH_EXTENSIONS_DIR``) FastGen's CUDA ops in a child process, before MII starts;
+    returns the seconds it took. A first start builds them just in time (93 s measured on an H100); doing it
+    here times it, names it in the log, and keeps CUDA out of the front process.
+
+    Raises:
+        LadleError: the build failed or ran past ``timeout_s``, with the tail of its output.
+    """
+    import subprocess
+    import sys
+
+    code = (
+        "from deepspeed.ops.op_builder import InferenceCoreBuilder, RaggedOpsBuilder, RaggedUtilsBuilder\n"
+        "for builder in (InferenceCoreBuilder, RaggedOpsBuilder, RaggedUtilsBuilder): builder().load()\n"
+    )
+    env, _ = cuda_arch.fixed_env()
+    began = time.monotonic()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise LadleError(
+            f"serve.start_timeout_s = {timeout_s:g}: building DeepSpeed's FastGen ops did not finish in time."
+        ) from None
+    if done.returncode != 0:
+        raise LadleError(
+            "serve.backend = mii: building DeepSpeed's FastGen ops failed (nvcc and the CUDA headers must match "
+            f"torch's CUDA):\n{(done.stdout + done.stderr)[-2000:]}"
+        )
+    return time.monotonic() - began

@@ -181,7 +181,11 @@ def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
     @app.get("/ready")
     def ready():
         if not backend.ready():
-            raise ApiError(503, "the generation loop is not running", kind="server_error")
+            raise ApiError(
+                503,
+                f"the {backend.name} backend is not serving (its generation loop or model server is down)",
+                kind="server_error",
+            )
         return {"status": "ready", "model": settings.model, "max_batch": backend.max_batch}
 
     @app.get("/metrics")
@@ -334,6 +338,14 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
             param="model",
             code="model_not_found",
             kind="not_found_error",
+        )
+    if req.seed is not None and not backend.supports_seed:
+        raise ApiError(
+            400,
+            f"seed is not supported by the {backend.name} backend (it samples without per-request seeds). "
+            "Leave it out, or serve with serve.backend=transformers.",
+            param="seed",
+            code="unsupported_parameter",
         )
     if req.n != 1:
         raise ApiError(400, f"n = {req.n}: only n=1 is supported; send n requests instead.", param="n")

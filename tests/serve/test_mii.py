@@ -3,11 +3,14 @@ the startup watchdog, the options that reach it), and the real deployment on a G
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import psutil
 import pytest
 
@@ -15,7 +18,7 @@ from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.serve.deploy import server_argv
 from ladle.serve.fastgen import check_architecture, fastgen_head_sizes, fastgen_model_types, start_within
-from tests.helpers import needs_gpus
+from tests.helpers import ROOT, needs_gpus
 
 
 def test_fastgen_architectures_come_from_the_installed_deepspeed(tmp_path):
@@ -90,3 +93,177 @@ def test_mii_serves_the_offline_greedy_answer(tiny_model):
     assert done.wait(120), events
     text = "".join(d["text"] for k, d in events if k == "text")
     assert text == offline_greedy(tiny_model, messages, 8)
+
+
+# -- ladle's MII backend over a stand-in deployment (tests/fakes/mii: MII's process tree, client and stream) ----
+
+
+@pytest.fixture
+def fake_mii(monkeypatch, tiny_model, tmp_path):
+    """The stand-in ``mii`` importable, and a model folder FastGen would accept (bf16, 64-wide heads)."""
+    import shutil
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "fakes"))
+    for name in [m for m in sys.modules if m == "mii" or m.startswith("mii.")]:
+        monkeypatch.delitem(sys.modules, name)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "head_dim": 64}))
+    return model
+
+
+def descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+def is_model_server(process) -> bool:
+    """The stand-in's model server (the launcher's command line names its script too, as an argument)."""
+    return process.cmdline()[1:2] == [str(ROOT / "tests" / "fakes" / "mii" / "model_server.py")]
+
+
+def reversed_answer(backend, messages, n: int) -> str:
+    return "".join(w + " " for w in backend.tokenizer.decode(backend.encode_chat(messages)).split()[::-1][:n])
+
+
+def test_mii_backend_serves_streams_and_holds_concurrent_clients_then_leaves_nothing(fake_mii):
+    import openai
+
+    from ladle.serve.backends import MiiBackend
+    from ladle.serve.server import Settings, create_app
+    from tests.serve.test_server import Running
+
+    before = descendants()
+    backend = MiiBackend(str(fake_mii), tensor_parallel=1, start_timeout_s=60)
+    assert len(backend.processes) == 2 and backend.ready()  # the launcher and its model server
+    server = Running(create_app(backend, Settings("m", max_new_tokens=6)))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    try:
+        asks = [[{"role": "user", "content": f"question number {i} for the deployment"}] for i in range(24)]
+
+        def ask(messages):
+            return client.chat.completions.create(model="m", messages=messages, max_tokens=6).choices[0]
+
+        with ThreadPoolExecutor(24) as pool:  # 24 requests in flight on the backend's one loop
+            answers = list(pool.map(ask, asks))
+        assert [a.message.content for a in answers] == [reversed_answer(backend, m, 6) for m in asks]
+        assert {a.finish_reason for a in answers} == {"length"}
+        stream = client.chat.completions.create(model="m", messages=asks[0], max_tokens=3, stream=True)
+        pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+        assert len(pieces) == 3 and "".join(pieces) == reversed_answer(backend, asks[0], 3)
+        with pytest.raises(openai.BadRequestError, match="seed is not supported by the mii backend"):
+            client.chat.completions.create(model="m", messages=asks[0], seed=1)
+        assert httpx.get(f"{server.url}/ready").status_code == 200
+
+        model_server = next(p for p in backend.processes if is_model_server(p))
+        model_server.kill()  # the deployment dies under the front
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server.url}/ready").status_code != 503:
+            assert time.monotonic() < deadline, "/ready did not notice the dead model server"
+            time.sleep(0.2)
+        assert "model server is down" in httpx.get(f"{server.url}/ready").json()["error"]["message"]
+        with pytest.raises(openai.InternalServerError, match="the MII deployment failed"):
+            ask(asks[0])
+    finally:
+        server.stop()
+        backend.close()
+    deadline = time.monotonic() + 15
+    while descendants() - before:
+        assert time.monotonic() < deadline, f"left running: {descendants() - before}"
+        time.sleep(0.1)
+
+
+def test_a_model_server_killed_during_start_stops_the_whole_deployment(fake_mii, monkeypatch):
+    import threading
+
+    from ladle.serve.backends import MiiBackend
+
+    monkeypatch.setenv("FAKE_MII_LOAD_S", "60")
+    before = descendants()
+
+    def kill_the_model_server() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for pid in descendants() - before:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if is_model_server(psutil.Process(pid)):
+                        psutil.Process(pid).kill()
+                        return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_model_server)
+    killer.start()
+    began = time.monotonic()
+    with pytest.raises(
+        LadleError, match=r"failed to start: RuntimeError: server crashed.*process\(es\) it had started"
+    ):
+        MiiBackend(str(fake_mii), tensor_parallel=1, start_timeout_s=120)
+    killer.join(timeout=10)
+    assert time.monotonic() - began < 30
+    assert not descendants() - before
+
+
+def test_a_launcher_killed_during_start_does_not_orphan_its_server(fake_mii, monkeypatch):
+    """The launcher dies first: its model server leaves this process's tree, yet is stopped with the rest."""
+    import threading
+
+    from ladle.serve.backends import MiiBackend
+
+    monkeypatch.setenv("FAKE_MII_LOAD_S", "60")
+    before = descendants()
+    servers = []
+
+    def kill_the_launcher() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            found = [psutil.Process(pid) for pid in descendants() - before]
+            servers.extend(p for p in found if is_model_server(p))
+            launchers = [p for p in found if p.cmdline()[1:2] == ["-c"]]
+            if servers and launchers:
+                time.sleep(0.5)  # the start has seen both
+                launchers[0].kill()
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_launcher)
+    killer.start()
+    with pytest.raises(LadleError, match=r"failed to start: RuntimeError: server crashed"):
+        MiiBackend(str(fake_mii), tensor_parallel=1, start_timeout_s=120)
+    killer.join(timeout=10)
+    assert servers and not servers[0].is_running()
+
+
+def test_a_start_that_runs_out_of_time_leaves_no_process(fake_mii, monkeypatch):
+    from ladle.serve.backends import MiiBackend
+
+    monkeypatch.setenv("FAKE_MII_LOAD_S", "120")
+    before = descendants()
+    with pytest.raises(LadleError, match=r"serve.start_timeout_s = 3: the DeepSpeed-MII deployment .* did not start"):
+        MiiBackend(str(fake_mii), tensor_parallel=1, start_timeout_s=3)
+    assert not descendants() - before
+
+
+def test_each_deployment_gets_ports_of_its_own(fake_mii):
+    """A champion swap starts the new deployment while the old one serves: their ports never meet."""
+    from ladle.serve.backends import MiiBackend
+    from ladle.serve.engine import Job
+
+    old = MiiBackend(str(fake_mii), tensor_parallel=1)
+    new = MiiBackend(str(fake_mii), tensor_parallel=1)
+    try:
+        first, second = old.client.mii_config, new.client.mii_config
+        assert first.port_number != second.port_number and first.deployment_name != second.deployment_name
+        assert first.torch_dist_port != second.torch_dist_port and first.zmq_port_number != second.zmq_port_number
+        for backend in (old, new):
+            done = __import__("threading").Event()
+            events = []
+            job = Job(ids=backend.encode("one two three"), max_new_tokens=2)
+            job.emit = lambda kind, data, events=events, done=done: (
+                events.append((kind, data)),
+                kind != "text" and done.set(),
+            )
+            backend.submit(job)
+            assert done.wait(30) and events[-1][0] == "done" and events[-1][1]["completion_tokens"] == 2
+    finally:
+        old.close()
+        new.close()
