@@ -16,6 +16,7 @@ per dataset and "before" costs nothing on the next run of the same data.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -30,9 +31,9 @@ from ladle.assets import ladle_home
 from ladle.config import EvalConfig
 from ladle.data.prepare import PreparedDataset
 from ladle.errors import LadleError
+from ladle.sizing import EVAL_LOGITS_BYTES, eval_loss_rows
 
 EVAL_VERSION = "2"  # bump when a score for the same inputs would change
-LOSS_ROWS_PER_BATCH = 8
 
 
 class Score(BaseModel):
@@ -72,13 +73,52 @@ def prompt_of(messages: list[dict]) -> list[dict]:
 
 
 def load_model(model_dir: Path):
-    """``(model, tokenizer, device)``: bf16 on a GPU, float32 on CPU, in eval mode."""
+    """``(model, tokenizer, device)``: bf16 on GPUs, float32 on CPU, in eval mode; ``device`` takes the inputs.
+
+    A model larger than one GPU is spread over every visible GPU (``load_placed``). Inside ``one_load`` a
+    folder is loaded once, whatever asks for it (a score's metric and its loss)."""
+    key = str(Path(model_dir).resolve())
+    if not _SHARED.get("open"):
+        return load_placed(Path(model_dir))
+    if _SHARED.get("key") != key:
+        _SHARED.update(key=key, value=load_placed(Path(model_dir)))
+    return _SHARED["value"]
+
+
+_SHARED: dict = {}
+
+
+@contextlib.contextmanager
+def one_load():
+    """Loads inside share the model; at the end it is let go, so the next model (the champion's, the server's)
+    does not meet this one in memory."""
+    _SHARED.clear()
+    _SHARED["open"] = True
+    try:
+        yield
+    finally:
+        _SHARED.clear()
+
+
+def load_placed(model_dir: Path, transient_bytes: int = EVAL_LOGITS_BYTES):
+    """Load ``model_dir`` where it fits with ``transient_bytes`` beside it (default: the eval loss's logits):
+    one device, or (CUDA, more than one GPU's headroom) its layers spread over every visible GPU by
+    accelerate's ``device_map="auto"``, by the rule the planner sized it with (``sizing.spread_over``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ladle.sizing import spread_over
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    memory = torch.cuda.get_device_properties(0).total_memory if gpus else None
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    if spread_over(weights, transient_bytes, gpus, memory) > 1:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="auto").eval()
+        device = str(model.get_input_embeddings().weight.device)  # inputs enter where the embedding is
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     return model, AutoTokenizer.from_pretrained(model_dir), device
 
 
@@ -133,8 +173,9 @@ def eval_loss(model_dir: Path, prepared: PreparedDataset) -> float | None:
     model, _, device = load_model(model_dir)
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for start in range(0, len(data["input_ids"]), LOSS_ROWS_PER_BATCH):
-            rows = list(range(start, min(start + LOSS_ROWS_PER_BATCH, len(data["input_ids"]))))
+        step = eval_loss_rows(data["input_ids"].shape[1], model.config.get_text_config().vocab_size)
+        for start in range(0, len(data["input_ids"]), step):
+            rows = list(range(start, min(start + step, len(data["input_ids"]))))
             loss, count = token_loss(model, data, rows, device)
             total, tokens = total + float(loss), tokens + count
     return round(total / max(tokens, 1), 6)
@@ -189,8 +230,9 @@ def score(model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, cached: b
     cache = ladle_home() / "eval-cache" / f"{model_key(model_dir, prepared, cfg, len(samples))}.json"
     if cached and cache.is_file():
         return Score.model_validate_json(cache.read_text()), True
-    result = task_score(cfg, model_dir, samples) if samples else Score(values={})
-    loss = eval_loss(model_dir, prepared)
+    with one_load():  # the metric and the loss share one load of the model
+        result = task_score(cfg, model_dir, samples) if samples else Score(values={})
+        loss = eval_loss(model_dir, prepared)
     if loss is not None:
         result.values["loss"] = loss
     if cached:

@@ -364,25 +364,32 @@ def check_memory(cfg, topo, target: Target, model, strategy: Strategy, micro: in
     stored = 4 if target.device == "cpu" or target.dtype == "float32" else 2  # the merged weights' dtype
     merge = sizing.merge_bytes(job.shape, stored) if cfg.training.lora.enabled else 0
     serve_cfg = cfg.serve
-    shards = 1
-    if backends.get(serve_cfg.backend).shards_model and target.device == "cuda":
-        shards = serve_cfg.tensor_parallel or max(topo.gpu_count, 1)
+    device = device_bytes(topo, target.device, 1)
+    gpus = topo.gpu_count if target.device == "cuda" else 0
+    weights = job.shape.params * stored
+    # Evaluate and the transformers backend: one GPU, or the layers spread over all (the loaders' own rule).
+    spread = sizing.spread_over(weights, sizing.EVAL_LOGITS_BYTES, gpus, device)
     kv_tokens = cfg.serving().kv_cache_tokens
     tokens = kv_tokens // serve_cfg.max_batch_size  # the sizing counts rows x columns; the budget is the product
+    kv = sizing.serve_bytes(job.shape, stored, serve_cfg.max_batch_size, tokens) - weights
+    shards = sizing.spread_over(weights, kv, gpus, device)
+    if backends.get(serve_cfg.backend).shards_model and target.device == "cuda":
+        shards = serve_cfg.tensor_parallel or max(topo.gpu_count, 1)
     serve = sizing.serve_bytes(job.shape, stored, serve_cfg.max_batch_size, tokens, shards)
-    serve += sizing.CONTEXT_BYTES if target.device == "cuda" else 0
-    memory = {"load": est.load + est.context, "train": est.total, "merge": merge, "serve": serve}
+    evaluate = sizing.eval_bytes(job.shape, stored, cfg.data.seq_len, spread)
+    context = sizing.CONTEXT_BYTES if target.device == "cuda" else 0
+    serve, evaluate = serve + context, evaluate + context
+    memory = {"load": est.load + est.context, "train": est.total, "merge": merge, "evaluate": evaluate, "serve": serve}
     if est.save:  # a CPU run: rank 0 holds the gathered outputs beside its states
         memory["save"] = est.states + est.save + est.context
     # The merge runs on this host; a recorded topology describes another one, whose RAM is not known.
     host = None if topo.source.startswith("file:") else host_bytes()
-    device = device_bytes(topo, target.device, 1)
     reasons = [
         f"memory per rank: loading {sizing.gib(memory['load'])} (its share of the weights, read one tensor at a "
         f"time), training step {sizing.gib(est.total)}"
         + (f", saving {sizing.gib(memory['save'])} (rank 0 gathers the outputs whole)" if est.save else "")
     ]
-    problems = []
+    problems, warnings = [], []
     if merge:
         reasons.append(f"merge: {sizing.gib(merge)} of host RAM (streamed one base shard at a time)")
         if host and merge > sizing.HEADROOM * host:
@@ -392,12 +399,21 @@ def check_memory(cfg, topo, target: Target, model, strategy: Strategy, micro: in
                 f"being folded) and this host has {sizing.gib(host)}. Save the base in smaller safetensors shards "
                 "(save_pretrained(max_shard_size='2GB')) or run on a host with more memory."
             )
+    spreading = f"its layers spread over {spread} GPUs (device_map=auto)" if spread > 1 else "one device"
+    reasons.append(
+        f"evaluate: {sizing.gib(evaluate)} per device over {spreading}: the merged weights, and the logits of an "
+        "eval batch"
+    )
+    if device and evaluate > sizing.HEADROOM * device:
+        warnings.append(
+            f"evaluate: the merged model needs {sizing.gib(evaluate)} per device over {spreading} and each has "
+            f"{sizing.gib(device)}. Evaluate on a host with more GPU memory, or lower training.eval_micro_batch_size."
+        )
     where = f"{shards} device(s)" if shards > 1 else "one device"
     reasons.append(
         f"serve ({serve_cfg.backend}): {sizing.gib(serve)} per device over {where} (weights, and a KV cache of "
         f"{kv_tokens} tokens: serve.kv_cache_tokens, {serve_cfg.max_batch_size} request(s) x {tokens})"
     )
-    warnings = []
     if device and serve > sizing.HEADROOM * device:
         # A warning, not a refusal: the served model often runs elsewhere (another machine, or MII over more
         # GPUs than trained); the plan says so before any training starts.

@@ -32,6 +32,10 @@ from ladle import memory, params
 GIB = 2**30
 CONTEXT_BYTES = 1 * GIB
 HEADROOM = 0.90
+EVAL_LOSS_ROWS = 8
+"""Packed rows the evaluate stage's loss runs at once at most (its logits are the eval term's transient)."""
+EVAL_LOGITS_BYTES = 1 * GIB
+"""What those rows' float32 logits may take: a 4096-token row of a 152k vocabulary alone is 2.5 GB."""
 NF4_BYTES = 0.5 + 4 / 64
 # Resident memory of a forward's activations on CPU hosts, per byte autograd saves. glibc serves the forward's
 # sub-4 MiB blocks from its heap; the temporaries freed between saved tensors leave holes the next, differently
@@ -308,3 +312,27 @@ def serve_bytes(shape: ModelShape, dtype_bytes: int, batch: int, tokens_per_requ
     kv = batch * tokens_per_request * 2 * shape.layers * shape.kv_dim * dtype_bytes
     logits = batch * shape.vocab * 4
     return (weights + kv) // shards + logits
+
+
+def spread_over(weight_bytes: int, transient_bytes: int, devices: int, device_bytes: int | None) -> int:
+    """Devices one copy of a model takes for evaluation and the transformers backend: 1 when its weights, what
+    the stage holds beside them (the eval loss's logits, the server's KV cache) and the CUDA context fit one
+    device with headroom, else every device (accelerate's ``device_map="auto"`` places consecutive layers on
+    each; one computes at a time). The planner and the loaders call this one rule, so the plan's figures are
+    what runs."""
+    need = weight_bytes + transient_bytes + CONTEXT_BYTES
+    if devices <= 1 or device_bytes is None or need <= HEADROOM * device_bytes:
+        return 1
+    return devices
+
+
+def eval_loss_rows(tokens: int, vocab: int) -> int:
+    """Rows the eval loss runs at once: up to ``EVAL_LOSS_ROWS`` while their logits fit ``EVAL_LOGITS_BYTES``."""
+    return max(1, min(EVAL_LOSS_ROWS, EVAL_LOGITS_BYTES // max(tokens * vocab * 4, 1)))
+
+
+def eval_bytes(shape: ModelShape, dtype_bytes: int, tokens: int, devices: int = 1) -> int:
+    """Device memory of evaluating one copy of the merged model over ``devices``: its weights' share, and on
+    the device that holds the head, the float32 logits of the loss's rows of ``tokens`` (``eval_loss_rows``)."""
+    rows = eval_loss_rows(tokens, shape.vocab)
+    return shape.params * dtype_bytes // devices + rows * tokens * shape.vocab * 4

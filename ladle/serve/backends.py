@@ -140,23 +140,21 @@ class TransformersBackend(Backend):
     options = {"max_batch": int, "kv_tokens": int}
 
     def __init__(self, model_dir: str, max_batch: int = 32, kv_tokens: int = 0):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
+        from ladle.evaluate import load_placed
         from ladle.serve.engine import Engine
 
         if not 1 <= max_batch <= 1024:
             raise LadleError(f"max_batch = {max_batch}: must be 1..1024 (serve.max_batch_size).")
         if kv_tokens < 0:
             raise LadleError(f"kv_tokens = {kv_tokens}: must be >= 0 (serve.kv_cache_tokens; 0: derived).")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-        self.context_length = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        config = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8"))
+        self.context_length = int(config.get("max_position_embeddings") or 2048)
         self.max_batch = max_batch
         # 0: every row may reach the model's context (the bound a standalone server has without a plan).
         self.kv_tokens = kv_tokens or max_batch * self.context_length
+        # One GPU, or the layers spread over every visible GPU when the weights and this KV cache do not fit one
+        # (the planner's rule).
+        model, self.tokenizer, device = load_placed(Path(model_dir), kv_cache_bytes(config, self.kv_tokens))
         self.engine = Engine(model, self.tokenizer, device, max_batch, kv_tokens=self.kv_tokens)
 
     def encode(self, prompt: str) -> list[int]:
@@ -174,6 +172,14 @@ class TransformersBackend(Backend):
 
     def queue_depth(self) -> int:
         return self.engine.depth()
+
+
+def kv_cache_bytes(config: dict, tokens: int) -> int:
+    """Keys and values of ``tokens`` cache columns over every layer, in 16-bit (a GPU's serving dtype)."""
+    text = config.get("text_config") or config
+    heads = text.get("num_key_value_heads") or text.get("num_attention_heads") or 1
+    head = text.get("head_dim") or text.get("hidden_size", 0) // max(text.get("num_attention_heads") or 1, 1)
+    return tokens * 2 * int(text.get("num_hidden_layers") or 0) * heads * head * 2
 
 
 class MiiBackend(Backend):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -52,8 +53,12 @@ def test_plan_a_recipe_on_a_recorded_machine_sizes_it(tmp_path):
     by_name = {c["strategy"]: c for c in made["candidates"]}
     assert by_name["fsdp2"]["fits"] and not by_name["ddp"]["fits"]  # a 141 GB bf16 replica cannot fit 80 GB
     assert made["strategy_options"]["compile"] is True
+    # The merged 141 GB model is evaluated with its layers over all 8 GPUs: its share and an eval batch's logits.
+    per_gpu = made["memory"]["evaluate"] / 2**30
+    assert 70_553_706_496 * 2 / 8 / 2**30 < per_gpu < 72, per_gpu
     text = run_cli("plan", "recipes/llama3-70b-fsdp2.yaml", "--topology-file", str(topo), "--gpu-memory", "80").stderr
     assert "## Candidates (fastest first)" in text and "strategy fsdp2 (explicit): needs" in text
+    assert re.search(r"evaluate: [\d.]+ GiB per device over its layers spread over 8 GPUs", " ".join(text.split()))
 
 
 def test_deepspeed_flag_sets_the_strategy_and_prints_the_json(tmp_path):

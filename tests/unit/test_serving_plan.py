@@ -76,3 +76,16 @@ def test_an_arch_list_deepspeed_cannot_parse_is_rewritten_and_said(monkeypatch):
     from tests.helpers import strategy_spec
 
     assert worker_env(strategy_spec("ddp", __import__("pathlib").Path("/tmp")))["TORCH_CUDA_ARCH_LIST"] == "9.0"
+
+
+def test_a_model_larger_than_one_gpu_is_spread_over_all_of_them():
+    from ladle.sizing import spread_over
+
+    gib = 2**30
+    assert spread_over(141 * gib, gib, 8, 80 * gib) == 8  # 70B in bf16: every GPU
+    assert spread_over(16 * gib, gib, 8, 80 * gib) == 1  # 8B: one GPU is enough
+    assert spread_over(65 * gib, 30 * gib, 8, 80 * gib) == 8  # 32B with a large KV cache: spread too
+    assert spread_over(141 * gib, gib, 1, 80 * gib) == 1  # one GPU: nothing to spread over (the plan warns)
+    assert spread_over(141 * gib, gib, 0, None) == 1  # CPU
+    plan = make_plan(build_config(MINIMAL, []), A100, model=LLAMA_1B)
+    assert any(r.startswith("evaluate:") and "over one device" in r for r in plan.reasons)

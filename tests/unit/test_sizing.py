@@ -191,9 +191,10 @@ def test_every_recipe_plans_on_recorded_8_gpu_machines(machines, recipe, gib, tm
     explicit = cfg.parallelism.strategy
     chosen_by_planner = {"llama3-70b-nd": "nd"}  # its full fine-tune: tp inside the nodes, FSDP across them
     assert made.strategy == (explicit if explicit != "auto" else chosen_by_planner.get(recipe, "ddp"))
-    assert set(made.memory) == {"load", "train", "merge", "serve"}
+    assert set(made.memory) == {"load", "train", "merge", "evaluate", "serve"}
     if recipe == "deepseek-v3-pipeline":  # 1.3 TB of merged bf16 weights: 168 GiB per GPU even over 8
-        assert [w for w in made.warnings if w.startswith("serve.backend = mii: serving the merged model needs")]
+        assert [w for w in made.warnings if w.startswith("serve.backend = transformers: serving the merged model")]
+        assert [w for w in made.warnings if w.startswith("evaluate: the merged model needs")]
         return
     assert not [w for w in made.warnings if "needs" in w], made.warnings
     assert made.candidates
