@@ -140,7 +140,7 @@ class TransformersBackend(Backend):
     options = {"max_batch": int, "kv_tokens": int}
 
     def __init__(self, model_dir: str, max_batch: int = 32, kv_tokens: int = 0):
-        from ladle.evaluate import load_placed
+        from ladle.placement import load_placed
         from ladle.serve.engine import Engine
 
         if not 1 <= max_batch <= 1024:
