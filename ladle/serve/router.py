@@ -100,7 +100,16 @@ def create_app(name: str, token: str, record: dict, record_file: Path | None) ->
             answer = await client.get(upstream["url"] + "/ready", timeout=2.0)
         except httpx.HTTPError as exc:
             return error(503, f"{name} v{upstream['version']}: {exc.__class__.__name__}", "server_error", "not_ready")
-        return {"status": "ready", "version": upstream["version"]} if answer.status_code == 200 else answer.json()
+        if answer.status_code == 200:
+            return {"status": "ready", "version": upstream["version"]}
+        # The upstream's own status, not a 200 carrying its error: a probe reads the code, not the body.
+        reason = (
+            (answer.json().get("error") or {}).get("message")
+            if "json" in answer.headers.get("content-type", "")
+            else None
+        )
+        detail = reason or f"its /ready answered HTTP {answer.status_code}"
+        return error(503, f"{name} v{upstream['version']}: {detail}", "server_error", "not_ready")
 
     @app.get("/ladle/upstream")
     def get_upstream(request: Request):
