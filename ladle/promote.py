@@ -109,14 +109,42 @@ def as_version(mv) -> Version:
     )
 
 
+def absent(exc: BaseException) -> bool:
+    """MLflow's "not found" (a missing model, version or alias), as opposed to a registry that failed."""
+    from mlflow.exceptions import MlflowException
+
+    if not isinstance(exc, MlflowException):
+        return False
+    code = exc.error_code
+    return code == "RESOURCE_DOES_NOT_EXIST" or (code == "INVALID_PARAMETER_VALUE" and "not found" in str(exc))
+
+
+def unreachable(uri: str, exc: BaseException, doing: str) -> LadleError:
+    return LadleError(
+        f"tracking.uri = {uri}: the MLflow model registry failed while {doing} ({type(exc).__name__}: "
+        f"{str(exc)[:300]}). Nothing was decided; run it again once the registry answers."
+    )
+
+
 def register(uri: str, name: str, source: str, run_id: str | None, tags: dict[str, str]) -> Version:
-    """A new version of ``name`` (created if needed) with ``tags``, aliased ``challenger``."""
+    """The version of ``name`` for ``source`` from ``run_id`` (created if needed), with ``tags``, aliased
+    ``challenger``. Idempotent: a retry after a partial failure finds the version the first try made
+    (same run, same source) instead of registering a second one.
+
+    Raises:
+        LadleError: the registry failed (not "not found").
+    """
     mlflow = client(uri)
     try:
         mlflow.get_registered_model(name)
-    except Exception:  # noqa: BLE001 - MLflow raises RestException subclasses for "not found"
+    except Exception as exc:  # noqa: BLE001 - MLflow raises RestException subclasses for "not found"
+        if not absent(exc):
+            raise unreachable(uri, exc, f"looking up registered model {name!r}") from None
         mlflow.create_registered_model(name, description="Fine-tuned by ladle; alias `champion` is the one served.")
-    mv = mlflow.create_model_version(name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
+    made = [mv for mv in mlflow.search_model_versions(f"name = '{name}' and run_id = '{run_id}'") if run_id]
+    mv = next((mv for mv in made if mv.source == source), None)
+    if mv is None:
+        mv = mlflow.create_model_version(name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
     mlflow.set_registered_model_alias(name, CHALLENGER, str(mv.version))
     return get_version(uri, name, str(mv.version))
 
@@ -131,11 +159,18 @@ def get_version(uri: str, name: str, version: str) -> Version:
 
 
 def champion(uri: str, name: str) -> Version | None:
-    """The version aliased ``champion``, or None (no such model, or nothing promoted yet)."""
+    """The version aliased ``champion``, or None (no such model, or nothing promoted yet).
+
+    Raises:
+        LadleError: the registry failed. An outage is never "no champion": the gate would then compare the
+            new model with the base and might promote it over the one in service.
+    """
     try:
         return as_version(client(uri).get_model_version_by_alias(name, CHAMPION))
-    except Exception:  # noqa: BLE001 - "not found" for both a missing model and a missing alias
-        return None
+    except Exception as exc:  # noqa: BLE001 - "not found" for both a missing model and a missing alias
+        if absent(exc):
+            return None
+        raise unreachable(uri, exc, f"reading {name}@{CHAMPION}") from None
 
 
 def versions(uri: str, name: str) -> list[Version]:
