@@ -254,6 +254,8 @@ def check_serving(cfg: LadleConfig, model: dict | None, target: Target) -> Decis
     dtype), decided before anything trains; and, on a GPU, the arch list DeepSpeed's op builds will get."""
     reasons, warnings = [], []
     backend = backends.get(cfg.serve.backend)
+    if backend.requires_cuda and target.device != "cuda":
+        return Decision(None)  # check_features says it cannot run here at all; its fix makes these moot
     problems = backend.model_problems(model, target.dtype) if model is not None else []
     if model is None and backend.model_problems.__func__ is not Backend.model_problems.__func__:
         warnings.append(
@@ -420,7 +422,7 @@ def check_memory(cfg, topo, target: Target, model, strategy: Strategy, micro: in
         warnings.append(
             f"serve.backend = {serve_cfg.backend}: serving the merged model needs {sizing.gib(serve)} per device over "
             f"{where} and each has {sizing.gib(device)}. Shard it (serve.backend=mii with serve.tensor_parallel=0: "
-            "every GPU), or lower serve.max_batch_size / serve.max_new_tokens."
+            "every GPU), or lower serve.kv_cache_tokens (serve.max_batch_size / serve.max_new_tokens)."
         )
     return Decision(memory, tuple(reasons), tuple(warnings), tuple(problems))
 

@@ -85,19 +85,25 @@ def test_plan_reports_load_train_merge_and_serve_memory(recipe, tmp_path):
 
     cfg = load_config(f"recipes/{recipe}.yaml")
     plan = make_plan(cfg, recorded(tmp_path), model=local_model_config(cfg))
-    assert set(plan.memory) == {"load", "train", "merge", "serve"}
+    assert set(plan.memory) == {"load", "train", "merge", "evaluate", "serve"}
     assert all(v > 0 for k, v in plan.memory.items() if k != "merge")
     assert any(r.startswith("memory per rank: loading") for r in plan.reasons)
-    assert any(r.startswith("serve (mii): ") and "over 8 device(s)" in r for r in plan.reasons)
+    backend = cfg.serve.backend  # mii shards the 70B; transformers spreads the 32B and its KV cache over the GPUs
+    assert any(r.startswith(f"serve ({backend}): ") and "over 8 device(s)" in r for r in plan.reasons)
     assert Plan.model_validate_json(plan.model_dump_json()).memory == plan.memory
 
 
 def test_serving_that_cannot_fit_is_said_before_training(tmp_path):
     cfg = load_config("recipes/llama3-70b-fsdp2.yaml")
-    cfg = build_config(cfg.model_dump(exclude_unset=True), ["serve.backend=transformers"])
-    plan = make_plan(cfg, recorded(tmp_path), model=local_model_config(cfg))
+    spread = build_config(cfg.model_dump(exclude_unset=True), ["serve.backend=transformers"])
+    plan = make_plan(spread, recorded(tmp_path), model=local_model_config(spread))
+    assert not [w for w in plan.warnings if w.startswith("serve.backend")]  # 141 GB spread over 8 GPUs fits
+    huge = build_config(
+        cfg.model_dump(exclude_unset=True), ["serve.backend=transformers", "serve.kv_cache_tokens=9000000"]
+    )
+    plan = make_plan(huge, recorded(tmp_path), model=local_model_config(huge))
     warning = next(w for w in plan.warnings if w.startswith("serve.backend = transformers: serving the merged"))
-    assert "over one device and each has 80.0 GiB" in warning and "serve.tensor_parallel=0" in warning
+    assert "over 8 device(s) and each has 80.0 GiB" in warning and "lower serve.kv_cache_tokens" in warning
 
 
 def test_merge_that_cannot_fit_this_host_is_refused(monkeypatch):
