@@ -11,7 +11,7 @@ from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_link_artifact
 from prefect.states import Completed
 
-from ladle import promote, storage, tracking
+from ladle import lineage, promote, storage, tracking
 from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import fingerprint
@@ -44,15 +44,18 @@ RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 
 def data_unchanged(config: LadleConfig) -> tuple[str, promote.Version | None]:
-    """``(the data's fingerprint, the champion when it was trained on exactly that data)``.
+    """``(the run's fingerprint, the champion when it was trained from exactly that)``.
 
-    The fingerprint covers the data files' contents (ETags on object stores), the tokenizer and every data
-    option, and is computed without preparing anything.
+    The fingerprint (``ladle.lineage.run_fingerprint``) covers the data files' contents (ETags on object
+    stores), the tokenizer and every data option, the base's weights and the training settings that decide
+    what is learned; it is computed without preparing anything. A champion registered without one is never
+    "the same".
     """
-    fp = fingerprint(config.data, resolve_base(config.base))
+    base = resolve_base(config.base)
+    fp = lineage.run_fingerprint(config, fingerprint(config.data, base), base)
     uri, _ = tracking.tracking_uri(config)
     current = promote.champion(uri, config.tracking.registered_model or config.name)
-    same = current is not None and current.tags.get("ladle.data_fingerprint") == fp
+    same = current is not None and current.tags.get(lineage.TAG) == fp
     return fp, current if same else None
 
 
@@ -68,7 +71,8 @@ def finetune(
         run_id: a stable name for the run's folder. A run given the run_id of one that crashed or was
             cancelled resumes from its last complete checkpoint. None: a new folder per flow run.
         skip_if_data_unchanged: end early, Completed and "skipped", when the registered model's champion
-            was trained on data with the same fingerprint (scheduled retraining).
+            was trained from the same data, base weights and training settings (``ladle.lineage``; scheduled
+            retraining).
     """
     install_log_redaction()
     if run_id is not None and not re.fullmatch(RUN_ID, run_id):
@@ -79,7 +83,7 @@ def finetune(
     if skip_if_data_unchanged:
         fp, same = data_unchanged(config)
         if same is not None:
-            reason = f"skipped: data unchanged since version {same.version} (fingerprint {fp})"
+            reason = f"skipped: data, base and training unchanged since version {same.version} (fingerprint {fp})"
             get_run_logger().info(reason)
             summary = {"status": "skipped", "reason": reason, "champion_version": same.version}
             return Completed(message=reason, data={**summary, "dataset_fingerprint": fp, "flow_run_id": flow_run_id})

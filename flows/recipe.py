@@ -98,7 +98,7 @@ def finetune_recipe(
         promote_metric: Metric the promotion gate compares: `loss` or the recipe's eval.metric. Empty: eval.metric.
         min_improvement: How much the new model must beat the champion by, in the metric's units. Empty: the recipe's.
         run_id: Name of the run's folder. Giving the id of a run that crashed or was cancelled resumes it from its last complete checkpoint.
-        skip_if_data_unchanged: End at once, Completed and 'skipped', when the champion was trained on data with the same fingerprint.
+        skip_if_data_unchanged: End at once, Completed and 'skipped', when the champion was trained from the same data, base weights and training settings (one fingerprint).
         overrides: Any other field as dotted `--set` strings, applied after the typed fields, e.g. ["training.warmup_steps=10"].
         recipe_path: A YAML config file to use instead of a shipped recipe (relative to the worker's directory).
         artifact_store: Name of a saved ladle ArtifactStore block (output URL and its credentials).

@@ -7,7 +7,8 @@ import json
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from ladle import promote
+from ladle import lineage, promote
+from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
 from ladle.evaluate import Evaluation, score
@@ -46,6 +47,7 @@ def lineage_tags(
         "ladle.flow_run_id": flow_run_id,
         "ladle.config_name": cfg.name,
         "ladle.data_fingerprint": prepared.fingerprint,
+        lineage.TAG: lineage.run_fingerprint(cfg, prepared.fingerprint, resolve_base(cfg.base)),
         "ladle.data_path": cfg.data.path,
         "ladle.model_sha256": merged.sha256,
         "ladle.base": cfg.base,

@@ -36,7 +36,7 @@ def run(
     skip_if_unchanged: bool = typer.Option(
         False,
         "--skip-if-data-unchanged",
-        help="End at once, as 'skipped', when the champion was trained on data with the same fingerprint.",
+        help="End at once, as 'skipped', when the champion was trained from the same data, base weights and training settings (one fingerprint).",
     ),
     as_json: bool = JSON,
 ) -> None:

@@ -9,7 +9,7 @@ artifact (its credentials in an ArtifactStore block), MLflow credentials in the 
 3. run 3 on better data (under a given run_id) is promoted, and the front swaps to it while clients send
    requests (zero failures);
 4. `ladle model rollback` puts run 1's version back in service;
-5. the nightly deployment with unchanged data ends "skipped" without training;
+5. the nightly deployment with unchanged data, base and settings ends "skipped" without training;
 6. the deployment's parameter schema is typed, and no secret appears in any log, parameter, MLflow
    param/tag/artifact, Prefect artifact or stored file.
 """
@@ -263,7 +263,9 @@ def test_model_lifecycle_through_deployments(
             rolled = run_cli("model", "rollback", MODEL, "--tracking-uri", tracking, "--json", env=env)
             assert json.loads(rolled.stdout.splitlines()[-1])["to"] == "1", rolled.stderr
             # 5. (meanwhile) the nightly deployment on the champion's data.
-            nightly_id = run_deployment(env, "finetune-recipe/tiny-cpu-nightly", {**common, "data_path": data["small"]})
+            # Same data, base and training settings as v1 (max_steps 12): nothing to retrain.
+            nightly = {**common, "data_path": data["small"], "max_steps": 12}
+            nightly_id = run_deployment(env, "finetune-recipe/tiny-cpu-nightly", nightly)
             wait_served(front, "1")
             t_back = time.monotonic()
             time.sleep(1.0)
@@ -285,7 +287,7 @@ def test_model_lifecycle_through_deployments(
         # 5. The nightly run was skipped: nothing trained.
         nightly = wait_run(env, nightly_id)
         assert nightly["state"]["type"] == "COMPLETED"
-        assert nightly["state"]["message"].startswith("skipped: data unchanged since version 1")
+        assert nightly["state"]["message"].startswith("skipped: data, base and training unchanged since version 1")
         tasks = api(env, "POST", "/task_runs/filter", task_runs={"flow_run_id": {"any_": [nightly["id"]]}})
         assert [t["name"] for t in tasks if t["name"].startswith("train")] == []
 
