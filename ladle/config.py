@@ -483,6 +483,13 @@ class KubernetesConfig(Section):
         description="Pods' tolerations (default: GPU nodes' usual taint).",
     )
     port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on the master pod.")
+    schedule_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        le=7 * 86400,
+        description="Seconds the training job may wait to start running (pods unschedulable, images pulling, "
+        "a queue) before it is deleted and the train stage fails naming the pods' reason.",
+    )
 
 
 class ComputeConfig(Section):

@@ -150,10 +150,19 @@ class KubernetesTarget(ComputeTarget):
             raise relay.failure(f"PyTorchJob {ns}/{name} ended {state}")
         return read_result(spec)
 
+    POLL_S = 5.0
+    """Seconds between looks at the job's status."""
+
     def follow(self, name: str, ns: str, relay) -> str:
-        """Stream the master pod's log until the job's last condition is Succeeded or Failed."""
+        """Stream the master pod's log until the job's last condition is Succeeded or Failed.
+
+        Raises:
+            LadleError: the job did not start running within ``compute.kubernetes.schedule_timeout_s`` (the
+                caller deletes it), naming what its pods wait for.
+        """
         pod = f"{name}-master-0"
         logs = None
+        deadline = time.monotonic() + self.opts.schedule_timeout_s
         while True:
             got = self.kubectl("get", "pytorchjob", name, "-n", ns, "-o", "json")
             conditions = json.loads(got.stdout).get("status", {}).get("conditions", []) if got.returncode == 0 else []
@@ -172,4 +181,28 @@ class KubernetesTarget(ComputeTarget):
                     logs = None  # the pod was not ready for its log yet: look again
             if state in ("Succeeded", "Failed"):
                 return state
-            time.sleep(5)
+            if state not in ("Running", "Restarting") and time.monotonic() > deadline:
+                timeout = self.opts.schedule_timeout_s
+                raise LadleError(
+                    f"compute.kubernetes.schedule_timeout_s = {timeout:g}: PyTorchJob {ns}/{name} did not start "
+                    f"running in {timeout:g} s ({self.waiting_for(name, ns)}); it is deleted. Free or add what its "
+                    "pods ask for (compute.kubernetes.gpus_per_node, parallelism.nodes), fix the image, or raise "
+                    "the timeout."
+                )
+            time.sleep(self.POLL_S)
+
+    def waiting_for(self, name: str, ns: str) -> str:
+        """What the job's pods wait for, from their status: the scheduler's message, or a container's reason."""
+        got = self.kubectl("get", "pods", "-n", ns, "-l", f"training.kubeflow.org/job-name={name}", "-o", "json")
+        pods = json.loads(got.stdout).get("items", []) if got.returncode == 0 and got.stdout.strip() else []
+        reasons = []
+        for pod in pods:
+            status, pod_name = pod.get("status", {}), pod.get("metadata", {}).get("name", "?")
+            for condition in status.get("conditions", []):
+                if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+                    reasons.append(f"{pod_name}: {condition.get('reason')}: {condition.get('message', '')}".strip())
+            for container in status.get("containerStatuses", []):
+                waiting = container.get("state", {}).get("waiting")
+                if waiting:
+                    reasons.append(f"{pod_name}: {waiting.get('reason')}: {waiting.get('message', '')}".strip())
+        return "; ".join(reasons) or "no pod of it was created: is the training operator installed?"

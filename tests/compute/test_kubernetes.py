@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -198,3 +199,67 @@ def test_a_recorded_topology_plans_the_nodes(tmp_path):
     plan = make_plan(cfg, probe_file(str(EIGHT_GPUS), gpu_memory_gib=24))
     assert (plan.num_machines, plan.processes_per_machine, plan.world_size) == (4, 8, 32)
     assert any("compute target kubernetes" in r for r in plan.reasons)
+
+
+PENDING_POD = {
+    "items": [
+        {
+            "metadata": {"name": "ladle-k8s-master-0"},
+            "status": {
+                "phase": "Pending",
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                    }
+                ],
+            },
+        }
+    ]
+}
+
+
+def test_a_job_that_never_starts_is_deleted_at_its_deadline_with_the_pods_reason(tmp_path, monkeypatch):
+    """A stand-in kubectl (the cluster this machine lacks): the job stays Created, its pod unschedulable. The
+    train stage ends at compute.kubernetes.schedule_timeout_s, names the scheduler's message, and deletes it."""
+    from ladle.compute.kubernetes import KubernetesTarget
+    from ladle.errors import LadleError
+
+    calls = tmp_path / "calls"
+    (tmp_path / "pod.json").write_text(json.dumps(PENDING_POD))
+    kubectl = tmp_path / "bin" / "kubectl"
+    kubectl.parent.mkdir()
+    kubectl.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n'
+        'case "$1 $2" in\n'
+        '  "get pytorchjob") echo \'{"status": {"conditions": [{"type": "Created", "status": "True"}]}}\' ;;\n'
+        f'  "get pods") cat {tmp_path / "pod.json"} ;;\n'
+        "esac\n"
+    )
+    kubectl.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{kubectl.parent}:{os.environ['PATH']}")
+    cfg = build_config(
+        {
+            "base": "ladle://tiny-llama",
+            "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
+            "output": "s3://models/ladle",
+            "parallelism": {"nodes": 2, "cpu_processes": 2},
+            "compute": {"target": "kubernetes", "kubernetes": {"schedule_timeout_s": 1}},
+        },
+        [],
+    )
+    spec = train_spec(cfg, tmp_path, "k8s")
+    target = KubernetesTarget(cfg)
+    monkeypatch.setattr(KubernetesTarget, "POLL_S", 0.1)
+    monkeypatch.setattr("ladle.train.run.write_spec", lambda spec, tmp: None)  # the run folder is on S3
+    began = time.monotonic()
+    with pytest.raises(LadleError) as caught:
+        target.run(spec)
+    assert time.monotonic() - began < 30
+    message = str(caught.value)
+    assert message.startswith("compute.kubernetes.schedule_timeout_s = 1: PyTorchJob default/")
+    assert "did not start running in 1 s (ladle-k8s-master-0: Unschedulable: 0/3 nodes are available" in message
+    made = calls.read_text().splitlines()
+    assert made[-1].startswith("delete pytorchjob") and any(c.startswith("apply -f -") for c in made)
