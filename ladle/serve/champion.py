@@ -18,6 +18,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 from pydantic import BaseModel, Field
@@ -106,8 +107,9 @@ def model_dir_of(version: promote.Version):
     return local_model_dir(MergedModel(url=version.source, sha256=sha, parameters=0))
 
 
-def start_version(name: str, version: promote.Version, cfg: ServeConfig) -> tuple[subprocess.Popen, str]:
-    """Start ``version`` on a free port; ready and answering, or stopped and ``SwapFailed``."""
+def start_version(name: str, version: promote.Version, cfg: ServeConfig) -> tuple[subprocess.Popen, str, Path]:
+    """Start ``version`` on a free port; ready and answering (its process, URL and log), or stopped and
+    ``SwapFailed``."""
     backends.get(cfg.backend).check_host()
     proc, url, log_path = start_server(model_dir_of(version), name, cfg, free_port())
     try:
@@ -124,7 +126,7 @@ def start_version(name: str, version: promote.Version, cfg: ServeConfig) -> tupl
     if not isinstance(answer, str):
         stop_process(proc, grace_s=10, group=True)
         raise SwapFailed(f"{name} v{version.version} answered the smoke request with {answer!r}")
-    return proc, url
+    return proc, url, log_path
 
 
 def reconcile(uri: str, name: str, cfg: ServeConfig) -> Serving:
@@ -154,7 +156,7 @@ def reconcile(uri: str, name: str, cfg: ServeConfig) -> Serving:
             server_pid=old["pid"],
             seconds=0.0,
         )
-    proc, url = start_version(name, wanted, cfg)
+    proc, url, log_path = start_version(name, wanted, cfg)
     switched = httpx.put(
         front["url"] + "/ladle/upstream",
         json={
@@ -162,6 +164,8 @@ def reconcile(uri: str, name: str, cfg: ServeConfig) -> Serving:
             "version": wanted.version,
             "pid": proc.pid,
             "model_dir": str(model_dir_of(wanted)),
+            "argv": list(proc.args),  # how the front restarts it should it die
+            "log": str(log_path),
             "drain_timeout_s": cfg.drain_timeout_s,
         },
         headers=admin_headers(front),

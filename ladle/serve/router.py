@@ -26,9 +26,11 @@ from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
 
 from ladle.assets import ladle_home
+from ladle.serve.supervisor import Supervisor
 
 ADMIN_HEADER = "x-ladle-admin-token"
 VERSION_HEADER = "x-ladle-model-version"
@@ -71,17 +73,29 @@ def error(status: int, message: str, kind: str, code: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
 
 
-def create_app(name: str, token: str, record: dict, record_file: Path | None) -> FastAPI:
+def create_app(
+    name: str, token: str, record: dict, record_file: Path | None, supervision: dict | None = None
+) -> FastAPI:
+    """The front's app. ``supervision``: ``Supervisor`` settings (tests shorten its clocks)."""
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=1000))
+
+    state = {"upstream": record.get("upstream")}
+    in_flight: collections.Counter[str] = collections.Counter()
+    supervisor = Supervisor(
+        name,
+        state,
+        lambda up: write_record(record_file, {**record, "upstream": up}) if record_file else None,
+        **(supervision or {}),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        task = asyncio.create_task(supervisor.run())
         yield
+        task.cancel()
         await client.aclose()
 
     app = FastAPI(title=f"ladle front: {name}", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    state = {"upstream": record.get("upstream")}
-    in_flight: collections.Counter[str] = collections.Counter()
 
     def admin(request: Request) -> bool:
         host = request.client.host if request.client else ""
@@ -91,8 +105,14 @@ def create_app(name: str, token: str, record: dict, record_file: Path | None) ->
     def health() -> dict:
         return {"status": "ok", "model": name, "version": (state["upstream"] or {}).get("version")}
 
+    @app.get("/ladle/metrics")
+    def front_metrics() -> Response:
+        return Response(generate_latest(supervisor.registry), media_type="text/plain; version=0.0.4")
+
     @app.get("/ready")
     async def ready():
+        if supervisor.failed:
+            return error(503, supervisor.failed, "server_error", "upstream_failed")
         upstream = state["upstream"]
         if upstream is None:
             return error(503, f"{name}: no version is being served yet", "server_error", "not_ready")
@@ -123,7 +143,9 @@ def create_app(name: str, token: str, record: dict, record_file: Path | None) ->
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         body = await request.json()
         new = {k: body[k] for k in ("url", "version", "pid", "model_dir")}
+        new.update({k: body[k] for k in ("argv", "log") if k in body})
         old, state["upstream"] = state["upstream"], new
+        supervisor.watch(new)
         if record_file is not None:
             write_record(record_file, {**record, "upstream": new})
         deadline = time.monotonic() + float(body.get("drain_timeout_s", 30.0))
@@ -138,6 +160,8 @@ def create_app(name: str, token: str, record: dict, record_file: Path | None) ->
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {ADMIN_HEADER}}
         for _ in range(3):
             upstream = state["upstream"]
+            if supervisor.failed:
+                return error(503, supervisor.failed, "server_error", "upstream_failed")
             if upstream is None:
                 return error(503, f"{name}: no version is being served yet", "server_error", "not_ready")
             in_flight[upstream["url"]] += 1
