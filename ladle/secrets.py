@@ -3,7 +3,7 @@
 Two kinds of secret reach ladle: credentials inside URLs (``https://user:password@mlflow.example``) and
 values in the environment (S3 keys exported by an ``ArtifactStore`` block, the serving API key, MLflow's
 password or token). ``redact`` removes both from any text; ``install_log_redaction`` applies it to every
-record Prefect and ladle log.
+record this process logs, tracebacks included.
 """
 
 from __future__ import annotations
@@ -68,22 +68,48 @@ def redact(text: str) -> str:
     return text
 
 
+def scrub(record: logging.LogRecord) -> logging.LogRecord:
+    """Mask secrets in a record's rendered message (arguments included), its traceback and its stack. The
+    traceback is rendered here, masked, and kept as ``exc_text`` with ``exc_info`` dropped, so no handler
+    (a rich console, Prefect's API handler) renders the raw exception again."""
+    try:
+        message = record.getMessage()
+    except Exception:  # noqa: BLE001 - a malformed record is the handler's problem, not ours
+        return record
+    clean = redact(message)
+    if clean != message:
+        record.msg, record.args = clean, ()
+    if record.exc_info and record.exc_info[0] is not None:
+        text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+        record.exc_text, record.exc_info = redact(text), None
+    elif record.exc_text:
+        record.exc_text = redact(record.exc_text)
+    if record.stack_info:
+        record.stack_info = redact(record.stack_info)
+    return record
+
+
 class RedactSecrets(logging.Filter):
-    """Mask secrets in a record's rendered message (arguments included) before any handler writes it."""
+    """``scrub`` on every record a handler is given."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # noqa: BLE001 - a malformed record is the handler's problem, not ours
-            return True
-        clean = redact(message)
-        if clean != message:
-            record.msg, record.args = clean, ()
+        scrub(record)
         return True
 
 
 def install_log_redaction() -> None:
-    """Attach ``RedactSecrets`` to every handler of the root, Prefect and ladle loggers (idempotent)."""
+    """Mask secrets in every log record this process makes, whichever handler writes it, now or added later:
+    a record factory scrubs each record as it is made, and (for records made elsewhere and handed over, as
+    Prefect's API handler does) ``RedactSecrets`` sits on the root, Prefect and ladle loggers' handlers.
+    Idempotent."""
+    factory = logging.getLogRecordFactory()
+    if not getattr(factory, "ladle_redacts", False):
+
+        def redacting(*args, **kwargs) -> logging.LogRecord:
+            return scrub(factory(*args, **kwargs))
+
+        redacting.ladle_redacts = True  # type: ignore[attr-defined]
+        logging.setLogRecordFactory(redacting)
     for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs", "ladle"):
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, RedactSecrets) for f in handler.filters):
