@@ -174,6 +174,10 @@ def create_app(
                 in_flight[upstream["url"]] -= 1
                 if state["upstream"] is not upstream:
                     continue  # swapped out before it was reached: the current server takes it
+                if await supervisor.recovered(upstream):
+                    continue  # it died and was restarted meanwhile: the restarted one takes it
+                if supervisor.failed:
+                    return error(503, supervisor.failed, "server_error", "upstream_failed")
                 return error(
                     502, f"{name} v{upstream['version']} refused the connection", "server_error", "bad_gateway"
                 )

@@ -10,7 +10,8 @@ Every ``check_s`` seconds the supervisor looks at the upstream: a process that i
 and has failed ``/ready`` for ``unready_checks`` looks in a row, is (killed and) started again with the argv it
 was first started with, on the same port, after a backoff that doubles from ``backoff_s`` to ``backoff_max_s``.
 Each restart is logged, counted (``ladle_front_restarts_total``) and emitted as the Prefect event
-``ladle.model.restarted``. More than ``max_restarts`` within ``window_s`` marks the upstream failed: the front
+``ladle.model.restarted``. A request that finds the server down meanwhile is held (up to ``hold_s``) until the
+restarted one is ready, so only the requests in flight on the dead server fail. More than ``max_restarts`` within ``window_s`` marks the upstream failed: the front
 then answers 503 with the reason until a swap brings another server.
 """
 
@@ -44,16 +45,18 @@ class Supervisor:
         backoff_max_s: float = 30.0,
         max_restarts: int = 5,
         window_s: float = 600.0,
+        hold_s: float = 60.0,
     ):
         self.name, self.state, self.save = name, state, save
         self.check_s, self.unready_checks = check_s, unready_checks
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
-        self.max_restarts, self.window_s = max_restarts, window_s
+        self.max_restarts, self.window_s, self.hold_s = max_restarts, window_s, hold_s
         self.failed: str | None = None
         self.restarts: deque[float] = deque()
         self.child: subprocess.Popen | None = None  # a server this front started (reaped here)
         self.retired: list[subprocess.Popen] = []
         self.unready, self.was_ready = 0, False
+        self.ready_pid: int | None = None  # the last server process seen ready
         self.registry = CollectorRegistry()
         self.counter = Counter("ladle_front_restarts", "Restarts of the served model's server.", registry=self.registry)
         Gauge(
@@ -90,10 +93,26 @@ class Supervisor:
         except httpx.HTTPError:
             ready = False
         self.was_ready = self.was_ready or ready
+        if ready:
+            self.ready_pid = upstream["pid"]
         self.unready = 0 if ready else self.unready + 1
         if self.was_ready and self.unready >= self.unready_checks:  # not while it is still starting
             return f"its /ready failed {self.unready} looks in a row"
         return None
+
+    async def recovered(self, refused: dict) -> bool:
+        """After ``refused`` (the upstream a request could not connect to) went down: wait up to ``hold_s`` for
+        the supervisor to have it running and ready again, so a request that arrives during a restart is held
+        instead of failed. False: not supervised, given up, or not back in time."""
+        if not refused.get("argv"):
+            return False
+        deadline = time.monotonic() + self.hold_s
+        while time.monotonic() < deadline and not self.failed:
+            current = self.state["upstream"]
+            if current is not None and current["pid"] != refused["pid"] and self.ready_pid == current["pid"]:
+                return True
+            await asyncio.sleep(0.1)
+        return False
 
     def running(self, pid: int) -> bool:
         import psutil
@@ -142,6 +161,9 @@ class Supervisor:
 
 def emit_restarted(name: str, version: str, why: str, count: int) -> None:
     """The Prefect event ``ladle.model.restarted`` (best effort: the front runs with or without a Prefect API)."""
+    if not os.environ.get("PREFECT_API_URL"):
+        log.info("ladle.model.restarted not emitted: no Prefect API (PREFECT_API_URL) is configured")
+        return
     try:
         from prefect.events import emit_event
 
