@@ -70,8 +70,8 @@ def redact(text: str) -> str:
 
 def scrub(record: logging.LogRecord) -> logging.LogRecord:
     """Mask secrets in a record's rendered message (arguments included), its traceback and its stack. The
-    traceback is rendered here, masked, and kept as ``exc_text`` with ``exc_info`` dropped, so no handler
-    (a rich console, Prefect's API handler) renders the raw exception again."""
+    traceback is rendered here, masked, and kept as ``exc_text``, which formatters write instead of rendering
+    the exception again."""
     try:
         message = record.getMessage()
     except Exception:  # noqa: BLE001 - a malformed record is the handler's problem, not ours
@@ -80,8 +80,10 @@ def scrub(record: logging.LogRecord) -> logging.LogRecord:
     if clean != message:
         record.msg, record.args = clean, ()
     if record.exc_info and record.exc_info[0] is not None:
-        text = record.exc_text or logging.Formatter().formatException(record.exc_info)
-        record.exc_text, record.exc_info = redact(text), None
+        # Formatters print a record's exc_text when it is set: the masked rendering is what they write. The
+        # exception itself stays (filters that judge it, such as the one-line LadleError, still see it); a
+        # handler that renders the exception object on its own is not covered.
+        record.exc_text = redact(record.exc_text or logging.Formatter().formatException(record.exc_info))
     elif record.exc_text:
         record.exc_text = redact(record.exc_text)
     if record.stack_info:
