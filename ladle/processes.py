@@ -75,3 +75,30 @@ def stop_pid(pid: int, grace_s: float, group: bool = False) -> str:
     while not exited(pid):
         time.sleep(0.1)
     return "killed"
+
+
+def running(process) -> bool:
+    """The process runs (a zombie has ended: only its parent has not reaped it)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stop_all(processes: list, grace_s: float = 10.0) -> int:
+    """SIGTERM every process, SIGKILL what is left after ``grace_s``; returns how many were running. The list is
+    taken whole first: a launcher killed before its children would leave them to init, out of reach."""
+    import psutil
+
+    alive = [p for p in processes if running(p)]
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill() if grace_s <= 0 else process.terminate()
+    _, left = psutil.wait_procs(alive, timeout=max(grace_s, 0.1))
+    for process in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(left, timeout=10)
+    return len(alive)

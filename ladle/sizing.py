@@ -91,12 +91,23 @@ def tensor_sizes(shape: ModelShape) -> list[int]:
     return [embedding, *(attention + [mlp] * 3) * shape.layers, *head]
 
 
+def kv_dim_of(config: dict) -> int:
+    """Width of one token's keys (or values) in one layer: key/value heads x head size, from ``config.json``."""
+    heads = config["num_attention_heads"]
+    return (config.get("num_key_value_heads") or heads) * (config.get("head_dim") or config["hidden_size"] // heads)
+
+
+def kv_bytes(layers: int, kv_dim: int, tokens: int, dtype_bytes: int) -> int:
+    """Keys and values of ``tokens`` cache columns over ``layers`` layers."""
+    return tokens * 2 * layers * kv_dim * dtype_bytes
+
+
 def shape_from_config(config: dict, trainable: int | None = None) -> ModelShape:
     """The sizes the memory model needs, from a ``config.json`` dict."""
     total, _ = params.count_params(config)
     h, n = config["hidden_size"], config["num_hidden_layers"]
     heads = config["num_attention_heads"]
-    kv = (config.get("num_key_value_heads") or heads) * (config.get("head_dim") or h // heads)
+    kv = kv_dim_of(config)
     inter = config.get("intermediate_size", 4 * h)
     if config.get("moe_intermediate_size"):
         per_token = config.get("num_experts_per_tok", 2) + (config.get("n_shared_experts") or 0)
@@ -309,7 +320,7 @@ def serve_bytes(shape: ModelShape, dtype_bytes: int, batch: int, tokens_per_requ
     ``tokens_per_request`` tokens (keys and values, every layer) and one decode step's float32 logits;
     weights and cache divided over ``shards`` tensor-parallel devices."""
     weights = shape.params * dtype_bytes
-    kv = batch * tokens_per_request * 2 * shape.layers * shape.kv_dim * dtype_bytes
+    kv = kv_bytes(shape.layers, shape.kv_dim, batch * tokens_per_request, dtype_bytes)
     logits = batch * shape.vocab * 4
     return (weights + kv) // shards + logits
 

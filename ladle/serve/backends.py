@@ -140,6 +140,8 @@ class TransformersBackend(Backend):
     options = {"max_batch": int, "kv_tokens": int}
 
     def __init__(self, model_dir: str, max_batch: int = 32, kv_tokens: int = 0):
+        from transformers import AutoConfig
+
         from ladle.placement import load_placed
         from ladle.serve.engine import Engine
 
@@ -147,8 +149,9 @@ class TransformersBackend(Backend):
             raise LadleError(f"max_batch = {max_batch}: must be 1..1024 (serve.max_batch_size).")
         if kv_tokens < 0:
             raise LadleError(f"kv_tokens = {kv_tokens}: must be >= 0 (serve.kv_cache_tokens; 0: derived).")
-        config = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8"))
-        self.context_length = int(config.get("max_position_embeddings") or 2048)
+        # transformers' own config: its attribute map reads every architecture's names (GPT-2's n_layer, ...).
+        config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 2048)
         self.max_batch = max_batch
         # 0: every row may reach the model's context (the bound a standalone server has without a plan).
         self.kv_tokens = kv_tokens or max_batch * self.context_length
@@ -174,12 +177,19 @@ class TransformersBackend(Backend):
         return self.engine.depth()
 
 
-def kv_cache_bytes(config: dict, tokens: int) -> int:
-    """Keys and values of ``tokens`` cache columns over every layer, in 16-bit (a GPU's serving dtype)."""
-    text = config.get("text_config") or config
-    heads = text.get("num_key_value_heads") or text.get("num_attention_heads") or 1
-    head = text.get("head_dim") or text.get("hidden_size", 0) // max(text.get("num_attention_heads") or 1, 1)
-    return tokens * 2 * int(text.get("num_hidden_layers") or 0) * heads * head * 2
+def kv_cache_bytes(config, tokens: int) -> int:
+    """Keys and values of ``tokens`` cache columns over every layer of a transformers text config, in 16-bit (a
+    GPU's serving dtype)."""
+    from ladle.sizing import kv_bytes, kv_dim_of
+
+    heads = config.num_attention_heads
+    shape = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None),
+        "hidden_size": config.hidden_size,
+    }
+    return kv_bytes(config.num_hidden_layers, kv_dim_of(shape), tokens, 2)
 
 
 class MiiBackend(Backend):
@@ -323,12 +333,12 @@ class MiiBackend(Backend):
         )
 
     def ready(self) -> bool:
-        from ladle.serve.fastgen import running
+        from ladle.processes import running
 
         return self.loop is not None and self.thread.is_alive() and all(running(p) for p in self.processes)
 
     def close(self) -> None:
-        from ladle.serve.fastgen import stop_all
+        from ladle.processes import stop_all
 
         stop_all(self.processes)
         if self.loop is not None:

@@ -12,7 +12,6 @@ process it spawned and says why.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import re
@@ -26,7 +25,7 @@ from typing import TypeVar
 
 from ladle import cuda_arch
 from ladle.errors import LadleError
-from ladle.processes import free_port
+from ladle.processes import free_port, running, stop_all
 
 T = TypeVar("T")
 
@@ -161,33 +160,6 @@ def start_within(start: Callable[[], T], timeout_s: float, what: str) -> tuple[T
             f"({killed} process(es) it had started were killed)."
         )
     return box["value"], [p for p in spawned() if running(p)]
-
-
-def running(process) -> bool:
-    """The process runs (a zombie has ended: only its parent has not reaped it)."""
-    import psutil
-
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def stop_all(processes: list, grace_s: float = 10.0) -> int:
-    """SIGTERM every process, SIGKILL what is left after ``grace_s``; returns how many were running. The list is
-    taken whole first: a launcher killed before its children would leave them to init, out of reach."""
-    import psutil
-
-    alive = [p for p in processes if running(p)]
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill() if grace_s <= 0 else process.terminate()
-    _, left = psutil.wait_procs(alive, timeout=max(grace_s, 0.1))
-    for process in left:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    psutil.wait_procs(left, timeout=10)
-    return len(alive)
 
 
 def free_run(count: int, tries: int = 50) -> int:

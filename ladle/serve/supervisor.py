@@ -29,6 +29,8 @@ from collections import deque
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from ladle.processes import exited
+
 log = logging.getLogger("ladle.front")
 RESTARTED = "ladle.model.restarted"
 
@@ -115,14 +117,9 @@ class Supervisor:
         return False
 
     def running(self, pid: int) -> bool:
-        import psutil
-
         if self.child is not None and self.child.pid == pid:
-            return self.child.poll() is None  # reaps our own child, so it is no zombie
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+            return self.child.poll() is None  # reaps our own child, and keeps its exit code for the message
+        return not exited(pid)
 
     async def restart(self, upstream: dict, why: str) -> None:
         now = time.monotonic()
