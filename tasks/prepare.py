@@ -18,7 +18,9 @@ from ladle.tracking import Tracking, log_bytes, log_json
 def prepare_cache_key(context, parameters) -> str:
     """Same data bytes, tokenizer, options and output store -> same prepared dataset."""
     cfg: LadleConfig = parameters["cfg"]
-    return f"prepare-{fingerprint(cfg.data, resolve_base(cfg.base))}-{storage.normalise(cfg.output)}"
+    return (
+        f"prepare-{fingerprint(cfg.data, resolve_base(cfg.base, cfg.training.dtype))}-{storage.normalise(cfg.output)}"
+    )
 
 
 def prepare_cached(cfg: LadleConfig, **call):
@@ -27,7 +29,9 @@ def prepare_cached(cfg: LadleConfig, **call):
     A dataset deleted since it was cached (``make clean``, a wiped bucket) is prepared again and the record
     rewritten, instead of the cache handing back a folder that no longer exists.
     """
-    url = storage.join(storage.normalise(cfg.output), "datasets", fingerprint(cfg.data, resolve_base(cfg.base)))
+    url = storage.join(
+        storage.normalise(cfg.output), "datasets", fingerprint(cfg.data, resolve_base(cfg.base, cfg.training.dtype))
+    )
     task_ = prepare_task if storage.is_complete(url) else prepare_task.with_options(refresh_cache=True)
     return task_(cfg, **call)
 
@@ -42,7 +46,7 @@ def prepare_cached(cfg: LadleConfig, **call):
     retry_condition_fn=retry_unless_user_error,
 )
 def prepare_task(cfg: LadleConfig) -> PreparedDataset:
-    prepared = prepare(cfg.data, resolve_base(cfg.base), storage.normalise(cfg.output))
+    prepared = prepare(cfg.data, resolve_base(cfg.base, cfg.training.dtype), storage.normalise(cfg.output))
     report = prepared.report
     get_run_logger().info(
         "prepared %d examples into %d train / %d eval rows of %d tokens (packing efficiency %.1f%%, %d dropped)",

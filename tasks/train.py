@@ -61,7 +61,7 @@ def train_task(
         config=cfg,
         plan=plan,
         dataset=prepared,
-        base_dir=str(resolve_base(cfg.base)),
+        base_dir=str(resolve_base(cfg.base, cfg.training.dtype)),
         run_url=run_url,
         tracking_uri=tracking.uri,
         mlflow_run_id=tracking.run_id,

@@ -205,7 +205,7 @@ def train_spec(cfg, root: Path, run: str = "run", topo=None):
     from ladle.topology import probe
     from ladle.train.spec import TrainSpec
 
-    base = resolve_base(cfg.base)
+    base = resolve_base(cfg.base, cfg.training.dtype)
     model = json.loads((base / "config.json").read_text(encoding="utf-8"))
     plan = make_plan(cfg, topo or probe(env={}, query_output=""), model=model)
     dataset = prepare(cfg.data, base, str(root))

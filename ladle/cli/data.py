@@ -26,7 +26,7 @@ def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSO
         task = progress.add_task("prepare", rows=0)
         prepared = prepare(
             cfg.data,
-            resolve_base(cfg.base),
+            resolve_base(cfg.base, cfg.training.dtype),
             storage.normalise(cfg.output),
             on_progress=lambda rows: progress.update(task, rows=rows),
         )
@@ -82,7 +82,7 @@ def show_mask_cmd(
     from ladle.data.inspect import mask_rows
 
     cfg = load(config, set_)
-    rows = mask_rows(cfg.data, resolve_base(cfg.base), n)
+    rows = mask_rows(cfg.data, resolve_base(cfg.base, cfg.training.dtype), n)
     if as_json:
         print_json({"rows": rows})
         return

@@ -224,7 +224,9 @@ class Pending:
     def fill(self, module: torch.nn.Module, device, prefix: str = "") -> int:
         """Allocate ``module``'s storage on ``device`` and read every parameter and buffer into it (whole tensors,
         or each DTensor's local region); returns the elements this rank now holds."""
+        tied = tied_groups(module)
         module.to_empty(device=device)
+        retie(module, tied)
         held = 0
         with torch.no_grad():
             for name, tensor in named_tensors(module):
@@ -233,6 +235,25 @@ class Pending:
                     self.read_into(prefix + name, local, region)
                 held += local.numel()
         return held
+
+
+def tied_groups(module: torch.nn.Module) -> list[list[str]]:
+    """Names that share one parameter (a tied embedding and head), first name first."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(module: torch.nn.Module, groups: list[list[str]]) -> None:
+    """Make each group one parameter again. ``to_empty`` from the meta device gives every module a new
+    parameter of its own (a meta tensor's storage cannot be swapped in place), which unties a tied pair:
+    the head would then be read from a checkpoint tensor that a tied model does not have."""
+    for first, *others in groups:
+        param = module.get_parameter(first)
+        for other in others:
+            owner, _, attr = other.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, attr, param)
 
 
 def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -274,7 +295,11 @@ def build_empty(base_dir: Path, dtype: torch.dtype, context: Callable):
 
     config = AutoConfig.from_pretrained(base_dir)
     with context():
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Built on the meta device, a tied pair (tie_word_embeddings, e.g. SmolLM2's, whose checkpoint holds no
+    # lm_head.weight) comes out as two parameters; tied here, it is one, read once from the embedding's tensor.
+    model.tie_weights()
+    return model
 
 
 def meta_context():
