@@ -1,7 +1,12 @@
-"""Peer comparison: the same tiny LoRA SFT run through ladle and through TRL's SFTTrainer.
+"""Peer comparison: the same LoRA SFT run through ladle and through TRL's SFTTrainer.
 
     .venv/bin/pip install -c constraints.txt -e ".[bench]"   # trl, datasets
     .venv/bin/python bench/train_vs_trl.py [--steps 60] [--reps 2]
+    .venv/bin/python bench/train_vs_trl.py --model smollm2 --steps 20   # the real pretrained model
+
+`--model smollm2`: SmolLM2-135M-Instruct (ladle://smollm2-135m-instruct, converted from its GGUF file), as
+recipes/smollm2-135m-cpu.yaml trains it: sequence length 128, lr 1e-3, LoRA r=16 on all linear layers,
+embeddings and head frozen (pretrained). Everything else as below.
 
 Same tiny model, the same records (ladle reads them as alpaca rows, TRL as
 conversational prompt/completion, the shape it masks to the completion), loss
@@ -34,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save, train_spec  # noqa: E402
 from prepare_vs_trl import write_inputs  # noqa: E402
 
-from ladle.assets import tiny_model_dir  # noqa: E402
+from ladle.assets import resolve_base, tiny_model_dir  # noqa: E402
 from ladle.config import build_config  # noqa: E402
 from ladle.plan import make_plan  # noqa: E402
 from ladle.topology import probe  # noqa: E402
@@ -43,33 +48,36 @@ from ladle.train.run import free_port, launch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def ladle_config(alpaca: Path, tmp: Path, steps: int):
+MODELS = {
+    # name: (base, seq_len, lr, trained ends)
+    "tiny": (lambda: str(tiny_model_dir()), 256, 3e-3, ["lm_head", "embed_tokens"]),
+    "smollm2": (lambda: str(resolve_base("ladle://smollm2-135m-instruct", "float32")), 128, 1e-3, []),
+}
+
+
+def ladle_config(alpaca: Path, tmp: Path, steps: int, model: str = "tiny"):
+    base, seq_len, lr, ends = MODELS[model]
     return build_config(
         {
-            "base": str(tiny_model_dir()),
-            "data": {"path": str(alpaca), "format": "alpaca", "seq_len": 256, "eval_ratio": 0.0},
+            "base": base(),
+            "data": {"path": str(alpaca), "format": "alpaca", "seq_len": seq_len, "eval_ratio": 0.0},
             "output": str(tmp),
             "parallelism": {"strategy": "ddp", "cpu_processes": 2},
             "training": {
                 "max_steps": steps,
-                "lr": 3e-3,
+                "lr": lr,
                 "micro_batch_size": 4,
                 "warmup_steps": 5,
                 "checkpoint_every": 0,
-                "lora": {
-                    "r": 16,
-                    "alpha": 32,
-                    "target_modules": "all-linear",
-                    "modules_to_save": ["lm_head", "embed_tokens"],
-                },
+                "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", "modules_to_save": ends},
             },
         },
         [],
     )
 
 
-def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int) -> dict:
-    cfg = ladle_config(alpaca, tmp, steps)
+def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int, model: str) -> dict:
+    cfg = ladle_config(alpaca, tmp, steps, model)
     spec = train_spec(cfg, tmp, f"ladle-{rep}", topo=probe())
     result = launch(spec)
     return {
@@ -81,8 +89,16 @@ def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int) -> dict:
 
 
 def run_trl(
-    prompt_completion: Path, tmp: Path, steps: int, rep: int, dtype: str, checkpointing: bool, packing: str = "bfd"
+    prompt_completion: Path,
+    tmp: Path,
+    steps: int,
+    rep: int,
+    dtype: str,
+    checkpointing: bool,
+    packing: str = "bfd",
+    model: str = "tiny",
 ) -> dict:
+    base, seq_len, lr, ends = MODELS[model]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)), "TOKENIZERS_PARALLELISM": "false"}
     argv = [
         sys.executable,
@@ -104,16 +120,17 @@ def run_trl(
         "--dynamo_backend",
         "no",
         str(HERE / "trl_sft_worker.py"),
-        str(tiny_model_dir()),
+        base(),
         str(prompt_completion),
         str(tmp / f"trl-{rep}"),
         str(steps),
         "4",
-        "256",
-        "3e-3",
+        str(seq_len),
+        str(lr),
         packing,
         dtype,
         str(checkpointing).lower(),
+        ",".join(ends) or "none",
     ]
     done = subprocess.run(argv, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("TRL_RESULT ")]
@@ -127,22 +144,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--records", type=int, default=4000)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     args = parser.parse_args()
     results = {"ladle": [], "trl-bfd": [], "trl-wrapped": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         alpaca, prompt_completion = write_inputs(tmp, args.records)
-        cfg = ladle_config(alpaca, tmp, args.steps)
+        cfg = ladle_config(alpaca, tmp, args.steps, args.model)
         dtype, checkpointing = make_plan(cfg, probe()).dtype, cfg.training.gradient_checkpointing
         print(f"precision {dtype}, activation checkpointing {checkpointing}, on both sides")
         for rep in range(args.reps):
             sides = ("ladle", "trl-bfd", "trl-wrapped")
             for side in sides if rep % 2 == 0 else tuple(reversed(sides)):
                 if side == "ladle":
-                    res = run_ladle(alpaca, tmp, args.steps, rep)
+                    res = run_ladle(alpaca, tmp, args.steps, rep, args.model)
                 else:
                     res = run_trl(
-                        prompt_completion, tmp, args.steps, rep, dtype, checkpointing, side.removeprefix("trl-")
+                        prompt_completion,
+                        tmp,
+                        args.steps,
+                        rep,
+                        dtype,
+                        checkpointing,
+                        side.removeprefix("trl-"),
+                        args.model,
                     )
                 results[side].append(res)
                 print(
@@ -160,8 +185,9 @@ def main() -> None:
     print(
         "saved",
         save(
-            "train_vs_trl",
+            "train_vs_trl" if args.model == "tiny" else f"train_vs_trl_{args.model}",
             {
+                "model": args.model,
                 "steps": args.steps,
                 "records": args.records,
                 "results": results,

@@ -27,6 +27,9 @@ class StepClock(TrainerCallback):
 
 def main() -> None:
     model_dir, data_file, out, steps, micro, seq_len, lr, packing, dtype, checkpointing = sys.argv[1:11]
+    # The tiny random-init model trains its ends; a pretrained one keeps them (an argument "none").
+    ends = sys.argv[11] if len(sys.argv) > 11 else "lm_head,embed_tokens"
+    modules_to_save = None if ends == "none" else ends.split(",")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     args = SFTConfig(
@@ -59,7 +62,7 @@ def main() -> None:
         r=16,
         lora_alpha=32,
         target_modules="all-linear",
-        modules_to_save=["lm_head", "embed_tokens"],
+        modules_to_save=modules_to_save,
         task_type="CAUSAL_LM",
     )
     dataset = load_dataset("json", data_files=data_file, split="train")

@@ -51,7 +51,7 @@ def data_unchanged(config: LadleConfig) -> tuple[str, promote.Version | None]:
     what is learned; it is computed without preparing anything. A champion registered without one is never
     "the same".
     """
-    base = resolve_base(config.base)
+    base = resolve_base(config.base, config.training.dtype)
     fp = lineage.run_fingerprint(config, fingerprint(config.data, base), base)
     uri, _ = tracking.tracking_uri(config)
     current = promote.champion(uri, config.tracking.registered_model or config.name)
@@ -146,6 +146,11 @@ def finetune(
         "eval_accuracy_after": scores.accuracy_after,
         "eval_examples": scores.examples,
         "eval_metric": scores.metric,
+        **(
+            {"probe_before": scores.base.get("probe"), "probe_after": scores.model.get("probe")}
+            if config.eval.probe
+            else {}
+        ),
         "eval_before": scores.base,
         "eval_after": scores.model,
         "resumed_from_step": result.resumed_from_step,

@@ -43,6 +43,13 @@ class DataConfig(Section):
     eval_ratio: float = Field(
         0.1, ge=0.0, lt=1.0, description="Fraction of rows held out for evaluation when `eval_path` is null."
     )
+    system_prompt: str | None = Field(
+        None,
+        description="A system turn put first in every conversation that has none, for training, the held-out "
+        "conversations the evaluate stage asks and the smoke request: the fine-tuned behaviour is then asked "
+        "for by this prompt, and a question without it (the chat template's default) meets the model much as "
+        "it was, which keeps what a real model knew (see eval.probe). null: conversations as they are.",
+    )
     seq_len: int = Field(256, ge=16, le=131072, description="Tokens per packed training row.")
     pack: bool = Field(True, description="Pack several examples into each `seq_len` row (first-fit-decreasing).")
     truncation: Literal["right", "drop"] = Field(
@@ -343,6 +350,18 @@ class EvalConfig(Section):
         description="Direction of `eval.metric`. null: true, except for `loss`. Set it for an entry point whose "
         "score is better when lower.",
     )
+    probe: str | None = Field(
+        None,
+        description='General-ability probe: a JSONL file (local or fsspec URL) of `{"question": ..., '
+        '"answers": [...]}` rows, or `ladle://general-probe` (32 general-knowledge questions shipped with '
+        "ladle). Each question is asked alone through the chat template, greedily; an answer is right when it "
+        "contains one of the accepted answers as a whole word, case ignored. Scored as `probe` (fraction right) "
+        "beside the task metric for the base, the new model and the champion, so a fine-tune that teaches the "
+        "task but costs what the model knew shows it. null: no probe.",
+    )
+    probe_max_new_tokens: int = Field(
+        32, ge=1, le=512, description="Tokens generated per probe answer (the accepted word must come within them)."
+    )
 
     @field_validator("metric")
     @classmethod
@@ -368,6 +387,14 @@ class PromoteConfig(Section):
         ge=0.0,
         description="The new model becomes `champion` only when it beats the current champion (or, with none, the "
         "base model) on the same held-out set by more than this, in the metric's units (0: strictly better).",
+    )
+    max_probe_drop: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="With eval.probe: the new model is not promoted when its probe score is more than this below "
+        "the probe score of what it is compared with (the champion, or with none the base model), whatever its "
+        "task score. null: the probe is reported, not gated.",
     )
     enabled: bool = Field(
         True,
@@ -535,6 +562,15 @@ class LadleConfig(Section):
             raise ValueError(
                 f"promote.metric = {metric!r}: only `loss` and eval.metric ({self.eval.metric!r}) are scored; "
                 "set promote.metric to one of them, or eval.metric to the metric you want"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _probe_gate_has_a_probe(self) -> LadleConfig:
+        if self.promote.max_probe_drop is not None and self.eval.probe is None:
+            raise ValueError(
+                f"promote.max_probe_drop = {self.promote.max_probe_drop}: there is no probe to gate on; set "
+                "eval.probe (e.g. ladle://general-probe), or remove promote.max_probe_drop"
             )
         return self
 

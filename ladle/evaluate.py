@@ -42,6 +42,9 @@ class Score(BaseModel):
     correct: int | None = Field(None, description="Exact answers (exact_match only).")
     total: int = Field(0, description="Held-out conversations scored by the task metric.")
     answers: list[str] = Field(default_factory=list, description="Greedy answers, in sample order (the first few).")
+    probe: list[dict] = Field(
+        default_factory=list, description="eval.probe's questions with the greedy answer and whether it was right."
+    )
 
 
 class Evaluation(BaseModel):
@@ -56,6 +59,10 @@ class Evaluation(BaseModel):
     base_cached: bool = Field(False, description="The base score came from the cache (same base and data).")
     examples_shown: list[dict] = Field(
         default_factory=list, description="A few prompts with expected and given answers."
+    )
+    probe_questions: int = Field(0, description="eval.probe's questions (0: no probe).")
+    probe_shown: list[dict] = Field(
+        default_factory=list, description="Each probe question with the base's and the new model's answers."
     )
     note: str = ""
 
@@ -101,33 +108,46 @@ def one_load():
         _SHARED.clear()
 
 
-def exact_match(model_dir: Path, samples: list[list[dict]], batch_size: int = 32, shown: int = 5) -> Score:
-    """Greedy answers of the model in ``model_dir`` to each sample's prompt, scored against its last turn.
-
-    Generation is batched with left padding and stops at EOS or one token past
-    the longest reference in the batch: a longer answer cannot be exact anyway.
-    """
+def greedy_answers(
+    model_dir: Path, prompts: list[list[dict]], batch_size: int, max_new_tokens: Callable[[list[int]], int]
+) -> list[str]:
+    """Greedy answers of the model in ``model_dir`` to each prompt (a conversation up to the turn to answer),
+    asked through the tokenizer's chat template exactly as the server asks it; batched with left padding,
+    stopping at EOS or ``max_new_tokens(indices of the batch's prompts)``."""
     import torch
 
     model, tokenizer, device = load_model(model_dir)
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     answers: list[str] = []
-    for start in range(0, len(samples), batch_size):
-        batch = samples[start : start + batch_size]
-        texts = [tokenizer.apply_chat_template(prompt_of(m), tokenize=False, add_generation_prompt=True) for m in batch]
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in batch]
         enc = tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True).to(device)
-        longest = max(len(tokenizer(m[-1]["content"], add_special_tokens=False).input_ids) for m in batch)
         with torch.no_grad():
             out = model.generate(
                 **enc,
-                max_new_tokens=longest + 1,
+                max_new_tokens=max_new_tokens(list(range(start, start + len(batch)))),
                 do_sample=False,
                 pad_token_id=pad,
                 eos_token_id=tokenizer.eos_token_id,
             )
         new = out[:, enc.input_ids.shape[1] :]
         answers += [tokenizer.decode(row, skip_special_tokens=True) for row in new]
+    return answers
+
+
+def exact_match(model_dir: Path, samples: list[list[dict]], batch_size: int = 32, shown: int = 5) -> Score:
+    """Greedy answers of the model in ``model_dir`` to each sample's prompt, scored against its last turn.
+
+    Generation stops at EOS or one token past the longest reference in the batch: a longer answer cannot be
+    exact anyway.
+    """
+    _, tokenizer, _ = load_model(model_dir)
+    lengths = [len(tokenizer(m[-1]["content"], add_special_tokens=False).input_ids) for m in samples]
+    answers = greedy_answers(
+        model_dir, [prompt_of(m) for m in samples], batch_size, lambda rows: max(lengths[i] for i in rows) + 1
+    )
     correct = sum(answer.strip() == m[-1]["content"].strip() for answer, m in zip(answers, samples, strict=False))
     return Score(
         values={"exact_match": round(correct / max(1, len(samples)), 4)},
@@ -135,6 +155,84 @@ def exact_match(model_dir: Path, samples: list[list[dict]], batch_size: int = 32
         total=len(samples),
         answers=answers[:shown],
     )
+
+
+PROBE_BUILTIN = "ladle://general-probe"
+
+
+def probe_file(url: str) -> str:
+    """The probe's local path or URL: ``ladle://general-probe`` is shipped with ladle."""
+    if url == PROBE_BUILTIN:
+        from ladle.assets import recipes_dir
+
+        return str(recipes_dir() / "probes" / "general-v1.jsonl")
+    if url.startswith("ladle://"):
+        raise LadleError(f"eval.probe = {url!r}: the one built-in probe is {PROBE_BUILTIN}.")
+    return storage.normalise(url)
+
+
+def load_probe(url: str) -> list[dict]:
+    """The probe's questions, each ``{"question": str, "answers": [str, ...]}``.
+
+    Raises:
+        LadleError: the file is missing, or a row is not a question with at least one accepted answer.
+    """
+    path = probe_file(url)
+    try:
+        text = storage.read_bytes(path).decode("utf-8")
+    except FileNotFoundError:
+        raise LadleError(
+            f"eval.probe = {url!r}: no such file. Point it at a JSONL file, or use {PROBE_BUILTIN}."
+        ) from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise LadleError(f"eval.probe = {url!r}: line {number} is not JSON ({exc.msg}).") from None
+        answers = row.get("answers") if isinstance(row, dict) else None
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("question"), str)
+            or not row["question"].strip()
+            or not isinstance(answers, list)
+            or not answers
+            or not all(isinstance(a, str) and a.strip() for a in answers)
+        ):
+            raise LadleError(
+                f"eval.probe = {url!r}: line {number} must be "
+                '{"question": "...", "answers": ["accepted", ...]} with a question and at least one answer.'
+            )
+        rows.append({"question": row["question"], "answers": answers})
+    if not rows:
+        raise LadleError(f"eval.probe = {url!r}: the file holds no question.")
+    return rows
+
+
+def probe_digest(url: str | None) -> str:
+    return hashlib.sha256(json.dumps(load_probe(url)).encode()).hexdigest()[:16] if url else "-"
+
+
+def answered(answer: str, accepted: list[str]) -> bool:
+    """``answer`` contains one of ``accepted`` as a whole word (or phrase), case ignored; a number is whole
+    when no digits follow its point ("3" is not in "3.09")."""
+    import re
+
+    return any(re.search(rf"(?<!\w){re.escape(a.strip())}(?!\w|[.,]\d)", answer, re.IGNORECASE) for a in accepted)
+
+
+def probe_score(model_dir: Path, cfg: EvalConfig) -> tuple[float, list[dict]]:
+    """The fraction of ``eval.probe``'s questions the model answers right, and each question's answer."""
+    questions = load_probe(cfg.probe)
+    prompts = [[{"role": "user", "content": q["question"]}] for q in questions]
+    answers = greedy_answers(model_dir, prompts, cfg.batch_size, lambda rows: cfg.probe_max_new_tokens)
+    marks = [answered(a, q["answers"]) for a, q in zip(answers, questions, strict=True)]
+    detail = [
+        {"question": q["question"], "answer": a, "right": m} for q, a, m in zip(questions, answers, marks, strict=True)
+    ]
+    return round(sum(marks) / len(marks), 4), detail
 
 
 def eval_loss(model_dir: Path, prepared: PreparedDataset) -> float | None:
@@ -193,7 +291,10 @@ def task_score(cfg: EvalConfig, model_dir: Path, samples: list[list[dict]]) -> S
 
 def model_key(model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, examples: int) -> str:
     """Identity of a score: the model's config and weight files (names, sizes, times), the data, the metric."""
-    digest = hashlib.sha256(f"ladle-eval/{EVAL_VERSION}/{prepared.fingerprint}/{examples}/{cfg.metric}".encode())
+    probe = f"{probe_digest(cfg.probe)}/{cfg.probe_max_new_tokens}" if cfg.probe else "-"
+    digest = hashlib.sha256(
+        f"ladle-eval/{EVAL_VERSION}/{prepared.fingerprint}/{examples}/{cfg.metric}/{probe}".encode()
+    )
     digest.update((model_dir / "config.json").read_bytes())
     for file in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
         digest.update(f"{file.name}:{file.stat().st_size}:{file.stat().st_mtime_ns}".encode())
@@ -212,6 +313,8 @@ def score(model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, cached: b
     with one_load():  # the metric and the loss share one load of the model
         result = task_score(cfg, model_dir, samples) if samples else Score(values={})
         loss = eval_loss(model_dir, prepared)
+        if cfg.probe:
+            result.values["probe"], result.probe = probe_score(model_dir, cfg)
     if loss is not None:
         result.values["loss"] = loss
     if cached:
@@ -239,7 +342,19 @@ def evaluate(base_dir: Path, model_dir: Path, prepared: PreparedDataset, cfg: Ev
         {"prompt": prompt_of(m)[-1]["content"], "expected": m[-1]["content"], "before": b, "after": a}
         for m, b, a in zip(samples, before.answers, after.answers, strict=False)
     ]
+    probe_shown = [
+        {
+            "question": b["question"],
+            "before": b["answer"],
+            "right_before": b["right"],
+            "after": a["answer"],
+            "right_after": a["right"],
+        }
+        for b, a in zip(before.probe, after.probe, strict=False)
+    ]
     return Evaluation(
+        probe_questions=len(after.probe),
+        probe_shown=probe_shown,
         metric=cfg.metric,
         greater_is_better=cfg.higher_wins(),
         examples=len(samples),

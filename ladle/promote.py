@@ -47,6 +47,9 @@ class Decision(BaseModel):
     min_improvement: float
     improvement: float | None = Field(description="How much better the new model is (positive: better).")
     reason: str
+    probe: float | None = Field(None, description="The new model's general-ability probe score (eval.probe).")
+    probe_reference: float | None = Field(None, description="The probe score of what it was compared with.")
+    max_probe_drop: float | None = Field(None, description="promote.max_probe_drop: how far the probe may fall.")
 
 
 def decide(
@@ -89,6 +92,29 @@ def decide(
         reason=f"not promoted: {numbers}, needed > {min_improvement:g})",
         **fields,
     )
+
+
+def guard_probe(
+    decision: Decision, candidate: float | None, reference: float | None, max_drop: float | None
+) -> Decision:
+    """The task gate's ``decision``, held back when the new model's general-ability probe fell by more than
+    ``max_drop`` below the reference's (the champion's, or the base's); None: the probe is not gated."""
+    fields = {"probe": candidate, "probe_reference": reference, "max_probe_drop": max_drop}
+    if max_drop is None or not decision.promoted:
+        return decision.model_copy(update=fields)
+    if candidate is None or reference is None:
+        missing = "the new model" if candidate is None else decision.against
+        reason = f"not promoted: the probe was not scored for {missing}; the task gate alone said: {decision.reason}"
+        return decision.model_copy(update={**fields, "promoted": False, "reason": reason})
+    drop = reference - candidate
+    numbers = f"probe {candidate:.4g} vs {decision.against} {reference:.4g}"
+    if drop > max_drop:
+        reason = (
+            f"not promoted: {numbers} fell by {drop:.4g}, more than promote.max_probe_drop {max_drop:g} (general "
+            f"ability lost); the task gate alone said: {decision.reason}"
+        )
+        return decision.model_copy(update={**fields, "promoted": False, "reason": reason})
+    return decision.model_copy(update={**fields, "reason": f"{decision.reason}; {numbers} (may fall by {max_drop:g})"})
 
 
 def client(uri: str):

@@ -17,21 +17,28 @@ from ladle.tracking import Tracking, log_evaluation
 
 @task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
 def evaluate_task(cfg: LadleConfig, merged: MergedModel, prepared: PreparedDataset, tracking: Tracking) -> Evaluation:
-    result = evaluate(resolve_base(cfg.base), local_model_dir(merged), prepared, cfg.eval)
+    result = evaluate(resolve_base(cfg.base, cfg.training.dtype), local_model_dir(merged), prepared, cfg.eval)
     logger = get_run_logger()
     if result.note:
         logger.info(result.note)
     for name in result.model:
         logger.info(
-            "%s on the held-out split (%d conversations, %d eval rows): %.4g before (base%s) -> %.4g after",
+            "%s on %s: %.4g before (base%s) -> %.4g after",
             name,
-            result.examples,
-            result.eval_rows,
+            f"the probe ({cfg.eval.probe}, {result.probe_questions} questions)"
+            if name == "probe"
+            else f"the held-out split ({result.examples} conversations, {result.eval_rows} eval rows)",
             result.base.get(name, float("nan")),
             ", cached" if result.base_cached else "",
             result.model[name],
         )
     log_evaluation(tracking, result, prepared.fingerprint)
+    if result.probe_shown:
+        create_table_artifact(
+            key="probe-answers",
+            table=result.probe_shown,
+            description="eval.probe: questions, greedy answers before and after",
+        )
     if result.examples_shown:
         create_table_artifact(
             key="eval-examples",

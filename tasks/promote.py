@@ -22,15 +22,15 @@ from ladle.tracking import Tracking, client, metric_key
 from ladle.train.spec import TrainResult
 
 
-def reference_score(
+def reference_scores(
     cfg: LadleConfig, prepared: PreparedDataset, evaluation: Evaluation, current: promote.Version | None
-) -> tuple[float | None, str]:
-    """What the new model must beat, on the same held-out set: the champion's score, or the base's."""
-    metric = cfg.gate_metric()
+) -> tuple[dict[str, float], str]:
+    """What the new model must beat, on the same held-out set (and probe): the champion's scores, or the
+    base's."""
     if current is None:
-        return evaluation.base.get(metric), "base model"
+        return evaluation.base, "base model"
     scores, _ = score(model_dir_of(current), prepared, cfg.eval)  # cached per (champion files, data)
-    return scores.values.get(metric), f"champion v{current.version}"
+    return scores.values, f"champion v{current.version}"
 
 
 def lineage_tags(
@@ -47,7 +47,7 @@ def lineage_tags(
         "ladle.flow_run_id": flow_run_id,
         "ladle.config_name": cfg.name,
         "ladle.data_fingerprint": prepared.fingerprint,
-        lineage.TAG: lineage.run_fingerprint(cfg, prepared.fingerprint, resolve_base(cfg.base)),
+        lineage.TAG: lineage.run_fingerprint(cfg, prepared.fingerprint, resolve_base(cfg.base, cfg.training.dtype)),
         "ladle.data_path": cfg.data.path,
         "ladle.model_sha256": merged.sha256,
         "ladle.base": cfg.base,
@@ -84,10 +84,13 @@ def promote_task(
     current = promote.champion(tracking.uri, name)
     version = promote.register(tracking.uri, name, merged.url, tracking.run_id, tags)
     metric = cfg.gate_metric()
-    reference, against = reference_score(cfg, prepared, evaluation, current)
+    reference, against = reference_scores(cfg, prepared, evaluation, current)
     higher = cfg.eval.higher_wins() if metric == cfg.eval.metric else False
     decision = promote.decide(
-        metric, higher, evaluation.model.get(metric), reference, against, cfg.promote.min_improvement
+        metric, higher, evaluation.model.get(metric), reference.get(metric), against, cfg.promote.min_improvement
+    )
+    decision = promote.guard_probe(
+        decision, evaluation.model.get("probe"), reference.get("probe"), cfg.promote.max_probe_drop
     )
     promote.tag_decision(tracking.uri, name, version.version, decision)
     if decision.promoted:
@@ -118,6 +121,11 @@ def decision_markdown(name: str, version: str, decision: promote.Decision) -> st
             f"| {decision.against} | {fmt(decision.reference)} |",
             f"| improvement | {fmt(decision.improvement)} |",
             f"| needed | > {decision.min_improvement:g} |",
+            *(
+                [f"| probe (new / {decision.against}) | {fmt(decision.probe)} / {fmt(decision.probe_reference)} |"]
+                if decision.probe is not None
+                else []
+            ),
             "",
             decision.reason,
         ]

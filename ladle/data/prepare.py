@@ -236,6 +236,13 @@ class Collector:
         self.eval.close()
 
 
+def with_system(sample: Sample, prompt: str | None) -> Sample:
+    """``sample`` with ``data.system_prompt`` as its first turn when it is a conversation without one."""
+    if prompt is None or not isinstance(sample, Chat) or sample.messages[0]["role"] == "system":
+        return sample
+    return Chat([{"role": "system", "content": prompt}, *sample.messages])
+
+
 def consume(collector: Collector, tokenizer, files: list[str], fmt: str, eval_side: bool | None, on_progress) -> None:
     """Stream ``files`` through parsing, dedup, tokenization and into the writers."""
     cfg = collector.cfg
@@ -244,7 +251,7 @@ def consume(collector: Collector, tokenizer, files: list[str], fmt: str, eval_si
         for source, file_index, position, sample, raw in batch:
             if isinstance(sample, RowError):
                 collector.drop(source, position, sample, raw)
-            elif not collector.duplicate(sample):
+            elif not collector.duplicate(sample := with_system(sample, cfg.system_prompt)):
                 good.append((source, file_index, position, sample, raw))
         results = tokenize_batch(tokenizer, [item[3] for item in good], cfg.train_on, cfg.seq_len, cfg.truncation)
         for (source, file_index, position, sample, raw), (example, truncated) in zip(good, results, strict=False):

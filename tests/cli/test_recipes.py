@@ -18,6 +18,7 @@ SHIPPED = [
     "llama3.2-1b-lora",
     "llama3.2-1b-qlora",
     "qwen3-32b-zeropp",
+    "smollm2-135m-cpu",
     "tiny-cpu",
 ]
 
