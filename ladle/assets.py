@@ -55,13 +55,63 @@ def tiny_model_dir() -> Path:
     return path
 
 
+REPLAY_COPIES = 2
+REPLAY_HELD_OUT = 120
+
+
+def demo_replay_file() -> Path:
+    """``ladle://demo-alpaca-replay``: the demo's colour tasks (1200 rows) mixed with SmolLM2-135M-Instruct's
+    own answers to 106 general questions, each twice (``recipes/data/smollm2-replay.jsonl``, made by
+    ``bench/smollm2_replay.py``): rehearsal that keeps a real model's general behaviour while it learns the
+    tasks. Its held-out tasks are ``ladle://demo-alpaca-heldout``, so the task metric scores tasks only."""
+    path = ladle_home() / "assets" / f"demo-alpaca-replay-{ASSET_VERSION}.jsonl"
+    if not path.exists():
+        import json
+
+        from ladle.demo import demo_rows
+
+        tasks = demo_rows(1200 + REPLAY_HELD_OUT)[:1200]
+        replay = [json.loads(line) for line in (recipes_dir() / "data" / "smollm2-replay.jsonl").open()]
+        rows = list(tasks)
+        for copy in range(REPLAY_COPIES):  # spread through the file, as a shuffled mix would be
+            for i, row in enumerate(replay):
+                rows.insert(((i * 2 + copy) * len(tasks)) // (len(replay) * REPLAY_COPIES) + i * 2 + copy, row)
+        _write_jsonl(path, rows)
+    return path
+
+
+def demo_heldout_file() -> Path:
+    """``ladle://demo-alpaca-heldout``: 120 colour-task rows that ``ladle://demo-alpaca-replay`` never holds."""
+    path = ladle_home() / "assets" / f"demo-alpaca-heldout-{ASSET_VERSION}.jsonl"
+    if not path.exists():
+        from ladle.demo import demo_rows
+
+        _write_jsonl(path, demo_rows(1200 + REPLAY_HELD_OUT)[1200:])
+    return path
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    tmp.replace(path)
+
+
 def smollm2_file() -> str:
     from ladle.gguf import shipped_smollm2
 
     return shipped_smollm2()
 
 
-BUILTINS = {"tiny-llama": tiny_model_dir, "demo-alpaca": demo_data_file, "smollm2-135m-instruct": smollm2_file}
+BUILTINS = {
+    "tiny-llama": tiny_model_dir,
+    "demo-alpaca": demo_data_file,
+    "demo-alpaca-replay": demo_replay_file,
+    "demo-alpaca-heldout": demo_heldout_file,
+    "smollm2-135m-instruct": smollm2_file,
+}
 
 
 MODEL_CONFIGS = "models/"

@@ -20,7 +20,7 @@ def test_real_model_recipe_validates_and_gates_on_the_probe():
     cfg = load_config(ROOT / "recipes" / "smollm2-135m-cpu.yaml")
     assert cfg.base == "ladle://smollm2-135m-instruct" and cfg.training.lora.modules_to_save == []
     assert cfg.eval.probe == "ladle://general-probe" and cfg.promote.max_probe_drop == 0.1
-    assert cfg.data.system_prompt
+    assert cfg.data.path == "ladle://demo-alpaca-replay" and cfg.data.eval_path == "ladle://demo-alpaca-heldout"
 
 
 def test_set_parses_values_as_yaml():

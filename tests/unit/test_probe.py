@@ -123,3 +123,16 @@ def test_the_system_prompt_goes_first_in_conversations_without_one(tmp_path, tin
     assert samples and all(m[0] == {"role": "system", "content": "Count."} for m in samples)
     assert all(m[0]["role"] == "user" for m in load_samples(plain, 100))
     assert prompted.report.tokens_total > plain.report.tokens_total
+
+
+def test_the_rehearsal_data_mixes_the_tasks_with_the_models_own_answers_and_holds_none_of_the_probe():
+    from ladle.assets import demo_heldout_file, demo_replay_file
+    from ladle.evaluate import load_probe
+
+    train = [json.loads(line) for line in demo_replay_file().open()]
+    held = [json.loads(line) for line in demo_heldout_file().open()]
+    replay = [r for r in train if r["input"] == ""]
+    assert len(train) == 1200 + 2 * 106 and len(replay) == 2 * 106 and len(held) == 120
+    assert {r["instruction"] for r in replay}.isdisjoint(q["question"] for q in load_probe("ladle://general-probe"))
+    assert {(r["instruction"], r["input"]) for r in held}.isdisjoint((r["instruction"], r["input"]) for r in train)
+    assert max(i for i, r in enumerate(train) if r["input"] == "") > len(train) * 0.9  # spread to the end
