@@ -5,6 +5,7 @@ The conversion of a real file (SmolLM2-135M-Instruct) is proven in tests/pipelin
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -122,3 +123,32 @@ def test_a_gguf_base_is_converted_once_per_content_and_dtype(tmp_path, monkeypat
     assert calls == [("a.gguf", "float32"), ("a.gguf", "bfloat16"), ("a.gguf", "float32")]
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no half-written folder left
     assert gguf_mod.cached(str(copy), "float32") == folder
+
+
+def test_a_gguf_file_in_s3_is_downloaded_once_then_converted_like_a_local_one(tmp_path, s3_server, monkeypatch):
+    import fsspec
+
+    from ladle import gguf as gguf_mod
+    from ladle.assets import resolve_base
+
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("LADLE_HOME", str(tmp_path / "home"))
+    local = write_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": (np.ones((4, 4), np.float32), None)})
+    with fsspec.open("s3://ladle/models/m.gguf", "wb") as fh:
+        fh.write(local.read_bytes())
+    converted_from = []
+
+    def fake_write(path, out, dtype):  # the conversion itself is proven on the real file (tests/pipeline)
+        converted_from.append(path)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(gguf_mod, "write_folder", fake_write)
+    folder = resolve_base("s3://ladle/models/m.gguf", "float32")
+    assert resolve_base("s3://ladle/models/m.gguf", "float32") == folder
+    (download,) = (tmp_path / "home" / "models" / "downloads").iterdir()
+    assert converted_from == [download] and download.read_bytes() == local.read_bytes()
+    assert resolve_base(str(local), "float32") == folder  # the same content, local: the same folder
+    assert json.loads((folder / "ladle-gguf.json").read_text())["source"] == "s3://ladle/models/m.gguf"
+    with pytest.raises(LadleError, match=r"base = 's3://ladle/models/none.gguf': no such file. Check the URL."):
+        resolve_base("s3://ladle/models/none.gguf")
