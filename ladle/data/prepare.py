@@ -368,12 +368,12 @@ def build_report(c: Collector, fmt: str, files: list[str]) -> DataReport:
 def check_usable(cfg: DataConfig, report: DataReport, rejects: str | None = None) -> None:
     """Fail when nothing is usable or more rows than ``max_bad_fraction`` are bad.
 
-    The error carries every bad row (``details["bad_rows"]``) and names the
+    The error carries every bad row (``details["dropped"]``, the name the report uses) and names the
     rejects file that holds each one with its raw text.
     """
     read, bad = report.rows_read, report.invalid_rows
     first = "; ".join(f"line {d['line']}: {d['reason']}" for d in report.dropped[:3])
-    details = {"rows_read": read, "bad_rows": report.dropped, "rejects": rejects}
+    details = {"rows_read": read, "dropped": report.dropped, "rejects": rejects}
     every = f" Every bad row, with its text: {rejects}." if rejects else ""
     if read == 0:
         raise LadleError(f"data.path = {cfg.path!r}: the dataset is empty (0 rows). Point it at a file with rows.")

@@ -68,7 +68,7 @@ def test_error_inside_the_flow_is_one_line(tmp_path):
     )
     assert line.startswith(f"error: data.path = '{bad}'")
     failed = json.loads(done.stdout.strip().splitlines()[-1])
-    assert failed["status"] == "failed" and [row["line"] for row in failed["bad_rows"]] == [1, 2, 3, 4, 5]
+    assert failed["status"] == "failed" and [row["line"] for row in failed["dropped"]] == [1, 2, 3, 4, 5]
     rejects = [json.loads(x) for x in Path(failed["rejects"]).read_text().splitlines()]
     assert [(r["line"], r["raw"]) for r in rejects] == [(i + 1, f"{{broken {i}") for i in range(5)]
 
@@ -124,7 +124,7 @@ def test_data_commands(tmp_path):
     assert_clean_error(bad, "1 of 202 rows unusable", "line 2: malformed JSON", "rejects.jsonl")
     failed = json.loads(bad.stdout.strip().splitlines()[-1])
     assert failed["status"] == "failed" and failed["rows_read"] == 202
-    assert failed["bad_rows"] == [{"line": 2, "reason": failed["bad_rows"][0]["reason"], "source": str(rows)}]
+    assert failed["dropped"] == [{"line": 2, "reason": failed["dropped"][0]["reason"], "source": str(rows)}]
     assert [json.loads(x)["raw"] for x in Path(failed["rejects"]).read_text().splitlines()] == ["{oops"]
 
 
