@@ -19,7 +19,7 @@ EXTRAS ?= dev
 # slower (777 s against 733-750 s, the CPU 99.6 % busy). conftest.py gives each its share of the cores.
 TEST_WORKERS ?= 2
 
-.PHONY: setup slurm demo test bench clean
+.PHONY: setup slurm demo test docs bench clean
 
 setup: $(STAMP)
 
@@ -46,11 +46,17 @@ slurm:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends \
 	  slurmctld slurmd slurm-client munge >/dev/null; }
 
-# Lint and format are checked first (a violation fails the run), then the suite; the 15 slowest
-# tests are printed at the end, and the test phase's wall time after them.
+# The documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link or a page missing from the
+# navigation fails the build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# Lint, format and the docs build are checked first (a failure fails the run), then the suite; the 15
+# slowest tests are printed at the end, and the test phase's wall time after them.
 test: setup slurm
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	@start=$$(date +%s); \
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15; rc=$$?; \
 	echo "test phase: $$(( $$(date +%s) - start )) s (pytest exit $$rc)"; exit $$rc
