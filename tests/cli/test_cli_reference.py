@@ -1,0 +1,29 @@
+"""docs/cli.md is generated from the commands themselves (typer's docs generator), so it cannot drift."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+COMMAND = [
+    sys.executable,
+    "-m",
+    "typer",
+    "ladle.cli.main",
+    "utils",
+    "docs",
+    "--name",
+    "ladle",
+    "--title",
+    "CLI reference",
+]
+
+
+def test_the_cli_reference_is_current():
+    done = subprocess.run(COMMAND, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (ROOT / "docs" / "cli.md").read_text() == done.stdout.strip() + "\n", (
+        "run: python -m typer ladle.cli.main utils docs --name ladle --title 'CLI reference' --output docs/cli.md"
+    )
