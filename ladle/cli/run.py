@@ -42,7 +42,7 @@ def run(
 ) -> None:
     """Run probe -> plan -> prepare -> train -> merge -> evaluate -> deploy -> promote."""
     from ladle.assets import ladle_home
-    from ladle.flows.api import PrefectApi
+    from ladle.prefect_api import PrefectApi
 
     api = PrefectApi(ladle_home() / "logs")
     try:

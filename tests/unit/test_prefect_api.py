@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ladle.flows.api import ApiUnavailable, EmbeddedApi
+from ladle.prefect_api import ApiUnavailable, EmbeddedApi
 from ladle.processes import free_port
 
 
