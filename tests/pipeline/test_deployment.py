@@ -12,6 +12,9 @@ artifact (its credentials in an ArtifactStore block), MLflow credentials in the 
 5. the nightly deployment with unchanged data, base and settings ends "skipped" without training;
 6. the deployment's parameter schema is typed, and no secret appears in any log, parameter, MLflow
    param/tag/artifact, Prefect artifact or stored file.
+
+Each step is a test of its own (``test_lifecycle_N_...``, run in that order), sharing one server, worker and
+store through the ``lifecycle`` fixture, so that no single test holds the whole scenario's time.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -164,141 +168,166 @@ def all_pages(env: dict, path: str) -> list[dict]:
     return out
 
 
-def test_model_lifecycle_through_deployments(
-    prefect_server, mlflow_server, s3_server, monkeypatch, tmp_path, demo_data
-):
-    for key, value in s3_server.items():
-        monkeypatch.setenv(key, value)  # this process reads results back from S3 too
-    data = scenario_data(tmp_path, demo_data)
-    front_port = free_port()
-    front = f"http://127.0.0.1:{front_port}"
-    tracking = mlflow_server.replace("http://", f"http://ladle:{SECRET_MLFLOW}@")
-    # The worker holds no S3 credentials of its own: the block supplies them to each run.
-    env = {k: v for k, v in prefect_server.items() if not k.startswith("AWS_")}
-    env.update(MLFLOW_TRACKING_URI=tracking, PREFECT_WORKER_QUERY_SECONDS="1")
-    prefect("work-pool", "create", "ladle-local", "--type", "process", env=env)
-    prefect(
-        "--no-prompt",
-        "deploy",
-        "--all",
-        "--prefect-file",
-        str(deployments_file(tmp_path, front_port=front_port, artifact_store="lifecycle-store")),
-        env=env,
-    )
-    store = (
-        "from pydantic import SecretStr; from ladle.blocks import ArtifactStore; "
-        f"ArtifactStore(url='s3://ladle/lifecycle', endpoint_url='{s3_server['AWS_ENDPOINT_URL']}', "
-        f"access_key_id=SecretStr('testing'), secret_access_key=SecretStr('{SECRET_S3}'), "
-        "region='us-east-1').save('lifecycle-store', overwrite=True)"
-    )
-    subprocess.run([sys.executable, "-c", store], env=env, check=True, cwd=ROOT, timeout=120)
-    common = {
-        "promote_metric": "loss",
-        "artifact_store": "lifecycle-store",
-        "overrides": [
-            f"data.eval_path={data['eval']}",
-            "eval.max_examples=8",
-            "serve.max_new_tokens=8",
-        ],
-    }
-    with open(tmp_path / "worker.log", "w") as worker_log:
-        worker = subprocess.Popen(
-            [PREFECT, "worker", "start", "--pool", "ladle-local"],
+@pytest.fixture(scope="module")
+def lifecycle(prefect_server, mlflow_server, s3_server, tmp_path_factory, demo_data):
+    """One Prefect server, worker, MLflow server and S3 store for the lifecycle's steps, which run in order:
+    each test below is one step, and reads what the steps before it left (``state``)."""
+    tmp = tmp_path_factory.mktemp("lifecycle")
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in s3_server.items():
+            patch.setenv(key, value)  # this process reads results back from S3 too
+        data = scenario_data(tmp, demo_data)
+        front_port = free_port()
+        tracking = mlflow_server.replace("http://", f"http://ladle:{SECRET_MLFLOW}@")
+        # The worker holds no S3 credentials of its own: the block supplies them to each run.
+        env = {k: v for k, v in prefect_server.items() if not k.startswith("AWS_")}
+        env.update(MLFLOW_TRACKING_URI=tracking, PREFECT_WORKER_QUERY_SECONDS="1")
+        prefect("work-pool", "create", "ladle-local", "--type", "process", env=env)
+        prefect(
+            "--no-prompt",
+            "deploy",
+            "--all",
+            "--prefect-file",
+            str(deployments_file(tmp, front_port=front_port, artifact_store="lifecycle-store")),
             env=env,
-            cwd=ROOT,
-            stdout=worker_log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its flow-run processes stop with it
         )
-    try:
-        # 1. The first model (2 gloo processes) becomes champion; its promotion event makes the serving
-        #    deployment serve it.
-        first = wait_run(
-            env,
-            run_deployment(env, "finetune-recipe/tiny-cpu", {**common, "data_path": data["small"], "max_steps": 12}),
+        store = (
+            "from pydantic import SecretStr; from ladle.blocks import ArtifactStore; "
+            f"ArtifactStore(url='s3://ladle/lifecycle', endpoint_url='{s3_server['AWS_ENDPOINT_URL']}', "
+            f"access_key_id=SecretStr('testing'), secret_access_key=SecretStr('{SECRET_S3}'), "
+            "region='us-east-1').save('lifecycle-store', overwrite=True)"
         )
-        assert first["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
-        assert first["state"]["message"].startswith("promoted: loss"), first["state"]["message"]
-        # 2. Worse data (submitted while the first is being served): evaluated, not promoted; champion and
-        #    served version unchanged, no swap asked for. One process from here on: the lifecycle is the subject.
-        one = {**common, "overrides": [*common["overrides"], "parallelism.cpu_processes=1"]}
-        worse_id = run_deployment(env, "finetune-recipe/tiny-cpu", {**one, "data_path": data["worse"], "max_steps": 12})
-        wait_served(front, "1")
-        swaps_before = len(runs_of(env, "serve-champion/champion"))
-        fs, _ = storage.filesystem("s3://ladle")
-        (only,) = fs.glob("ladle/lifecycle/runs/tiny-cpu-*/summary.json")  # the pipeline runs as a subflow
-        summary = storage.read_json("s3://" + only)
-        checks.check_summary(summary, 12)
-        checks.check_mlflow(summary, 12, MODEL)
-        assert summary["promoted"] is True and summary["registered_model"] == MODEL
-        worse = wait_run(env, worse_id)
-        assert worse["state"]["type"] == "COMPLETED"
-        assert worse["state"]["message"].startswith("not promoted: loss"), worse["state"]["message"]
-        models = json.loads(
-            run_cli("model", "list", MODEL, "--tracking-uri", tracking, "--json", env=env).stdout.splitlines()[-1]
-        )
-        aliases = {v["version"]: v["aliases"] for v in models["versions"]}
-        assert aliases == {"2": ["challenger"], "1": ["champion"]}
-        assert models["versions"][0]["promotion"].startswith("not promoted")
+        subprocess.run([sys.executable, "-c", store], env=env, check=True, cwd=ROOT, timeout=120)
+        common = {
+            "promote_metric": "loss",
+            "artifact_store": "lifecycle-store",
+            "overrides": [f"data.eval_path={data['eval']}", "eval.max_examples=8", "serve.max_new_tokens=8"],
+        }
+        with open(tmp / "worker.log", "w") as worker_log:
+            worker = subprocess.Popen(
+                [PREFECT, "worker", "start", "--pool", "ladle-local"],
+                env=env,
+                cwd=ROOT,
+                stdout=worker_log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its flow-run processes stop with it
+            )
+        try:
+            yield SimpleNamespace(
+                env=env,
+                front=f"http://127.0.0.1:{front_port}",
+                tracking=tracking,
+                mlflow=mlflow_server,
+                data=data,
+                common=common,
+                # One process after the first run: the lifecycle is the subject.
+                one={**common, "overrides": [*common["overrides"], "parallelism.cpu_processes=1"]},
+                tmp=tmp,
+                worker_log=tmp / "worker.log",
+                state={},
+            )
+        finally:
+            stop_process(worker, group=True)
+            run_cli("model", "stop", MODEL, env=env)
 
-        with Traffic(
-            front, MODEL, clients=2, pause_s=0.25
-        ) as traffic:  # steady traffic that leaves the cores to training
-            wait_for_requests(traffic, 6)
-            assert {r[1] for r in traffic.results} == {"1"}
-            assert len(runs_of(env, "serve-champion/champion")) == swaps_before
 
-            # 3. Better data, run under its own run_id: promoted; the front swaps to it under traffic.
-            better = {**one, "data_path": data["better"], "max_steps": 16, "run_id": "better"}
-            promoted = wait_run(env, run_deployment(env, "finetune-recipe/tiny-cpu", better))
-            assert promoted["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
-            assert promoted["state"]["message"].startswith("promoted: loss"), promoted["state"]["message"]
-            summary3 = storage.read_json("s3://ladle/lifecycle/runs/better/summary.json")  # the run_id's folder
-            assert summary3["run_id"] == "better" and summary3["steps"] == 16
-            wait_served(front, "3")
-            t_swap = time.monotonic()
-            wait_for_requests(traffic, 6)
+def test_lifecycle_1_the_first_model_becomes_champion_and_is_served(lifecycle):
+    """Run 1 (2 gloo processes) is promoted; its promotion event makes the serving deployment serve it."""
+    lc = lifecycle
+    params = {**lc.common, "data_path": lc.data["small"], "max_steps": 12}
+    first = wait_run(lc.env, run_deployment(lc.env, "finetune-recipe/tiny-cpu", params))
+    assert first["state"]["type"] == "COMPLETED", lc.worker_log.read_text()[-4000:]
+    assert first["state"]["message"].startswith("promoted: loss"), first["state"]["message"]
+    wait_served(lc.front, "1")
+    fs, _ = storage.filesystem("s3://ladle")
+    (only,) = fs.glob("ladle/lifecycle/runs/tiny-cpu-*/summary.json")  # the pipeline runs as a subflow
+    summary = storage.read_json("s3://" + only)
+    checks.check_summary(summary, 12)
+    checks.check_mlflow(summary, 12, MODEL)
+    assert summary["promoted"] is True and summary["registered_model"] == MODEL
+    lc.state["first"] = True
 
-            # 4. Rollback from the CLI: the event brings the serving deployment back to run 1's version.
-            rolled = run_cli("model", "rollback", MODEL, "--tracking-uri", tracking, "--json", env=env)
-            assert json.loads(rolled.stdout.splitlines()[-1])["to"] == "1", rolled.stderr
-            # 5. (meanwhile) the nightly deployment on the champion's data.
-            # Same data, base and training settings as v1 (max_steps 12): nothing to retrain.
-            nightly = {**common, "data_path": data["small"], "max_steps": 12}
-            nightly_id = run_deployment(env, "finetune-recipe/tiny-cpu-nightly", nightly)
-            wait_served(front, "1")
-            t_back = time.monotonic()
-            time.sleep(1.0)
-            wait_for_requests(traffic, 6)
-        assert traffic.failures() == [], traffic.failures()[:5]
-        seen = [r[1] for r in traffic.results]
-        assert seen[0] == "1" and "3" in seen and seen[-1] == "1" and "2" not in seen
-        # Sent more than 1 s after the front named v1: answered by v1. (Timed by when a request was sent: one sent
-        # to v3 before the switch can finish later on a loaded machine, and v3 drains it, as it should.)
-        assert {r[1] for r in traffic.results if r[3] > t_back + 1.0} == {"1"}
-        assert "3" in {r[1] for r in traffic.results if t_swap < r[0] < t_back}
-        swaps = [wait_run(env, r["id"], timeout=120) for r in runs_of(env, "serve-champion/champion")]
-        assert len(swaps) == swaps_before + 2 and all(r["state"]["type"] == "COMPLETED" for r in swaps)
-        # Each swapped-out server was drained and stopped: one server is left, behind the front.
-        upstream = champion.current_upstream(router.read_record(MODEL))
-        assert upstream["version"] == "1" and records.alive(upstream)
-        assert [r["pid"] for r in records.running() if r["model"] == MODEL] == [upstream["pid"]]
 
-        # 5. The nightly run was skipped: nothing trained.
-        nightly = wait_run(env, nightly_id)
-        assert nightly["state"]["type"] == "COMPLETED"
-        assert nightly["state"]["message"].startswith("skipped: data, base and training unchanged since version 1")
-        tasks = api(env, "POST", "/task_runs/filter", task_runs={"flow_run_id": {"any_": [nightly["id"]]}})
-        assert [t["name"] for t in tasks if t["name"].startswith("train")] == []
+def test_lifecycle_2_worse_data_is_not_promoted_and_the_champion_keeps_serving(lifecycle):
+    """Run 2 on deliberately worse data, while clients use the champion: evaluated, not promoted; champion,
+    served version and serving deployment untouched."""
+    lc = lifecycle
+    assert lc.state.get("first"), "step 1 did not complete"
+    swaps_before = len(runs_of(lc.env, "serve-champion/champion"))
+    params = {**lc.one, "data_path": lc.data["worse"], "max_steps": 12}
+    with Traffic(lc.front, MODEL, clients=2, pause_s=0.25) as traffic:  # steady, leaving the cores to training
+        worse = wait_run(lc.env, run_deployment(lc.env, "finetune-recipe/tiny-cpu", params))
+        wait_for_requests(traffic, 6)
+    assert worse["state"]["type"] == "COMPLETED", lc.worker_log.read_text()[-4000:]
+    assert worse["state"]["message"].startswith("not promoted: loss"), worse["state"]["message"]
+    assert traffic.failures() == [] and {r[1] for r in traffic.results} == {"1"}
+    assert len(runs_of(lc.env, "serve-champion/champion")) == swaps_before
+    listed = run_cli("model", "list", MODEL, "--tracking-uri", lc.tracking, "--json", env=lc.env)
+    models = json.loads(listed.stdout.splitlines()[-1])
+    assert {v["version"]: v["aliases"] for v in models["versions"]} == {"2": ["challenger"], "1": ["champion"]}
+    assert models["versions"][0]["promotion"].startswith("not promoted")
+    lc.state["swaps_before"] = swaps_before
 
-        # 6. A typed form, and no secret anywhere.
-        schema = api(env, "GET", "/deployments/name/finetune-recipe/tiny-cpu")["parameter_openapi_schema"]["properties"]
-        assert "tiny-cpu" in schema["recipe"]["enum"] and schema["max_steps"]["anyOf"][0]["type"] == "integer"
-        assert all(schema[k].get("description") for k in ("recipe", "gpus", "data_path", "max_steps", "lr", "run_id"))
-        assert_no_secret(env, tracking_url=mlflow_server, folder=tmp_path / "mlflow-artifacts")
-    finally:
-        stop_process(worker, group=True)
-        run_cli("model", "stop", MODEL, env=env)
+
+def test_lifecycle_3_better_data_swaps_in_under_traffic_and_a_rollback_swaps_back(lifecycle):
+    """Run 3 on better data (under its own run_id) is promoted and the front swaps to it while clients send
+    requests; `ladle model rollback` brings run 1's version back; no request fails. The nightly deployment is
+    submitted meanwhile (step 4 reads it)."""
+    lc = lifecycle
+    swaps_before = lc.state["swaps_before"]
+    with Traffic(lc.front, MODEL, clients=2, pause_s=0.25) as traffic:
+        wait_for_requests(traffic, 6)
+        better = {**lc.one, "data_path": lc.data["better"], "max_steps": 16, "run_id": "better"}
+        promoted = wait_run(lc.env, run_deployment(lc.env, "finetune-recipe/tiny-cpu", better))
+        assert promoted["state"]["type"] == "COMPLETED", lc.worker_log.read_text()[-4000:]
+        assert promoted["state"]["message"].startswith("promoted: loss"), promoted["state"]["message"]
+        summary3 = storage.read_json("s3://ladle/lifecycle/runs/better/summary.json")  # the run_id's folder
+        assert summary3["run_id"] == "better" and summary3["steps"] == 16
+        wait_served(lc.front, "3")
+        t_swap = time.monotonic()
+        wait_for_requests(traffic, 6)
+
+        rolled = run_cli("model", "rollback", MODEL, "--tracking-uri", lc.tracking, "--json", env=lc.env)
+        assert json.loads(rolled.stdout.splitlines()[-1])["to"] == "1", rolled.stderr
+        # Same data, base and training settings as v1 (max_steps 12): nothing to retrain.
+        nightly = {**lc.common, "data_path": lc.data["small"], "max_steps": 12}
+        lc.state["nightly_id"] = run_deployment(lc.env, "finetune-recipe/tiny-cpu-nightly", nightly)
+        wait_served(lc.front, "1")
+        t_back = time.monotonic()
+        time.sleep(1.0)
+        wait_for_requests(traffic, 6)
+    assert traffic.failures() == [], traffic.failures()[:5]
+    seen = [r[1] for r in traffic.results]
+    assert seen[0] == "1" and "3" in seen and seen[-1] == "1" and "2" not in seen
+    # Sent more than 1 s after the front named v1: answered by v1. (Timed by when a request was sent: one sent
+    # to v3 before the switch can finish later on a loaded machine, and v3 drains it, as it should.)
+    assert {r[1] for r in traffic.results if r[3] > t_back + 1.0} == {"1"}
+    assert "3" in {r[1] for r in traffic.results if t_swap < r[0] < t_back}
+    swaps = [wait_run(lc.env, r["id"], timeout=120) for r in runs_of(lc.env, "serve-champion/champion")]
+    assert len(swaps) == swaps_before + 2 and all(r["state"]["type"] == "COMPLETED" for r in swaps)
+    # Each swapped-out server was drained and stopped: one server is left, behind the front.
+    upstream = champion.current_upstream(router.read_record(MODEL))
+    assert upstream["version"] == "1" and records.alive(upstream)
+    assert [r["pid"] for r in records.running() if r["model"] == MODEL] == [upstream["pid"]]
+
+
+def test_lifecycle_4_the_nightly_run_with_nothing_changed_skips_without_training(lifecycle):
+    lc = lifecycle
+    nightly = wait_run(lc.env, lc.state["nightly_id"])
+    assert nightly["state"]["type"] == "COMPLETED"
+    assert nightly["state"]["message"].startswith("skipped: data, base and training unchanged since version 1")
+    tasks = api(lc.env, "POST", "/task_runs/filter", task_runs={"flow_run_id": {"any_": [nightly["id"]]}})
+    assert [t["name"] for t in tasks if t["name"].startswith("train")] == []
+
+
+def test_lifecycle_5_the_form_is_typed_and_no_secret_is_stored_anywhere(lifecycle):
+    lc = lifecycle
+    assert "nightly_id" in lc.state, "step 3 did not complete"
+    schema = api(lc.env, "GET", "/deployments/name/finetune-recipe/tiny-cpu")["parameter_openapi_schema"]
+    props = schema["properties"]
+    assert "tiny-cpu" in props["recipe"]["enum"] and props["max_steps"]["anyOf"][0]["type"] == "integer"
+    assert all(props[k].get("description") for k in ("recipe", "gpus", "data_path", "max_steps", "lr", "run_id"))
+    assert_no_secret(lc.env, tracking_url=lc.mlflow, folder=lc.tmp / "mlflow-artifacts")
 
 
 def assert_no_secret(env: dict, tracking_url: str, folder: Path) -> None:
