@@ -9,8 +9,10 @@ were champion (tag ``ladle.champion_history``), so a rollback knows "the previou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Callable, Iterator
 
 from pydantic import BaseModel, Field
 
@@ -145,11 +147,35 @@ def absent(exc: BaseException) -> bool:
     return code == "RESOURCE_DOES_NOT_EXIST" or (code == "INVALID_PARAMETER_VALUE" and "not found" in str(exc))
 
 
+REFUSALS = ("INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "PERMISSION_DENIED", "UNAUTHENTICATED")
+
+
 def unreachable(uri: str, exc: BaseException, doing: str) -> LadleError:
+    """One error for a registry that failed while ``doing``: a refusal (the registry answered no, and will
+    again) says what it refused; anything else is an outage, to be run again once the registry answers."""
+    if getattr(exc, "error_code", None) in REFUSALS:
+        return LadleError(
+            f"tracking.uri = {redact_url(uri)}: the MLflow model registry refused {doing}: {str(exc)[:400]}. "
+            "Nothing was decided. (A tracking server accepts only model sources it can reach: with a remote "
+            "tracking.uri, set output to a URL both can reach, e.g. s3://...)",
+            exit_code=1,
+        )
     return LadleError(
-        f"tracking.uri = {uri}: the MLflow model registry failed while {doing} ({type(exc).__name__}: "
-        f"{str(exc)[:300]}). Nothing was decided; run it again once the registry answers."
+        f"tracking.uri = {redact_url(uri)}: the MLflow model registry failed while {doing} ({type(exc).__name__}: "
+        f"{str(exc)[:300]}). Nothing was decided; run it again once the registry answers.",
+        exit_code=1,
     )
+
+
+@contextlib.contextmanager
+def registry(uri: str, doing: str) -> Iterator[None]:
+    """Any failure of the registry inside becomes one ``unreachable`` error saying what was being done."""
+    try:
+        yield
+    except LadleError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - MLflow raises RestException, MlflowException, requests errors
+        raise unreachable(uri, exc, doing) from None
 
 
 def register(uri: str, name: str, source: str, run_id: str | None, tags: dict[str, str]) -> Version:
@@ -166,13 +192,16 @@ def register(uri: str, name: str, source: str, run_id: str | None, tags: dict[st
     except Exception as exc:  # noqa: BLE001 - MLflow raises RestException subclasses for "not found"
         if not absent(exc):
             raise unreachable(uri, exc, f"looking up registered model {name!r}") from None
-        mlflow.create_registered_model(name, description="Fine-tuned by ladle; alias `champion` is the one served.")
-    made = [mv for mv in mlflow.search_model_versions(f"name = '{name}' and run_id = '{run_id}'") if run_id]
-    mv = next((mv for mv in made if mv.source == source), None)
-    if mv is None:
-        mv = mlflow.create_model_version(name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
-    mlflow.set_registered_model_alias(name, CHALLENGER, str(mv.version))
-    return get_version(uri, name, str(mv.version))
+        with registry(uri, f"creating registered model {name!r}"):
+            mlflow.create_registered_model(name, description="Fine-tuned by ladle; alias `champion` is the one served.")
+    with registry(uri, f"registering {source} as a version of {name!r}"):
+        made = [mv for mv in mlflow.search_model_versions(f"name = '{name}' and run_id = '{run_id}'") if run_id]
+        mv = next((mv for mv in made if mv.source == source), None)
+        if mv is None:
+            tags = {k: str(v) for k, v in tags.items()}
+            mv = mlflow.create_model_version(name, source=source, run_id=run_id, tags=tags)
+        mlflow.set_registered_model_alias(name, CHALLENGER, str(mv.version))
+        return as_version(mlflow.get_model_version(name, str(mv.version)))
 
 
 def get_version(uri: str, name: str, version: str) -> Version:
@@ -225,8 +254,51 @@ def set_champion(uri: str, name: str, version: str, reason: str, history_: list[
 
 
 def promote(uri: str, name: str, version: str, reason: str) -> None:
-    """Point ``champion`` at ``version`` and append it to the history."""
-    set_champion(uri, name, version, reason, [*history(uri, name), version])
+    """Point ``champion`` at ``version`` and append it to the history (once: a retry that finds it last
+    already does not append it again)."""
+    past = history(uri, name)
+    set_champion(uri, name, version, reason, past if past[-1:] == [version] else [*past, version])
+
+
+def gate_and_promote(
+    uri: str,
+    name: str,
+    source: str,
+    run_id: str | None,
+    tags: dict[str, str],
+    candidate: dict[str, float],
+    reference_of: Callable[[Version | None], tuple[dict[str, float], str]],
+    metric: str,
+    greater_is_better: bool,
+    min_improvement: float,
+    max_probe_drop: float | None = None,
+) -> tuple[Version, Decision, Version | None]:
+    """Register ``source`` (alias ``challenger``), gate its scores against the champion's (``reference_of``
+    gives them, or the base's when there is none) and, when it wins, make it ``champion``.
+
+    Safe to run again after any failure, with the same result as one clean run: registration finds the version
+    a first try made; a first try that failed after the alias flip left this version champion, so its history
+    names the champion it was compared with, and the gate runs against that one again. The alias is the one
+    write that changes what is served, and the history is appended once. A registry that fails is one
+    ``unreachable`` error naming what was being done, never a half-decided "no champion".
+
+    Returns:
+        ``(the version, the decision, the champion it was compared with or None)``.
+    """
+    current = champion(uri, name)
+    version = register(uri, name, source, run_id, tags)
+    if current is not None and current.version == version.version:
+        with registry(uri, f"reading {name}'s champion history"):
+            past = [v for v in history(uri, name) if v != version.version]
+        current = get_version(uri, name, past[-1]) if past else None
+    reference, against = reference_of(current)
+    decision = decide(metric, greater_is_better, candidate.get(metric), reference.get(metric), against, min_improvement)
+    decision = guard_probe(decision, candidate.get("probe"), reference.get("probe"), max_probe_drop)
+    with registry(uri, f"recording the decision on {name} v{version.version}"):
+        tag_decision(uri, name, version.version, decision)
+        if decision.promoted:
+            promote(uri, name, version.version, decision.reason)
+    return version, decision, current
 
 
 def tag_decision(uri: str, name: str, version: str, decision: Decision) -> None:

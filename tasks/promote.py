@@ -81,23 +81,24 @@ def promote_task(
     name = cfg.tracking.registered_model or cfg.name
     tags = lineage_tags(cfg, merged, prepared, evaluation, result, plan, flow_run_id)
     tags["ladle.smoke_answer_correct"] = str(endpoint.answer_correct)
-    current = promote.champion(tracking.uri, name)
-    version = promote.register(tracking.uri, name, merged.url, tracking.run_id, tags)
     metric = cfg.gate_metric()
-    reference, against = reference_scores(cfg, prepared, evaluation, current)
-    higher = cfg.eval.higher_wins() if metric == cfg.eval.metric else False
-    decision = promote.decide(
-        metric, higher, evaluation.model.get(metric), reference.get(metric), against, cfg.promote.min_improvement
+    version, decision, current = promote.gate_and_promote(
+        tracking.uri,
+        name,
+        merged.url,
+        tracking.run_id,
+        tags,
+        evaluation.model,
+        lambda champ: reference_scores(cfg, prepared, evaluation, champ),
+        metric,
+        cfg.eval.higher_wins() if metric == cfg.eval.metric else False,
+        cfg.promote.min_improvement,
+        cfg.promote.max_probe_drop,
     )
-    decision = promote.guard_probe(
-        decision, evaluation.model.get("probe"), reference.get("probe"), cfg.promote.max_probe_drop
-    )
-    promote.tag_decision(tracking.uri, name, version.version, decision)
-    if decision.promoted:
-        promote.promote(tracking.uri, name, version.version, decision.reason)
-    mlflow = client(tracking.uri)
-    mlflow.set_tag(tracking.run_id, "ladle.promotion", decision.reason)
-    mlflow.set_tag(tracking.run_id, "ladle.registered_version", version.version)
+    with promote.registry(tracking.uri, f"tagging MLflow run {tracking.run_id} with the decision"):
+        mlflow = client(tracking.uri)
+        mlflow.set_tag(tracking.run_id, "ladle.promotion", decision.reason)
+        mlflow.set_tag(tracking.run_id, "ladle.registered_version", version.version)
     logger.info("%s v%s: %s", name, version.version, decision.reason)
     create_markdown_artifact(key="promotion", markdown=decision_markdown(name, version.version, decision))
     if decision.promoted:
