@@ -413,6 +413,22 @@ class TrackingConfig(Section):
         None, description="Registered-model name for the merged model. null: the config's `name`."
     )
     ui_url: str = Field("http://127.0.0.1:5000", description="Base URL of the MLflow UI, for links.")
+    request_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Deadline of each request to an MLflow server, per try (MLFLOW_HTTP_REQUEST_TIMEOUT, set for "
+        "ladle and the training processes; MLflow's own default is 120 s). A server that does not answer fails "
+        "the stage with one error naming tracking.uri.",
+    )
+    request_retries: int = Field(
+        3,
+        ge=0,
+        le=10,
+        description="Retries of a failed MLflow request, with MLflow's doubling backoff from 2 s "
+        "(MLFLOW_HTTP_REQUEST_MAX_RETRIES; MLflow's default is 7, minutes of waiting on a dead server). With "
+        "the defaults a dead server is reported within about 2.5 minutes, a refused connection within 15 s.",
+    )
 
 
 SLURM_TIME = re.compile(r"^(UNLIMITED|INFINITE|\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(:\d{1,2}(:\d{1,2})?)?)$")

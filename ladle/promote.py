@@ -120,8 +120,14 @@ def guard_probe(
 
 
 def client(uri: str):
+    """MLflow's client, with ladle's request deadlines where neither a config nor the environment set them
+    (``tracking.request_timeout_s``/``request_retries``: the CLI's ``ladle model`` commands have no config)."""
+    import os
+
     from mlflow.tracking import MlflowClient
 
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
     return MlflowClient(uri)
 
 

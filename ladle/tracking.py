@@ -46,12 +46,29 @@ def tracking_uri(cfg: LadleConfig) -> tuple[str, str | None]:
     http(s) URI move to ``MLFLOW_TRACKING_USERNAME``/``PASSWORD`` (which MLflow reads, and the training
     processes inherit), so the URI ladle passes around, logs and writes into specs carries none.
     """
+    apply_deadlines(cfg)
     uri = cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return credentials_to_env(uri), None
     folder = default_location(cfg)
     folder.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{folder / 'mlflow.db'}", (folder / "mlartifacts").as_uri()
+
+
+DEADLINE_ENV = {
+    "request_timeout_s": "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    "request_retries": "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+}
+
+
+def apply_deadlines(cfg: LadleConfig) -> None:
+    """``tracking.request_timeout_s`` and ``request_retries`` as MLflow's environment (read per request, and
+    inherited by the training processes): a value set in the config wins, then the environment's, then
+    ladle's defaults (MLflow's own let a dead server hold a stage for minutes)."""
+    for field, var in DEADLINE_ENV.items():
+        value = getattr(cfg.tracking, field)
+        if field in cfg.tracking.model_fields_set or var not in os.environ:
+            os.environ[var] = str(int(value) if float(value).is_integer() else value)
 
 
 def credentials_to_env(uri: str) -> str:

@@ -41,3 +41,48 @@ def test_no_champion_is_none_and_an_unreachable_registry_is_an_error(uri, tmp_pa
         promote.champion(down, "m")
     with pytest.raises(LadleError, match="failed while looking up registered model 'm'"):
         promote.register(down, "m", "x", None, {})
+
+
+def test_a_registry_that_never_answers_is_an_error_within_the_configured_deadline(monkeypatch):
+    """A server that accepts the connection and never answers (a listening socket nobody reads): with
+    tracking.request_timeout_s=2 and request_retries=0 the champion lookup fails in seconds, not MLflow's
+    default of 120 s per try and 7 retries."""
+    import socket
+    import time
+
+    from ladle.config import build_config
+    from ladle.tracking import tracking_uri
+
+    for var in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES"):
+        monkeypatch.delenv(var, raising=False)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        cfg = build_config(
+            {
+                "base": "ladle://tiny-llama",
+                "data": {"path": "x"},
+                "tracking": {"uri": url, "request_timeout_s": 2, "request_retries": 0},
+            },
+            [],
+        )
+        uri, _ = tracking_uri(cfg)
+        began = time.monotonic()
+        with pytest.raises(LadleError, match=rf"tracking.uri = {url}: the MLflow model registry failed while reading"):
+            promote.champion(uri, "m")
+        assert time.monotonic() - began < 20
+
+
+def test_the_environment_sets_the_deadline_unless_the_config_does(monkeypatch):
+    import os
+
+    from ladle.config import build_config
+    from ladle.tracking import apply_deadlines
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    apply_deadlines(build_config({"base": "b", "data": {"path": "x"}}, []))
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "7" and os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "3"
+    apply_deadlines(build_config({"base": "b", "data": {"path": "x"}, "tracking": {"request_timeout_s": 5}}, []))
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5"
