@@ -20,13 +20,10 @@ from pathlib import Path
 from ladle import storage
 from ladle.errors import LadleError
 from ladle.gguf import converted, is_gguf
+from ladle.home import ladle_home
 
 BUILTIN_SCHEME = "ladle://"
 ASSET_VERSION = "v2"  # v2: colour-list tasks (held-out accuracy)
-
-
-def ladle_home() -> Path:
-    return Path(os.environ.get("LADLE_HOME", Path.home() / ".cache" / "ladle")).expanduser()
 
 
 def demo_data_file() -> Path:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ladle import storage
 from ladle.errors import LadleError
+from ladle.home import ladle_home
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,6 @@ def local_file(url: str, field: str = "base") -> Path:
 
 
 def cache_root() -> Path:
-    from ladle.assets import ladle_home
-
     return ladle_home() / "models"
 
 
