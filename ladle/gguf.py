@@ -201,6 +201,7 @@ def converted(url: str, dtype: str = "auto", field: str = "base") -> Path:
     if (target / "config.json").is_file():
         return target
     arch = check_file(path, url, field)
+    log.info("converting GGUF %s (%s) to a %s model folder, once: %s", url, arch, dtype, target)
     began = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

@@ -360,3 +360,24 @@ def run_ranks(target, world: int, *args) -> list:
         p.join(timeout=60)
         assert p.exitcode == 0
     return got
+
+
+def start_service(argv: list[str], health_url: str, home: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start a server in its own session, logging to ``home/server.log``; return once ``health_url`` answers 200."""
+    import pytest
+
+    from ladle.processes import stop_process
+
+    with open(home / "server.log", "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(health_url, timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc, grace_s=0, group=True)
+            pytest.fail(f"{argv[0]} did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.5)

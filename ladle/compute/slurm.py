@@ -177,14 +177,15 @@ class SlurmTarget(ComputeTarget):
             raise LadleError(f"Slurm refused the training job ({script}): {message}.{fix}")
         return done.stdout.strip().split(";")[0]
 
-    def job(self, job_id: str) -> dict[str, str]:
-        """The job's record (``JobState``, ``Reason``, ``ExitCode``, ``NodeList``...)."""
-        done = call(["scontrol", "show", "job", "-o", job_id])
+    def job(self, job_id: str, timeout: float = 60) -> dict[str, str]:
+        """The job's record (``JobState``, ``Reason``, ``ExitCode``, ``NodeList``...); each command given
+        ``timeout`` seconds."""
+        done = call(["scontrol", "show", "job", "-o", job_id], timeout=timeout)
         if done.returncode == 0 and "JobState=" in done.stdout:
             return parse_fields(done.stdout)
         # Gone from the controller's memory (MinJobAge passed): accounting, where there is one.
         if shutil.which("sacct"):
-            acct = call(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode,Reason,NodeList"])
+            acct = call(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode,Reason,NodeList"], timeout)
             row = acct.stdout.strip().splitlines()[:1]
             if acct.returncode == 0 and row:
                 state, code, reason, nodes = (row[0].split("|") + ["", "", "", ""])[:4]
@@ -192,11 +193,18 @@ class SlurmTarget(ComputeTarget):
         return {"JobState": "UNKNOWN", "Reason": (done.stderr or done.stdout).strip()}
 
     def cancel(self, job_id: str, wait_s: float = 30.0) -> None:
-        """``scancel``, then wait (bounded) until the job has left the running states."""
-        call(["scancel", job_id])
+        """``scancel``, then wait until the job has left the running states: all of it within ``wait_s``, every
+        command included (a slurmctld slow to answer on a loaded machine once held a cancelled flow run for
+        minutes, each ``scontrol`` given its own 60 s)."""
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and self.job(job_id).get("JobState") in RUNNING - {"PENDING"}:
-            time.sleep(0.5)
+        try:
+            call(["scancel", job_id], timeout=wait_s / 2)
+            while (left := deadline - time.monotonic()) > 0:
+                if self.job(job_id, timeout=max(1.0, left)).get("JobState") not in RUNNING - {"PENDING"}:
+                    return
+                time.sleep(0.5)
+        except LadleError:
+            pass  # the controller did not answer within the deadline: scancel was sent, the caller goes on
 
     def follow(self, job_id: str, log: Path, relay) -> dict[str, str]:
         """Relay the job's output until it ends; returns its final record."""

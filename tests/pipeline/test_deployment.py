@@ -34,7 +34,7 @@ from ladle import storage
 from ladle.processes import stop_process
 from ladle.serve import champion, records, router
 from ladle.train.run import free_port
-from tests.helpers import ROOT, Traffic, deployments_file, run_cli, wait_for_requests
+from tests.helpers import ROOT, Traffic, deployments_file, run_cli, start_service, wait_for_requests
 from tests.pipeline import checks
 
 pytestmark = pytest.mark.pipeline
@@ -46,23 +46,6 @@ def prefect(*args: str, env: dict, timeout: int = 180) -> subprocess.CompletedPr
     done = subprocess.run([PREFECT, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     assert done.returncode == 0, f"prefect {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     return done
-
-
-def start_service(argv: list[str], health_url: str, home: Path, env: dict | None = None) -> subprocess.Popen:
-    """Start a server in its own session, logging to ``home/server.log``; return once ``health_url`` answers 200."""
-    with open(home / "server.log", "w") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(health_url, timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_process(proc, grace_s=0, group=True)
-            pytest.fail(f"{argv[0]} did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from ladle import promote
 from ladle.errors import LadleError
 from ladle.processes import free_port, stop_process
+from tests.helpers import start_service
 
 pytestmark = pytest.mark.pipeline
 
@@ -28,22 +27,9 @@ pytestmark = pytest.mark.pipeline
 def start_mlflow(home: Path, port: int) -> subprocess.Popen:
     argv = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--artifacts-destination", str(home / "art")]
+    argv += ["--workers", "1"]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    with open(home / "server.log", "a") as log:
-        proc = subprocess.Popen(
-            [*argv, "--workers", "1"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_process(proc, grace_s=0, group=True)
-            pytest.fail(f"mlflow server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.5)
+    return start_service(argv, f"http://127.0.0.1:{port}/health", home, env)
 
 
 def runs(url: str, count: int) -> list[str]:
