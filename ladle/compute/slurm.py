@@ -192,19 +192,29 @@ class SlurmTarget(ComputeTarget):
                 return {"JobState": state.split()[0], "ExitCode": code, "Reason": reason, "NodeList": nodes}
         return {"JobState": "UNKNOWN", "Reason": (done.stderr or done.stdout).strip()}
 
-    def cancel(self, job_id: str, wait_s: float = 30.0) -> None:
+    def cancel(self, job_id: str, wait_s: float = 30.0) -> str:
         """``scancel``, then wait until the job has left the running states: all of it within ``wait_s``, every
         command included (a slurmctld slow to answer on a loaded machine once held a cancelled flow run for
-        minutes, each ``scontrol`` given its own 60 s)."""
+        minutes, each ``scontrol`` given its own 60 s).
+
+        Returns:
+            what happened, for the run's log: the job's state once it left the running ones, or why that could
+            not be confirmed (the controller did not answer in time, or the job was still running), with the
+            command to check it by hand. The pipeline is stopping either way; it is not held longer.
+        """
         deadline = time.monotonic() + wait_s
+        state = "not known"
         try:
             call(["scancel", job_id], timeout=wait_s / 2)
             while (left := deadline - time.monotonic()) > 0:
-                if self.job(job_id, timeout=max(1.0, left)).get("JobState") not in RUNNING - {"PENDING"}:
-                    return
+                state = self.job(job_id, timeout=max(1.0, left)).get("JobState", "UNKNOWN")
+                if state not in RUNNING - {"PENDING"}:
+                    return f"scancel {job_id}: the pipeline stopped, so its job was cancelled (now {state})"
                 time.sleep(0.5)
-        except LadleError:
-            pass  # the controller did not answer within the deadline: scancel was sent, the caller goes on
+            why = f"still {state} after {wait_s:g} s"
+        except LadleError as err:  # scancel or scontrol did not answer within the deadline
+            why = str(err)
+        return f"scancel {job_id}: sent, but not confirmed ({why}); check it with `squeue -j {job_id}`"
 
     def follow(self, job_id: str, log: Path, relay) -> dict[str, str]:
         """Relay the job's output until it ends; returns its final record."""
@@ -271,9 +281,9 @@ class SlurmTarget(ComputeTarget):
             try:
                 info = self.follow(job_id, folder / f"train-{job_id}.out", relay)
             except BaseException:
-                self.cancel(job_id)
+                outcome = self.cancel(job_id)
                 if on_command:
-                    on_command(f"scancel {job_id}: the pipeline stopped, so its job was cancelled")
+                    on_command(outcome)
                 raise
         state, code = info.get("JobState"), info.get("ExitCode", "")
         if state == "COMPLETED" and code in ("0:0", ""):

@@ -163,3 +163,23 @@ def test_probing_without_a_reachable_cluster_is_one_clear_line(tmp_path, slurm_c
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "compute.target = 'slurm': probing a node with `srun --nodes=1" in done.stderr, done.stderr
     assert "Run the pipeline where Slurm answers" in done.stderr
+
+
+def test_a_cancel_the_controller_does_not_confirm_says_so_within_its_deadline(tmp_path, monkeypatch):
+    """scancel is sent but scontrol hangs (a slurmctld that stopped answering): cancel returns within its
+    deadline and says the job's end was not confirmed and how to check, instead of holding the pipeline."""
+    import os
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("scancel", "exit 0"), ("scontrol", "exec sleep 60")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    target = compute.get(cfg_with(compute={"target": "slurm"}))
+    began = time.monotonic()
+    outcome = target.cancel("42", wait_s=2.0)
+    assert time.monotonic() - began < 10
+    assert outcome.startswith("scancel 42: sent, but not confirmed (scontrol did not answer in 2 s")
+    assert outcome.endswith("check it with `squeue -j 42`")
