@@ -115,7 +115,7 @@ def main() -> None:
     probe = {q["question"] for q in load_probe("ladle://general-probe")}
     assert not probe & set(asked), probe & set(asked)
     model = resolve_base("ladle://smollm2-135m-instruct", "float32")
-    answers = greedy_answers(model, [[{"role": "user", "content": q}] for q in asked], 32, lambda rows: 64)
+    answers = greedy_answers(model, [[{"role": "user", "content": q}] for q in asked], 32, lambda tok, rows: 64)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     with OUT.open("w", encoding="utf-8") as fh:
         for question, answer in zip(asked, answers, strict=True):

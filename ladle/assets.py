@@ -12,7 +12,6 @@ once: ``ladle.gguf``).
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from importlib.resources import files
 from pathlib import Path
@@ -65,7 +64,7 @@ def demo_replay_file() -> Path:
     if not path.exists():
         import json
 
-        from ladle.demo import demo_rows
+        from ladle.demo import demo_rows, write_jsonl
 
         tasks = demo_rows(1200 + REPLAY_HELD_OUT)[:1200]
         replay = [json.loads(line) for line in (recipes_dir() / "data" / "smollm2-replay.jsonl").open()]
@@ -73,7 +72,7 @@ def demo_replay_file() -> Path:
         for copy in range(REPLAY_COPIES):  # spread through the file, as a shuffled mix would be
             for i, row in enumerate(replay):
                 rows.insert(((i * 2 + copy) * len(tasks)) // (len(replay) * REPLAY_COPIES) + i * 2 + copy, row)
-        _write_jsonl(path, rows)
+        write_jsonl(path, rows)
     return path
 
 
@@ -81,19 +80,10 @@ def demo_heldout_file() -> Path:
     """``ladle://demo-alpaca-heldout``: 120 colour-task rows that ``ladle://demo-alpaca-replay`` never holds."""
     path = ladle_home() / "assets" / f"demo-alpaca-heldout-{ASSET_VERSION}.jsonl"
     if not path.exists():
-        from ladle.demo import demo_rows
+        from ladle.demo import demo_rows, write_jsonl
 
-        _write_jsonl(path, demo_rows(1200 + REPLAY_HELD_OUT)[1200:])
+        write_jsonl(path, demo_rows(1200 + REPLAY_HELD_OUT)[1200:])
     return path
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    import json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    tmp.replace(path)
 
 
 def smollm2_file() -> str:

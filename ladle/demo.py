@@ -9,6 +9,7 @@ later loaded through the same ``from_pretrained`` path as any Hugging Face model
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -77,10 +78,16 @@ def demo_rows(n: int = DEMO_ROWS, seed: int = DEMO_SEED) -> list[dict]:
 
 def write_demo_data(path: Path) -> Path:
     """Write the demo dataset as JSONL (atomically) and return its path."""
+    return write_jsonl(path, demo_rows())
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """``rows`` as JSONL at ``path``, written beside it and renamed in (a file that exists is complete, also
+    when several processes make it at once)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with tmp.open("w", encoding="utf-8") as fh:
-        for row in demo_rows():
+        for row in rows:
             fh.write(json.dumps(row) + "\n")
     tmp.replace(path)
     return path

@@ -109,11 +109,11 @@ def one_load():
 
 
 def greedy_answers(
-    model_dir: Path, prompts: list[list[dict]], batch_size: int, max_new_tokens: Callable[[list[int]], int]
+    model_dir: Path, prompts: list[list[dict]], batch_size: int, max_new_tokens: Callable[..., int]
 ) -> list[str]:
     """Greedy answers of the model in ``model_dir`` to each prompt (a conversation up to the turn to answer),
     asked through the tokenizer's chat template exactly as the server asks it; batched with left padding,
-    stopping at EOS or ``max_new_tokens(indices of the batch's prompts)``."""
+    stopping at EOS or ``max_new_tokens(tokenizer, indices of the batch's prompts)``."""
     import torch
 
     model, tokenizer, device = load_model(model_dir)
@@ -127,7 +127,7 @@ def greedy_answers(
         with torch.no_grad():
             out = model.generate(
                 **enc,
-                max_new_tokens=max_new_tokens(list(range(start, start + len(batch)))),
+                max_new_tokens=max_new_tokens(tokenizer, list(range(start, start + len(batch)))),
                 do_sample=False,
                 pad_token_id=pad,
                 eos_token_id=tokenizer.eos_token_id,
@@ -143,11 +143,11 @@ def exact_match(model_dir: Path, samples: list[list[dict]], batch_size: int = 32
     Generation stops at EOS or one token past the longest reference in the batch: a longer answer cannot be
     exact anyway.
     """
-    _, tokenizer, _ = load_model(model_dir)
-    lengths = [len(tokenizer(m[-1]["content"], add_special_tokens=False).input_ids) for m in samples]
-    answers = greedy_answers(
-        model_dir, [prompt_of(m) for m in samples], batch_size, lambda rows: max(lengths[i] for i in rows) + 1
-    )
+
+    def longest_reference(tokenizer, rows: list[int]) -> int:
+        return max(len(tokenizer(samples[i][-1]["content"], add_special_tokens=False).input_ids) for i in rows) + 1
+
+    answers = greedy_answers(model_dir, [prompt_of(m) for m in samples], batch_size, longest_reference)
     correct = sum(answer.strip() == m[-1]["content"].strip() for answer, m in zip(answers, samples, strict=False))
     return Score(
         values={"exact_match": round(correct / max(1, len(samples)), 4)},
@@ -227,7 +227,7 @@ def probe_score(model_dir: Path, cfg: EvalConfig) -> tuple[float, list[dict]]:
     """The fraction of ``eval.probe``'s questions the model answers right, and each question's answer."""
     questions = load_probe(cfg.probe)
     prompts = [[{"role": "user", "content": q["question"]}] for q in questions]
-    answers = greedy_answers(model_dir, prompts, cfg.batch_size, lambda rows: cfg.probe_max_new_tokens)
+    answers = greedy_answers(model_dir, prompts, cfg.batch_size, lambda tok, rows: cfg.probe_max_new_tokens)
     marks = [answered(a, q["answers"]) for a, q in zip(answers, questions, strict=True)]
     detail = [
         {"question": q["question"], "answer": a, "right": m} for q, a, m in zip(questions, answers, marks, strict=True)

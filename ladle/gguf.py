@@ -70,15 +70,16 @@ def shipped_smollm2() -> str:
 
 def resolve_dtype(dtype: str) -> str:
     """The folder's dtype for ``training.dtype``: as given, or for ``auto`` the rule the planner applies
-    (``ladle.plan.choose_dtype``): float32 on a CPU host, bfloat16 where every GPU computes in it, else
-    float16."""
+    (``ladle.plan.choose_dtype``): float32 on a CPU host, bfloat16 when every GPU's compute capability is
+    8.0 or more, else float16."""
     if dtype != "auto":
         return dtype
     import torch
 
     if not torch.cuda.is_available():
         return "float32"
-    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    lowest = min(torch.cuda.get_device_capability(i)[0] for i in range(torch.cuda.device_count()))
+    return "bfloat16" if lowest >= 8 else "float16"
 
 
 def local_file(url: str, field: str = "base") -> Path:
