@@ -123,6 +123,7 @@ def finetune(
         "status": "ok",
         "run_id": run_name,
         "promoted": decision.promoted if decision else None,
+        "canary": decision.canary if decision else None,
         "promotion": decision.reason if decision else "promotion off (promote.enabled=false): nothing registered",
         "registered_model": config.tracking.registered_model or config.name,
         "endpoint": endpoint.url,

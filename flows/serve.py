@@ -1,8 +1,10 @@
 """The serving deployment: serve a registered model's ``champion`` behind ladle's front, swapping on change.
 
-Its deployment trigger runs it on every ``ladle.model.promoted`` event (a promotion or a rollback). Each run
-reconciles: it serves whatever is ``champion`` now (so a late or repeated event does no harm), starting the
-front on ``serve.front_port`` if needed and swapping the version behind it without failing a request.
+Its deployment trigger runs it on every ``ladle.model.promoted`` event (a promotion or a rollback) and every
+``ladle.model.canary`` event (a version passed the gate and waits for its canary). Each run reconciles: it serves
+whatever is ``champion`` now (so a late or repeated event does no harm), starting the front on
+``serve.front_port`` if needed and swapping the version behind it without failing a request; with
+``promote.canary``, it then runs the waiting version's canary to its verdict (``ladle.serve.canary``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def serve_champion(
     logger = get_run_logger()
     if version:
         logger.info("event: %s v%s became champion", name, version)
-    served = champion.reconcile(uri, name, cfg.serving())
+    served = champion.reconcile(uri, name, cfg.serving(), cfg.promote.canary)
     logger.info(served.message())
     if served.action != "unchanged":
         create_link_artifact(

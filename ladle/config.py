@@ -376,6 +376,43 @@ class EvalConfig(Section):
         return self.metric != "loss" if self.greater_is_better is None else self.greater_is_better
 
 
+class CanaryConfig(Section):
+    weight: float = Field(
+        0.1, gt=0.0, lt=1.0, description="Share of live requests the front sends to the challenger during its canary."
+    )
+    duration_s: float = Field(
+        600.0,
+        gt=0.0,
+        le=7 * 86400,
+        description="How long the canary takes traffic before it passes (it rolls back earlier on a breach).",
+    )
+    min_requests: int = Field(
+        20,
+        ge=1,
+        description="Challenger requests needed before any verdict; fewer by the end of duration_s rolls back "
+        "(not enough evidence).",
+    )
+    max_error_rate_increase: float = Field(
+        0.02,
+        ge=0.0,
+        le=1.0,
+        description="The challenger's share of failed requests (HTTP 5xx, refused or broken connections) may exceed "
+        "the champion's, measured over the same time, by at most this; more rolls it back at once.",
+    )
+    max_latency_ratio: float = Field(
+        1.5,
+        ge=1.0,
+        description="The challenger's p95 latency (request sent to last byte, answered requests) may be at most "
+        "this multiple of the champion's; more rolls it back at once (unless within latency_slack_s).",
+    )
+    latency_slack_s: float = Field(
+        0.05,
+        ge=0.0,
+        description="A p95 latency at most this many seconds above the champion's is never a breach, whatever the "
+        "ratio (milliseconds of jitter on fast answers are not a regression).",
+    )
+
+
 class PromoteConfig(Section):
     metric: str | None = Field(
         None,
@@ -398,6 +435,12 @@ class PromoteConfig(Section):
     enabled: bool = Field(
         True,
         description="Register the model and run the gate. false: register nothing (a trial run).",
+    )
+    canary: CanaryConfig | None = Field(
+        None,
+        description="A version that passes the gate first serves a share of live traffic beside the champion "
+        "(where the champion is served: the serving deployment or `ladle model serve`); the front compares their "
+        "error rates and latencies and promotes it or rolls it back by itself. null: the gate promotes directly.",
     )
 
 
@@ -588,6 +631,15 @@ class LadleConfig(Section):
             raise ValueError(
                 f"promote.max_probe_drop = {self.promote.max_probe_drop}: there is no probe to gate on; set "
                 "eval.probe (e.g. ladle://general-probe), or remove promote.max_probe_drop"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _canary_needs_the_gate(self) -> LadleConfig:
+        if self.promote.canary is not None and not self.promote.enabled:
+            raise ValueError(
+                "promote.canary is set but promote.enabled = false: nothing is registered, so no version can take "
+                "a canary; set promote.enabled=true, or remove promote.canary"
             )
         return self
 

@@ -1,5 +1,12 @@
-"""Prefect events ladle emits: ``ladle.model.promoted`` when a registered model's ``champion`` changes
-(a promotion or a rollback). The serving deployment's trigger listens for it and swaps the served version.
+"""Prefect events ladle emits:
+
+* ``ladle.model.promoted`` when a registered model's ``champion`` changes (a promotion, a canary that passed, or a
+  rollback);
+* ``ladle.model.canary`` when a version passed the offline gate and waits for its canary (``promote.canary``);
+* ``ladle.model.canary_rolled_back`` when a canary was rolled back (the champion did not change);
+* ``ladle.model.restarted`` when the front restarted the server behind it (``ladle.serve.supervisor``).
+
+The serving deployment's trigger listens for the first two: it swaps the served version, or runs the canary.
 
 Resource: ``ladle.model.<name>``, with labels ``ladle.model.name`` and ``ladle.model.version``.
 """
@@ -7,6 +14,8 @@ Resource: ``ladle.model.<name>``, with labels ``ladle.model.name`` and ``ladle.m
 from __future__ import annotations
 
 PROMOTED = "ladle.model.promoted"
+CANARY = "ladle.model.canary"
+CANARY_ROLLED_BACK = "ladle.model.canary_rolled_back"
 
 
 def resource_id(name: str) -> str:
@@ -28,3 +37,20 @@ def emit_promoted(name: str, version: str, reason: str, previous: str | None = N
         payload={"version": str(version), "previous": previous, "reason": reason},
     )
     return str(event.id) if event else None
+
+
+def emit_canary(event: str, name: str, version: str, reason: str) -> str | None:
+    """Emit ``CANARY`` or ``CANARY_ROLLED_BACK``; returns its id (None when no Prefect API took it)."""
+    from prefect.events import emit_event
+
+    sent = emit_event(
+        event=event,
+        resource={
+            "prefect.resource.id": resource_id(name),
+            "prefect.resource.name": name,
+            "ladle.model.name": name,
+            "ladle.model.version": str(version),
+        },
+        payload={"version": str(version), "reason": reason},
+    )
+    return str(sent.id) if sent else None

@@ -22,6 +22,8 @@ from ladle.secrets import redact_url
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 HISTORY_TAG = "ladle.champion_history"
+CANARY_PENDING = "canary"
+"""The ``ladle.promotion`` tag of a version that passed the gate and waits for its canary."""
 
 
 class Version(BaseModel):
@@ -52,6 +54,18 @@ class Decision(BaseModel):
     probe: float | None = Field(None, description="The new model's general-ability probe score (eval.probe).")
     probe_reference: float | None = Field(None, description="The probe score of what it was compared with.")
     max_probe_drop: float | None = Field(None, description="promote.max_probe_drop: how far the probe may fall.")
+    canary: bool = Field(
+        False, description="It passed the gate and waits for its canary (promote.canary); `champion` unchanged."
+    )
+
+
+def to_canary(decision: Decision, plan: str) -> Decision:
+    """A passed gate's ``decision`` when a canary decides instead (``plan`` says how it runs)."""
+    if not decision.promoted:
+        return decision
+    numbers = decision.reason.removeprefix("promoted: ")
+    reason = f"canary next: passed the gate ({numbers}); {plan} before it becomes champion"
+    return decision.model_copy(update={"promoted": False, "canary": True, "reason": reason})
 
 
 def decide(
@@ -278,9 +292,11 @@ def gate_and_promote(
     greater_is_better: bool,
     min_improvement: float,
     max_probe_drop: float | None = None,
+    canary: str | None = None,
 ) -> tuple[Version, Decision, Version | None]:
     """Register ``source`` (alias ``challenger``), gate its scores against the champion's (``reference_of``
-    gives them, or the base's when there is none) and, when it wins, make it ``champion``.
+    gives them, or the base's when there is none) and, when it wins, make it ``champion`` (with ``canary``, how
+    its canary runs: tag it as waiting for its canary instead, ``champion`` unchanged).
 
     Safe to run again after any failure, with the same result as one clean run: registration finds the version
     a first try made; a first try that failed after the alias flip left this version champion, so its history
@@ -300,6 +316,8 @@ def gate_and_promote(
     reference, against = reference_of(current)
     decision = decide(metric, greater_is_better, candidate.get(metric), reference.get(metric), against, min_improvement)
     decision = guard_probe(decision, candidate.get("probe"), reference.get("probe"), max_probe_drop)
+    if canary is not None:
+        decision = to_canary(decision, canary)
     with registry(uri, f"recording the decision on {name} v{version.version}"):
         tag_decision(uri, name, version.version, decision)
         if decision.promoted:
@@ -310,7 +328,7 @@ def gate_and_promote(
 def tag_decision(uri: str, name: str, version: str, decision: Decision) -> None:
     mlflow = client(uri)
     tags = {
-        "ladle.promotion": "promoted" if decision.promoted else "not promoted",
+        "ladle.promotion": "promoted" if decision.promoted else CANARY_PENDING if decision.canary else "not promoted",
         "ladle.promotion.reason": decision.reason,
         "ladle.promotion.against": decision.against,
         "ladle.promotion.metric": decision.metric,

@@ -12,7 +12,7 @@ from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
 from ladle.evaluate import Evaluation, score
-from ladle.events import emit_promoted
+from ladle.events import CANARY, emit_canary, emit_promoted
 from ladle.merge import MergedModel
 from ladle.plan import Plan
 from ladle.serve.champion import model_dir_of
@@ -94,6 +94,7 @@ def promote_task(
         cfg.eval.higher_wins() if metric == cfg.eval.metric else False,
         cfg.promote.min_improvement,
         cfg.promote.max_probe_drop,
+        canary_plan(cfg),
     )
     with promote.registry(tracking.uri, f"tagging MLflow run {tracking.run_id} with the decision"):
         mlflow = client(tracking.uri)
@@ -103,14 +104,33 @@ def promote_task(
     create_markdown_artifact(key="promotion", markdown=decision_markdown(name, version.version, decision))
     if decision.promoted:
         emit_promoted(name, version.version, decision.reason, previous=current.version if current else None)
+    elif decision.canary:
+        emit_canary(CANARY, name, version.version, decision.reason)
     return decision
+
+
+def canary_plan(cfg: LadleConfig) -> str | None:
+    """How the canary runs, in words (None: no canary; the gate promotes)."""
+    canary = cfg.promote.canary
+    if canary is None:
+        return None
+    return (
+        f"it takes {canary.weight:.0%} of live traffic for {canary.duration_s:g} s where the champion is served "
+        f"(the serving deployment or `ladle model serve`)"
+    )
 
 
 def decision_markdown(name: str, version: str, decision: promote.Decision) -> str:
     def fmt(value):
         return "-" if value is None else f"{value:.6g}"
 
-    verdict = "**promoted** to `champion`" if decision.promoted else "**not promoted** (`champion` unchanged)"
+    verdict = (
+        "**promoted** to `champion`"
+        if decision.promoted
+        else "**canary next** (`champion` unchanged until it passes)"
+        if decision.canary
+        else "**not promoted** (`champion` unchanged)"
+    )
     return "\n".join(
         [
             f"# {name} v{version}: {verdict}",

@@ -25,12 +25,13 @@ from pydantic import BaseModel, Field
 
 from ladle import promote
 from ladle.assets import ladle_home
-from ladle.config import ServeConfig
+from ladle.config import CanaryConfig, ServeConfig
 from ladle.errors import LadleError
 from ladle.merge import MergedModel
 from ladle.processes import free_port, stop_pid, stop_process
 from ladle.secrets import redact_url
 from ladle.serve import backends, records, router
+from ladle.serve import canary as canaries
 from ladle.serve.deploy import DEFAULT_SMOKE, DeployFailed, local_model_dir, smoke, start_server, wait_healthy
 
 
@@ -44,12 +45,22 @@ class Serving(BaseModel):
     server_pid: int
     drained: bool = Field(True, description="The old server had no request in flight when it was stopped.")
     seconds: float = Field(description="From the start of the reconcile to the new version taking traffic.")
+    canary: dict | None = Field(
+        None, description="The canary this reconcile ran or finished (promote.canary): its verdict, reason, counts."
+    )
 
     def message(self) -> str:
         if self.action == "unchanged":
-            return f"{self.model} v{self.version} already serving at {self.front_url}"
-        was = f" (was v{self.previous_version})" if self.previous_version else ""
-        return f"{self.model} v{self.version} serving at {self.front_url}{was}, {self.action} in {self.seconds:.1f} s"
+            text = f"{self.model} v{self.version} already serving at {self.front_url}"
+        else:
+            was = f" (was v{self.previous_version})" if self.previous_version else ""
+            text = (
+                f"{self.model} v{self.version} serving at {self.front_url}{was}, {self.action} in {self.seconds:.1f} s"
+            )
+        if self.canary:
+            verdict = self.canary["status"].replace("_", " ")
+            text += f"; canary of v{self.canary['version']} {verdict}: {self.canary['reason']}"
+        return text
 
 
 class SwapFailed(LadleError):
@@ -129,21 +140,49 @@ def start_version(name: str, version: promote.Version, cfg: ServeConfig) -> tupl
     return proc, url, log_path
 
 
-def reconcile(uri: str, name: str, cfg: ServeConfig) -> Serving:
-    """Serve ``name``'s current champion behind its front (see the module docstring).
+def reconcile(uri: str, name: str, cfg: ServeConfig, canary: CanaryConfig | None = None) -> Serving:
+    """Serve ``name``'s current champion behind its front (see the module docstring); with ``canary``, then run
+    the canary of a version that passed the gate and waits for one (``ladle.serve.canary``). A canary the front
+    decided earlier is finished first, so the registry says what the front serves before anything is compared.
 
     Raises:
         LadleError: no champion, or the front cannot start.
-        SwapFailed: the champion's version did not start or answer (what was served keeps serving).
+        SwapFailed: the champion's or the challenger's version did not start or answer (what was served keeps
+            serving).
     """
+    served = serve_champion(uri, name, cfg)
+    if canary is None:
+        return served
+    front = router.read_record(name)
+    wanted = canaries.pending(uri, name, served.version)
+    if wanted is None:
+        return served
+    state = canaries.run(uri, name, wanted, cfg, canary, front, admin_headers(front))
+    upstream = current_upstream(front)
+    return served.model_copy(
+        update={
+            "version": str(upstream["version"]),
+            "server_url": upstream["url"],
+            "server_pid": upstream["pid"],
+            "canary": state,
+        }
+    )
+
+
+def serve_champion(uri: str, name: str, cfg: ServeConfig) -> Serving:
+    """The champion behind the front (started, swapped, or unchanged), after finishing a decided canary."""
     started = time.monotonic()
+    front = ensure_front(name, cfg)
+    decided = canaries.front_canary(front, admin_headers(front))
+    finished = None
+    if decided is not None and decided["status"] != "running":
+        finished = canaries.finish(uri, name, cfg, front, admin_headers(front), decided)
     wanted = promote.champion(uri, name)
     if wanted is None:
         raise LadleError(
             f"model {name!r} has no `champion` at {redact_url(uri)}: nothing to serve. Run the pipeline "
             "until a version is promoted, or set one with `ladle model rollback NAME --to VERSION`."
         )
-    front = ensure_front(name, cfg)
     old = current_upstream(front)
     if old and str(old["version"]) == wanted.version and records.alive(old):
         return Serving(
@@ -155,6 +194,7 @@ def reconcile(uri: str, name: str, cfg: ServeConfig) -> Serving:
             server_url=old["url"],
             server_pid=old["pid"],
             seconds=0.0,
+            canary=finished,
         )
     proc, url, log_path = start_version(name, wanted, cfg)
     switched = httpx.put(
@@ -185,6 +225,7 @@ def reconcile(uri: str, name: str, cfg: ServeConfig) -> Serving:
         server_pid=proc.pid,
         drained=switched.json()["drained"],
         seconds=round(took, 3),
+        canary=finished,
     )
 
 

@@ -27,9 +27,12 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import generate_latest
+from prometheus_client import Counter, generate_latest
+from pydantic import ValidationError
 
 from ladle.assets import ladle_home
+from ladle.config import CanaryConfig
+from ladle.serve.canary import Canary, challenger_alive
 from ladle.serve.supervisor import Supervisor
 
 ADMIN_HEADER = "x-ladle-admin-token"
@@ -88,11 +91,35 @@ def create_app(
         **(supervision or {}),
     )
 
+    canary_requests = Counter(
+        "ladle_front_canary_requests",
+        "Requests during a canary, by arm (champion, challenger) and outcome (ok, error).",
+        ["arm", "outcome"],
+        registry=supervisor.registry,
+    )
+
+    def switch(new: dict) -> None:
+        state["upstream"] = new
+        supervisor.watch(new)
+        if record_file is not None:
+            write_record(record_file, {**record, "upstream": new})
+
+    async def judge_canary() -> None:
+        """The canary's clock: a verdict is reached here even when nobody asks for one."""
+        while True:
+            await asyncio.sleep(0.25)
+            canary = state.get("canary")
+            if canary is None or canary.status != "running":
+                continue
+            if canary.judge(challenger_alive(canary)) == "passed":
+                switch(canary.challenger)  # all new requests to the challenger's warm server; the old one drains
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        task = asyncio.create_task(supervisor.run())
+        tasks = [asyncio.create_task(supervisor.run()), asyncio.create_task(judge_canary())]
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
         await client.aclose()
 
     app = FastAPI(title=f"ladle front: {name}", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
@@ -144,23 +171,69 @@ def create_app(
         body = await request.json()
         new = {k: body[k] for k in ("url", "version", "pid", "model_dir")}
         new.update({k: body[k] for k in ("argv", "log") if k in body})
-        old, state["upstream"] = state["upstream"], new
-        supervisor.watch(new)
-        if record_file is not None:
-            write_record(record_file, {**record, "upstream": new})
+        old = state["upstream"]
+        switch(new)
         deadline = time.monotonic() + float(body.get("drain_timeout_s", 30.0))
         while old and old["url"] != new["url"] and in_flight[old["url"]] > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         left = in_flight[old["url"]] if old and old["url"] != new["url"] else 0
         return {"previous": old, "current": new, "drained": left == 0, "in_flight": left}
 
+    @app.get("/ladle/canary")
+    def get_canary(request: Request):
+        if not admin(request):
+            return error(403, "admin routes need the router's token", "permission_error", "forbidden")
+        canary = state.get("canary")
+        return {"canary": canary.summary() if canary else None}
+
+    @app.put("/ladle/canary")
+    async def put_canary(request: Request):
+        """Start a canary of the server in the body against the current upstream (the same version again: its
+        state, unchanged; another while one is undecided or unapplied: 409)."""
+        if not admin(request):
+            return error(403, "admin routes need the router's token", "permission_error", "forbidden")
+        body = await request.json()
+        canary = state.get("canary")
+        if canary is not None:
+            if canary.version == str(body.get("version")):
+                return {"canary": canary.summary()}
+            return error(
+                409, f"{name}: the canary of v{canary.version} is not finished", "invalid_request_error", "busy"
+            )
+        if state["upstream"] is None:
+            return error(409, f"{name}: no champion is served to compare with", "invalid_request_error", "not_ready")
+        try:
+            limits = CanaryConfig.model_validate(body.get("limits") or {})
+            challenger = {k: body[k] for k in ("url", "version", "pid", "model_dir")}
+        except (ValidationError, KeyError) as exc:
+            return error(422, f"bad canary: {exc}", "invalid_request_error", "invalid")
+        challenger.update({k: body[k] for k in ("argv", "log") if k in body})
+        state["canary"] = Canary(challenger, dict(state["upstream"]), limits)
+        return {"canary": state["canary"].summary()}
+
+    @app.delete("/ladle/canary")
+    def delete_canary(request: Request, reason: str = "stopped by the operator"):
+        """End the canary: one still running is rolled back (``reason``); the front forgets it. Its final
+        state, or null."""
+        if not admin(request):
+            return error(403, "admin routes need the router's token", "permission_error", "forbidden")
+        canary = state.pop("canary", None)
+        if canary is not None and canary.status == "running":
+            canary.end("rolled_back", reason)
+        return {"canary": canary.summary() if canary else None}
+
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def proxy(path: str, request: Request):
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {ADMIN_HEADER}}
+        skip_canary = False
         for _ in range(3):
             upstream = state["upstream"]
-            if supervisor.failed:
+            canary = state.get("canary")
+            arm = "challenger" if canary is not None and not skip_canary and canary.pick() else "champion"
+            if arm == "challenger":
+                upstream = canary.challenger
+            elif supervisor.failed:
                 return error(503, supervisor.failed, "server_error", "upstream_failed")
             if upstream is None:
                 return error(503, f"{name}: no version is being served yet", "server_error", "not_ready")
@@ -168,10 +241,20 @@ def create_app(
             outgoing = client.build_request(
                 request.method, f"{upstream['url']}/{path}", params=request.query_params, content=body, headers=headers
             )
+            sent = time.monotonic()
             try:
                 answer = await client.send(outgoing, stream=True)
-            except httpx.ConnectError:
+            except httpx.TransportError as exc:
                 in_flight[upstream["url"]] -= 1
+                if arm == "challenger":
+                    # Counted against it; no answer came back (refused, or dropped before its headers), so the
+                    # champion takes the request: a completion has no side effect to repeat.
+                    canary.record(arm, False, None)
+                    canary_requests.labels(arm, "error").inc()
+                    skip_canary = True
+                    continue
+                if not isinstance(exc, httpx.ConnectError):
+                    raise
                 if state["upstream"] is not upstream:
                     continue  # swapped out before it was reached: the current server takes it
                 if await supervisor.recovered(upstream):
@@ -185,13 +268,23 @@ def create_app(
                 in_flight[upstream["url"]] -= 1
                 raise
 
-            async def relay(answer=answer, url=upstream["url"]):
+            async def relay(answer=answer, url=upstream["url"], arm=arm, canary=canary, sent=sent):
+                ok: bool | None = answer.status_code < 500
                 try:
                     async for chunk in answer.aiter_raw():
                         yield chunk
+                except httpx.HTTPError:
+                    ok = False  # the server broke the stream
+                    raise
+                except BaseException:
+                    ok = None  # the client left: no evidence either way
+                    raise
                 finally:
                     await answer.aclose()  # a client that left closes the upstream request: it cancels there too
                     in_flight[url] -= 1
+                    if canary is not None and ok is not None:
+                        canary.record(arm, ok, time.monotonic() - sent)
+                        canary_requests.labels(arm, "ok" if ok else "error").inc()
 
             out_headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP | {"date", "server"}}
             out_headers[VERSION_HEADER] = str(upstream["version"])
