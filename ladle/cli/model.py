@@ -133,9 +133,7 @@ def serve(
 
     cfg = load(config, set_, None, None)
     uri, _ = tracking.tracking_uri(cfg)
-    served = champion.reconcile(
-        uri, cfg.tracking.registered_model or cfg.name, cfg.serving(), cfg.promote.canary
-    )
+    served = champion.reconcile(uri, cfg.tracking.registered_model or cfg.name, cfg.serving(), cfg.promote.canary)
     if as_json:
         print_json(served.model_dump())
         return

@@ -146,9 +146,7 @@ def verdict(front_url: str, timeout: float = 60.0) -> dict:
 
 
 def test_a_challenger_that_fails_a_share_of_requests_is_rolled_back_by_the_front():
-    front, running = front_with(
-        upstream_app("2", fail_every=3), {"weight": 0.5, "duration_s": 120, "min_requests": 10}
-    )
+    front, running = front_with(upstream_app("2", fail_every=3), {"weight": 0.5, "duration_s": 120, "min_requests": 10})
     try:
         state = verdict(front.url)
         # Every third answer was a 500: about 33 % (counted from the first judged look on, so near it).
@@ -156,9 +154,10 @@ def test_a_challenger_that_fails_a_share_of_requests_is_rolled_back_by_the_front
         assert re.match(r"error rate (2\d|3\d|40)\.\d% vs the champion's 0\.0%", state["reason"]), state["reason"]
         assert state["arms"]["champion"]["errors"] == 0 and state["arms"]["challenger"]["requests"] >= 10
         assert set(send(front.url, 30)) == {(200, "1")}  # every request on the champion again
-        assert 'ladle_front_canary_requests_total{arm="challenger",outcome="error"}' in httpx.get(
-            f"{front.url}/ladle/metrics"
-        ).text
+        assert (
+            'ladle_front_canary_requests_total{arm="challenger",outcome="error"}'
+            in httpx.get(f"{front.url}/ladle/metrics").text
+        )
         # Another canary waits until this one's verdict was applied and cleared.
         again = {"url": "x", "version": "3", "pid": None, "model_dir": "-"}
         assert httpx.put(f"{front.url}/ladle/canary", json=again, headers=ADMIN).status_code == 409
@@ -170,9 +169,7 @@ def test_a_challenger_that_fails_a_share_of_requests_is_rolled_back_by_the_front
 
 
 def test_a_slow_challenger_is_rolled_back_and_a_healthy_one_takes_all_traffic():
-    front, running = front_with(
-        upstream_app("2", delay_s=0.3), {"weight": 0.5, "duration_s": 120, "min_requests": 6}
-    )
+    front, running = front_with(upstream_app("2", delay_s=0.3), {"weight": 0.5, "duration_s": 120, "min_requests": 6})
     try:
         state = verdict(front.url)
         assert state["status"] == "rolled_back" and "p95 latency" in state["reason"], state
@@ -260,9 +257,10 @@ def test_a_canary_passes_under_traffic_and_a_killed_challenger_is_rolled_back(tm
         assert rolled.version == "2" and promote.champion(uri, NAME).version == "2"
         tags = promote.get_version(uri, NAME, v3.version).tags
         assert tags["ladle.promotion"] == "not promoted" and "canary rolled back" in tags["ladle.promotion.reason"]
-        assert pending(uri, NAME, "2") is None and promote.CHALLENGER not in promote.get_version(
-            uri, NAME, v3.version
-        ).aliases
+        assert (
+            pending(uri, NAME, "2") is None
+            and promote.CHALLENGER not in promote.get_version(uri, NAME, v3.version).aliases
+        )
         # A request refused by the dead challenger went on to the champion; only one in flight on it when it was
         # killed (at most one per client) can fail.
         failed = traffic.failures()
