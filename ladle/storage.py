@@ -22,6 +22,42 @@ from fsspec.core import url_to_fs
 COMPLETE_MARKER = "_COMPLETE"
 
 
+DEADLINES_ENV = "LADLE_STORAGE_DEADLINES"
+"""``storage.*`` as JSON, for the processes started from here (read when this module is imported)."""
+
+
+def apply_deadlines(cfg) -> None:
+    """``storage.*`` deadlines for every S3 filesystem created from now on, here and in the processes started
+    from here (``DEADLINES_ENV``)."""
+    settings = {
+        "connect_timeout": cfg.storage.connect_timeout_s,
+        "read_timeout": cfg.storage.read_timeout_s,
+        "retries": {"max_attempts": cfg.storage.retries + 1, "mode": "standard"},
+    }
+    os.environ[DEADLINES_ENV] = json.dumps(settings)
+    install_deadlines(settings)
+
+
+def install_deadlines(settings: dict) -> None:
+    """botocore's client config for S3 filesystems (fsspec's config), and s3fs's own retry loop set to one
+    try: botocore's standard-mode retries (with backoff; throttling retried too) are the only ones, so a store
+    that never answers is reported after about ``max_attempts x read_timeout`` (s3fs's defaults held one
+    request for minutes)."""
+    import fsspec.config
+
+    for proto in ("s3", "s3a"):
+        fsspec.config.conf.setdefault(proto, {})["config_kwargs"] = dict(settings)
+    try:
+        import s3fs
+    except ImportError:  # no S3 support installed: nothing to bound
+        return
+    s3fs.S3FileSystem.retries = 1
+
+
+if DEADLINES_ENV in os.environ:
+    install_deadlines(json.loads(os.environ[DEADLINES_ENV]))
+
+
 def join(url: str, *parts: str) -> str:
     """Join URL path parts with ``/`` (works for local paths and URLs)."""
     out = url.rstrip("/")

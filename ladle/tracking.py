@@ -64,7 +64,9 @@ DEADLINE_ENV = {
 def apply_deadlines(cfg: LadleConfig) -> None:
     """``tracking.request_timeout_s`` and ``request_retries`` as MLflow's environment (read per request, and
     inherited by the training processes): a value set in the config wins, then the environment's, then
-    ladle's defaults (MLflow's own let a dead server hold a stage for minutes)."""
+    ladle's defaults (MLflow's own let a dead server hold a stage for minutes). The artifact store's
+    ``storage.*`` deadlines too (``storage.apply_deadlines``)."""
+    storage.apply_deadlines(cfg)
     for field, var in DEADLINE_ENV.items():
         value = getattr(cfg.tracking, field)
         if field in cfg.tracking.model_fields_set or var not in os.environ:

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from ladle import strategies
-from ladle.errors import LadleError
+from ladle.errors import LadleError, store_outage
 
 console = Console(stderr=True)
 F = TypeVar("F", bound=Callable)
@@ -55,6 +55,11 @@ def command(fn: F) -> F:
             return fn(*args, **kwargs)
         except LadleError as err:
             fail(err, bool(kwargs.get("as_json", False)), code=err.exit_code)
+        except Exception as exc:
+            outage = store_outage(exc)  # an object store past its deadline is an outage to name, not a bug
+            if outage is None:
+                raise
+            fail(outage, bool(kwargs.get("as_json", False)), code=outage.exit_code)
 
     return wrapper  # type: ignore[return-value]
 
@@ -91,7 +96,11 @@ def load(config: str, overrides: list[str], gpus: str | None = None, deepspeed: 
     """
     from ladle.config import load_config
 
-    return load_config(config, [*deepspeed_override(deepspeed), *overrides], gpus)
+    cfg = load_config(config, [*deepspeed_override(deepspeed), *overrides], gpus)
+    from ladle import tracking
+
+    tracking.apply_deadlines(cfg)  # every command that reaches MLflow or the artifact store is bounded
+    return cfg
 
 
 def deepspeed_override(value: str | None) -> list[str]:

@@ -20,7 +20,7 @@ import fsspec
 from ladle import storage
 from ladle.assets import resolve_builtin
 from ladle.data.formats import RowError
-from ladle.errors import LadleError
+from ladle.errors import LadleError, store_outage
 
 Record = tuple[int, "dict | RowError"]
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
@@ -53,8 +53,14 @@ def expand(path: str, field: str = "data.path") -> list[str]:
             raise LadleError(f"{field} = {path!r}: the pattern matches no file. Check the path and the pattern.")
         return [protocol + m if protocol and not m.startswith(protocol) else m for m in matches]
     try:
-        found = fs.isfile(fs_path)
+        # fs.info, not fs.isfile: isfile answers False for any error, so a store that is down read as "no such file"
+        found = fs.info(fs_path).get("type") == "file"
+    except FileNotFoundError:
+        found = False
     except Exception as exc:  # noqa: BLE001 - any backend error means "cannot read it"
+        outage = store_outage(exc)
+        if outage is not None:
+            raise outage from None
         raise LadleError(f"{field} = {path!r}: cannot be read ({exc.__class__.__name__}: {exc}).") from None
     if not found:
         raise LadleError(f"{field} = {path!r}: no such file. Check the path, or use ladle://demo-alpaca.")
