@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -43,20 +44,33 @@ class Stopwatch:
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 
-def data_unchanged(config: LadleConfig) -> tuple[str, promote.Version | None]:
-    """``(the run's fingerprint, the champion when it was trained from exactly that)``.
+def data_unchanged(config: LadleConfig) -> tuple[str, promote.Version | None, str]:
+    """``(the run's fingerprint, the champion when it was trained from exactly that, why: what is unchanged or
+    what changed since the champion)``.
 
-    The fingerprint (``ladle.lineage.run_fingerprint``) covers the data files' contents (ETags on object
-    stores), the tokenizer and every data option, the base's weights and the training settings that decide
-    what is learned; it is computed without preparing anything. A champion registered without one is never
-    "the same".
+    The fingerprint (``ladle.lineage``) covers the data files' contents (ETags on object stores), the tokenizer
+    and every data option, the base's weights and the training settings that decide what is learned; it is
+    computed without preparing anything. A champion registered without one is never "the same".
     """
     base = resolve_base(config.base, config.training.dtype)
-    fp = lineage.run_fingerprint(config, fingerprint(config.data, base), base)
+    now = lineage.parts(config, fingerprint(config.data, base), base)
+    fp = lineage.fingerprint_of(now)
     uri, _ = tracking.tracking_uri(config)
     current = promote.champion(uri, config.tracking.registered_model or config.name)
-    same = current is not None and current.tags.get(lineage.TAG) == fp
-    return fp, current if same else None
+    if current is None:
+        return fp, None, "no champion yet"
+    if current.tags.get(lineage.TAG) == fp:
+        return fp, current, f"data, base and training unchanged since version {current.version}"
+    recorded = current.tags.get(lineage.PARTS_TAG)
+    changed = lineage.what_changed(json.loads(recorded) if recorded else None, now)
+    return fp, None, f"changed since champion v{current.version}: " + "; ".join(changed)
+
+
+def record_check(config: LadleConfig, flow_run_id: str, decision: str, reason: str, fp: str) -> None:
+    """The scheduled run's decision on the registered model (``ladle model list`` shows it)."""
+    uri, _ = tracking.tracking_uri(config)
+    entry = {"decision": decision, "reason": reason, "fingerprint": fp, "flow_run_id": flow_run_id}
+    promote.record_retraining_check(uri, config.tracking.registered_model or config.name, entry)
 
 
 @flow(name="finetune", description="Fine-tune a base model on a dataset, gate it, and serve it.")
@@ -75,18 +89,22 @@ def finetune(
             retraining).
     """
     install_log_redaction()
+    tracking.apply_deadlines(config)  # MLflow's and the artifact store's, before anything reaches either
     if run_id is not None and not re.fullmatch(RUN_ID, run_id):
         raise LadleError(
             f"run_id = {run_id!r}: use 1-100 letters, digits, '.', '_' or '-', starting with one of the first two."
         )
     flow_run_id = str(runtime.flow_run.id or uuid.uuid4())
     if skip_if_data_unchanged:
-        fp, same = data_unchanged(config)
+        fp, same, why = data_unchanged(config)
         if same is not None:
-            reason = f"skipped: data, base and training unchanged since version {same.version} (fingerprint {fp})"
+            reason = f"skipped: {why} (fingerprint {fp})"
             get_run_logger().info(reason)
+            record_check(config, flow_run_id, "skipped", why, fp)
             summary = {"status": "skipped", "reason": reason, "champion_version": same.version}
             return Completed(message=reason, data={**summary, "dataset_fingerprint": fp, "flow_run_id": flow_run_id})
+        get_run_logger().info("retraining: %s (fingerprint %s)", why, fp)
+        record_check(config, flow_run_id, "trained", why, fp)
     run_name = run_id or f"{config.name}-{flow_run_id[:8]}"
     run_url = storage.join(storage.normalise(config.output), "runs", run_name)
     parent = runtime.flow_run.parent_flow_run_id

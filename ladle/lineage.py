@@ -16,6 +16,8 @@ HOW_IT_RUNS = {"eval_micro_batch_size", "checkpoint_every", "eval_every", "save_
 SAMPLE = 1 << 16
 TAG = "ladle.run_fingerprint"
 """The registered version's tag that holds it."""
+PARTS_TAG = "ladle.run_fingerprint.parts"
+"""The registered version's tag that holds what it is made of (``parts``, as JSON)."""
 
 
 def base_signature(base_dir: Path) -> str:
@@ -33,10 +35,50 @@ def base_signature(base_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def run_fingerprint(cfg: LadleConfig, data_fingerprint: str, base_dir: Path) -> str:
-    """Hash of the data's fingerprint, the base's signature, ``task`` and the training settings that decide
-    the trained weights (``training.*`` but ``HOW_IT_RUNS``; LoRA and quantization included)."""
+def parts(cfg: LadleConfig, data_fingerprint: str, base_dir: Path) -> dict:
+    """What the fingerprint is made of: ``task``, the data's fingerprint, the base's signature and the training
+    settings that decide the trained weights (``training.*`` but ``HOW_IT_RUNS``; LoRA and quantization
+    included). Kept on each registered version (``PARTS_TAG``) so a later run can say what changed."""
     training = cfg.training.model_dump(mode="json", exclude=HOW_IT_RUNS)
-    payload = {"task": cfg.task, "data": data_fingerprint, "base": base_signature(base_dir), "training": training}
+    return {"task": cfg.task, "data": data_fingerprint, "base": base_signature(base_dir), "training": training}
+
+
+def fingerprint_of(payload: dict) -> str:
     text = f"ladle-run/{VERSION}/" + json.dumps(payload, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def run_fingerprint(cfg: LadleConfig, data_fingerprint: str, base_dir: Path) -> str:
+    """Hash of ``parts``."""
+    return fingerprint_of(parts(cfg, data_fingerprint, base_dir))
+
+
+def flatten(settings: dict, prefix: str = "training.") -> dict:
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def what_changed(before: dict | None, now: dict) -> list[str]:
+    """What differs between the ``parts`` a version was trained from (``before``; None: not recorded) and
+    ``now``, in words: ``data``, ``base weights``, ``task``, and each training setting as ``name old -> new``."""
+    if before is None:
+        return ["the champion has no recorded inputs (registered before they were kept)"]
+    changed = []
+    if before.get("task") != now["task"]:
+        changed.append(f"task {before.get('task')} -> {now['task']}")
+    if before.get("data") != now["data"]:
+        changed.append("data (files, tokenizer or data options)")
+    if before.get("base") != now["base"]:
+        changed.append("base weights")
+    old, new = flatten(before.get("training") or {}), flatten(now["training"])
+    changed += [
+        f"{key} {old.get(key)!r} -> {new.get(key)!r}"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+    ]
+    return changed

@@ -339,6 +339,51 @@ def tag_decision(uri: str, name: str, version: str, decision: Decision) -> None:
         mlflow.set_model_version_tag(name, version, key, value[:4000])
 
 
+RETRAINING_TAG = "ladle.retraining.last"
+
+
+def record_retraining_check(uri: str, name: str, entry: dict) -> bool:
+    """Keep a scheduled run's decision (``entry``: decision, reason, fingerprint, flow run) on the registered
+    model, stamped with the time; False when there is no registered model yet to keep it on."""
+    with registry(uri, f"recording the retraining check on {name}"):
+        try:
+            client(uri).set_registered_model_tag(
+                name, RETRAINING_TAG, json.dumps({**entry, "at": int(time.time())})[:8000]
+            )
+        except Exception as exc:  # noqa: BLE001 - MLflow raises its own error for a missing model
+            if absent(exc):
+                return False
+            raise
+    return True
+
+
+def retraining_check(uri: str, name: str) -> dict | None:
+    """The last scheduled run's decision kept by ``record_retraining_check``, or None."""
+    with registry(uri, f"reading {name}'s retraining check"):
+        tags = client(uri).get_registered_model(name).tags or {}
+    return json.loads(tags[RETRAINING_TAG]) if RETRAINING_TAG in tags else None
+
+
+def mark_canary(uri: str, name: str, version: str) -> Version:
+    """Make ``version`` the one that waits for its canary (alias ``challenger``, ``ladle.promotion`` = canary):
+    where the champion is served with ``promote.canary``, the next reconcile runs it.
+
+    Raises:
+        LadleError: no such model or version, or it is the champion already.
+    """
+    if not versions(uri, name):
+        raise LadleError(f"NAME = {name!r}: no registered model of that name at {redact_url(uri)}.")
+    target = get_version(uri, name, version)
+    current = champion(uri, name)
+    if current is not None and current.version == target.version:
+        raise LadleError(f"VERSION = {version}: version {version} is the champion of {name!r} already; nothing to try.")
+    with registry(uri, f"marking {name} v{version} for a canary"):
+        mlflow = client(uri)
+        mlflow.set_model_version_tag(name, target.version, "ladle.promotion", CANARY_PENDING)
+        mlflow.set_registered_model_alias(name, CHALLENGER, target.version)
+    return target
+
+
 def rollback(uri: str, name: str, to: str | None = None) -> tuple[str | None, str]:
     """Re-point ``champion``: to ``to``, or to the champion before the current one.
 
