@@ -477,6 +477,27 @@ class TrackingConfig(Section):
 SLURM_TIME = re.compile(r"^(UNLIMITED|INFINITE|\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(:\d{1,2}(:\d{1,2})?)?)$")
 
 
+class StorageConfig(Section):
+    connect_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="Deadline to connect to an object store (s3://), per try."
+    )
+    read_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="Deadline for an object store's answer once connected, per try. A store that accepts "
+        "connections and never answers is reported after about (retries + 1) x this (fsspec's own defaults "
+        "held one request for minutes); the stage fails with one error naming this field.",
+    )
+    retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="Retries of a failed object-store request (botocore's standard mode: backoff, throttling "
+        "retried too). Set for ladle and the processes it starts.",
+    )
+
+
 class SlurmConfig(Section):
     partition: str | None = Field(None, description="`--partition`. null: the cluster's default partition.")
     account: str | None = Field(None, description="`--account`. null: the user's default account.")
@@ -611,6 +632,9 @@ class LadleConfig(Section):
     )
     serve: ServeConfig = Field(default_factory=ServeConfig, description="Inference server.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig, description="Deadlines of requests to the artifact store (object stores)."
+    )
     output: str = Field(
         "./runs", description="Artifact store root: a local folder or any fsspec URL (s3://bucket/prefix)."
     )

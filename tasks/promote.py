@@ -43,11 +43,13 @@ def lineage_tags(
     flow_run_id: str,
 ) -> dict[str, str]:
     """What produced this version: the flow run, the data, the plan, the scores."""
+    inputs = lineage.parts(cfg, prepared.fingerprint, resolve_base(cfg.base, cfg.training.dtype))
     tags = {
         "ladle.flow_run_id": flow_run_id,
         "ladle.config_name": cfg.name,
         "ladle.data_fingerprint": prepared.fingerprint,
-        lineage.TAG: lineage.run_fingerprint(cfg, prepared.fingerprint, resolve_base(cfg.base, cfg.training.dtype)),
+        lineage.TAG: lineage.fingerprint_of(inputs),
+        lineage.PARTS_TAG: json.dumps(inputs),
         "ladle.data_path": cfg.data.path,
         "ladle.model_sha256": merged.sha256,
         "ladle.base": cfg.base,

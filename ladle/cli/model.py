@@ -1,4 +1,4 @@
-"""``ladle model list|rollback|serve|status|stop``: the registered model's versions, aliases and serving."""
+"""``ladle model list|rollback|canary|serve|status|stop``: the registered model's versions, aliases and serving."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def tracking_uri(uri: str | None, config: str | None) -> str:
 @app.command("list")
 @command
 def list_(name: str = NAME, uri: str | None = URI, config: str | None = CONFIG_OPT, as_json: bool = JSON) -> None:
-    """Every version, newest first: aliases, the gate metric, the decision, the data it was trained on."""
+    """Every version, newest first: aliases, the gate metric, the decision, the data it was trained on; and the
+    last scheduled run's decision (trained or skipped, and why)."""
     from ladle import promote
 
     store = tracking_uri(uri, config)
@@ -58,14 +59,23 @@ def list_(name: str = NAME, uri: str | None = URI, config: str | None = CONFIG_O
             "metrics": v.metrics(),
             "promotion": v.tags.get("ladle.promotion.reason", ""),
             "data_fingerprint": v.tags.get("ladle.data_fingerprint"),
+            "run_fingerprint": v.tags.get("ladle.run_fingerprint"),
             "flow_run_id": v.tags.get("ladle.flow_run_id"),
             "created": datetime.datetime.fromtimestamp(v.created_ms / 1000, datetime.UTC).isoformat(timespec="seconds"),
             "source": v.source,
         }
         for v in found
     ]
+    check = promote.retraining_check(store, name)
     if as_json:
-        print_json({"model": name, "champion_history": promote.history(store, name), "versions": rows})
+        print_json(
+            {
+                "model": name,
+                "champion_history": promote.history(store, name),
+                "last_retraining_check": check,
+                "versions": rows,
+            }
+        )
         return
     table = Table(title=f"{name}")
     for column in ("version", "aliases", "metrics", "decision", "data", "created"):
@@ -81,6 +91,12 @@ def list_(name: str = NAME, uri: str | None = URI, config: str | None = CONFIG_O
             row["created"],
         )
     console.print(table)
+    if check is not None:
+        when = datetime.datetime.fromtimestamp(check["at"], datetime.UTC).isoformat(timespec="seconds")
+        console.print(
+            f"last scheduled run: {check['decision']} at {when} (flow run {check['flow_run_id']}): {check['reason']}",
+            highlight=False,
+        )
 
 
 @app.command("rollback")
@@ -111,13 +127,44 @@ def rollback(
         )
 
 
-def announce(name: str, version: str, reason: str) -> str | None:
-    """Emit ``ladle.model.promoted`` to the configured Prefect API; None when there is none."""
+@app.command("canary")
+@command
+def canary(
+    name: str = NAME,
+    version: str = typer.Argument(..., help="The registered version to try on live traffic."),
+    uri: str | None = URI,
+    config: str | None = CONFIG_OPT,
+    as_json: bool = JSON,
+) -> None:
+    """Give VERSION a canary: it becomes `challenger`, and where the champion is served with promote.canary it
+    takes that share of live traffic until the front promotes it or rolls it back."""
+    from ladle import promote
+    from ladle.events import CANARY
+
+    store = tracking_uri(uri, config)
+    target = promote.mark_canary(store, name, version)
+    event = announce(name, target.version, f"canary of v{target.version} asked by hand", CANARY)
+    result = {"model": name, "version": target.version, "event_id": event}
+    if as_json:
+        print_json(result)
+        return
+    console.print(f"{name}: v{target.version} waits for its canary", highlight=False)
+    if event is None:
+        console.print(
+            "no Prefect API is configured (PREFECT_API_URL), so no serving deployment heard it; "
+            "run `ladle model serve CONFIG` (a config with promote.canary) to run it.",
+            highlight=False,
+        )
+
+
+def announce(name: str, version: str, reason: str, event: str | None = None) -> str | None:
+    """Emit ``ladle.model.promoted`` (or ``event``: ``ladle.model.canary``) to the configured Prefect API; None
+    when there is none."""
     if not os.environ.get("PREFECT_API_URL"):
         return None
-    from ladle.events import emit_promoted
+    from ladle.events import emit_canary, emit_promoted
 
-    return emit_promoted(name, version, reason)
+    return emit_promoted(name, version, reason) if event is None else emit_canary(event, name, version, reason)
 
 
 @app.command("serve")

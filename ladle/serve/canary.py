@@ -26,8 +26,11 @@ import json
 import math
 import os
 import random
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -224,6 +227,7 @@ def apply(uri: str, name: str, state: dict) -> bool:
         current = promote.champion(uri, name)
         if state["status"] == "passed":
             mlflow.set_model_version_tag(name, version, "ladle.promotion", "promoted")
+            mlflow.set_model_version_tag(name, version, "ladle.promotion.reason", reason[:4000])
             if current is None or current.version != version:
                 promote.promote(uri, name, version, reason)
                 changed = True
@@ -246,22 +250,30 @@ def apply(uri: str, name: str, state: dict) -> bool:
 
 
 def run(
-    uri: str, name: str, version: promote.Version, cfg: ServeConfig, limits: CanaryConfig, front: dict, headers: dict
+    uri: str,
+    name: str,
+    version: promote.Version,
+    cfg: ServeConfig,
+    limits: CanaryConfig,
+    front: dict,
+    headers: dict,
+    start: Callable[[], tuple[subprocess.Popen, str, Path]],
+    model_dir: str,
 ) -> dict:
     """Run the canary of ``version`` against what ``front`` serves now and apply its verdict; the verdict.
+    ``start`` starts the version's server (ready and answering: its process, URL and log); ``model_dir`` is
+    where its files are.
 
     A canary of this version already running at the front (a rerun after a crash) is followed, not restarted.
     """
-    from ladle.serve import champion
-
     state = front_canary(front, headers)
     if state is None or state["version"] != version.version:
-        proc, url, log_path = champion.start_version(name, version, cfg)
+        proc, url, log_path = start()
         body = {
             "url": url,
             "version": version.version,
             "pid": proc.pid,
-            "model_dir": str(champion.model_dir_of(version)),
+            "model_dir": model_dir,
             "argv": list(proc.args),
             "log": str(log_path),
             "limits": limits.model_dump(),

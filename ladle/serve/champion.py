@@ -157,7 +157,17 @@ def reconcile(uri: str, name: str, cfg: ServeConfig, canary: CanaryConfig | None
     wanted = canaries.pending(uri, name, served.version)
     if wanted is None:
         return served
-    state = canaries.run(uri, name, wanted, cfg, canary, front, admin_headers(front))
+    state = canaries.run(
+        uri,
+        name,
+        wanted,
+        cfg,
+        canary,
+        front,
+        admin_headers(front),
+        start=lambda: start_version(name, wanted, cfg),
+        model_dir=str(model_dir_of(wanted)),
+    )
     upstream = current_upstream(front)
     return served.model_copy(
         update={

@@ -11,7 +11,9 @@ artifact (its credentials in an ArtifactStore block), MLflow credentials in the 
 4. `ladle model rollback` puts run 1's version back in service;
 5. the nightly deployment with unchanged data, base and settings ends "skipped" without training;
 6. the deployment's parameter schema is typed, and no secret appears in any log, parameter, MLflow
-   param/tag/artifact, Prefect artifact or stored file.
+   param/tag/artifact, Prefect artifact or stored file;
+7. `ladle model canary` gives run 3's version a canary: its event runs the serving deployment, which splits
+   live traffic, and the front's verdict makes it champion, with no request failing.
 
 Each step is a test of its own (``test_lifecycle_N_...``, run in that order), sharing one server, worker and
 store through the ``lifecycle`` fixture, so that no single test holds the whole scenario's time.
@@ -68,6 +70,14 @@ def prefect_server(tmp_path_factory):
 SECRET_S3 = "s3-secret-9f1c2b7e4d"  # the artifact store's secret key, saved in a Prefect block
 SECRET_MLFLOW = "mlflow-pass-5a8e3c1f0b"  # the MLflow password, in the worker's environment
 MODEL = "tiny-cpu"  # the registered model of the tiny-cpu recipe
+# The serving deployment runs canaries (step 6): short, on half the traffic. Its latency limit is loose because
+# both servers share this machine's cores (tests/serve/test_canary.py proves the latency rollback).
+CANARY = [
+    "promote.canary.duration_s=6",
+    "promote.canary.weight=0.5",
+    "promote.canary.min_requests=3",
+    "promote.canary.max_latency_ratio=5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +181,7 @@ def lifecycle(prefect_server, mlflow_server, s3_server, tmp_path_factory, demo_d
             "deploy",
             "--all",
             "--prefect-file",
-            str(deployments_file(tmp, front_port=front_port, artifact_store="lifecycle-store")),
+            str(deployments_file(tmp, front_port=front_port, artifact_store="lifecycle-store", overrides=CANARY)),
             env=env,
         )
         store = (
@@ -301,6 +311,10 @@ def test_lifecycle_4_the_nightly_run_with_nothing_changed_skips_without_training
     assert nightly["state"]["message"].startswith("skipped: data, base and training unchanged since version 1")
     tasks = api(lc.env, "POST", "/task_runs/filter", task_runs={"flow_run_id": {"any_": [nightly["id"]]}})
     assert [t["name"] for t in tasks if t["name"].startswith("train")] == []
+    listed = run_cli("model", "list", MODEL, "--tracking-uri", lc.tracking, "--json", env=lc.env)
+    check = json.loads(listed.stdout.splitlines()[-1])["last_retraining_check"]
+    assert check["decision"] == "skipped" and check["flow_run_id"] == nightly["id"], check
+    assert check["reason"] == "data, base and training unchanged since version 1"
 
 
 def test_lifecycle_5_the_form_is_typed_and_no_secret_is_stored_anywhere(lifecycle):
@@ -371,3 +385,34 @@ def test_ladle_run_uses_the_configured_server_and_starts_none(prefect_server, tm
     runs = httpx.post(f"{prefect_server['PREFECT_API_URL']}/flow_runs/filter", json={}, timeout=10).json()
     new = [r for r in runs if r["id"] not in before and r["name"] and r["flow_id"]]
     assert len(new) == 1 and new[0]["state"]["type"] == "FAILED"
+
+
+def test_lifecycle_6_a_canary_asked_by_hand_takes_traffic_and_becomes_champion(lifecycle):
+    """`ladle model canary` on v3 (rolled back in step 3): its `ladle.model.canary` event runs the serving
+    deployment (promote.canary set on it), which serves v3 beside v1 on half the traffic; the front's verdict
+    passes it, the registry makes it champion, the old server is stopped, and no request fails."""
+    lc = lifecycle
+    assert "nightly_id" in lc.state, "step 3 did not complete"
+    serving_before = len(runs_of(lc.env, "serve-champion/champion"))
+    with Traffic(lc.front, MODEL, clients=2, pause_s=0.1) as traffic:
+        wait_for_requests(traffic, 4)
+        asked = run_cli("model", "canary", MODEL, "3", "--tracking-uri", lc.tracking, "--json", env=lc.env)
+        assert json.loads(asked.stdout.splitlines()[-1])["event_id"], asked.stderr
+        wait_served(lc.front, "3", timeout=110)
+        wait_for_requests(traffic, 4)
+    assert traffic.failures() == [], traffic.failures()[:5]
+    seen = [r[1] for r in traffic.results]
+    assert seen[0] == "1" and seen[-1] == "3" and set(seen) == {"1", "3"}
+    runs = [wait_run(lc.env, r["id"], timeout=60) for r in runs_of(lc.env, "serve-champion/champion")]
+    assert len(runs) >= serving_before + 1 and all(r["state"]["type"] == "COMPLETED" for r in runs)
+    messages = [r["state"]["message"] for r in runs]
+    assert any("canary of v3 passed" in m for m in messages), messages
+    listed = run_cli("model", "list", MODEL, "--tracking-uri", lc.tracking, "--json", env=lc.env)
+    versions = {v["version"]: v for v in json.loads(listed.stdout.splitlines()[-1])["versions"]}
+    assert versions["3"]["aliases"] == ["challenger", "champion"] and versions["3"]["promotion"].startswith(
+        "canary passed"
+    )
+    upstream = champion.current_upstream(router.read_record(MODEL))
+    assert upstream["version"] == "3" and [r["pid"] for r in records.running() if r["model"] == MODEL] == [
+        upstream["pid"]
+    ]
