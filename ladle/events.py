@@ -16,6 +16,24 @@ from __future__ import annotations
 PROMOTED = "ladle.model.promoted"
 CANARY = "ladle.model.canary"
 CANARY_ROLLED_BACK = "ladle.model.canary_rolled_back"
+RESTARTED = "ladle.model.restarted"
+
+EVENTS = {
+    PROMOTED: (
+        "a registered model's `champion` changed: a promotion by the gate, a canary that passed, or a rollback",
+        "`version`, `previous`, `reason`",
+    ),
+    CANARY: ("a version passed the gate and waits for its canary (`promote.canary`)", "`version`, `reason`"),
+    CANARY_ROLLED_BACK: (
+        "a canary was rolled back; the champion did not change",
+        "`version`, `reason` (what the front measured)",
+    ),
+    RESTARTED: (
+        "the front restarted the server behind it",
+        "`reason` (why it was restarted), `restarts_in_window`",
+    ),
+}
+"""Every event ladle emits: what it means and its payload (the reference page is generated from this)."""
 
 
 def resource_id(name: str) -> str:

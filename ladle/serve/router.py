@@ -123,6 +123,7 @@ def create_app(
         await client.aclose()
 
     app = FastAPI(title=f"ladle front: {name}", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.supervisor = supervisor
 
     def admin(request: Request) -> bool:
         host = request.client.host if request.client else ""
@@ -130,14 +131,18 @@ def create_app(
 
     @app.get("/health")
     def health() -> dict:
+        """Liveness of the front itself, and the version behind it."""
         return {"status": "ok", "model": name, "version": (state["upstream"] or {}).get("version")}
 
     @app.get("/ladle/metrics")
     def front_metrics() -> Response:
+        """The front's Prometheus metrics (restarts, canary counts); the server's own are at ``/metrics``."""
         return Response(generate_latest(supervisor.registry), media_type="text/plain; version=0.0.4")
 
     @app.get("/ready")
     async def ready():
+        """The server's readiness, with its status code: 503 with the reason when it is not ready, when nothing is
+        served yet, or when the front gave up restarting it."""
         if supervisor.failed:
             return error(503, supervisor.failed, "server_error", "upstream_failed")
         upstream = state["upstream"]
@@ -160,12 +165,15 @@ def create_app(
 
     @app.get("/ladle/upstream")
     def get_upstream(request: Request):
+        """Admin: the server behind the front and the requests in flight per server."""
         if not admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         return {"upstream": state["upstream"], "in_flight": dict(in_flight)}
 
     @app.put("/ladle/upstream")
     async def put_upstream(request: Request):
+        """Admin: swap to another server (``url``, ``version``, ``pid``, ``model_dir``; ``argv`` and ``log`` to
+        restart it); answers once the old one has no request in flight or ``drain_timeout_s`` passed."""
         if not admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         body = await request.json()
@@ -181,6 +189,7 @@ def create_app(
 
     @app.get("/ladle/canary")
     def get_canary(request: Request):
+        """Admin: the canary's state: status, reason, limits and each arm's requests, errors and p95."""
         if not admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         canary = state.get("canary")
@@ -188,8 +197,9 @@ def create_app(
 
     @app.put("/ladle/canary")
     async def put_canary(request: Request):
-        """Start a canary of the server in the body against the current upstream (the same version again: its
-        state, unchanged; another while one is undecided or unapplied: 409)."""
+        """Admin: start a canary of the server in the body (as for a swap, plus ``limits``: promote.canary's
+        fields) against the current one; the same version again answers its state, another while one is not
+        finished 409."""
         if not admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         body = await request.json()
@@ -213,8 +223,8 @@ def create_app(
 
     @app.delete("/ladle/canary")
     def delete_canary(request: Request, reason: str = "stopped by the operator"):
-        """End the canary: one still running is rolled back (``reason``); the front forgets it. Its final
-        state, or null."""
+        """Admin: end the canary (one still running is rolled back with ``?reason=``) and forget it; its final
+        state."""
         if not admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         canary = state.pop("canary", None)
@@ -224,6 +234,8 @@ def create_app(
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def proxy(path: str, request: Request):
+        """Everything else (the OpenAI routes): proxied byte for byte to the server (during a canary, ``weight``
+        of them to the challenger), with ``x-ladle-model-version``."""
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {ADMIN_HEADER}}
         skip_canary = False

@@ -176,10 +176,13 @@ def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
 
     @app.get("/health")
     def health() -> dict:
+        """Liveness: the process answers (no key needed)."""
         return {"status": "ok", "model": settings.model, "backend": backend.name}
 
     @app.get("/ready")
     def ready():
+        """Readiness: 200 when the backend generates; 503 with the reason when its loop or model server is down
+        (no key needed)."""
         if not backend.ready():
             raise ApiError(
                 503,
@@ -190,10 +193,12 @@ def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
 
     @app.get("/metrics")
     def prometheus() -> Response:
+        """Prometheus metrics (no key needed); listed below."""
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     def models() -> dict:
+        """OpenAI's model list: the one model served."""
         return {
             "object": "list",
             "data": [{"id": settings.model, "object": "model", "created": 0, "owned_by": "ladle"}],
@@ -201,10 +206,13 @@ def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        """OpenAI's text completion (``prompt``), streamed as server-sent events with ``stream: true``."""
         return await serve(request, req, backend.encode(req.prompt), "text_completion", "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
+        """OpenAI's chat completion (``messages``, through the model's chat template), streamed as server-sent
+        events with ``stream: true``."""
         messages = [m.model_dump(include={"role", "content"}) for m in req.messages]
         return await serve(request, req, backend.encode_chat(messages), "chat.completion", "chatcmpl")
 

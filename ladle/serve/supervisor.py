@@ -29,10 +29,10 @@ from collections import deque
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from ladle.events import RESTARTED
 from ladle.processes import exited
 
 log = logging.getLogger("ladle.front")
-RESTARTED = "ladle.model.restarted"
 
 
 class Supervisor:

@@ -27,3 +27,19 @@ def test_the_cli_reference_is_current():
     assert (ROOT / "docs" / "cli.md").read_text() == done.stdout.strip() + "\n", (
         "run: python -m typer ladle.cli.main utils docs --name ladle --title 'CLI reference' --output docs/cli.md"
     )
+
+
+def test_the_http_events_and_metrics_reference_is_current():
+    done = subprocess.run(
+        [sys.executable, "-m", "ladle.reference"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert (ROOT / "docs" / "http.md").read_text() == done.stdout, "run: python -m ladle.reference > docs/http.md"
+    # Every route and event is there, from the code itself.
+    for fragment in (
+        "`/v1/chat/completions`",
+        "`/ladle/canary`",
+        "`ladle.model.canary_rolled_back`",
+        "`ladle_front_canary_requests_total`",
+    ):
+        assert fragment in done.stdout
