@@ -368,7 +368,7 @@ def warm_imports(strategy) -> None:
     import transformers.models.auto.modeling_auto  # noqa: F401
 
     if strategy.engine == "deepspeed":
-        from ladle.strategies.deepspeed import import_deepspeed
+        from ladle.strategies.runtime.zero import import_deepspeed
 
         import_deepspeed()
 

@@ -1,1 +1,3 @@
-"""Worker-side helpers of the strategies that import torch: never imported while planning."""
+"""Worker-side helpers of the strategies. Those that import torch at module level are imported only inside
+training processes; ``zero`` imports torch and DeepSpeed only inside its functions, so ``ladle.strategies.deepspeed``
+imports it while planning stays free of torch."""

@@ -15,7 +15,7 @@ The head stays a FSDP unit (so its parameter is the same ``Shard(0)`` DTensor fo
 saving); it is only taken out of the model's forward while the loss runs (``bypassed``), so FSDP2's runtime never
 sees it and never gathers it.
 
-ZeRO-3 runs the same ops for a LoRA run's frozen ends: ``deepspeed.keep_ends_local`` takes them out of ZeRO's
+ZeRO-3 runs the same ops for a LoRA run's frozen ends: ``zero.keep_ends_local`` takes them out of ZeRO's
 partitioning and leaves each rank its rows as a plain tensor (``local_rows`` reads either form).
 """
 
@@ -85,7 +85,7 @@ def owner_of(model, child) -> tuple[torch.nn.Module, str]:
 
 def local_rows(module, group) -> tuple[torch.Tensor, int]:
     """This rank's rows of ``module``'s weight and the index of the first: a FSDP2 ``Shard(0)`` DTensor's local
-    part, or the rows a ZeRO-3 end holds as a plain tensor (``deepspeed.keep_ends_local``)."""
+    part, or the rows a ZeRO-3 end holds as a plain tensor (``zero.keep_ends_local``)."""
     weight = module.weight
     if hasattr(weight, "to_local"):
         return weight.to_local(), first_row(weight.shape[0], group)
