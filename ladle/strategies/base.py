@@ -22,7 +22,7 @@ from ladle.strategies.mesh import Dims
 
 if TYPE_CHECKING:
     from ladle.config import LadleConfig
-    from ladle.plan import Plan
+    from ladle.plan_model import Plan
     from ladle.schema import Section
     from ladle.topology import Topology
     from ladle.train.loading import Pending
