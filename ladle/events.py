@@ -40,25 +40,9 @@ def resource_id(name: str) -> str:
     return f"ladle.model.{name}"
 
 
-def emit_promoted(name: str, version: str, reason: str, previous: str | None = None) -> str | None:
-    """Emit the event; returns its id (None when no Prefect API took it)."""
-    from prefect.events import emit_event
-
-    event = emit_event(
-        event=PROMOTED,
-        resource={
-            "prefect.resource.id": resource_id(name),
-            "prefect.resource.name": name,
-            "ladle.model.name": name,
-            "ladle.model.version": str(version),
-        },
-        payload={"version": str(version), "previous": previous, "reason": reason},
-    )
-    return str(event.id) if event else None
-
-
-def emit_canary(event: str, name: str, version: str, reason: str) -> str | None:
-    """Emit ``CANARY`` or ``CANARY_ROLLED_BACK``; returns its id (None when no Prefect API took it)."""
+def emit(event: str, name: str, version: str, payload: dict) -> str | None:
+    """Emit ``event`` for model ``name`` at ``version`` with ``payload`` (``version`` added); returns its id
+    (None when no Prefect API took it)."""
     from prefect.events import emit_event
 
     sent = emit_event(
@@ -69,6 +53,16 @@ def emit_canary(event: str, name: str, version: str, reason: str) -> str | None:
             "ladle.model.name": name,
             "ladle.model.version": str(version),
         },
-        payload={"version": str(version), "reason": reason},
+        payload={"version": str(version), **payload},
     )
     return str(sent.id) if sent else None
+
+
+def emit_promoted(name: str, version: str, reason: str, previous: str | None = None) -> str | None:
+    """``ladle.model.promoted``; its id, or None."""
+    return emit(PROMOTED, name, version, {"previous": previous, "reason": reason})
+
+
+def emit_canary(event: str, name: str, version: str, reason: str) -> str | None:
+    """``CANARY`` or ``CANARY_ROLLED_BACK``; its id, or None."""
+    return emit(event, name, version, {"reason": reason})

@@ -114,17 +114,12 @@ def rollback(
     store = tracking_uri(uri, config)
     before, after = promote.rollback(store, name, to)
     event = announce(name, after, f"rollback from v{before}")
-    result = {"model": name, "from": before, "to": after, "event_id": event}
-    if as_json:
-        print_json(result)
-        return
-    console.print(f"{name}: champion v{before} -> v{after}", highlight=False)
-    if event is None:
-        console.print(
-            "no Prefect API is configured (PREFECT_API_URL), so no serving deployment heard it; "
-            f"run `ladle model serve CONFIG` to swap the local front to v{after}.",
-            highlight=False,
-        )
+    told(
+        {"model": name, "from": before, "to": after, "event_id": event},
+        as_json,
+        f"{name}: champion v{before} -> v{after}",
+        f"run `ladle model serve CONFIG` to swap the local front to v{after}.",
+    )
 
 
 @app.command("canary")
@@ -144,15 +139,24 @@ def canary(
     store = tracking_uri(uri, config)
     target = promote.mark_canary(store, name, version)
     event = announce(name, target.version, f"canary of v{target.version} asked by hand", CANARY)
-    result = {"model": name, "version": target.version, "event_id": event}
+    told(
+        {"model": name, "version": target.version, "event_id": event},
+        as_json,
+        f"{name}: v{target.version} waits for its canary",
+        "run `ladle model serve CONFIG` (a config with promote.canary) to run it.",
+    )
+
+
+def told(result: dict, as_json: bool, line: str, unheard: str) -> None:
+    """The result of a command that announced an event: JSON, or ``line`` and, when no Prefect API took the
+    event, ``unheard`` (what to run instead)."""
     if as_json:
         print_json(result)
         return
-    console.print(f"{name}: v{target.version} waits for its canary", highlight=False)
-    if event is None:
+    console.print(line, highlight=False)
+    if result["event_id"] is None:
         console.print(
-            "no Prefect API is configured (PREFECT_API_URL), so no serving deployment heard it; "
-            "run `ladle model serve CONFIG` (a config with promote.canary) to run it.",
+            f"no Prefect API is configured (PREFECT_API_URL), so no serving deployment heard it; {unheard}",
             highlight=False,
         )
 
