@@ -182,17 +182,19 @@ def reconcile(uri: str, name: str, cfg: ServeConfig, canary: CanaryConfig | None
 def serve_champion(uri: str, name: str, cfg: ServeConfig) -> Serving:
     """The champion behind the front (started, swapped, or unchanged), after finishing a decided canary."""
     started = time.monotonic()
-    front = ensure_front(name, cfg)
-    decided = canaries.front_canary(front, admin_headers(front))
     finished = None
-    if decided is not None and decided["status"] != "running":
-        finished = canaries.finish(uri, name, cfg, front, admin_headers(front), decided)
+    running = router.read_record(name)  # a front already running: no new one before the champion is known
+    if running is not None:
+        decided = canaries.front_canary(running, admin_headers(running))
+        if decided is not None and decided["status"] != "running":
+            finished = canaries.finish(uri, name, cfg, running, admin_headers(running), decided)
     wanted = promote.champion(uri, name)
     if wanted is None:
         raise LadleError(
             f"model {name!r} has no `champion` at {redact_url(uri)}: nothing to serve. Run the pipeline "
             "until a version is promoted, or set one with `ladle model rollback NAME --to VERSION`."
         )
+    front = ensure_front(name, cfg)
     old = current_upstream(front)
     if old and str(old["version"]) == wanted.version and records.alive(old):
         return Serving(

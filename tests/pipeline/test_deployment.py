@@ -76,7 +76,7 @@ CANARY = [
     "promote.canary.duration_s=6",
     "promote.canary.weight=0.5",
     "promote.canary.min_requests=3",
-    "promote.canary.max_latency_ratio=5",
+    "promote.canary.max_latency_ratio=20",
 ]
 
 

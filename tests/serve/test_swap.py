@@ -57,6 +57,7 @@ def test_nothing_to_serve_and_busy_port_are_clear_errors(tmp_path, tiny_model):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(LadleError, match="has no `champion`"):
         champion.reconcile(uri, "never-trained", ServeConfig())
+    assert router.read_record("never-trained") is None  # refused before any front was started
     v1 = promote.register(uri, "busy", str(tiny_model), None, {})
     promote.promote(uri, "busy", v1.version, "test")
     import socket
