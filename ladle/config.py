@@ -559,6 +559,16 @@ class SlurmConfig(Section):
 
 
 class KubernetesConfig(Section):
+    api: Literal["pytorchjob", "trainjob"] = Field(
+        "pytorchjob",
+        description="The training job's API: `pytorchjob` (Kubeflow training operator 1.9, `kubeflow.org/v1`; what "
+        "the train stage submits and follows) or `trainjob` (Kubeflow Trainer v2.3, `trainer.kubeflow.org/v1alpha1`, "
+        "with the ClusterTrainingRuntime it references; rendered by `ladle k8s render`, not yet followed by the "
+        "train stage).",
+    )
+    queue: str | None = Field(
+        None, description="Kueue LocalQueue to submit to (the `kueue.x-k8s.io/queue-name` label). null: no queue."
+    )
     namespace: str = Field("default", description="Namespace of the training job.")
     image: str = Field(
         "ladle:latest", description="Worker image (built from infra/Dockerfile and pushed where the cluster pulls)."

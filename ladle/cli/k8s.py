@@ -1,4 +1,5 @@
-"""``ladle k8s render CONFIG --nodes N``: the Kubeflow PyTorchJob that trains CONFIG on N Kubernetes nodes."""
+"""``ladle k8s render CONFIG --nodes N [--api pytorchjob|trainjob]``: the Kubeflow training job that trains CONFIG on
+N Kubernetes nodes."""
 
 from __future__ import annotations
 
@@ -25,8 +26,14 @@ def render(
         help="The spec.json the pods read. Default: where a pipeline run named --run-id writes it in `output`.",
     ),
     run_id: str | None = typer.Option(None, "--run-id", help="The run's name (default: the config's `name`)."),
+    api: str | None = typer.Option(
+        None,
+        "--api",
+        help="pytorchjob (Kubeflow training operator) or trainjob (Kubeflow Trainer v2: the TrainJob and the "
+        "ClusterTrainingRuntime it references). Default: compute.kubernetes.api.",
+    ),
 ) -> None:
-    """Print the PyTorchJob (YAML) for CONFIG planned on NODES nodes like the one probed or recorded."""
+    """Print the training job (YAML) for CONFIG planned on NODES nodes like the one probed or recorded."""
     import yaml
 
     from ladle import compute, storage
@@ -34,13 +41,17 @@ def render(
     from ladle.plan import make_plan
     from ladle.topology import probe_file
 
-    cfg = load(config, [*set_, "compute.target=kubernetes", f"parallelism.nodes={nodes}"], gpus)
+    chosen = [f"compute.kubernetes.api={api}"] if api else []
+    cfg = load(config, [*set_, "compute.target=kubernetes", f"parallelism.nodes={nodes}", *chosen], gpus)
     target = compute.get(cfg)
     topo = probe_file(topology_file, gpu_memory_gib=gpu_memory) if topology_file else target.probe()
     made = make_plan(cfg, topo, config, model=local_model_config(cfg, None))
     name = run_id or cfg.name
     spec_url = spec or storage.join(storage.normalise(cfg.output), "runs", name, "spec.json")
-    typer.echo(yaml.safe_dump(target.render(spec_url, made, name), sort_keys=False), nl=False)
+    if cfg.compute.kubernetes.api == "trainjob":
+        typer.echo(yaml.safe_dump_all(target.render_trainjob(spec_url, made, name), sort_keys=False), nl=False)
+    else:
+        typer.echo(yaml.safe_dump(target.render(spec_url, made, name), sort_keys=False), nl=False)
 
 
 app.command("render")(render)

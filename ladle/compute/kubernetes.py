@@ -16,6 +16,7 @@ every other target.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import subprocess
 import tempfile
@@ -31,6 +32,10 @@ from ladle.errors import LadleError
 CONTAINER = "pytorch"  # the name the training operator looks for
 PORT_NAME = "pytorchjob-port"  # the master port the operator reads
 LAUNCH = ["ladle", "launch"]  # on the image's PATH (infra/Dockerfile)
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+TRAINER_API = "trainer.kubeflow.org/v1alpha1"
+TRAINER_CONTAINER = "node"  # the replicated job and container Trainer's torch plugin configures
+ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"  # marks the job that TrainJob.spec.trainer fills
 
 
 def job_name(run_name: str) -> str:
@@ -97,11 +102,7 @@ class KubernetesTarget(ComputeTarget):
         return {
             "apiVersion": "kubeflow.org/v1",
             "kind": "PyTorchJob",
-            "metadata": {
-                "name": job_name(run_name),
-                "namespace": self.opts.namespace,
-                "labels": {"app.kubernetes.io/name": "ladle", "app.kubernetes.io/instance": job_name(run_name)},
-            },
+            "metadata": {"name": job_name(run_name), "namespace": self.opts.namespace, "labels": self.labels(run_name)},
             "spec": {
                 # ladle launch starts the node's ranks itself (accelerate launch), so one process per pod here.
                 "nprocPerNode": "1",
@@ -110,7 +111,105 @@ class KubernetesTarget(ComputeTarget):
             },
         }
 
+    def labels(self, run_name: str) -> dict[str, str]:
+        labels = {"app.kubernetes.io/name": "ladle", "app.kubernetes.io/instance": job_name(run_name)}
+        if self.opts.queue:
+            labels[QUEUE_LABEL] = self.opts.queue
+        return labels
+
+    def runtime(self) -> dict[str, Any]:
+        """The ``ClusterTrainingRuntime`` a ladle ``TrainJob`` references: the pod-level settings (``/dev/shm``,
+        the env secret, tolerations, node selector, service account) in a JobSet of one replicated job ``node``,
+        with Trainer's torch policy (one process per pod: ``ladle launch`` starts the node's ranks itself).
+        Named by a hash of those settings, so configs that differ in them never share (or overwrite) one."""
+        o = self.opts
+        container: dict[str, Any] = {
+            "name": TRAINER_CONTAINER,
+            "image": o.image,
+            "imagePullPolicy": o.image_pull_policy,
+            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        }
+        if o.env_secret:
+            container["envFrom"] = [{"secretRef": {"name": o.env_secret}}]
+        pod: dict[str, Any] = {
+            "containers": [container],
+            "restartPolicy": "Never",
+            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": o.shm_size}}],
+        }
+        if o.tolerations:
+            pod["tolerations"] = o.tolerations
+        if o.node_selector:
+            pod["nodeSelector"] = o.node_selector
+        if o.service_account:
+            pod["serviceAccountName"] = o.service_account
+        digest = hashlib.sha256(json.dumps(pod, sort_keys=True).encode()).hexdigest()[:10]
+        return {
+            "apiVersion": TRAINER_API,
+            "kind": "ClusterTrainingRuntime",
+            "metadata": {
+                "name": f"ladle-torch-{digest}",
+                "labels": {"trainer.kubeflow.org/framework": "torch", "app.kubernetes.io/name": "ladle"},
+            },
+            "spec": {
+                "mlPolicy": {"numNodes": 1, "torch": {"numProcPerNode": 1}},
+                "template": {
+                    "spec": {
+                        "replicatedJobs": [
+                            {
+                                "name": TRAINER_CONTAINER,
+                                "template": {
+                                    "metadata": {"labels": {ANCESTOR_LABEL: "trainer"}},
+                                    "spec": {"template": {"spec": pod}},
+                                },
+                            }
+                        ]
+                    }
+                },
+            },
+        }
+
+    def render_trainjob(self, spec_url: str, plan, run_name: str) -> list[dict[str, Any]]:
+        """The ``TrainJob`` that trains ``spec_url`` on ``nodes`` pods, after the ``ClusterTrainingRuntime`` it
+        references. Trainer gives each pod ``PET_NODE_RANK``, ``PET_MASTER_ADDR`` and ``PET_MASTER_PORT``; the
+        pod's ``ladle launch`` turns them into the plan's ``accelerate launch`` for that node, as everywhere."""
+        runtime = self.runtime()
+        limits = self.container(spec_url, plan).get("resources")
+        trainer: dict[str, Any] = {
+            "image": self.opts.image,
+            "command": LAUNCH,
+            "args": [
+                spec_url,
+                "--node-rank",
+                "$(PET_NODE_RANK)",
+                "--main-address",
+                "$(PET_MASTER_ADDR)",
+                "--main-port",
+                "$(PET_MASTER_PORT)",
+            ],
+            "numNodes": plan.num_machines,
+            "numProcPerNode": 1,
+        }
+        if limits:
+            trainer["resourcesPerNode"] = limits
+        job = {
+            "apiVersion": TRAINER_API,
+            "kind": "TrainJob",
+            "metadata": {"name": job_name(run_name), "namespace": self.opts.namespace, "labels": self.labels(run_name)},
+            "spec": {
+                "runtimeRef": {
+                    "name": runtime["metadata"]["name"],
+                    "apiGroup": TRAINER_API.split("/")[0],
+                    "kind": "ClusterTrainingRuntime",
+                },
+                "trainer": trainer,
+            },
+        }
+        return [runtime, job]
+
     def launch_text(self, plan, spec: str) -> str:
+        if self.opts.api == "trainjob":
+            objects = self.render_trainjob(spec, plan, self.cfg.name)
+            return "ClusterTrainingRuntime and TrainJob:\n" + yaml.safe_dump_all(objects, sort_keys=False)
         return "PyTorchJob:\n" + yaml.safe_dump(self.render(spec, plan, self.cfg.name), sort_keys=False)
 
     def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -128,6 +227,12 @@ class KubernetesTarget(ComputeTarget):
         from ladle import strategies
         from ladle.train.run import Relay, read_result, write_spec
 
+        if self.opts.api == "trainjob":
+            raise LadleError(
+                "compute.kubernetes.api = 'trainjob': the train stage submits and follows PyTorchJobs only so far. "
+                "Print the TrainJob with `ladle k8s render CONFIG --nodes N --api trainjob` and apply it, or set "
+                "compute.kubernetes.api: pytorchjob."
+            )
         strategies.get(spec.plan.strategy).before_launch(spec.plan)
         relay = Relay(on_progress, on_line)
         with tempfile.TemporaryDirectory(prefix="ladle-k8s-") as tmp:

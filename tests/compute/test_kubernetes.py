@@ -23,6 +23,7 @@ import yaml
 
 from ladle import compute
 from ladle.config import build_config
+from ladle.errors import LadleError
 from ladle.plan import make_plan
 from ladle.topology import probe, probe_file
 from tests.helpers import train_spec
@@ -263,3 +264,86 @@ def test_a_job_that_never_starts_is_deleted_at_its_deadline_with_the_pods_reason
     assert "did not start running in 1 s (ladle-k8s-master-0: Unschedulable: 0/3 nodes are available" in message
     made = calls.read_text().splitlines()
     assert made[-1].startswith("delete pytorchjob") and any(c.startswith("apply -f -") for c in made)
+
+
+TRAINJOB_CRD = json.loads((K8S / "schemas" / "trainer.kubeflow.org_v1alpha1_trainjob.json").read_text())
+RUNTIME_CRD = json.loads((K8S / "schemas" / "trainer.kubeflow.org_v1alpha1_clustertrainingruntime.json").read_text())
+
+
+def validate_trainjob(runtime: dict, job: dict) -> None:
+    """Trainer v2.3's CRD schemas for both, the runtime's pod template as a core PodTemplate (strict), and the
+    reference between them."""
+    jsonschema.validate(runtime, RUNTIME_CRD)
+    jsonschema.validate(job, TRAINJOB_CRD)
+    (replicated,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}}
+    kubernetes_validate.validate(
+        {**template, "template": replicated["template"]["spec"]["template"]}, VERSION, strict=True
+    )
+    assert job["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"]
+
+
+def test_the_trainjob_and_its_runtime_are_valid_and_each_pod_runs_the_local_launch(tmp_path):
+    """`ladle k8s render --api trainjob`: a Kubeflow Trainer v2.3 TrainJob (GPUs per node, Kueue's queue label)
+    and the ClusterTrainingRuntime it references (/dev/shm, the env secret, tolerations), valid against the
+    pinned CRD schemas; Trainer's PET_* environment turns the pod's args into the argv a machine joining by hand
+    starts. Broken objects are caught."""
+    runtime, job = yaml.safe_load_all(
+        subprocess.run(
+            [sys.executable, "-m", "ladle.cli.main", "k8s", "render", "recipes/llama3-70b-fsdp2.yaml", "--nodes", "2",
+             "--topology-file", str(EIGHT_GPUS), "--gpu-memory", "80", "--set", "output=s3://models/ladle",
+             "--set", "compute.kubernetes.queue=team-a", "--api", "trainjob", "--run-id", "llama-70b-1"],
+            capture_output=True, text=True, timeout=120, check=True,
+        ).stdout
+    )  # fmt: skip
+    validate_trainjob(runtime, job)
+    trainer = job["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 1)
+    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "8"
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    pod = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "ladle-env"}}]
+    assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"
+
+    broken = copy.deepcopy(job)
+    broken["spec"]["trainer"]["numNodes"] = "two"
+    with pytest.raises(jsonschema.ValidationError, match="'two' is not of type 'integer'"):
+        validate_trainjob(runtime, broken)
+    typo = copy.deepcopy(runtime)
+    typo["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
+        "imagePullPolicyy"
+    ] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError, match="imagePullPolicyy"):
+        validate_trainjob(typo, job)
+
+    cfg = build_config(
+        {
+            "base": "ladle://tiny-llama",
+            "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
+            "output": "s3://models/ladle",
+            "parallelism": {"nodes": 2, "cpu_processes": 2},
+            "compute": {"target": "kubernetes", "kubernetes": {"api": "trainjob"}},
+        },
+        [],
+    )
+    spec = train_spec(cfg, tmp_path, "k8s")
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(spec.model_dump_json(), encoding="utf-8")
+    runtime, job = compute.get(cfg).render_trainjob(str(spec_file), spec.plan, "k8s")
+    validate_trainjob(runtime, job)
+    trainer_env = {"PET_NODE_RANK": "1", "PET_MASTER_ADDR": "ladle-k8s-node-0-0.ladle-k8s", "PET_MASTER_PORT": "29400"}
+    args = job["spec"]["trainer"]["args"]
+    for name, value in trainer_env.items():
+        args = [a.replace(f"$({name})", value) for a in args]
+    done = subprocess.run(
+        [sys.executable, "-m", "ladle.cli.main", "launch", *args, "--print-command"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    local = spec.plan.launcher_argv(
+        [str(spec_file)], machine_rank=1, main_address="ladle-k8s-node-0-0.ladle-k8s", main_port=29400
+    )
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == local
+    # The train stage does not follow a TrainJob yet: it says so instead of submitting something it cannot watch.
+    with pytest.raises(LadleError, match="compute.kubernetes.api = 'trainjob': the train stage submits and follows"):
+        compute.get(cfg).run(spec)
