@@ -47,40 +47,33 @@ def job_name(run_name: str) -> str:
 class KubernetesTarget(ComputeTarget):
     name = "kubernetes"
 
-    def container(self, spec_url: str, plan) -> dict[str, Any]:
+    def resources(self, plan) -> dict[str, dict[str, str]] | None:
+        """One pod's requests and limits (GPUs, CPU, memory); None when nothing is asked."""
         o = self.opts
         limits: dict[str, str] = {}
         if self.gpus_per_node(plan):
             limits["nvidia.com/gpu"] = str(self.gpus_per_node(plan))
         limits.update({k: v for k, v in (("cpu", o.cpu), ("memory", o.memory)) if v})
+        return {"limits": limits, "requests": dict(limits)} if limits else None
+
+    def base_container(self, name: str) -> dict[str, Any]:
+        """What every training container has, whichever API runs it: the image, /dev/shm, the env secret."""
+        o = self.opts
         container: dict[str, Any] = {
-            "name": CONTAINER,
+            "name": name,
             "image": o.image,
             "imagePullPolicy": o.image_pull_policy,
-            "command": LAUNCH,
-            # Kubernetes expands $(VAR) from the container's environment, which the operator fills.
-            "args": [
-                spec_url,
-                "--node-rank",
-                "$(PET_NODE_RANK)",
-                "--main-address",
-                "$(MASTER_ADDR)",
-                "--main-port",
-                "$(MASTER_PORT)",
-            ],
-            "ports": [{"name": PORT_NAME, "containerPort": o.port, "protocol": "TCP"}],
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
         }
-        if limits:
-            container["resources"] = {"limits": limits, "requests": dict(limits)}
         if o.env_secret:
             container["envFrom"] = [{"secretRef": {"name": o.env_secret}}]
         return container
 
-    def pod_template(self, spec_url: str, plan) -> dict[str, Any]:
+    def pod_spec(self, container: dict[str, Any]) -> dict[str, Any]:
+        """A training pod around ``container``: the in-memory /dev/shm, tolerations, node selector, account."""
         o = self.opts
         pod: dict[str, Any] = {
-            "containers": [self.container(spec_url, plan)],
+            "containers": [container],
             "restartPolicy": "Never",  # a failed node fails the job; the train task's retry resumes it
             "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": o.shm_size}}],
         }
@@ -90,6 +83,33 @@ class KubernetesTarget(ComputeTarget):
             pod["nodeSelector"] = o.node_selector
         if o.service_account:
             pod["serviceAccountName"] = o.service_account
+        return pod
+
+    def container(self, spec_url: str, plan) -> dict[str, Any]:
+        """The PyTorchJob's container: ``ladle launch`` with the operator's environment, its port, resources."""
+        container = self.base_container(CONTAINER)
+        container.update(
+            {
+                "command": LAUNCH,
+                # Kubernetes expands $(VAR) from the container's environment, which the operator fills.
+                "args": [
+                    spec_url,
+                    "--node-rank",
+                    "$(PET_NODE_RANK)",
+                    "--main-address",
+                    "$(MASTER_ADDR)",
+                    "--main-port",
+                    "$(MASTER_PORT)",
+                ],
+                "ports": [{"name": PORT_NAME, "containerPort": self.opts.port, "protocol": "TCP"}],
+            }
+        )
+        if resources := self.resources(plan):
+            container["resources"] = resources
+        return container
+
+    def pod_template(self, spec_url: str, plan) -> dict[str, Any]:
+        pod = self.pod_spec(self.container(spec_url, plan))
         return {"metadata": {"labels": {"app.kubernetes.io/name": "ladle"}}, "spec": pod}
 
     def render(self, spec_url: str, plan, run_name: str) -> dict[str, Any]:
@@ -122,26 +142,7 @@ class KubernetesTarget(ComputeTarget):
         the env secret, tolerations, node selector, service account) in a JobSet of one replicated job ``node``,
         with Trainer's torch policy (one process per pod: ``ladle launch`` starts the node's ranks itself).
         Named by a hash of those settings, so configs that differ in them never share (or overwrite) one."""
-        o = self.opts
-        container: dict[str, Any] = {
-            "name": TRAINER_CONTAINER,
-            "image": o.image,
-            "imagePullPolicy": o.image_pull_policy,
-            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
-        }
-        if o.env_secret:
-            container["envFrom"] = [{"secretRef": {"name": o.env_secret}}]
-        pod: dict[str, Any] = {
-            "containers": [container],
-            "restartPolicy": "Never",
-            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": o.shm_size}}],
-        }
-        if o.tolerations:
-            pod["tolerations"] = o.tolerations
-        if o.node_selector:
-            pod["nodeSelector"] = o.node_selector
-        if o.service_account:
-            pod["serviceAccountName"] = o.service_account
+        pod = self.pod_spec(self.base_container(TRAINER_CONTAINER))
         digest = hashlib.sha256(json.dumps(pod, sort_keys=True).encode()).hexdigest()[:10]
         return {
             "apiVersion": TRAINER_API,
@@ -173,7 +174,7 @@ class KubernetesTarget(ComputeTarget):
         references. Trainer gives each pod ``PET_NODE_RANK``, ``PET_MASTER_ADDR`` and ``PET_MASTER_PORT``; the
         pod's ``ladle launch`` turns them into the plan's ``accelerate launch`` for that node, as everywhere."""
         runtime = self.runtime()
-        limits = self.container(spec_url, plan).get("resources")
+        resources = self.resources(plan)
         trainer: dict[str, Any] = {
             "image": self.opts.image,
             "command": LAUNCH,
@@ -189,8 +190,8 @@ class KubernetesTarget(ComputeTarget):
             "numNodes": plan.num_machines,
             "numProcPerNode": 1,
         }
-        if limits:
-            trainer["resourcesPerNode"] = limits
+        if resources:
+            trainer["resourcesPerNode"] = resources
         job = {
             "apiVersion": TRAINER_API,
             "kind": "TrainJob",
