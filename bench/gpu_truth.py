@@ -150,6 +150,8 @@ def train_row(label: str, base: Path, root: Path, cfg, steps_skip: int = 1) -> d
         "eval_after": result.eval_loss_after,
         "learned": result.eval_loss_after < result.eval_loss_before,
         "sharding": result.sharding,
+        "kernels": result.kernels,
+        "plan_kernels": plan.kernels,
         "measured_peak_mib": round(result.peak_memory_mib, 1),
         "measured_load_mib": round(result.load_peak_memory_mib, 1),
         "predicted_peak_mib": round(predicted, 1),

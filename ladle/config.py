@@ -105,6 +105,51 @@ class QuantizationConfig(Section):
     )
 
 
+class KernelsConfig(Section):
+    """The fast paths of a training step. Each is on where it helps (the plan says which ran and why) and can
+    be turned off; every one of them computes the same loss as the plain path (tests hold each to it)."""
+
+    fused_loss: Literal["auto", "chunked", "liger", "off"] = Field(
+        "auto",
+        description="How the output head and the cross-entropy run. chunked: the head and the loss a chunk of "
+        "tokens at a time, recomputed in backward, so full-vocabulary float32 logits never exist (any device); "
+        "liger: Liger's fused linear cross-entropy kernel (CUDA, liger-kernel installed, a plain head); auto: "
+        "liger where it can run on the training host, else chunked; off: the model's own head, then the loss "
+        "over all logits. A head with logit soft-capping always runs plain.",
+    )
+    loss_chunk_mib: int = Field(
+        256,
+        ge=8,
+        le=65536,
+        description="chunked: float32 logits computed at once, MiB (tokens per chunk = this / (4 x vocabulary)).",
+    )
+    compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="torch.compile each decoder block in place (ddp, zero1, zero2, fsdp2; inductor fuses norms, "
+        "activations and rotary embeddings). auto: on with CUDA, off on CPU, where compiling costs more than "
+        "short runs gain (34 s for the tiny demo model's block on 2 cores). true on a CPU needs a C++ compiler.",
+    )
+    liger: bool | Literal["auto"] = Field(
+        "auto",
+        description="Liger's fused RMSNorm, SwiGLU and rotary kernels in place of the model's (CUDA, "
+        "liger-kernel installed, a Llama/Mistral/Qwen2/Qwen3/Gemma-family model). auto: on where they can run "
+        "and the blocks are not compiled (inductor fuses the same operations).",
+    )
+
+    @field_validator("fused_loss", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        # YAML reads a bare `off` (as in `--set training.kernels.fused_loss=off`) as false
+        return "off" if value is False else value
+
+    lora_compute: Literal["run_dtype", "float32"] = Field(
+        "run_dtype",
+        description="run_dtype: LoRA adapters compute in the run's 16-bit dtype under autocast, their weights "
+        "kept in float32 as the optimizer's master copy; float32: peft's default, which casts each adapted "
+        "input to float32 (one more activation saved per adapted layer).",
+    )
+
+
 class TrainingConfig(Section):
     max_steps: int = Field(
         -1, ge=-1, description="Optimizer steps to run. -1: derive from `epochs` and the dataset size."
@@ -152,6 +197,9 @@ class TrainingConfig(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter settings.")
     quantization: QuantizationConfig = Field(
         default_factory=QuantizationConfig, description="Base-model quantization (QLoRA)."
+    )
+    kernels: KernelsConfig = Field(
+        default_factory=KernelsConfig, description="Fast paths of the training step (fused loss, compile, Liger)."
     )
 
 

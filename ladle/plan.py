@@ -21,6 +21,7 @@ from ladle.serve import backends
 from ladle.serve.backends import Backend
 from ladle.strategies import Candidate, Strategy, Target
 from ladle.topology import Topology
+from ladle.train import kernels
 
 __all__ = ["DEFAULT_PORT", "Plan", "make_plan"]
 
@@ -201,6 +202,14 @@ def build_plan(
         model_shape=model_shape,
         mesh=strategy.dims(options, target.world_size, target.nodes).degrees(),
     )
+    plan.kernels, why = kernels.decide(
+        cfg.training.kernels,
+        strategy.name,
+        device,
+        target.dtype,
+        fsdp2_compile=cfg.parallelism.fsdp2.compile,
+    )
+    plan.reasons += why
     plan.launcher_config, resolved = strategy.configure(cfg, plan)
     plan.reasons += resolved
     return plan
@@ -387,7 +396,7 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
     from ladle import params
 
     lora = cfg.training.lora
-    saved = lora.modules_to_save
+    saved, kernels_cfg = lora.modules_to_save, cfg.training.kernels
     trainable = params.lora_params(model, lora.r, lora.target_modules, saved) if lora.enabled else None
     world = target.world_size
     return sizing.Job(
@@ -404,6 +413,7 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         cuda=target.device == "cuda",
         save_shard_bytes=cfg.training.save_shard_mib * 2**20,
         trained_ends=lora.enabled and params.trains_ends(model, saved),
+        loss_chunk_bytes=0 if kernels_cfg.fused_loss == "off" else kernels_cfg.loss_chunk_mib * 2**20,
     )
 
 
@@ -564,6 +574,7 @@ def check_strategy(
     problems += strategy.validate_batch(strategy.options(cfg), micro, accumulation, global_batch)
     for other in strategies.REGISTRY.values():
         problems += other.validate_unused(cfg, strategy)
+    problems += kernels.problems(cfg.training.kernels, strategy.name, target.device)
     return problems
 
 

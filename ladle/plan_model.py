@@ -38,6 +38,11 @@ class Plan(BaseModel):
     gradient_accumulation: int
     global_batch_size: int = Field(description="Packed rows per optimizer step across all ranks.")
     dtype: Literal["float32", "bfloat16", "float16"]
+    kernels: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The step's fast paths (training.kernels resolved for this strategy and device): compile, "
+        "fused_loss, loss_chunk_mib, liger, lora_compute. 'auto' entries are settled on the training host.",
+    )
     reasons: list[str] = Field(default_factory=list, description="Why each decision was made.")
     overrides: list[str] = Field(default_factory=list, description="Explicit settings that won.")
     warnings: list[str] = Field(default_factory=list)

@@ -142,7 +142,12 @@ def activation_bytes(shape: ModelShape, tokens: int, layers: int, dtype_bytes: i
     return layers * full
 
 
-def logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
+def logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, chunk_bytes: int = 0) -> int:
+    """The loss's logits: all ``tokens`` at once, or with a fused loss (``chunk_bytes`` of float32 logits at a
+    time, recomputed in backward) one chunk's: its model-dtype logits, their float32 copy and the float32
+    gradient of the recomputation."""
+    if chunk_bytes:
+        tokens = min(tokens, max(1, chunk_bytes // (4 * shape.vocab)))
     return tokens * shape.vocab * (dtype_bytes + 8)
 
 
@@ -270,6 +275,7 @@ class Job:
     cuda: bool = True
     save_shard_bytes: int = 512 * 2**20  # training.save_shard_mib: the part of a full model rank 0 gathers at once
     trained_ends: bool = False  # LoRA's modules_to_save trains the embedding or the head (params.trains_ends)
+    loss_chunk_bytes: int = 0  # training.kernels.fused_loss: float32 logits of one chunk (0: the plain loss)
 
     @property
     def world(self) -> int:

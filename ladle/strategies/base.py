@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ladle import memory, sizing, storage
 from ladle.strategies.mesh import Dims
+from ladle.train.kernels import FUSED_LOSS_STRATEGIES
 
 if TYPE_CHECKING:
     from ladle.config import LadleConfig
@@ -174,7 +175,8 @@ class Strategy(ABC):
         sharded, the vocabulary-parallel loss's chunks over this rank's rows."""
         tokens = job.micro_batch * job.seq_len
         if self.ends_gathered(job, options):
-            return sizing.logits_bytes(job.shape, tokens, job.dtype_bytes)
+            fused = self.name in FUSED_LOSS_STRATEGIES
+            return sizing.logits_bytes(job.shape, tokens, job.dtype_bytes, job.loss_chunk_bytes if fused else 0)
         return sizing.vocab_parallel_logits_bytes(job.shape, tokens, job.dtype_bytes, job.world)
 
     def eval_micro_batch(self, job: sizing.Job, options: Section | None) -> tuple[int, str]:

@@ -229,7 +229,7 @@ class FSDP2(Strategy):
                 "reduce_dtype": "float32",
             },
             "cpu_offload": opts["cpu_offload"],
-            "compile": opts["compile"],
+            "compile": bool(plan.kernels.get("compile", opts["compile"])),
             "units": "each *DecoderLayer, the input embedding, the output head, then the root",
             "vocabulary": "sharded: vocabulary-parallel embedding and loss"
             if vocab_stays_sharded(opts, replicate)
@@ -272,7 +272,7 @@ class FSDP2(Strategy):
         if not layers:
             raise RuntimeError("fsdp2: found no *DecoderLayer modules to shard in this model")
         for layer in layers:
-            if plan.strategy_options.get("compile"):
+            if plan.kernels.get("compile", plan.strategy_options.get("compile")):
                 layer.compile()  # in place: parameter names (and saved adapter keys) keep no `_orig_mod.` prefix
             fully_shard(layer, **options)
         units = embedding_units(model)

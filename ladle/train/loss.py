@@ -7,11 +7,22 @@ import torch
 import torch.nn.functional as F
 
 from ladle.data.packing import IGNORE
+from ladle.train.kernels import FusedHead
 
 
 def token_loss(model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy over trained tokens of ``rows``, and their count."""
     ids, labels, positions = batch_rows(data, rows, device)
+    fused = FusedHead.ACTIVE
+    if fused is not None:  # the head computes the loss itself (``training.kernels.fused_loss``)
+        fused.expect(labels)
+        try:
+            loss = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        finally:
+            missed, fused.labels = fused.labels is not None, None
+        if missed:
+            raise RuntimeError("the fused loss's head was not called by the model's forward")
+        return loss, int((labels[:, 1:] != IGNORE).sum())
     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     return token_cross_entropy(logits, labels)
 

@@ -52,3 +52,8 @@ class TrainResult(BaseModel):
     sharding: dict = Field(
         default_factory=dict, description="What the strategy verified in the worker (e.g. per-rank parameter share)."
     )
+    kernels: dict[str, str] = Field(
+        default_factory=dict,
+        description="The step's fast paths as they ran on the training host (fused loss, compile, Liger, LoRA "
+        "compute dtype).",
+    )

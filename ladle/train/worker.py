@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from ladle import storage, strategies
 from ladle.data.packing import IGNORE, read_rows
 from ladle.strategies.base import inner
-from ladle.train import checkpoint, loading, saving, schedule
+from ladle.train import checkpoint, kernels, loading, saving, schedule
 from ladle.train.loss import token_loss
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
@@ -84,6 +84,7 @@ def load_model(spec: TrainSpec, accelerator: Accelerator):
             )
         model = AutoModelForCausalLM.from_pretrained(spec.base_dir, **kwargs)
     model.config.use_cache = False
+    ran = {"liger": kernels.apply_liger(model, plan.kernels, plan.device)}
     if cfg.training.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -103,9 +104,11 @@ def load_model(spec: TrainSpec, accelerator: Accelerator):
             ),
         )
         loading.init_adapters(model, cfg.training.seed)
+        ran["lora_compute"] = kernels.lora_in_run_dtype(model, plan.kernels, plan.strategy, plan.device)
+    ran["compile"] = kernels.compile_blocks(model, plan.kernels, plan.strategy)
     if pending is not None:
         pending.values = loading.kept_values(model)
-    return model, pending
+    return model, pending, ran
 
 
 def load_split(spec: TrainSpec, name: str) -> dict[str, torch.Tensor]:
@@ -218,6 +221,7 @@ class Session:
     sharding: dict
     load_peak_mib: float
     baseline_mib: float
+    kernels: dict
 
 
 def one_process_group(plan) -> None:
@@ -264,8 +268,12 @@ def setup(spec: TrainSpec) -> Session:
     if rows < plan.global_batch_size:
         raise RuntimeError(f"{rows} packed training rows cannot fill one global batch of {plan.global_batch_size}")
     steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
-    model, pending = load_model(spec, accelerator)
+    model, pending, ran = load_model(spec, accelerator)
     model, optimizer = strategy.wrap(accelerator, model, lambda m: build_optimizer(m, cfg), plan, pending)
+    if getattr(model, "ladle_vocab", None) is not None:
+        ran["fused_loss"] = "vocabulary-parallel (the ends stay sharded)"
+    else:
+        ran["fused_loss"] = kernels.fused_head(strategy.hf_model(accelerator, model), plan.kernels, plan.device)
     if leftover := loading.meta_parameters(model):
         raise RuntimeError(f"{plan.strategy}: {len(leftover)} parameter(s) were never loaded, e.g. {leftover[0]}")
     sharding = strategy.check_applied(accelerator, model, plan)
@@ -298,6 +306,7 @@ def setup(spec: TrainSpec) -> Session:
         sharding,
         load_peak,
         baseline,
+        ran,
     )
 
 
@@ -318,6 +327,7 @@ def train_loop(s: Session) -> tuple[int, float]:
         resumed_from=s.start,
         strategy=plan.strategy,
         backend=str(acc.state.distributed_type),
+        kernels=s.kernels,
         eval_loss=s.eval_before,
     )
     s.model.train()
@@ -447,6 +457,7 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
         load_peak_memory_mib=s.load_peak_mib,
         baseline_memory_mib=s.baseline_mib,
         weights_dtype=s.spec.plan.dtype if s.spec.plan.device == "cuda" else "float32",
+        kernels=s.kernels,
     )
     if acc.is_main_process:
         storage.write_json(storage.join(s.spec.run_url, "train_result.json"), result.model_dump())

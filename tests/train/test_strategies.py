@@ -36,6 +36,8 @@ SHARDED = ("zero1", "zero2", "zero3", "zero++", "fsdp2", "pipeline")
 def runs(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("strategies")
     specs = {name: spec_for(name, root) for name in ("ddp", *SHARDED)}
+    # DDP's head and loss as the model computes them (every run above uses the chunked fused loss on CPU)
+    specs["ddp plain loss"] = spec_for("ddp", root / "plain", "training.kernels.fused_loss=off")
     results = launch_all(specs)
     return {name: (results[name], specs[name]) for name in specs}
 
@@ -50,6 +52,17 @@ def test_losses_match_ddp(runs, name):
     # The pipeline computes the single-process loss (one batch through the stages), which DDP's global mean equals.
     assert other.train_losses == pytest.approx(ddp.train_losses, abs=1e-5)
     assert other.eval_loss_after == pytest.approx(ddp.eval_loss_after, abs=1e-5)
+
+
+def test_fused_loss_matches_plain(runs):
+    """The chunked loss (head and cross-entropy a chunk at a time, recomputed in backward) trains as the plain one
+    does: the same losses to float32 rounding over every step, the same eval."""
+    fused, plain = runs["ddp"][0], runs["ddp plain loss"][0]
+    assert fused.kernels["fused_loss"].startswith("chunked") and plain.kernels["fused_loss"] == "off"
+    assert fused.train_losses[0] == pytest.approx(plain.train_losses[0], abs=1e-6)
+    assert fused.train_losses == pytest.approx(plain.train_losses, abs=1e-5)
+    assert fused.eval_loss_after == pytest.approx(plain.eval_loss_after, abs=1e-5)
+    assert fused.train_losses[-1] < fused.train_losses[0]
 
 
 def pipeline_stage0_share(model_dir) -> float:

@@ -1,0 +1,296 @@
+"""The fast paths of a training step (``training.kernels``): what the plan decides, and what the worker applies.
+
+- **Fused loss**: the output head and the cross-entropy run a chunk of tokens at a time and are recomputed in
+  backward, so the step never holds full-vocabulary float32 logits (a 4096-token row of a 128k vocabulary is
+  2 GiB of them, and the plain path keeps the 16-bit logits, their float32 copy and the log-softmax). On CUDA
+  with ``liger-kernel`` installed and a plain ``nn.Linear`` head, Liger's fused linear cross-entropy does the
+  same in Triton. Only trained positions (labels not ignored) reach the head.
+- **Per-block compile**: ``torch.compile`` of each decoder block in place (parameter names keep no
+  ``_orig_mod.`` prefix), for DDP, ZeRO-1/2 and FSDP2 (which compiles in its ``wrap``, before sharding).
+- **Liger kernels**: RMSNorm, SwiGLU and rotary embeddings, patched into the model instance, where the blocks
+  are not compiled (inductor fuses the same operations itself).
+- **LoRA compute in the run's dtype**: peft casts each adapted input to its adapters' dtype; under DDP's
+  autocast the adapters are float32 master weights, so every adapted layer saved a float32 copy of its input.
+  With the cast off, autocast runs the adapter matmuls in 16-bit from the float32 weights.
+
+The plan resolves what it can from the config and the device (``decide``, no torch import); the worker
+resolves the rest on the training host (``apply``) and reports what ran in the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Strategies whose blocks may be compiled: ZeRO-3's parameter hooks and pipeline/tensor-parallel stages
+# break under compiled graphs or have not been checked with them.
+COMPILE_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp2")
+# Strategies whose step calls the model's own forward with the head inside it (the fused head replaces the
+# head's forward); pipeline stages compute the loss on the last stage, tensor-parallel heads redistribute
+# their output in hooks.
+FUSED_LOSS_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero++", "fsdp2")
+# Model types whose causal-LM forward returns the head's output unchanged (no soft-capping or logit scale).
+PLAIN_HEAD_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "olmo",
+    "olmo2",
+    "gemma",
+)
+# The DDP strategy runs under accelerate's autocast with float32 adapters; the others compute adapters in
+# the run's dtype already (FSDP2's param_dtype, DeepSpeed's 16-bit module).
+AUTOCAST_STRATEGIES = ("ddp",)
+
+
+def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool = False) -> tuple[dict, list[str]]:
+    """The plan's fast paths for ``strategy`` on ``device``: a dict the worker reads, and one reason each."""
+    cuda = device == "cuda"
+    if kernels.compile == "auto":
+        compile_on = cuda and strategy in COMPILE_STRATEGIES
+        why = (
+            "on: CUDA and a strategy whose blocks compile"
+            if compile_on
+            else ("off: CPU, where compiling costs more than short runs gain" if not cuda else f"off: {strategy}")
+        )
+    else:
+        compile_on = bool(kernels.compile)
+        why = "on (training.kernels.compile = true)" if compile_on else "off (training.kernels.compile = false)"
+    if fsdp2_compile and strategy == "fsdp2" and not compile_on:
+        compile_on, why = True, "on (parallelism.fsdp2.compile = true)"
+    if kernels.fused_loss == "off" or strategy not in FUSED_LOSS_STRATEGIES:
+        loss = "off"
+        loss_why = (
+            "off (training.kernels.fused_loss = off)"
+            if kernels.fused_loss == "off"
+            else f"off: {strategy} computes its loss in its own stages"
+        )
+    elif kernels.fused_loss == "auto":
+        loss = "auto" if cuda else "chunked"
+        loss_why = (
+            "Liger's fused linear cross-entropy where liger-kernel is installed on the training host, else chunked"
+            if cuda
+            else "chunked (Liger needs CUDA)"
+        )
+    else:
+        loss, loss_why = kernels.fused_loss, f"{kernels.fused_loss} (training.kernels.fused_loss)"
+    if kernels.liger == "auto":
+        liger = "auto" if cuda and not compile_on else "off"
+        liger_why = (
+            "where liger-kernel is installed on the training host"
+            if liger == "auto"
+            else ("off: the blocks are compiled (inductor fuses the same)" if cuda else "off: CPU")
+        )
+    else:
+        liger = "on" if kernels.liger else "off"
+        liger_why = f"{liger} (training.kernels.liger)"
+    lora_compute = kernels.lora_compute
+    sixteen = dtype != "float32"
+    decided = {
+        "compile": compile_on,
+        "fused_loss": loss,
+        "loss_chunk_mib": kernels.loss_chunk_mib,
+        "liger": liger,
+        "lora_compute": lora_compute if sixteen else "float32",
+    }
+    reasons = [
+        f"kernels: per-block compile {why}; fused loss {loss_why}; Liger RMSNorm/SwiGLU/RoPE {liger_why}; "
+        + (
+            f"LoRA adapters compute in {dtype} from float32 master weights"
+            if sixteen and lora_compute == "run_dtype"
+            else "LoRA adapters compute in float32"
+        )
+    ]
+    return decided, reasons
+
+
+def problems(kernels, strategy: str, device: str) -> list[str]:
+    """Settings that cannot run: named field, value, why, and the fix."""
+    found = []
+    if kernels.compile is True and strategy not in COMPILE_STRATEGIES:
+        found.append(
+            f"training.kernels.compile = true with parallelism.strategy = {strategy}: per-block compile runs "
+            f"with {', '.join(COMPILE_STRATEGIES)} only. Set training.kernels.compile=auto or false."
+        )
+    if kernels.compile is True and device == "cpu":
+        import shutil
+
+        if not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+            found.append(
+                "training.kernels.compile = true on a CPU: inductor compiles C++ and this host has no C++ "
+                "compiler (g++, c++ or clang++ on PATH). Install one or set training.kernels.compile=false."
+            )
+    for name in ("liger",):
+        if getattr(kernels, name) is True and device != "cuda":
+            found.append(
+                f"training.kernels.{name} = true: Liger's kernels are Triton kernels for CUDA and this run is on "
+                f"the CPU. Set training.kernels.{name}=auto or false."
+            )
+    if kernels.fused_loss == "liger" and device != "cuda":
+        found.append(
+            "training.kernels.fused_loss = liger: Liger's fused linear cross-entropy needs CUDA and this run is on "
+            "the CPU. Set training.kernels.fused_loss=chunked (the same loss on any device) or auto."
+        )
+    return found
+
+
+# -- worker side ---------------------------------------------------------------------------------------------
+
+
+def liger_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def apply_liger(model, decided: dict, device: str) -> str:
+    """Patch Liger's RMSNorm/SwiGLU/RoPE into ``model`` (the Hugging Face model, before peft) where decided."""
+    wanted = decided.get("liger", "off")
+    if wanted == "off":
+        return "off"
+    model_type = getattr(model.config, "model_type", "")
+    if device != "cuda" or not liger_importable():
+        if wanted == "on":
+            raise RuntimeError(
+                "training.kernels.liger = true: liger-kernel is not installed on this training host "
+                "(pip install liger-kernel) or the run is not on CUDA. Set training.kernels.liger=auto or false."
+            )
+        return "off: liger-kernel not installed" if device == "cuda" else "off: CPU"
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        if wanted == "on":
+            raise RuntimeError(
+                f"training.kernels.liger = true: liger-kernel has no kernels for model type {model_type!r}. "
+                "Set training.kernels.liger=auto or false."
+            )
+        return f"off: no Liger kernels for {model_type}"
+    _apply_liger_kernel_to_instance(
+        model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+    )
+    return "on: RMSNorm, SwiGLU, RoPE"
+
+
+def lora_in_run_dtype(model, decided: dict, strategy: str, device: str) -> str:
+    """Stop peft casting adapted inputs to float32 where autocast computes the adapters in 16-bit anyway."""
+    if decided.get("lora_compute") != "run_dtype" or device != "cuda":
+        return "float32" if device == "cuda" else "float32 (CPU run)"
+    if strategy not in AUTOCAST_STRATEGIES:
+        return "run dtype (the strategy keeps adapters in it)"
+    layers = [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False
+    return f"run dtype under autocast ({len(layers)} adapted layers, float32 master weights)"
+
+
+def compile_blocks(model, decided: dict, strategy: str) -> str:
+    """Compile each decoder block in place (FSDP2 does it itself before sharding)."""
+    if not decided.get("compile"):
+        return "off"
+    from ladle.strategies.fsdp2 import decoder_layers
+
+    layers = decoder_layers(model)
+    if strategy != "fsdp2":
+        for layer in layers:
+            layer.compile()
+    return f"on: {len(layers)} blocks"
+
+
+def fused_head(model, decided: dict, device: str) -> str:
+    """Install the fused loss on ``model``'s output head (see ``FusedHead``); what runs, in words."""
+    wanted = decided.get("fused_loss", "off")
+    if wanted == "off":
+        return "off"
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", "")
+    if model_type not in PLAIN_HEAD_TYPES:
+        return f"off: {model_type or 'this model'}'s forward may transform the head's output"
+    head = model.get_output_embeddings()
+    if head is None:
+        return "off: the model has no output head"
+    import torch
+
+    liger_ok = device == "cuda" and type(head) is torch.nn.Linear and liger_importable()
+    if wanted == "liger" and not liger_ok:
+        raise RuntimeError(
+            "training.kernels.fused_loss = liger: needs CUDA, liger-kernel installed on the training host and a "
+            f"plain linear head (this one is {type(head).__name__}). Set training.kernels.fused_loss=chunked or auto."
+        )
+    mode = "liger" if wanted == "liger" or (wanted == "auto" and liger_ok) else "chunked"
+    vocab = getattr(config, "vocab_size", 0) or 1
+    chunk = max(1, decided.get("loss_chunk_mib", 256) * 2**20 // (4 * vocab))
+    FusedHead.install(head, mode, chunk)
+    return "liger fused linear cross-entropy" if mode == "liger" else f"chunked: {chunk} tokens at a time"
+
+
+class FusedHead:
+    """Replaces one head module's ``forward`` (its hooks, parameters and names stay as they were).
+
+    ``token_loss`` hands it the labels just before the model's forward (``expect``); the head's forward then
+    returns the summed cross-entropy of the trained positions instead of logits, and the causal LM passes it
+    through as ``logits`` (the model types in ``PLAIN_HEAD_TYPES`` do not touch the head's output). Without
+    labels handed over it is the plain head.
+    """
+
+    ACTIVE: FusedHead | None = None
+
+    def __init__(self, head, mode: str, chunk: int) -> None:
+        self.head, self.mode, self.chunk = head, mode, chunk
+        self.original = head.forward
+        self.labels = None
+        self.count = 0
+
+    @classmethod
+    def install(cls, head, mode: str, chunk: int) -> FusedHead:
+        fused = cls(head, mode, chunk)
+        head.forward = fused.forward
+        cls.ACTIVE = fused
+        return fused
+
+    def expect(self, labels) -> None:
+        self.labels = labels
+
+    def forward(self, hidden, *args: Any, **kwargs: Any):
+        labels, self.labels = self.labels, None
+        if labels is None:
+            return self.original(hidden, *args, **kwargs)
+        return self.loss(hidden, labels)
+
+    def loss(self, hidden, labels):
+        """Summed next-token cross-entropy (float32) of the positions ``labels`` trains."""
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        from ladle.data.packing import IGNORE
+
+        targets = labels[:, 1:].reshape(-1)
+        states = hidden[:, : labels.size(1) - 1].reshape(-1, hidden.size(-1))
+        keep = (targets != IGNORE).nonzero().squeeze(1)
+        self.count = int(keep.numel())
+        states, targets = states.index_select(0, keep), targets.index_select(0, keep)
+        if self.count == 0:  # still part of the graph, so backward runs as it would with trained tokens
+            return hidden.sum().float() * 0.0
+        if self.mode == "liger":
+            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+            fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
+            return fn(self.head.weight, states, targets, self.head.bias).float()
+        total = None
+        for start in range(0, self.count, self.chunk):
+            piece = checkpoint(
+                _chunk_loss,
+                self.original,
+                states[start : start + self.chunk],
+                targets[start : start + self.chunk],
+                use_reentrant=False,
+            )
+            total = piece if total is None else total + piece
+        assert total is not None and total.dtype == torch.float32
+        return total
+
+
+def _chunk_loss(head_forward, states, targets):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(head_forward(states).float(), targets, reduction="sum")
