@@ -414,6 +414,8 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         save_shard_bytes=cfg.training.save_shard_mib * 2**20,
         trained_ends=lora.enabled and params.trains_ends(model, saved),
         loss_chunk_bytes=0 if kernels_cfg.fused_loss == "off" else kernels_cfg.loss_chunk_mib * 2**20,
+        liger_loss=kernels.liger_loss_expected(kernels_cfg, target.device),
+        compiled=kernels.compile_expected(kernels_cfg, target.device),
     )
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ladle import memory, sizing, storage
 from ladle.strategies.mesh import Dims
-from ladle.train.kernels import FUSED_LOSS_STRATEGIES
+from ladle.train.kernels import COMPILE_STRATEGIES, FUSED_LOSS_STRATEGIES, LIGER_LOSS_STRATEGIES
 
 if TYPE_CHECKING:
     from ladle.config import LadleConfig
@@ -176,7 +176,13 @@ class Strategy(ABC):
         tokens = job.micro_batch * job.seq_len
         if self.ends_gathered(job, options):
             fused = self.name in FUSED_LOSS_STRATEGIES
-            return sizing.logits_bytes(job.shape, tokens, job.dtype_bytes, job.loss_chunk_bytes if fused else 0)
+            return sizing.logits_bytes(
+                job.shape,
+                tokens,
+                job.dtype_bytes,
+                job.loss_chunk_bytes if fused else 0,
+                liger=self.name in LIGER_LOSS_STRATEGIES and job.liger_loss and job.loss_chunk_bytes > 0,
+            )
         return sizing.vocab_parallel_logits_bytes(job.shape, tokens, job.dtype_bytes, job.world)
 
     def eval_micro_batch(self, job: sizing.Job, options: Section | None) -> tuple[int, str]:
@@ -219,6 +225,8 @@ class Strategy(ABC):
         acts, note = self.activations(job, options)
         if not job.cuda:
             acts = int(acts * sizing.CPU_RESIDENT_ACTIVATIONS["lora" if job.lora else "full"])
+        elif job.compiled and self.name in COMPILE_STRATEGIES:
+            acts = int(acts * sizing.COMPILED_ACTIVATIONS)
         logits = self.logits_bytes(job, options)
         load = self.load_bytes(job, options, states)
         step = self.step_bytes(job, options, states)

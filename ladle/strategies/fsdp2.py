@@ -17,6 +17,7 @@ from ladle.schema import Section
 from ladle.strategies.base import Candidate, Strategy
 from ladle.strategies.mesh import Dims
 from ladle.strategies.registry import register
+from ladle.train.kernels import decoder_layers
 
 
 class FSDP2Options(Section):
@@ -45,11 +46,6 @@ class FSDP2Options(Section):
         description="use_fsdp2_compile: torch.compile each decoder block in place before sharding (CUDA, "
         "torch >= 2.2, accelerate >= 0.27). FSDP2 only; DeepSpeed with torch.compile is rejected.",
     )
-
-
-def decoder_layers(model) -> list:
-    """The transformer blocks to shard one by one (``*DecoderLayer`` modules of HF causal LMs)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
 def embedding_units(model) -> list:

@@ -28,6 +28,9 @@ COMPILE_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp2")
 # head's forward); pipeline stages compute the loss on the last stage, tensor-parallel heads redistribute
 # their output in hooks.
 FUSED_LOSS_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero++", "fsdp2")
+# Strategies that leave the head a plain ``nn.Linear`` (Liger's kernel takes its weight; FSDP2's units change the
+# module's class, so its gathered head runs the chunked loss).
+LIGER_LOSS_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero++")
 # Model types whose causal-LM forward returns the head's output unchanged (no soft-capping or logit scale).
 PLAIN_HEAD_TYPES = (
     "llama",
@@ -135,6 +138,19 @@ def problems(kernels, strategy: str, device: str) -> list[str]:
     return found
 
 
+def liger_loss_expected(kernels, device: str) -> bool:
+    """Whether the memory model should expect Liger's fused loss: asked for, or auto with liger-kernel installed
+    where the plan is made (the training host for local runs)."""
+    if device != "cuda" or kernels.fused_loss in ("off", "chunked"):
+        return False
+    return kernels.fused_loss == "liger" or liger_importable()
+
+
+def compile_expected(kernels, device: str) -> bool:
+    """Whether blocks are compiled where the strategy compiles them (the memory model's activation factor)."""
+    return device == "cuda" and (kernels.compile is True or kernels.compile == "auto")
+
+
 # -- worker side ---------------------------------------------------------------------------------------------
 
 
@@ -184,12 +200,15 @@ def lora_in_run_dtype(model, decided: dict, strategy: str, device: str) -> str:
     return f"run dtype under autocast ({len(layers)} adapted layers, float32 master weights)"
 
 
+def decoder_layers(model) -> list:
+    """The transformer blocks (``*DecoderLayer`` modules of HF causal LMs): FSDP2's units, the compiled blocks."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
 def compile_blocks(model, decided: dict, strategy: str) -> str:
     """Compile each decoder block in place (FSDP2 does it itself before sharding)."""
     if not decided.get("compile"):
         return "off"
-    from ladle.strategies.fsdp2 import decoder_layers
-
     layers = decoder_layers(model)
     if strategy != "fsdp2":
         for layer in layers:

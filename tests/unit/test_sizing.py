@@ -255,7 +255,11 @@ def test_fsdp2_vocabulary_parallel_ends_gather_only_layers_and_chunk_the_logits(
         estimates[shard] = plan_estimate(cfg, made, model)
     shape = sizing.shape_from_config(model)
     tokens = made.micro_batch_size * cfg.data.seq_len
-    assert estimates[False].logits == sizing.logits_bytes(shape, tokens, 2)  # tokens x vocabulary, whole
+    # gathered ends: the chunked fused loss's one chunk (the whole tokens x vocabulary with fused_loss=off)
+    chunk = cfg.training.kernels.loss_chunk_mib * 2**20
+    assert (
+        estimates[False].logits == sizing.logits_bytes(shape, tokens, 2, chunk) < sizing.logits_bytes(shape, tokens, 2)
+    )
     assert estimates[True].logits <= sizing.LOGITS_CHUNK_BYTES * (2 + 8) // 4 < estimates[False].logits
     assert estimates[True].gathered < estimates[False].gathered  # no embedding or head gathered
     assert estimates[True].weights == estimates[False].weights  # the same shards
