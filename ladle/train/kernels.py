@@ -130,6 +130,12 @@ def problems(kernels, strategy: str, device: str) -> list[str]:
                 f"training.kernels.{name} = true: Liger's kernels are Triton kernels for CUDA and this run is on "
                 f"the CPU. Set training.kernels.{name}=auto or false."
             )
+    if kernels.fused_loss == "liger" and strategy not in LIGER_LOSS_STRATEGIES:
+        found.append(
+            f"training.kernels.fused_loss = liger with parallelism.strategy = {strategy}: Liger's kernel needs the "
+            f"head as a plain linear layer, which {strategy} does not keep. Set training.kernels.fused_loss=chunked "
+            "or auto."
+        )
     if kernels.fused_loss == "liger" and device != "cuda":
         found.append(
             "training.kernels.fused_loss = liger: Liger's fused linear cross-entropy needs CUDA and this run is on "

@@ -186,6 +186,9 @@ def test_plan_refuses_what_cannot_run():
     assert len(found) == 2
     assert found[0].startswith("training.kernels.liger = true: Liger's kernels are Triton kernels for CUDA")
     assert "Set training.kernels.fused_loss=chunked" in found[1]
+    k = cfg_with("training.kernels.fused_loss=liger").training.kernels
+    assert kernels.problems(k, "ddp", "cuda") == []
+    assert "which fsdp2 does not keep" in kernels.problems(k, "fsdp2", "cuda")[0]
 
 
 def test_the_memory_model_counts_one_chunk_of_logits():
