@@ -89,13 +89,16 @@ def write_tokens(root: Path, base: Path, rows: int) -> Path:
     return data
 
 
-def flops_per_token(shape: dict, seq: int) -> tuple[float, float]:
-    """(ladle's convention: 4N + causal attention, NeMo's LoRA convention: (2 + r)/3 x 6N + attention)."""
+def flops_per_token(shape: dict, seq: int, rank: int = 16) -> tuple[float, float]:
+    """(ladle's convention: 4N + causal attention, NeMo's LoRA convention: (2 + r)/3 x 6N + attention, r the
+    trained share: LoRA of ``rank`` on every linear layer of the blocks)."""
     h, kv = shape["hidden_size"], shape["num_key_value_heads"] * shape["head_dim"]
     layers, inter, vocab = shape["num_hidden_layers"], shape["intermediate_size"], shape.get("vocab_size", 0)
     n = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + h * vocab
+    # q, o: h -> h; k, v: h -> kv; gate, up: h -> inter; down: inter -> h
+    adapters = layers * rank * (2 * 2 * h + 2 * (h + kv) + 3 * (h + inter))
     attention = 3 * 2 * 2 * layers * h * seq / 2
-    return 4 * n + attention, 6 * n * (2 + 0.01) / 3 + attention
+    return 4 * n + attention, 6 * n * (2 + adapters / n) / 3 + attention
 
 
 def ladle_8b(rec: Recorder, root: Path, base: Path, data: Path, steps: int, label: str, sets: list[str], tiny: bool):

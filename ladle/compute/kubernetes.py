@@ -44,6 +44,20 @@ def job_name(run_name: str) -> str:
     return ("ladle-" + clean)[:52].rstrip("-")
 
 
+def launch_args(spec_url: str, address_var: str, port_var: str) -> list[str]:
+    """``ladle launch``'s arguments in a pod: the node rank and rendezvous from the environment the operator
+    fills (Kubernetes expands ``$(VAR)`` from the container's environment)."""
+    return [
+        spec_url,
+        "--node-rank",
+        "$(PET_NODE_RANK)",
+        "--main-address",
+        f"$({address_var})",
+        "--main-port",
+        f"$({port_var})",
+    ]
+
+
 class KubernetesTarget(ComputeTarget):
     name = "kubernetes"
 
@@ -92,15 +106,7 @@ class KubernetesTarget(ComputeTarget):
             {
                 "command": LAUNCH,
                 # Kubernetes expands $(VAR) from the container's environment, which the operator fills.
-                "args": [
-                    spec_url,
-                    "--node-rank",
-                    "$(PET_NODE_RANK)",
-                    "--main-address",
-                    "$(MASTER_ADDR)",
-                    "--main-port",
-                    "$(MASTER_PORT)",
-                ],
+                "args": launch_args(spec_url, "MASTER_ADDR", "MASTER_PORT"),
                 "ports": [{"name": PORT_NAME, "containerPort": self.opts.port, "protocol": "TCP"}],
             }
         )
@@ -178,15 +184,7 @@ class KubernetesTarget(ComputeTarget):
         trainer: dict[str, Any] = {
             "image": self.opts.image,
             "command": LAUNCH,
-            "args": [
-                spec_url,
-                "--node-rank",
-                "$(PET_NODE_RANK)",
-                "--main-address",
-                "$(PET_MASTER_ADDR)",
-                "--main-port",
-                "$(PET_MASTER_PORT)",
-            ],
+            "args": launch_args(spec_url, "PET_MASTER_ADDR", "PET_MASTER_PORT"),
             "numNodes": plan.num_machines,
             "numProcPerNode": 1,
         }

@@ -124,12 +124,11 @@ def problems(kernels, strategy: str, device: str) -> list[str]:
                 "training.kernels.compile = true on a CPU: inductor compiles C++ and this host has no C++ "
                 "compiler (g++, c++ or clang++ on PATH). Install one or set training.kernels.compile=false."
             )
-    for name in ("liger",):
-        if getattr(kernels, name) is True and device != "cuda":
-            found.append(
-                f"training.kernels.{name} = true: Liger's kernels are Triton kernels for CUDA and this run is on "
-                f"the CPU. Set training.kernels.{name}=auto or false."
-            )
+    if kernels.liger is True and device != "cuda":
+        found.append(
+            "training.kernels.liger = true: Liger's kernels are Triton kernels for CUDA and this run is on the CPU. "
+            "Set training.kernels.liger=auto or false."
+        )
     if kernels.fused_loss == "liger" and strategy not in LIGER_LOSS_STRATEGIES:
         found.append(
             f"training.kernels.fused_loss = liger with parallelism.strategy = {strategy}: Liger's kernel needs the "
