@@ -607,12 +607,11 @@ class SlurmConfig(Section):
 
 
 class KubernetesConfig(Section):
-    api: Literal["pytorchjob", "trainjob"] = Field(
-        "pytorchjob",
-        description="The training job's API: `pytorchjob` (Kubeflow training operator 1.9, `kubeflow.org/v1`; what "
-        "the train stage submits and follows) or `trainjob` (Kubeflow Trainer v2.3, `trainer.kubeflow.org/v1alpha1`, "
-        "with the ClusterTrainingRuntime it references; rendered by `ladle k8s render`, not yet followed by the "
-        "train stage).",
+    api: Literal["trainjob", "pytorchjob"] = Field(
+        "trainjob",
+        description="The training job's API: `trainjob` (Kubeflow Trainer v2.3, `trainer.kubeflow.org/v1alpha1`: a "
+        "TrainJob and the ClusterTrainingRuntime it references, which the train stage creates when the cluster lacks "
+        "it) or `pytorchjob` (the Kubeflow training operator 1.9's `kubeflow.org/v1`, deprecated upstream).",
     )
     queue: str | None = Field(
         None, description="Kueue LocalQueue to submit to (the `kueue.x-k8s.io/queue-name` label). null: no queue."
@@ -661,7 +660,7 @@ class ComputeConfig(Section):
         "local",
         description="Where training runs. local: this machine (plus machines that join by hand when "
         "parallelism.nodes > 1). slurm: one `sbatch` job over parallelism.nodes nodes, followed until it ends. "
-        "kubernetes: a Kubeflow PyTorchJob (`ladle k8s render`).",
+        "kubernetes: a Kubeflow Trainer TrainJob (or a PyTorchJob), submitted and followed with kubectl (`ladle k8s render`).",
     )
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Options of target slurm.")
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description="Options of target kubernetes.")

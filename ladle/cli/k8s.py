@@ -1,4 +1,4 @@
-"""``ladle k8s render CONFIG --nodes N [--api pytorchjob|trainjob]``: the Kubeflow training job that trains CONFIG on
+"""``ladle k8s render CONFIG --nodes N [--api trainjob|pytorchjob]``: the Kubeflow training job that trains CONFIG on
 N Kubernetes nodes."""
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Each target takes the same ``TrainSpec`` and returns the same ``TrainResult``, relaying the same progress
 events: ``local`` starts ``accelerate launch`` on this machine, ``slurm`` submits one ``sbatch`` job over
-the plan's nodes and follows it, ``kubernetes`` renders a Kubeflow PyTorchJob (``ladle k8s render``).
+the plan's nodes and follows it, ``kubernetes`` submits a Kubeflow Trainer TrainJob (or a PyTorchJob) with kubectl and
+follows it (``ladle k8s render`` prints it).
 """
 
 from __future__ import annotations

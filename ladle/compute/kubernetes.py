@@ -1,16 +1,17 @@
-"""``compute.target: kubernetes``: multi-node training as a Kubeflow ``PyTorchJob`` (``kubeflow.org/v1``).
+"""``compute.target: kubernetes``: multi-node training as a Kubeflow Trainer v2 ``TrainJob``
+(``trainer.kubeflow.org/v1alpha1``, the default) or a Kubeflow ``PyTorchJob`` (``kubeflow.org/v1``,
+``compute.kubernetes.api: pytorchjob``, for clusters still on the training operator 1.9).
 
-Why PyTorchJob and not Kubeflow Trainer's ``TrainJob``: a PyTorchJob carries whole pod templates, so
-everything a training pod needs (GPU limits, the in-memory /dev/shm, tolerations, the secret with the
-artifact store's and MLflow's settings) is plain Kubernetes inside one object, and it runs on the training
-operator alone. A ``TrainJob`` needs a ``ClusterTrainingRuntime`` installed beside it whose launcher (its
-own torchrun) ladle would have to override. The operator gives every pod ``PET_NODE_RANK`` (master 0,
-worker i → i + 1), ``MASTER_ADDR`` (the master pod's service) and ``MASTER_PORT``; each pod runs
-``ladle launch`` with them, which starts the plan's ``accelerate launch`` for that node: the same launch as
-every other target.
+Either way one pod per node runs ``ladle launch`` with the rank and rendezvous the controller puts in its
+environment (Trainer: ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ``PET_MASTER_PORT``; the operator: ``PET_NODE_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``), which starts the plan's ``accelerate launch`` for that node: the same launch as
+every other target. A ``TrainJob`` references a ``ClusterTrainingRuntime``; ladle renders the one that carries
+its pods' settings (``/dev/shm``, the env secret, tolerations, node selector), named by their hash, and creates it
+when the cluster lacks it. ``compute.kubernetes.queue`` adds Kueue's queue label.
 
-``render`` is pure (tested against the CRD's and Kubernetes' published schemas); ``run`` submits with
-``kubectl`` and follows the job until it succeeds or fails.
+``render``/``render_trainjob`` are pure (tested against the CRDs' and Kubernetes' published schemas); ``run``
+submits with ``kubectl``, follows the job (``k8s_status`` reads its state, its pods' and Kueue's) and deletes it on
+any way out but success or failure of the training itself.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from typing import Any
 
 import yaml
 
+import ladle.compute.k8s_status as k8s_status
 from ladle import storage
 from ladle.compute.base import ComputeTarget
 from ladle.errors import LadleError
+from ladle.processes import stop_process
 
 CONTAINER = "pytorch"  # the name the training operator looks for
 PORT_NAME = "pytorchjob-port"  # the master port the operator reads
@@ -36,6 +39,9 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 TRAINER_API = "trainer.kubeflow.org/v1alpha1"
 TRAINER_CONTAINER = "node"  # the replicated job and container Trainer's torch plugin configures
 ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"  # marks the job that TrainJob.spec.trainer fills
+RESOURCES = {"trainjob": "trainjobs.trainer.kubeflow.org", "pytorchjob": "pytorchjobs.kubeflow.org"}
+KINDS = {"trainjob": "TrainJob", "pytorchjob": "PyTorchJob"}
+RUNTIME_RESOURCE = "clustertrainingruntimes.trainer.kubeflow.org"
 
 
 def job_name(run_name: str) -> str:
@@ -212,101 +218,206 @@ class KubernetesTarget(ComputeTarget):
         return "PyTorchJob:\n" + yaml.safe_dump(self.render(spec, plan, self.cfg.name), sort_keys=False)
 
     def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+        """One bounded kubectl call. A call that outlives ``timeout`` reads as a failed one (rc 124)."""
         try:
             return subprocess.run(
                 ["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=timeout, check=False
             )
         except FileNotFoundError:
             raise LadleError(
-                "compute.target = 'kubernetes': kubectl not found on PATH. The train stage submits the PyTorchJob "
-                "with kubectl (infra/Dockerfile's image has it); or print it with `ladle k8s render` and apply it."
+                "compute.target = 'kubernetes': kubectl not found on PATH. The train stage submits the training "
+                "job with kubectl (infra/Dockerfile's image has it); or print it with `ladle k8s render` and apply "
+                "it."
             ) from None
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(
+                ["kubectl", *args], 124, "", f"kubectl {args[0]}: no answer in {timeout:g} s"
+            )
+
+    def get_json(self, *args: str) -> dict[str, Any] | None:
+        """``kubectl get ... -o json``, parsed; None when kubectl failed (the caller decides what that means)."""
+        got = self.kubectl("get", *args, "-o", "json")
+        if got.returncode != 0 or not got.stdout.strip():
+            return None
+        return json.loads(got.stdout)
 
     def run(self, spec, on_progress=None, on_line=None, on_command=None):
         from ladle import strategies
         from ladle.train.run import Relay, read_result, write_spec
 
-        if self.opts.api == "trainjob":
-            raise LadleError(
-                "compute.kubernetes.api = 'trainjob': the train stage submits and follows PyTorchJobs only so far. "
-                "Print the TrainJob with `ladle k8s render CONFIG --nodes N --api trainjob` and apply it, or set "
-                "compute.kubernetes.api: pytorchjob."
-            )
+        api = self.opts.api
         strategies.get(spec.plan.strategy).before_launch(spec.plan)
         relay = Relay(on_progress, on_line)
         with tempfile.TemporaryDirectory(prefix="ladle-k8s-") as tmp:
             write_spec(spec, tmp)  # the run folder is remote (the planner insists), so the pods read it there
             run_name = spec.run_url.rstrip("/").split("/")[-1]
-            job = self.render(storage.join(spec.run_url, "spec.json"), spec.plan, run_name)
+            spec_url = storage.join(spec.run_url, "spec.json")
+            if api == "trainjob":
+                runtime, job = self.render_trainjob(spec_url, spec.plan, run_name)
+                self.ensure_runtime(runtime)
+            else:
+                job = self.render(spec_url, spec.plan, run_name)
             name, ns = job["metadata"]["name"], job["metadata"]["namespace"]
-            self.kubectl("delete", "pytorchjob", name, "-n", ns, "--ignore-not-found", "--wait=true")  # a retry
+            resource = RESOURCES[api]
+            self.kubectl("delete", resource, name, "-n", ns, "--ignore-not-found", "--wait=true")  # a retry
             done = self.kubectl("apply", "-f", "-", stdin=json.dumps(job))
             if done.returncode != 0:
-                raise LadleError(f"kubectl refused the PyTorchJob {name}: {done.stderr.strip()}")
+                raise LadleError(f"kubectl refused the {job['kind']} {ns}/{name}: {done.stderr.strip()}")
             if on_command:
-                on_command(f"kubectl apply: PyTorchJob {ns}/{name}, {spec.plan.num_machines} pod(s)")
+                on_command(f"kubectl apply: {job['kind']} {ns}/{name}, {spec.plan.num_machines} pod(s)")
             try:
                 state = self.follow(name, ns, relay)
-            except BaseException:
-                self.kubectl("delete", "pytorchjob", name, "-n", ns, "--ignore-not-found")
+            except BaseException:  # a deadline, a Prefect cancel, Ctrl-C: nothing is left on the cluster
+                self.kubectl("delete", resource, name, "-n", ns, "--ignore-not-found")
                 raise
-        if state != "Succeeded":
-            raise relay.failure(f"PyTorchJob {ns}/{name} ended {state}")
+        if state.phase != "succeeded":
+            pods = self.get_json("pods", "-n", ns, "-l", self.pod_selector(name)) or {}
+            ended = "; ".join([state.why(), *k8s_status.pods_failed(pods)]).strip("; ")
+            raise relay.failure(f"{job['kind']} {ns}/{name} ended Failed ({ended or 'no reason given'})")
         return read_result(spec)
+
+    def ensure_runtime(self, runtime: dict[str, Any]) -> None:
+        """Create the ClusterTrainingRuntime the TrainJob references unless the cluster has it. Its name is a hash
+        of its settings, so one that exists is the one wanted."""
+        name = runtime["metadata"]["name"]
+        if self.kubectl("get", f"{RUNTIME_RESOURCE}/{name}", "-o", "name").returncode == 0:
+            return
+        done = self.kubectl("apply", "-f", "-", stdin=json.dumps(runtime))
+        if done.returncode != 0:
+            raise LadleError(
+                f"compute.kubernetes.api = 'trainjob': the cluster has no ClusterTrainingRuntime {name} and kubectl "
+                f"could not create it ({done.stderr.strip()}). A cluster-scoped object needs a cluster admin: "
+                "apply it once with `ladle k8s render CONFIG --nodes N | kubectl apply -f -`, or bind "
+                "infra/k8s/rbac.yaml's ClusterRole to the flow-run pods' service account."
+            )
+
+    def pod_selector(self, name: str) -> str:
+        label = k8s_status.TRAINJOB_POD_LABEL if self.opts.api == "trainjob" else k8s_status.PYTORCHJOB_POD_LABEL
+        return f"{label}={name}"
 
     POLL_S = 5.0
     """Seconds between looks at the job's status."""
 
-    def follow(self, name: str, ns: str, relay) -> str:
-        """Stream the master pod's log until the job's last condition is Succeeded or Failed.
+    def follow(self, name: str, ns: str, relay) -> k8s_status.JobState:
+        """Follow the job until it succeeds or fails, streaming node rank 0's log while its pod runs.
+
+        The job has ``compute.kubernetes.schedule_timeout_s`` to start running, counted from submission and again
+        from each time it stops running without ending (Kueue preempted it: Kueue admits it again by itself when
+        quota frees, so ladle waits that long for it). A queue that cannot admit it ends the wait at once.
 
         Raises:
-            LadleError: the job did not start running within ``compute.kubernetes.schedule_timeout_s`` (the
-                caller deletes it), naming what its pods wait for.
+            LadleError: the job did not run in time, Kueue will not admit it, or it was deleted behind ladle's
+                back; the message names the reason the cluster gives and what to change.
         """
-        pod = f"{name}-master-0"
-        logs = None
-        deadline = time.monotonic() + self.opts.schedule_timeout_s
+        api, resource = self.opts.api, RESOURCES[self.opts.api]
+        state_of = k8s_status.trainjob_state if api == "trainjob" else k8s_status.pytorchjob_state
+        timeout = self.opts.schedule_timeout_s
+        deadline: float | None = time.monotonic() + timeout
+        streamed: set[str] = set()  # pods whose log was followed to its end
+        evicted: k8s_status.KueueVerdict | None = None
+        missing_since: float | None = None
         while True:
-            got = self.kubectl("get", "pytorchjob", name, "-n", ns, "-o", "json")
-            conditions = json.loads(got.stdout).get("status", {}).get("conditions", []) if got.returncode == 0 else []
-            state = conditions[-1]["type"] if conditions else "Created"
-            if logs is None and state in ("Running", "Succeeded", "Failed"):
-                logs = subprocess.Popen(
-                    ["kubectl", "logs", "-f", pod, "-n", ns],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-                assert logs.stdout is not None
-                for line in logs.stdout:
-                    relay.feed(line)
-                if logs.wait() != 0 and state == "Running":
-                    logs = None  # the pod was not ready for its log yet: look again
-            if state in ("Succeeded", "Failed"):
+            job = self.get_json(resource, name, "-n", ns)
+            if job is None:  # kubectl failed: the API server is unreachable for a moment, or the job is gone
+                missing_since = missing_since or time.monotonic()
+                if time.monotonic() - missing_since > max(timeout, 60):
+                    raise LadleError(
+                        f"{KINDS[api]} {ns}/{name}: kubectl could not read it for {max(timeout, 60):g} s (deleted "
+                        "outside ladle, or the API server is unreachable). Check `kubectl get "
+                        f"{resource} -n {ns}` and rerun."
+                    )
+                time.sleep(self.POLL_S)
+                continue
+            missing_since = None
+            state = state_of(job)
+            pods = self.get_json("pods", "-n", ns, "-l", self.pod_selector(name)) or {}
+            lead = k8s_status.lead_pod(pods, api)
+            if state.phase in ("running", "succeeded", "failed") or k8s_status.pod_started(lead):
+                deadline, evicted = None, None
+                if lead and k8s_status.pod_started(lead) and self.uid(lead) not in streamed:
+                    if self.stream(lead, ns, relay):
+                        streamed.add(self.uid(lead))
+                    continue  # look again at once: the pod's end is the job's news
+            if state.phase in ("succeeded", "failed"):
                 return state
-            if state not in ("Running", "Restarting") and time.monotonic() > deadline:
-                timeout = self.opts.schedule_timeout_s
+            if state.phase in ("running",) or k8s_status.pod_started(lead):
+                time.sleep(self.POLL_S)
+                continue
+            # Not running: created, waiting for the scheduler or an image, or suspended by Kueue.
+            verdict = self.kueue(job, ns) if (self.opts.queue or state.phase == "suspended") else None
+            if verdict and verdict.kind == "inadmissible":
                 raise LadleError(
-                    f"compute.kubernetes.schedule_timeout_s = {timeout:g}: PyTorchJob {ns}/{name} did not start "
-                    f"running in {timeout:g} s ({self.waiting_for(name, ns)}); it is deleted. Free or add what its "
-                    "pods ask for (compute.kubernetes.gpus_per_node, parallelism.nodes), fix the image, or raise "
-                    "the timeout."
+                    f"compute.kubernetes.queue = {self.opts.queue!r}: {KINDS[api]} {ns}/{name} cannot be admitted "
+                    f"({verdict.why()}); it is deleted. Name a LocalQueue that exists in namespace {ns} and "
+                    "points at an active ClusterQueue (`kubectl get localqueues -n NAMESPACE`)."
                 )
+            if deadline is None:  # it ran and stopped without ending: preempted or evicted
+                deadline = time.monotonic() + timeout
+                evicted = verdict if verdict and verdict.kind == "evicted" else None
+                relay.feed(
+                    f"{KINDS[api]} {ns}/{name} stopped running ({(verdict.why() if verdict else state.why()) or state.phase}); "
+                    f"waiting up to {timeout:g} s for it to run again\n"
+                )
+            if time.monotonic() > deadline:
+                raise LadleError(self.not_running(name, ns, state, verdict, evicted, pods))
             time.sleep(self.POLL_S)
 
-    def waiting_for(self, name: str, ns: str) -> str:
-        """What the job's pods wait for, from their status: the scheduler's message, or a container's reason."""
-        got = self.kubectl("get", "pods", "-n", ns, "-l", f"training.kubeflow.org/job-name={name}", "-o", "json")
-        pods = json.loads(got.stdout).get("items", []) if got.returncode == 0 and got.stdout.strip() else []
-        reasons = []
-        for pod in pods:
-            status, pod_name = pod.get("status", {}), pod.get("metadata", {}).get("name", "?")
-            for condition in status.get("conditions", []):
-                if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
-                    reasons.append(f"{pod_name}: {condition.get('reason')}: {condition.get('message', '')}".strip())
-            for container in status.get("containerStatuses", []):
-                waiting = container.get("state", {}).get("waiting")
-                if waiting:
-                    reasons.append(f"{pod_name}: {waiting.get('reason')}: {waiting.get('message', '')}".strip())
-        return "; ".join(reasons) or "no pod of it was created: is the training operator installed?"
+    @staticmethod
+    def uid(pod: dict[str, Any]) -> str:
+        meta = pod.get("metadata") or {}
+        return meta.get("uid") or meta.get("name", "")
+
+    def stream(self, pod: dict[str, Any], ns: str, relay) -> bool:
+        """Feed the pod's log to the relay until the pod's container ends; False when kubectl could not follow
+        it (its container not started yet), so the caller looks again."""
+        proc = subprocess.Popen(
+            ["kubectl", "logs", "-f", pod["metadata"]["name"], "-n", ns],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                relay.feed(line)
+            return proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                stop_process(proc, grace_s=5)
+
+    def kueue(self, job: dict[str, Any], ns: str) -> k8s_status.KueueVerdict | None:
+        uid = (job.get("metadata") or {}).get("uid")
+        if not uid:
+            return None
+        workloads = self.get_json("workloads.kueue.x-k8s.io", "-n", ns, "-l", f"{k8s_status.KUEUE_JOB_UID_LABEL}={uid}")
+        return k8s_status.kueue_verdict(workloads or {})
+
+    def not_running(self, name, ns, state, verdict, evicted, pods) -> str:
+        """The deadline's message: what the job waits for, by the cluster's own words, and what to change."""
+        timeout, kind = self.opts.schedule_timeout_s, KINDS[self.opts.api]
+        head = f"compute.kubernetes.schedule_timeout_s = {timeout:g}: {kind} {ns}/{name}"
+        if evicted:
+            return (
+                f"{head} was preempted ({evicted.why()}) and not admitted again in {timeout:g} s; it is deleted. "
+                "Give it a higher priority (a Kueue WorkloadPriorityClass), submit to a queue with quota to spare "
+                "(compute.kubernetes.queue), or raise the timeout; a rerun resumes from the last checkpoint."
+            )
+        if state.phase == "suspended":
+            if verdict:
+                return (
+                    f"{head} was not admitted in {timeout:g} s ({verdict.why()}); it is deleted. Ask for less "
+                    "(compute.kubernetes.gpus_per_node, parallelism.nodes), give the ClusterQueue more quota, "
+                    "or raise the timeout."
+                )
+            return (
+                f"{head} stayed suspended for {timeout:g} s with no Kueue Workload for it; it is deleted. Is Kueue "
+                "installed, and does compute.kubernetes.queue name a LocalQueue?"
+            )
+        waiting = "; ".join(k8s_status.pods_waiting(pods))
+        if not waiting:
+            installed = "Kubeflow Trainer (and JobSet)" if self.opts.api == "trainjob" else "the training operator"
+            waiting = f"no pod of it was created: is {installed} installed?"
+        return (
+            f"{head} did not start running in {timeout:g} s ({waiting}); it is deleted. Free or add what its pods "
+            "ask for (compute.kubernetes.gpus_per_node, parallelism.nodes), fix the image, or raise the timeout."
+        )

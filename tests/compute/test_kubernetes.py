@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jsonschema
@@ -64,6 +63,8 @@ def test_the_70b_recipe_renders_a_valid_two_node_pytorchjob():
         "output=s3://models/ladle",
         "--run-id",
         "llama-70b-1",
+        "--api",
+        "pytorchjob",
     )
     validate_pytorchjob(job)
     replicas = job["spec"]["pytorchReplicaSpecs"]
@@ -170,9 +171,21 @@ def test_the_work_pool_template_renders_through_prefects_worker_and_a_server_acc
     assert asyncio.run(create_and_read()) == template
 
 
-def test_rbac_objects_are_valid():
-    for obj in yaml.safe_load_all((K8S / "rbac.yaml").read_text()):
+def test_rbac_objects_are_valid_and_grant_what_the_train_stage_calls():
+    objects = list(yaml.safe_load_all((K8S / "rbac.yaml").read_text()))
+    for obj in objects:
         kubernetes_validate.validate(obj, VERSION, strict=True)
+    granted = {
+        (resource, verb)
+        for obj in objects
+        if obj["kind"] in ("Role", "ClusterRole")
+        for rule in obj["rules"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    needed = {("trainjobs", v) for v in ("create", "get", "delete")} | {("pytorchjobs", v) for v in ("create", "get")}
+    needed |= {("pods", "list"), ("pods/log", "get"), ("workloads", "list"), ("clustertrainingruntimes", "create")}
+    assert needed <= granted, needed - granted
 
 
 def test_render_refuses_a_local_output_folder(tmp_path):
@@ -202,68 +215,19 @@ def test_a_recorded_topology_plans_the_nodes(tmp_path):
     assert any("compute target kubernetes" in r for r in plan.reasons)
 
 
-PENDING_POD = {
-    "items": [
-        {
-            "metadata": {"name": "ladle-k8s-master-0"},
-            "status": {
-                "phase": "Pending",
-                "conditions": [
-                    {
-                        "type": "PodScheduled",
-                        "status": "False",
-                        "reason": "Unschedulable",
-                        "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
-                    }
-                ],
-            },
-        }
-    ]
-}
+def test_a_pytorchjob_that_never_starts_is_deleted_at_its_deadline_with_the_pods_reason(tmp_path, monkeypatch):
+    """compute.kubernetes.api=pytorchjob: the job stays Created, its master pod unschedulable (recorded, see
+    k8s_recorded/SOURCES.md). The train stage ends at compute.kubernetes.schedule_timeout_s, names the
+    scheduler's message, and deletes the job."""
+    from tests.compute.test_k8s_follow import follow, verbs
 
-
-def test_a_job_that_never_starts_is_deleted_at_its_deadline_with_the_pods_reason(tmp_path, monkeypatch):
-    """A stand-in kubectl (the cluster this machine lacks): the job stays Created, its pod unschedulable. The
-    train stage ends at compute.kubernetes.schedule_timeout_s, names the scheduler's message, and deletes it."""
-    from ladle.compute.kubernetes import KubernetesTarget
-    from ladle.errors import LadleError
-
-    calls = tmp_path / "calls"
-    (tmp_path / "pod.json").write_text(json.dumps(PENDING_POD))
-    kubectl = tmp_path / "bin" / "kubectl"
-    kubectl.parent.mkdir()
-    kubectl.write_text(
-        f'#!/bin/sh\necho "$@" >> {calls}\n'
-        'case "$1 $2" in\n'
-        '  "get pytorchjob") echo \'{"status": {"conditions": [{"type": "Created", "status": "True"}]}}\' ;;\n'
-        f'  "get pods") cat {tmp_path / "pod.json"} ;;\n'
-        "esac\n"
-    )
-    kubectl.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{kubectl.parent}:{os.environ['PATH']}")
-    cfg = build_config(
-        {
-            "base": "ladle://tiny-llama",
-            "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
-            "output": "s3://models/ladle",
-            "parallelism": {"nodes": 2, "cpu_processes": 2},
-            "compute": {"target": "kubernetes", "kubernetes": {"schedule_timeout_s": 1}},
-        },
-        [],
-    )
-    spec = train_spec(cfg, tmp_path, "k8s")
-    target = KubernetesTarget(cfg)
-    monkeypatch.setattr(KubernetesTarget, "POLL_S", 0.1)
-    monkeypatch.setattr("ladle.train.run.write_spec", lambda spec, tmp: None)  # the run folder is on S3
-    began = time.monotonic()
-    with pytest.raises(LadleError) as caught:
-        target.run(spec)
-    assert time.monotonic() - began < 30
-    message = str(caught.value)
-    assert message.startswith("compute.kubernetes.schedule_timeout_s = 1: PyTorchJob default/")
-    assert "did not start running in 1 s (ladle-k8s-master-0: Unschedulable: 0/3 nodes are available" in message
-    made = calls.read_text().splitlines()
-    assert made[-1].startswith("delete pytorchjob") and any(c.startswith("apply -f -") for c in made)
+    outcome, calls, _, took = follow(tmp_path, monkeypatch, "pytorchjob_unschedulable", api="pytorchjob")
+    assert isinstance(outcome, LadleError) and took < 30
+    message = str(outcome)
+    assert message.startswith("compute.kubernetes.schedule_timeout_s = 1: PyTorchJob default/ladle-k8s")
+    assert "did not start running in 1 s (ladle-k8s-master-0: Unschedulable: 0/9 nodes are available" in message
+    assert [c["stdin"]["kind"] for c in calls if c["argv"][0] == "apply"] == ["PyTorchJob"]
+    assert verbs(calls)[-1] == "delete pytorchjobs.kubeflow.org"
 
 
 TRAINJOB_CRD = json.loads((K8S / "schemas" / "trainer.kubeflow.org_v1alpha1_trainjob.json").read_text())
@@ -344,6 +308,3 @@ def test_the_trainjob_and_its_runtime_are_valid_and_each_pod_runs_the_local_laun
         [str(spec_file)], machine_rank=1, main_address="ladle-k8s-node-0-0.ladle-k8s", main_port=29400
     )
     assert json.loads(done.stdout.strip().splitlines()[-1]) == local
-    # The train stage does not follow a TrainJob yet: it says so instead of submitting something it cannot watch.
-    with pytest.raises(LadleError, match="compute.kubernetes.api = 'trainjob': the train stage submits and follows"):
-        compute.get(cfg).run(spec)
