@@ -291,6 +291,54 @@ ParallelismConfig = create_model(
 )
 
 
+class ServeKubernetesConfig(Section):
+    kind: Literal["deployment", "inferenceservice"] = Field(
+        "deployment",
+        description="What serves the champion: `deployment` (a Deployment and a Service) or `inferenceservice` (a "
+        "KServe `serving.kserve.io/v1beta1` InferenceService with ladle's server as its predictor).",
+    )
+    namespace: str = Field("default", description="Namespace of the serving objects.")
+    image: str = Field("ladle:latest", description="Server image (infra/Dockerfile's, pushed where the cluster pulls).")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="The container's `imagePullPolicy`."
+    )
+    replicas: int = Field(1, ge=1, le=256, description="Server pods (each loads the whole model).")
+    gpus: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="`nvidia.com/gpu` per pod. null: serve.tensor_parallel (at least 1) for the mii backend, else 0.",
+    )
+    cpu: str | None = Field(None, description="CPU request and limit per pod, e.g. `8`. null: none set.")
+    memory: str | None = Field(None, description="Memory request and limit per pod, e.g. `64Gi`. null: none set.")
+    env_secret: str | None = Field(
+        "ladle-env",
+        description="Secret whose keys become the pods' environment (AWS_* to read the model from the artifact "
+        "store, the API key named by serve.api_key_env). null: none.",
+    )
+    service_account: str | None = Field(None, description="Pods' service account. null: the namespace's default.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pods' `nodeSelector`.")
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        description="Pods' tolerations (default: GPU nodes' usual taint).",
+    )
+    port: int = Field(8000, ge=1, le=65535, description="The server's port in the pod (and the Service's).")
+    startup_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        le=86400,
+        description="Seconds a new pod may take to copy the version from the artifact store, load it and answer "
+        "/health (its startup probe) before Kubernetes restarts it.",
+    )
+    rollout_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        le=86400,
+        description="Seconds a new version's rollout may take before ladle rolls the object back to the version "
+        "that kept serving and fails naming the pods' reason.",
+    )
+
+
 BACKEND_PREAMBLE = "Inference backend. "
 
 
@@ -366,6 +414,15 @@ class ServeConfig(Section):
         description="Stable port of ladle's front (a proxy on `serve.host`) that serves the registered model's "
         "`champion`: clients keep this address while versions are swapped behind it (`ladle model serve`, the "
         "serving deployment).",
+    )
+    target: Literal["local", "kubernetes"] = Field(
+        "local",
+        description="Where the registered model's champion is served (`ladle model serve`, the serving deployment). "
+        "local: ladle's front and a server process on this machine. kubernetes: an object on the cluster "
+        "(serve.kubernetes) whose model version each promotion or rollback updates (`ladle k8s render-serving`).",
+    )
+    kubernetes: ServeKubernetesConfig = Field(
+        default_factory=ServeKubernetesConfig, description="Options of serve.target kubernetes."
     )
 
     @field_validator("backend", mode="before")
@@ -712,6 +769,15 @@ class LadleConfig(Section):
             raise ValueError(
                 f"promote.max_probe_drop = {self.promote.max_probe_drop}: there is no probe to gate on; set "
                 "eval.probe (e.g. ladle://general-probe), or remove promote.max_probe_drop"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _canary_needs_a_front(self) -> LadleConfig:
+        if self.promote.canary is not None and self.serve.target == "kubernetes":
+            raise ValueError(
+                "promote.canary is set but serve.target = 'kubernetes': a canary splits traffic in ladle's front, "
+                "which serves on this machine; remove promote.canary, or set serve.target=local"
             )
         return self
 

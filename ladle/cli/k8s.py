@@ -1,5 +1,5 @@
 """``ladle k8s render CONFIG --nodes N [--api trainjob|pytorchjob]``: the Kubeflow training job that trains CONFIG on
-N Kubernetes nodes."""
+N Kubernetes nodes. ``ladle k8s render-serving MODEL [--version V]``: the objects that serve a registered version."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import typer
 
 from ladle.cli.common import CONFIG, GPUS, SET, command, load
 
-app = typer.Typer(help="Kubernetes: render the multi-node training job.", no_args_is_help=True)
+app = typer.Typer(
+    help="Kubernetes: render the multi-node training job, and the objects that serve a model.", no_args_is_help=True
+)
 
 
 @command
@@ -55,3 +57,48 @@ def render(
 
 
 app.command("render")(render)
+
+
+@command
+def render_serving(
+    model: str = typer.Argument(
+        ..., help="Registered model name (the config's tracking.registered_model, or its name)."
+    ),
+    version: str | None = typer.Option(None, "--version", help="The version to serve. Default: the `champion`."),
+    config: str | None = typer.Option(
+        None, "--config", "-c", help="A config or recipe whose serve.* and MLflow store to use (default: defaults)."
+    ),
+    uri: str | None = typer.Option(
+        None, "--tracking-uri", help="MLflow tracking URI. Default: --config's store, else $MLFLOW_TRACKING_URI."
+    ),
+    kind: str | None = typer.Option(
+        None,
+        "--kind",
+        help="deployment (a Deployment and a Service) or inferenceservice (KServe). Default: serve.kubernetes.kind.",
+    ),
+    set_: list[str] = SET,
+) -> None:
+    """Print the objects (YAML) that serve MODEL's VERSION on Kubernetes with ladle's server: what
+    `serve.target: kubernetes` applies on each promotion or rollback."""
+    import yaml
+
+    from ladle import promote
+    from ladle.cli.model import tracking_uri
+    from ladle.config import build_config
+    from ladle.errors import LadleError
+    from ladle.serve.kubernetes import KubernetesServing
+
+    chosen = [f"serve.kubernetes.kind={kind}"] if kind else []
+    if config:
+        serve_cfg = load(config, [*set_, *chosen], None).serving()
+    else:
+        serve_cfg = build_config({"base": "ladle://tiny-llama", "data": {"path": "x"}}, [*set_, *chosen]).serve
+    store = tracking_uri(uri, config)
+    wanted = promote.get_version(store, model, version) if version else promote.champion(store, model)
+    if wanted is None:
+        raise LadleError(f"MODEL = {model!r}: it has no `champion` to serve; name one with --version V.")
+    objects = KubernetesServing(model, serve_cfg).render(wanted)
+    typer.echo(yaml.safe_dump_all(objects, sort_keys=False), nl=False)
+
+
+app.command("render-serving")(render_serving)

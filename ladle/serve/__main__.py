@@ -26,11 +26,36 @@ def draining_server_class():
     return Server
 
 
+def local_model(model: str, sha256: str | None):
+    """The model folder on local disk: ``model`` itself, or its copy when it is a URL of the artifact store (a
+    server pod on Kubernetes serves a registered version straight from the store)."""
+    import hashlib
+
+    from ladle import storage
+    from ladle.assets import ladle_home
+
+    if storage.is_local(model):
+        return storage.local_path(model)
+    key = sha256 or hashlib.sha256(model.encode()).hexdigest()
+    try:
+        return storage.cached_copy(model, ladle_home() / "served" / key[:16])
+    except (OSError, ValueError) as exc:
+        raise LadleError(f"--model {model}: could not copy it from the artifact store: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ladle.serve", description="Serve a model folder over an OpenAI-compatible API."
     )
-    parser.add_argument("--model", required=True, help="Local Hugging Face model folder.")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face model folder: a local path, or a URL of the artifact store (s3://..., copied once into "
+        "ladle's home and served from there).",
+    )
+    parser.add_argument(
+        "--model-sha256", default=None, help="The model's hash (a registered version's), which keys the local copy."
+    )
     parser.add_argument("--name", default=None, help="Model id reported by the API (default: the folder name).")
     parser.add_argument("--backend", default=next(iter(backends.REGISTRY)), choices=list(backends.REGISTRY))
     parser.add_argument("--option", action="append", default=[], help="A backend option, NAME=VALUE (repeatable).")
@@ -47,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         key = api_key_from_env(args.api_key_env)
         kind = backends.get(args.backend)
-        backend = kind.start(args.model, **kind.parse_options(args.option))
+        model = local_model(args.model, args.model_sha256)
+        backend = kind.start(str(model), **kind.parse_options(args.option))
     except (LadleError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     name = args.name or args.model.rstrip("/").rsplit("/", 1)[-1]
     app = create_app(backend, Settings(name, args.max_new_tokens, key))
-    record = records.write(f"http://{args.host}:{args.port}", name, args.backend, args.model)
+    record = records.write(f"http://{args.host}:{args.port}", name, args.backend, str(model))
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -32,7 +32,15 @@ from ladle.processes import free_port, stop_pid, stop_process
 from ladle.secrets import redact_url
 from ladle.serve import backends, records, router
 from ladle.serve import canary as canaries
-from ladle.serve.deploy import DEFAULT_SMOKE, DeployFailed, local_model_dir, smoke, start_server, wait_healthy
+from ladle.serve.deploy import (
+    DEFAULT_SMOKE,
+    DeployFailed,
+    SwapFailed,
+    local_model_dir,
+    smoke,
+    start_server,
+    wait_healthy,
+)
 
 
 class Serving(BaseModel):
@@ -42,7 +50,7 @@ class Serving(BaseModel):
     action: str = Field(description="`started` (first version), `swapped`, or `unchanged`.")
     front_url: str = Field(description="The stable address clients use.")
     server_url: str
-    server_pid: int
+    server_pid: int = Field(description="The server's process on this machine; 0 when Kubernetes runs it.")
     drained: bool = Field(True, description="The old server had no request in flight when it was stopped.")
     seconds: float = Field(description="From the start of the reconcile to the new version taking traffic.")
     canary: dict | None = Field(
@@ -61,10 +69,6 @@ class Serving(BaseModel):
             verdict = self.canary["status"].replace("_", " ")
             text += f"; canary of v{self.canary['version']} {verdict}: {self.canary['reason']}"
         return text
-
-
-class SwapFailed(LadleError):
-    """The new version did not start or answer; the old one keeps serving."""
 
 
 def admin_headers(record: dict) -> dict:
@@ -150,6 +154,12 @@ def reconcile(uri: str, name: str, cfg: ServeConfig, canary: CanaryConfig | None
         SwapFailed: the champion's or the challenger's version did not start or answer (what was served keeps
             serving).
     """
+    if cfg.target == "kubernetes":
+        from ladle.serve.kubernetes import KubernetesServing
+
+        if canary is not None:
+            raise LadleError("promote.canary needs ladle's front, and serve.target = 'kubernetes' has none")
+        return Serving(**KubernetesServing(name, cfg).reconcile(uri))
     served = serve_champion(uri, name, cfg)
     if canary is None:
         return served

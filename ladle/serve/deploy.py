@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from ladle import storage
 from ladle.assets import ladle_home
 from ladle.config import ServeConfig
+from ladle.errors import LadleError
 from ladle.merge import MergedModel
 from ladle.processes import free_port, stop_process
 from ladle.serve import backends
@@ -34,6 +35,10 @@ class Endpoint(BaseModel):
 
 class DeployFailed(RuntimeError):
     """The server did not become healthy or did not answer."""
+
+
+class SwapFailed(LadleError):
+    """A new version of a served model did not start or answer; the old one keeps serving."""
 
 
 def local_model_dir(merged: MergedModel) -> Path:

@@ -18,10 +18,12 @@ JOBS = ("trainjobs.trainer.kubeflow.org", "pytorchjobs.kubeflow.org")
 def main(argv: list[str]) -> int:
     home = Path(os.environ["FAKE_KUBECTL"])
     scenario = json.loads((home / "scenario.json").read_text())
-    steps = scenario["steps"]
     stdin = sys.stdin.read() if argv[:1] == ["apply"] else None
     with (home / "calls.jsonl").open("a") as f:
         f.write(json.dumps({"argv": argv, "stdin": json.loads(stdin) if stdin else None}) + "\n")
+    if "serving" in scenario:
+        return serving(home, scenario["serving"], argv, stdin)
+    steps = scenario["steps"]
     counter = home / "step"
     looked = int(counter.read_text()) if counter.exists() else 0
     step = steps[min(max(looked - 1, 0), len(steps) - 1)]
@@ -66,6 +68,44 @@ def main(argv: list[str]) -> int:
         return 0
     if verb == "get" and what.startswith("workloads"):
         print(json.dumps({"apiVersion": "v1", "kind": "List", "items": step.get("workloads", [])}))
+        return 0
+    print(f"fake kubectl: no answer recorded for {argv}", file=sys.stderr)
+    return 2
+
+
+SERVING = {"deployments.apps": "Deployment", "inferenceservices.serving.kserve.io": "InferenceService"}
+
+
+def serving(home: Path, scenario: dict, argv: list[str], stdin: str | None) -> int:
+    """``serve.target: kubernetes``: the serving object is what was applied last (or the scenario's ``current``);
+    ``rollout status`` and ``wait`` answer the scenario's ``rollout``."""
+    stored = home / "serving"
+    stored.mkdir(exist_ok=True)
+    verb, what = argv[0], argv[1] if len(argv) > 1 else ""
+    if verb == "apply":
+        obj = json.loads(stdin or "{}")
+        for item in obj.get("items", [obj]):
+            (stored / f"{item['kind']}.json").write_text(json.dumps(item))
+        return 0
+    if verb == "get" and what in SERVING:
+        kind = SERVING[what]
+        if (stored / f"{kind}.json").exists():
+            print((stored / f"{kind}.json").read_text())
+            return 0
+        if scenario.get("current"):
+            print(json.dumps(scenario["current"]))
+            return 0
+        print(f'Error from server (NotFound): {what} "{argv[2]}" not found', file=sys.stderr)
+        return 1
+    if verb in ("rollout", "wait") and what != "undo":
+        answer = scenario["rollout"]
+        print(answer.get("stdout", ""))
+        print(answer.get("stderr", ""), file=sys.stderr)
+        return answer["rc"]
+    if verb == "get" and what == "pods":
+        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": scenario.get("pods", [])}))
+        return 0
+    if verb in ("rollout", "delete"):
         return 0
     print(f"fake kubectl: no answer recorded for {argv}", file=sys.stderr)
     return 2

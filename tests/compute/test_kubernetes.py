@@ -185,6 +185,11 @@ def test_rbac_objects_are_valid_and_grant_what_the_train_stage_calls():
     }
     needed = {("trainjobs", v) for v in ("create", "get", "delete")} | {("pytorchjobs", v) for v in ("create", "get")}
     needed |= {("pods", "list"), ("pods/log", "get"), ("workloads", "list"), ("clustertrainingruntimes", "create")}
+    needed |= {("deployments", v) for v in ("create", "get", "patch")} | {
+        ("replicasets", "list"),
+        ("services", "patch"),
+    }
+    needed |= {("inferenceservices", v) for v in ("create", "get", "patch")}
     assert needed <= granted, needed - granted
 
 

@@ -1,0 +1,310 @@
+"""``serve.target: kubernetes``: the registered model's champion served by Kubernetes itself.
+
+``render`` gives the objects that serve one registered version with ladle's server (``python -m ladle.serve``, the
+same server as on one machine): a Deployment and a Service, or a KServe ``InferenceService`` whose predictor is
+that server (``serve.kubernetes.kind``). Each pod copies the version from the artifact store (its ``source``,
+keyed by its hash) and serves it. Kubernetes owns what ladle's front does on one machine:
+
+* **readiness** on ``/ready`` (a pod takes traffic once its model answers), **liveness** on ``/health`` (a hung
+  server is restarted), a **startup** probe sized by ``startup_timeout_s`` (copying and loading the weights);
+* **rolling updates** with ``maxUnavailable: 0``: a new version's pods must be ready before an old one goes, so a
+  swap fails no request; a ``preStop`` pause lets the Service stop routing to a pod before it drains (SIGTERM:
+  in-flight requests finish within ``serve.drain_timeout_s``);
+* **metrics**: Prometheus' scrape annotations point at ``/metrics``.
+
+``reconcile`` is what a promotion or a rollback does (the serving deployment's run, ``ladle model serve``): it
+applies the objects for the current ``champion`` and waits for the rollout. A version whose pods do not become
+ready within ``rollout_timeout_s`` never takes traffic: ladle puts the previous version back (``kubectl rollout
+undo``; for an InferenceService, the previous spec) and fails naming the pods' reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from typing import Any
+
+import ladle.compute.k8s_status as k8s_status
+from ladle import promote
+from ladle.config import ServeConfig
+from ladle.errors import LadleError
+from ladle.secrets import redact_url
+from ladle.serve.deploy import SwapFailed, server_argv
+
+VERSION_ANNOTATION = "ladle.dev/model-version"
+MODEL_ANNOTATION = "ladle.dev/model"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+CONTAINER = "kserve-container"  # the name KServe gives a custom predictor's container; harmless for a Deployment
+KSERVE_API = "serving.kserve.io/v1beta1"
+RESOURCES = {"deployment": "deployments.apps", "inferenceservice": "inferenceservices.serving.kserve.io"}
+
+
+def object_name(model: str) -> str:
+    """A DNS-1035 label from the registered model's name (KServe adds ``-predictor-...`` to it: kept short)."""
+    clean = "".join(c if c.isalnum() else "-" for c in model.lower()).strip("-")
+    return ("ladle-" + clean)[:40].rstrip("-")
+
+
+def gpus(cfg: ServeConfig) -> int:
+    if cfg.kubernetes.gpus is not None:
+        return cfg.kubernetes.gpus
+    return max(cfg.tensor_parallel, 1) if cfg.backend == "mii" else 0
+
+
+class KubernetesServing:
+    """The serving objects of one registered model, and the rollout of a version into them."""
+
+    def __init__(self, name: str, cfg: ServeConfig) -> None:
+        self.model, self.cfg, self.opts = name, cfg, cfg.kubernetes
+        self.name = object_name(name)
+        self.resource = RESOURCES[self.opts.kind]
+
+    # ----- rendering (pure) -----
+
+    def container(self, version: promote.Version) -> dict[str, Any]:
+        """ladle's server for ``version``: the argv the local path starts, in the pod, on all addresses."""
+        o, cfg = self.opts, self.cfg
+        argv = server_argv(version.source, self.model, cfg.model_copy(update={"host": "0.0.0.0"}), o.port)  # noqa: S104
+        sha = version.tags.get("ladle.model_sha256")
+        http = {"port": o.port, "path": ""}
+        probe_period = 10
+        container: dict[str, Any] = {
+            "name": CONTAINER,
+            "image": o.image,
+            "imagePullPolicy": o.image_pull_policy,
+            "command": ["python", "-m", "ladle.serve"],
+            "args": argv[3:] + (["--model-sha256", sha] if sha else []),
+            "ports": [{"name": "http", "containerPort": o.port, "protocol": "TCP"}],
+            "startupProbe": {
+                "httpGet": {**http, "path": "/health"},
+                "periodSeconds": probe_period,
+                "failureThreshold": max(1, math.ceil(o.startup_timeout_s / probe_period)),
+            },
+            "readinessProbe": {"httpGet": {**http, "path": "/ready"}, "periodSeconds": 5, "failureThreshold": 3},
+            "livenessProbe": {
+                "httpGet": {**http, "path": "/health"},
+                "periodSeconds": probe_period,
+                "timeoutSeconds": 5,
+                "failureThreshold": 3,
+            },
+            # The Service keeps routing to a terminating pod until its endpoints update: pause before the SIGTERM.
+            "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
+            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        }
+        if o.env_secret:
+            container["envFrom"] = [{"secretRef": {"name": o.env_secret}}]
+        limits: dict[str, str] = {}
+        if gpus(cfg):
+            limits["nvidia.com/gpu"] = str(gpus(cfg))
+        limits.update({k: v for k, v in (("cpu", o.cpu), ("memory", o.memory)) if v})
+        if limits:
+            container["resources"] = {"limits": limits, "requests": dict(limits)}
+        return container
+
+    def pod_fields(self) -> dict[str, Any]:
+        """The pod-level settings both kinds carry (a Deployment's pod spec; an InferenceService's predictor)."""
+        o = self.opts
+        pod: dict[str, Any] = {
+            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}],
+            "terminationGracePeriodSeconds": int(self.cfg.drain_timeout_s) + 15,
+        }
+        if o.tolerations:
+            pod["tolerations"] = o.tolerations
+        if o.node_selector:
+            pod["nodeSelector"] = o.node_selector
+        if o.service_account:
+            pod["serviceAccountName"] = o.service_account
+        return pod
+
+    def metadata(self, version: promote.Version) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "namespace": self.opts.namespace,
+            "labels": {"app.kubernetes.io/name": "ladle", INSTANCE_LABEL: self.name},
+            "annotations": {MODEL_ANNOTATION: self.model, VERSION_ANNOTATION: str(version.version)},
+        }
+
+    def scrape(self) -> dict[str, str]:
+        return {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(self.opts.port),
+            "prometheus.io/path": "/metrics",
+        }
+
+    def render(self, version: promote.Version) -> list[dict[str, Any]]:
+        """The objects that serve ``version``: [Deployment, Service] or [InferenceService]."""
+        if self.opts.kind == "inferenceservice":
+            return [self.render_inferenceservice(version)]
+        labels = {"app.kubernetes.io/name": "ladle", INSTANCE_LABEL: self.name}
+        pod = {"containers": [self.container(version)], **self.pod_fields()}
+        deployment = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": self.metadata(version),
+            "spec": {
+                "replicas": self.opts.replicas,
+                "selector": {"matchLabels": dict(labels)},
+                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                "minReadySeconds": 5,
+                "progressDeadlineSeconds": max(int(self.opts.rollout_timeout_s), 60),
+                "template": {
+                    "metadata": {
+                        "labels": dict(labels),
+                        "annotations": {**self.scrape(), VERSION_ANNOTATION: str(version.version)},
+                    },
+                    "spec": pod,
+                },
+            },
+        }
+        service = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {k: v for k, v in self.metadata(version).items() if k != "annotations"},
+            "spec": {
+                "selector": dict(labels),
+                "ports": [{"name": "http", "port": self.opts.port, "targetPort": "http", "protocol": "TCP"}],
+            },
+        }
+        return [deployment, service]
+
+    def render_inferenceservice(self, version: promote.Version) -> dict[str, Any]:
+        """A KServe InferenceService whose predictor is ladle's server (a custom predictor: KServe routes to
+        the container's port and probes it as a Deployment would). ``RawDeployment`` mode: a Deployment and a
+        Service underneath, no Knative needed; its rollout keeps ``maxUnavailable: 0``."""
+        meta = self.metadata(version)
+        meta["annotations"] = {
+            **meta["annotations"],
+            **self.scrape(),
+            "serving.kserve.io/deploymentMode": "RawDeployment",
+        }
+        predictor = {
+            "minReplicas": self.opts.replicas,
+            "maxReplicas": self.opts.replicas,
+            "deploymentStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "containers": [self.container(version)],
+            **self.pod_fields(),
+        }
+        return {
+            "apiVersion": KSERVE_API,
+            "kind": "InferenceService",
+            "metadata": meta,
+            "spec": {"predictor": predictor},
+        }
+
+    def url(self) -> str:
+        """The address clients in the cluster use."""
+        if self.opts.kind == "inferenceservice":  # KServe's RawDeployment service is named after the predictor
+            return f"http://{self.name}-predictor.{self.opts.namespace}.svc.cluster.local"
+        return f"http://{self.name}.{self.opts.namespace}.svc.cluster.local:{self.opts.port}"
+
+    # ----- the rollout (kubectl) -----
+
+    def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(
+                ["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=timeout, check=False
+            )
+        except FileNotFoundError:
+            raise LadleError(
+                "serve.target = 'kubernetes': kubectl not found on PATH. ladle applies the serving objects with "
+                "kubectl; or print them with `ladle k8s render-serving MODEL` and apply them."
+            ) from None
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(["kubectl", *args], 124, "", f"no answer in {timeout:g} s")
+
+    def current(self) -> dict[str, Any] | None:
+        """The serving object on the cluster now; None when there is none."""
+        got = self.kubectl("get", self.resource, self.name, "-n", self.opts.namespace, "-o", "json")
+        if got.returncode != 0:
+            if "NotFound" in got.stderr or "not found" in got.stderr:
+                return None
+            raise LadleError(f"serve.target = 'kubernetes': kubectl could not read {self.name}: {got.stderr.strip()}")
+        return json.loads(got.stdout)
+
+    def wait(self) -> tuple[bool, str]:
+        """Wait, at most ``rollout_timeout_s``, for the rollout; (done, kubectl's words)."""
+        deadline = self.opts.rollout_timeout_s
+        ns = self.opts.namespace
+        if self.opts.kind == "inferenceservice":
+            args = ["wait", "--for=condition=Ready", f"{self.resource}/{self.name}", "-n", ns]
+        else:
+            args = ["rollout", "status", f"{self.resource}/{self.name}", "-n", ns]
+        done = self.kubectl(*args, f"--timeout={int(deadline)}s", timeout=deadline + 30)
+        return done.returncode == 0, (done.stdout + done.stderr).strip()
+
+    def pods_reason(self) -> str:
+        got = self.kubectl(
+            "get", "pods", "-n", self.opts.namespace, "-l", f"{INSTANCE_LABEL}={self.name}", "-o", "json"
+        )
+        pods = json.loads(got.stdout) if got.returncode == 0 and got.stdout.strip() else {}
+        reasons = k8s_status.pods_waiting(pods) + k8s_status.pods_failed(pods)
+        return "; ".join(dict.fromkeys(reasons)) or "no pod reported a reason"
+
+    def put_back(self, previous: dict[str, Any] | None) -> str:
+        """Undo a rollout that did not finish: the previous version serves on. Returns what was done."""
+        ns = self.opts.namespace
+        if previous is None:
+            self.kubectl("delete", self.resource, self.name, "-n", ns, "--ignore-not-found")
+            return f"nothing served before, so {self.name} is deleted"
+        if self.opts.kind == "deployment":
+            self.kubectl("rollout", "undo", f"{self.resource}/{self.name}", "-n", ns)
+            return "the Deployment is rolled back to it"
+        restored = {
+            "apiVersion": previous["apiVersion"],
+            "kind": previous["kind"],
+            "metadata": {
+                k: previous["metadata"][k]
+                for k in ("name", "namespace", "labels", "annotations")
+                if k in previous["metadata"]
+            },
+            "spec": previous["spec"],
+        }
+        self.kubectl("apply", "-f", "-", stdin=json.dumps(restored))
+        return "the InferenceService's previous spec is applied again"
+
+    def reconcile(self, uri: str) -> dict[str, Any]:
+        """Make the cluster serve the registry's ``champion``; returns what ``champion.Serving`` reports.
+
+        Raises:
+            LadleError: no champion, or kubectl refused the objects.
+            SwapFailed: the version's pods did not become ready in time (the previous version serves on).
+        """
+        started = time.monotonic()
+        wanted = promote.champion(uri, self.model)
+        if wanted is None:
+            raise LadleError(
+                f"model {self.model!r} has no `champion` at {redact_url(uri)}: nothing to serve. Run the pipeline "
+                "until a version is promoted, or set one with `ladle model rollback NAME --to VERSION`."
+            )
+        previous = self.current()
+        served = ((previous or {}).get("metadata", {}).get("annotations") or {}).get(VERSION_ANNOTATION)
+        objects = self.render(wanted)
+        applied = self.kubectl(
+            "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
+        )
+        if applied.returncode != 0:
+            raise LadleError(f"serve.target = 'kubernetes': kubectl refused {self.name}: {applied.stderr.strip()}")
+        done, said = self.wait()
+        if not done:
+            reason = self.pods_reason()
+            undone = self.put_back(previous if served else None)
+            was = f"v{served}" if served else "the previous version"
+            raise SwapFailed(
+                f"{self.model} v{wanted.version} did not become ready on Kubernetes in "
+                f"{self.opts.rollout_timeout_s:g} s ({reason}; kubectl: {said[-300:]}), so it takes no traffic: "
+                f"{undone}, and {was} keeps serving. Fix what the pods report, or raise "
+                "serve.kubernetes.rollout_timeout_s."
+            )
+        action = "unchanged" if served == str(wanted.version) else ("swapped" if served else "started")
+        return {
+            "model": self.model,
+            "version": str(wanted.version),
+            "previous_version": served,
+            "action": action,
+            "front_url": self.url(),
+            "server_url": self.url(),
+            "server_pid": 0,
+            "seconds": round(time.monotonic() - started, 3),
+        }
