@@ -381,3 +381,31 @@ def start_service(argv: list[str], health_url: str, home: Path, env: dict | None
             stop_process(proc, grace_s=0, group=True)
             pytest.fail(f"{argv[0]} did not start:\n{(home / 'server.log').read_text()[-3000:]}")
         time.sleep(0.5)
+
+
+def strict_crd_schema(path) -> dict:
+    """A CustomResourceDefinition's pinned ``openAPIV3Schema`` as the API server applies it with strict field
+    validation (``kubectl apply --validate=strict``, the default since Kubernetes 1.27): a field the schema does
+    not declare is an error, except where it says ``x-kubernetes-preserve-unknown-fields``."""
+    import json
+    from pathlib import Path
+
+    def close(node):
+        if isinstance(node, dict):
+            if (
+                node.get("type") == "object"
+                and "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
+                node["additionalProperties"] = False
+            for value in node.values():
+                close(value)
+        elif isinstance(node, list):
+            for value in node:
+                close(value)
+        return node
+
+    schema = close(json.loads(Path(path).read_text()))
+    schema["properties"].setdefault("status", {"type": "object"})
+    return schema

@@ -152,7 +152,7 @@ class KubernetesTarget(ComputeTarget):
     def runtime(self) -> dict[str, Any]:
         """The ``ClusterTrainingRuntime`` a ladle ``TrainJob`` references: the pod-level settings (``/dev/shm``,
         the env secret, tolerations, node selector, service account) in a JobSet of one replicated job ``node``,
-        with Trainer's torch policy (one process per pod: ``ladle launch`` starts the node's ranks itself).
+        with Trainer's torch policy (the TrainJob asks one process per pod: ``ladle launch`` starts the node's ranks itself).
         Named by a hash of those settings, so configs that differ in them never share (or overwrite) one."""
         pod = self.pod_spec(self.base_container(TRAINER_CONTAINER))
         digest = hashlib.sha256(json.dumps(pod, sort_keys=True).encode()).hexdigest()[:10]
@@ -164,7 +164,10 @@ class KubernetesTarget(ComputeTarget):
                 "labels": {"trainer.kubeflow.org/framework": "torch", "app.kubernetes.io/name": "ladle"},
             },
             "spec": {
-                "mlPolicy": {"numNodes": 1, "torch": {"numProcPerNode": 1}},
+                "mlPolicy": {
+                    "numNodes": 1,
+                    "torch": {},
+                },  # processes per node: the TrainJob says (1: ladle launch starts them)
                 "template": {
                     "spec": {
                         "replicatedJobs": [

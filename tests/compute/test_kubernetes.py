@@ -25,12 +25,12 @@ from ladle.config import build_config
 from ladle.errors import LadleError
 from ladle.plan import make_plan
 from ladle.topology import probe, probe_file
-from tests.helpers import train_spec
+from tests.helpers import strict_crd_schema, train_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "infra" / "k8s"
 VERSION = "1.33.0"
-CRD = json.loads((K8S / "schemas" / "kubeflow.org_v1_pytorchjob.json").read_text())
+CRD = strict_crd_schema(K8S / "schemas" / "kubeflow.org_v1_pytorchjob.json")
 EIGHT_GPUS = ROOT / "tests" / "unit" / "topo_pastes" / "rtx4090-8-go-gpuallocator-17.txt"
 
 
@@ -97,7 +97,7 @@ def test_schema_validation_catches_a_broken_job():
         validate_pytorchjob(broken)
     typo = copy.deepcopy(job)
     typo["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
-    with pytest.raises(kubernetes_validate.ValidationError, match="imagePullPolicyy"):
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError), match="imagePullPolicyy"):
         validate_pytorchjob(typo)
 
 
@@ -235,8 +235,8 @@ def test_a_pytorchjob_that_never_starts_is_deleted_at_its_deadline_with_the_pods
     assert verbs(calls)[-1] == "delete pytorchjobs.kubeflow.org"
 
 
-TRAINJOB_CRD = json.loads((K8S / "schemas" / "trainer.kubeflow.org_v1alpha1_trainjob.json").read_text())
-RUNTIME_CRD = json.loads((K8S / "schemas" / "trainer.kubeflow.org_v1alpha1_clustertrainingruntime.json").read_text())
+TRAINJOB_CRD = strict_crd_schema(K8S / "schemas" / "trainer.kubeflow.org_v1alpha1_trainjob.json")
+RUNTIME_CRD = strict_crd_schema(K8S / "schemas" / "trainer.kubeflow.org_v1alpha1_clustertrainingruntime.json")
 
 
 def validate_trainjob(runtime: dict, job: dict) -> None:
@@ -278,11 +278,15 @@ def test_the_trainjob_and_its_runtime_are_valid_and_each_pod_runs_the_local_laun
     broken["spec"]["trainer"]["numNodes"] = "two"
     with pytest.raises(jsonschema.ValidationError, match="'two' is not of type 'integer'"):
         validate_trainjob(runtime, broken)
+    unknown = copy.deepcopy(job)
+    unknown["spec"]["trainer"]["numNode"] = 2  # a typo the API server's strict field validation refuses
+    with pytest.raises(jsonschema.ValidationError, match="'numNode' was unexpected"):
+        validate_trainjob(runtime, unknown)
     typo = copy.deepcopy(runtime)
     typo["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
         "imagePullPolicyy"
     ] = "Always"
-    with pytest.raises(kubernetes_validate.ValidationError, match="imagePullPolicyy"):
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError), match="imagePullPolicyy"):
         validate_trainjob(typo, job)
 
     cfg = build_config(

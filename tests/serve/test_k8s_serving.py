@@ -27,12 +27,11 @@ from ladle.processes import free_port, stop_process
 from ladle.serve import champion
 from ladle.serve.kubernetes import VERSION_ANNOTATION, KubernetesServing
 from tests.compute import fake_kubectl
+from tests.helpers import strict_crd_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.33.0"
-KSERVE = json.loads(
-    (ROOT / "infra" / "k8s" / "schemas" / "serving.kserve.io_v1beta1_inferenceservice.json").read_text()
-)
+KSERVE = strict_crd_schema(ROOT / "infra" / "k8s" / "schemas" / "serving.kserve.io_v1beta1_inferenceservice.json")
 RECORDED = ROOT / "tests" / "compute" / "k8s_recorded"
 NAME = "serve-demo"
 
@@ -94,9 +93,13 @@ def test_the_inferenceservice_is_valid_against_kserves_schema():
     broken["spec"]["predictor"]["minReplicas"] = "two"
     with pytest.raises(jsonschema.ValidationError, match="'two' is not of type 'integer'"):
         validate_inferenceservice(broken)
+    unknown = copy.deepcopy(isvc)
+    unknown["spec"]["predictor"]["minReplica"] = 1
+    with pytest.raises(jsonschema.ValidationError, match="'minReplica' was unexpected"):
+        validate_inferenceservice(unknown)
     typo = copy.deepcopy(isvc)
     typo["spec"]["predictor"]["containers"][0]["imagee"] = "x"
-    with pytest.raises(kubernetes_validate.ValidationError, match="imagee"):
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError), match="imagee"):
         validate_inferenceservice(typo)
 
 
