@@ -31,6 +31,7 @@ from ladle import promote
 from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.secrets import redact_url
+from ladle.serve import backends
 from ladle.serve.deploy import SwapFailed, server_argv
 
 VERSION_ANNOTATION = "ladle.dev/model-version"
@@ -48,9 +49,14 @@ def object_name(model: str) -> str:
 
 
 def gpus(cfg: ServeConfig) -> int:
+    """GPUs per pod: as configured, else what the backend takes (a sharding backend: tensor_parallel GPUs per
+    replica; another CUDA backend: one; a backend that runs on CPU: none)."""
     if cfg.kubernetes.gpus is not None:
         return cfg.kubernetes.gpus
-    return max(cfg.tensor_parallel, 1) if cfg.backend == "mii" else 0
+    kind = backends.get(cfg.backend)
+    if not kind.requires_cuda:
+        return 0
+    return max(cfg.tensor_parallel, 1) * cfg.replica_num if kind.shards_model else 1
 
 
 class KubernetesServing:
