@@ -1,6 +1,7 @@
 """Strategies: one class per strategy, each registered by its own module.
 
-Every module of this package except ``base``, ``mesh`` and ``registry`` is a strategy module: it defines its
+Every module of this package except ``base``, ``mesh``, ``registry`` and ``deepspeed_json`` (the ZeRO
+strategies' JSON) is a strategy module: it defines its
 class and calls ``register`` at import, and importing the package imports them all (in name order), so
 adding a strategy is adding one file. Strategy modules import no torch at module level (planning stays
 fast); what the worker needs from torch lives in ``runtime``. The config's ``parallelism.strategy``
@@ -29,5 +30,5 @@ __all__ = [
 ]
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.ispkg):
-    if _module not in ("base", "mesh", "registry"):
+    if _module not in ("base", "deepspeed_json", "mesh", "registry"):
         importlib.import_module(f"{__name__}.{_module}")

@@ -146,7 +146,7 @@ def test_optimizer_offload_renders_deepspeeds_own_optimizer(tmp_path):
     optimizer = plan.launcher_config["optimizer"]
     assert optimizer["type"] == "AdamW" and optimizer["params"]["lr"] == cfg.training.lr
     assert any("DeepSpeedCPUAdam" in r for r in plan.reasons)
-    from ladle.strategies.deepspeed import validate_with_deepspeed
+    from ladle.strategies.deepspeed_json import validate_with_deepspeed
 
     validate_with_deepspeed(plan.launcher_config, plan.world_size)
 

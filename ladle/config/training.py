@@ -1,0 +1,276 @@
+"""Config sections of the training half: the data, LoRA and quantization, the training loop and its kernels,
+and parallelism (with each registered strategy's options section)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, create_model, field_validator
+
+from ladle import strategies
+from ladle.schema import Section, choice_error, registry_choices
+
+MAX_GPU_COUNT = 128
+
+
+class DataConfig(Section):
+    path: str = Field(
+        description="Training data: a local path or fsspec URL (s3://, memory://), globs allowed, of JSONL, "
+        "JSON, Parquet or CSV files (by suffix; .gz etc. decompressed), or `ladle://demo-alpaca` for the "
+        "bundled generated demo set."
+    )
+    format: Literal["auto", "alpaca", "sharegpt", "messages", "chatml", "text", "tokenized"] = Field(
+        "auto",
+        description="Record format. `alpaca`: instruction/input/output; `sharegpt`: conversations of "
+        "{from, value}; `messages`/`chatml`: messages of {role, content}; `text`: a `text` field; "
+        "`tokenized`: `input_ids` (and optional `labels`). `auto` detects it from the first record.",
+    )
+    eval_path: str | None = Field(
+        None, description="Separate evaluation file (same format). null: split `eval_ratio` off the training data."
+    )
+    eval_ratio: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Fraction of rows held out for evaluation when `eval_path` is null."
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="A system turn put first in every conversation that has none: in training, in the held-out "
+        "conversations the evaluate stage asks and in the smoke request, so the model is scored as it was "
+        "trained; clients of the served model send the same system turn. null: conversations as they are.",
+    )
+    seq_len: int = Field(256, ge=16, le=131072, description="Tokens per packed training row.")
+    pack: bool = Field(True, description="Pack several examples into each `seq_len` row (first-fit-decreasing).")
+    truncation: Literal["right", "drop"] = Field(
+        "right",
+        description="Examples longer than seq_len: `right` cuts the end (counted in the report), `drop` "
+        "skips them (listed in the report, not counted as bad rows).",
+    )
+    dedup: bool = Field(False, description="Skip exact duplicate records (same conversation/text/ids).")
+    train_on: Literal["response", "all"] = Field(
+        "response", description="Which tokens carry a loss: only assistant responses, or all tokens."
+    )
+    seed: int = Field(0, description="Seed of the train/eval split shuffle.")
+    max_bad_fraction: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="Largest fraction of unusable rows tolerated; they are skipped and reported by line. "
+        "Above it the prepare stage fails with the report.",
+    )
+
+
+class LoraConfig(Section):
+    enabled: bool = Field(True, description="Train LoRA adapters (true) or all weights (false).")
+    r: int = Field(8, ge=1, le=1024, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names (suffix match, as peft does) that receive adapters, or `all-linear`.",
+    )
+
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="Modules trained in full next to the adapters and saved with them (e.g. [lm_head, "
+        "embed_tokens] when the base's head or embeddings must adapt).",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("must name at least one module, e.g. [q_proj, v_proj], or be 'all-linear'")
+        return value
+
+
+class QuantizationConfig(Section):
+    mode: Literal["none", "nf4"] = Field(
+        "none", description="`nf4` loads the base in 4-bit for QLoRA (needs CUDA and bitsandbytes)."
+    )
+    storage_dtype: Literal["auto", "uint8", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="bnb_4bit_quant_storage: the dtype packed 4-bit weights are stored in. auto: the "
+        "training dtype when the strategy shards the base (FSDP2 and ZeRO-3 shard float tensors only), else uint8.",
+    )
+
+
+class KernelsConfig(Section):
+    """The fast paths of a training step. Each is on where it helps (the plan says which ran and why) and can
+    be turned off; every one of them computes the same loss as the plain path (tests hold each to it)."""
+
+    fused_loss: Literal["auto", "chunked", "liger", "off"] = Field(
+        "auto",
+        description="How the output head and the cross-entropy run. chunked: the head and the loss a chunk of "
+        "tokens at a time, recomputed in backward, so full-vocabulary float32 logits never exist (any device); "
+        "liger: Liger's fused linear cross-entropy kernel (CUDA, liger-kernel installed, a plain head); auto: "
+        "liger where it can run on the training host, else chunked; off: the model's own head, then the loss "
+        "over all logits. A head with logit soft-capping always runs plain.",
+    )
+    loss_chunk_mib: int = Field(
+        256,
+        ge=8,
+        le=65536,
+        description="chunked: float32 logits computed at once, MiB (tokens per chunk = this / (4 x vocabulary)).",
+    )
+    compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="torch.compile each decoder block in place (ddp, zero1, zero2, fsdp2; inductor fuses norms, "
+        "activations and rotary embeddings). auto: on with CUDA, off on CPU, where compiling costs more than "
+        "short runs gain (34 s for the tiny demo model's block on 2 cores). true on a CPU needs a C++ compiler.",
+    )
+    liger: bool | Literal["auto"] = Field(
+        "auto",
+        description="Liger's fused RMSNorm, SwiGLU and rotary kernels in place of the model's (CUDA, "
+        "liger-kernel installed, a Llama/Mistral/Qwen2/Qwen3/Gemma-family model). auto: on where they can run "
+        "and the blocks are not compiled (inductor fuses the same operations).",
+    )
+
+    @field_validator("fused_loss", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        # YAML reads a bare `off` (as in `--set training.kernels.fused_loss=off`) as false
+        return "off" if value is False else value
+
+    lora_compute: Literal["run_dtype", "float32"] = Field(
+        "run_dtype",
+        description="run_dtype: LoRA adapters compute in the run's 16-bit dtype under autocast, their weights "
+        "kept in float32 as the optimizer's master copy; float32: peft's default, which casts each adapted "
+        "input to float32 (one more activation saved per adapted layer).",
+    )
+
+
+class TrainingConfig(Section):
+    max_steps: int = Field(
+        -1, ge=-1, description="Optimizer steps to run. -1: derive from `epochs` and the dataset size."
+    )
+    epochs: float = Field(1.0, gt=0, description="Passes over the training data when `max_steps` is -1.")
+    lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        4,
+        description="Packed rows per process per forward pass. auto: the largest power of two up to 64 whose "
+        "per-rank memory fits (sized from the base's config.json) and that divides the global batch.",
+    )
+    eval_micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="Packed rows per process per eval forward. auto: up to 8x micro_batch_size, as far as one "
+        "no-grad layer's activations and the logits stay within what a training micro-batch's activations take "
+        "(fewer forwards: a sharded forward gathers every layer once per micro-batch); micro_batch_size for "
+        "pipeline stages, whose shapes are fixed.",
+    )
+    global_batch_size: int = Field(
+        0,
+        ge=0,
+        description="Packed rows per optimizer step across all processes. 0: micro_batch_size x world size "
+        "(no gradient accumulation). Must be a multiple of micro_batch_size x world size.",
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Learning-rate schedule.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0.0, description="Gradient clipping norm. 0: no clipping.")
+    seed: int = Field(42, description="Seed for initialisation, data order and dropout.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Training dtype. auto: float32 on CPU, bfloat16 on GPUs that support it."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    checkpoint_every: int = Field(
+        0, ge=0, description="Write a resumable checkpoint every N optimizer steps. 0: only at the end."
+    )
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps. 0: only before and after training.")
+    save_shard_mib: int = Field(
+        512,
+        ge=1,
+        le=65536,
+        description="Largest safetensors file of a saved full fine-tune, MiB. Rank 0 gathers and writes one file "
+        "at a time, so saving adds at most this (or one larger tensor) to its memory.",
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter settings.")
+    quantization: QuantizationConfig = Field(
+        default_factory=QuantizationConfig, description="Base-model quantization (QLoRA)."
+    )
+    kernels: KernelsConfig = Field(
+        default_factory=KernelsConfig, description="Fast paths of the training step (fused loss, compile, Liger)."
+    )
+
+
+GpuCount = Annotated[int, Field(ge=1, le=MAX_GPU_COUNT)]
+
+
+STRATEGY_PREAMBLE = "Distribution strategy. auto: the planner chooses and says why. "
+
+
+class ParallelismBase(Section):
+    gpus: Literal["auto"] | GpuCount = Field(
+        "auto",
+        description=f"GPUs to train on: `auto` (all visible; a CPU run when there are none) or 1..{MAX_GPU_COUNT}.",
+    )
+    strategy: str = Field(
+        "auto",
+        description=STRATEGY_PREAMBLE + "Any registered strategy (`ladle schema --markdown` lists them).",
+        json_schema_extra=registry_choices(strategies.REGISTRY, STRATEGY_PREAMBLE, ("auto",)),
+    )
+    cpu_processes: int = Field(
+        2, ge=1, le=64, description="Processes per machine for a CPU (gloo) run, used when no GPU is present."
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Machines taking part. 1: this machine only. >1: every other machine joins with "
+        "`ladle launch SPEC --node-rank R` (printed by the train stage).",
+    )
+    main_address: str = Field(
+        "127.0.0.1", description="Address of the machine with node rank 0, where the rendezvous store listens."
+    )
+    main_port: int = Field(
+        0, ge=0, le=65535, description="Rendezvous port on the main machine. 0: a free port (single machine only)."
+    )
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _known_strategy(cls, value: Any) -> Any:
+        name = strategies.resolve(value) if isinstance(value, str) else None
+        if name is None and value != "auto":
+            raise choice_error(value, ["auto", *strategies.REGISTRY])
+        return name or value
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _parse_gpus(cls, value: Any) -> Any:
+        return parse_gpus(value)
+
+
+def options_fields() -> dict[str, Any]:
+    """One field per strategy options section (``parallelism.deepspeed`` ...), owned by the strategies."""
+    fields = {}
+    for section, owner in strategies.sections().items():
+        users = ", ".join(s.name for s in strategies.REGISTRY.values() if s.options_section == section)
+        model = owner.options_model
+        fields[section] = (model, Field(default_factory=model, description=f"Options of {users}."))
+    return fields
+
+
+ParallelismConfig = create_model(
+    "ParallelismConfig",
+    __base__=ParallelismBase,
+    __doc__="GPUs, processes and the strategy, with each strategy's options section.",
+    **options_fields(),
+)
+
+
+def parse_gpus(value: Any) -> Literal["auto"] | int:
+    """Parse a ``--gpus`` / ``parallelism.gpus`` value.
+
+    Raises:
+        ValueError: for booleans, non-integers, and counts outside 1..MAX_GPU_COUNT.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"must be 'auto' or an integer 1..{MAX_GPU_COUNT}, not a boolean")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if not text.isdigit():
+            raise ValueError(f"must be 'auto' or an integer 1..{MAX_GPU_COUNT}")
+        value = int(text)
+    if not isinstance(value, int) or not 1 <= value <= MAX_GPU_COUNT:
+        raise ValueError(f"must be 'auto' or an integer 1..{MAX_GPU_COUNT}")
+    return value
