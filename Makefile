@@ -19,7 +19,7 @@ EXTRAS ?= dev
 # slower (777 s against 733-750 s, the CPU 99.6 % busy). conftest.py gives each its share of the cores.
 TEST_WORKERS ?= 2
 
-.PHONY: setup slurm demo test docs bench clean
+.PHONY: setup slurm browser demo test docs screenshots bench clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,19 @@ slurm:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends \
 	  slurmctld slurmd slurm-client munge >/dev/null; }
 
+# The headless browser the tests look at the Prefect and MLflow UIs with (Debian's chromium; as root, or with
+# sudo). Installed once: skipped when one is already there.
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null || { \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends \
+	  chromium >/dev/null; }
+
+# The documentation's screenshots (docs/img/), taken by the lifecycle test's browser step against the real Prefect
+# and MLflow servers it starts.
+screenshots: setup browser
+	LADLE_SCREENSHOTS=$(CURDIR)/docs/img PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q \
+	  tests/pipeline/test_deployment.py -k lifecycle
+
 # The documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link or a page missing from the
 # navigation fails the build.
 docs: setup
@@ -53,7 +66,7 @@ docs: setup
 
 # Lint, format and the docs build are checked first (a failure fails the run), then the suite; the 15
 # slowest tests are printed at the end, and the test phase's wall time after them.
-test: setup slurm
+test: setup slurm browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet

@@ -420,3 +420,33 @@ def test_lifecycle_6_a_canary_asked_by_hand_takes_traffic_and_becomes_champion(l
     assert upstream["version"] == "3" and [r["pid"] for r in records.running() if r["model"] == MODEL] == [
         upstream["pid"]
     ]
+
+
+def test_lifecycle_7_the_prefect_and_mlflow_uis_show_the_run_its_artifacts_and_the_model(lifecycle, tmp_path):
+    """What a user sees, in a real headless browser against the servers above: the Prefect UI's page of the
+    pipeline's flow run (its artifacts on the timeline), two of ladle's artifacts rendered (the plan, the
+    promotion decision), and MLflow's page of the registered model with its versions and aliases. The
+    screenshots land in $LADLE_SCREENSHOTS when set (`make screenshots` writes the docs' images)."""
+    from tests.browser import look, require_browser
+
+    require_browser()
+    lc = lifecycle
+    assert "nightly_id" in lc.state, "step 3 did not complete"
+    shots = Path(os.environ.get("LADLE_SCREENSHOTS") or tmp_path)
+    ui = lc.env["PREFECT_API_URL"].removesuffix("/api")
+    found = {
+        key: api(lc.env, "POST", "/artifacts/filter", artifacts={"key": {"any_": [key]}}, sort="CREATED_DESC")
+        for key in ("plan", "promotion")
+    }
+    plan, promotion = found["plan"][-1], found["promotion"][-1]  # run 1's: the oldest of each
+    assert plan["flow_run_id"] == promotion["flow_run_id"]  # one pipeline run made both
+    run = api(lc.env, "GET", f"/flow_runs/{plan['flow_run_id']}")
+
+    page = look(f"{ui}/runs/flow-run/{run['id']}", shots / "prefect-flow-run.png")
+    assert run["name"] in page and "Completed" in page, page[:2000]
+    page = look(f"{ui}/artifacts/artifact/{plan['id']}", shots / "prefect-plan-artifact.png", size=(1400, 1100))
+    assert "strategy" in page and "ddp" in page, page[:2000]
+    page = look(f"{ui}/artifacts/artifact/{promotion['id']}", shots / "prefect-promotion-artifact.png")
+    assert "promoted" in page and MODEL in page, page[:2000]
+    page = look(f"{lc.mlflow}/#/models/{MODEL}", shots / "mlflow-registered-model.png")
+    assert MODEL in page and "champion" in page and "Version 3" in page, page[:2000]
