@@ -151,7 +151,8 @@ def main() -> None:
         tmp = Path(tmp)
         alpaca, prompt_completion = write_inputs(tmp, args.records)
         cfg = ladle_config(alpaca, tmp, args.steps, args.model)
-        dtype, checkpointing = make_plan(cfg, probe()).dtype, cfg.training.gradient_checkpointing
+        planned = make_plan(cfg, probe())
+        dtype, checkpointing = planned.dtype, planned.gradient_checkpointing
         print(f"precision {dtype}, activation checkpointing {checkpointing}, on both sides")
         for rep in range(args.reps):
             sides = ("ladle", "trl-bfd", "trl-wrapped")

@@ -81,6 +81,8 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     device, asked = world.value
     nodes = choose_nodes(cfg, topo)
     dtype = choose_dtype(cfg, topo, device)
+    recompute = choose_checkpointing(cfg, topo, Target(device, asked, nodes.value, dtype.value), model)
+    cfg = with_training(cfg, gradient_checkpointing=recompute.value)  # a copy with auto resolved
     chosen = choose_strategy(cfg, topo, Target(device, asked, nodes.value, dtype.value), model)
     strategy = chosen.value.strategy
     cfg = strategy.with_options(cfg, chosen.value.updates)  # a copy: the caller's config is left as it was
@@ -102,14 +104,63 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     memory = check_memory(cfg, topo, target, model, strategy, micro.value)
     eval_micro = choose_eval_micro(cfg, target, model, strategy, micro.value)
     serving = check_serving(cfg, model, target)
-    steps = (world, nodes, chosen, layout, micro, batch, dtype, checks, memory, eval_micro, serving)
+    steps = (world, nodes, recompute, chosen, layout, micro, batch, dtype, checks, memory, eval_micro, serving)
     shape = shape_summary(model)
     plan = build_plan(
         cfg, topo, strategy, target, micro.value, batch.value, steps, list(chosen.value.candidates), shape
     )
     plan.memory = memory.value
     plan.eval_micro_batch_size = eval_micro.value
+    plan.gradient_checkpointing = recompute.value
     return plan
+
+
+def with_training(cfg: LadleConfig, **updates: Any) -> LadleConfig:
+    """A copy of ``cfg`` with ``training`` fields replaced (the caller's config is left as it was)."""
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update=updates)})
+
+
+def choose_checkpointing(cfg: LadleConfig, topo: Topology, target: Target, model: dict | None) -> Decision[bool]:
+    """``training.gradient_checkpointing``, or for ``auto``: off when some strategy (the named one, if named)
+    fits the device without it; on when only recomputing activations makes one fit, and when nothing fits
+    either way (the strategy step then says what else to change)."""
+    asked = cfg.training.gradient_checkpointing
+    if asked != "auto":
+        return Decision(bool(asked))
+    capacity = device_bytes(topo, target.device, target.processes_per_machine)
+    if model is None or capacity is None:
+        return Decision(False, ("activation checkpointing off (auto): the model size or device memory is unknown",))
+    micro = 1 if cfg.training.micro_batch_size == "auto" else cfg.training.micro_batch_size
+    explicit = cfg.parallelism.strategy
+    try:
+        fitting = {}
+        for recompute in (False, True):
+            job = sizing_job(with_training(cfg, gradient_checkpointing=recompute), model, target, micro)
+            sized = size_candidates(cfg, job, topo.interconnect, capacity)
+            if explicit != "auto":
+                strategy = strategies.get(explicit)
+                est = strategy.estimate(job, strategy.options(cfg))
+                sized = [Sized(Candidate(strategy, -1, "explicit"), est, est.fits(capacity))]
+            fitting[recompute] = next((s for s in sized if s.fits), None), min(sized, key=lambda s: s.estimate.total)
+    except LadleError:
+        return Decision(False, ("activation checkpointing off (auto): the memory was not sized",))
+    (plain, smallest), (recomputed, _) = fitting[False], fitting[True]
+    if plain is not None:
+        return Decision(
+            False,
+            (f"activation checkpointing off (auto): {plain.estimate.strategy} fits without recomputing activations",),
+        )
+    if recomputed is not None:
+        return Decision(
+            True,
+            (
+                f"activation checkpointing on (auto): nothing fits with every activation kept (the smallest, "
+                f"{smallest.estimate.strategy}, needs {sizing.gib(smallest.estimate.total)}); recomputing each "
+                f"layer's in backward, {recomputed.estimate.strategy} needs {recomputed.estimate.summary()}",
+            ),
+        )
+    # Nothing fits either way: recompute (the closer to fitting), so the strategy step sizes and reports that.
+    return Decision(True, ("activation checkpointing on (auto): nothing fits without it, nor with it",))
 
 
 def check_serving(cfg: LadleConfig, model: dict | None, target: Target) -> Decision[None]:
@@ -303,6 +354,7 @@ def plan_estimate(cfg: LadleConfig, plan: Plan, model: dict) -> sizing.Estimate:
     dtype (what bench/memory.py and the memory test set beside measured memory)."""
     strategy = strategies.get(plan.strategy)
     target = Target(plan.device, plan.processes_per_machine, plan.num_machines, plan.dtype)
+    cfg = with_training(cfg, gradient_checkpointing=plan.gradient_checkpointing)
     return strategy.estimate(sizing_job(cfg, model, target, plan.micro_batch_size), strategy.options(cfg))
 
 
@@ -406,7 +458,7 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         micro_batch=micro,
         seq_len=cfg.data.seq_len,
         dtype_bytes=4 if target.dtype == "float32" else 2,
-        checkpointing=cfg.training.gradient_checkpointing,
+        checkpointing=cfg.training.gradient_checkpointing is True,  # auto: resolved by the plan before sizing
         gpus_per_node=target.processes_per_machine,
         nodes=target.nodes,
         microbatches=max(1, (cfg.training.global_batch_size or micro * world) // micro),
@@ -468,8 +520,8 @@ def choose_strategy(cfg: LadleConfig, topo: Topology, target: Target, model: dic
         problem = (
             f"parallelism.strategy = auto: no strategy fits {limit}; the smallest is {smallest['strategy']} at "
             f"{smallest['breakdown']}. Train fewer weights (training.lora.enabled=true, or QLoRA with "
-            "training.quantization.mode=nf4), set training.gradient_checkpointing=true, lower "
-            "training.micro_batch_size or data.seq_len, or add GPUs/nodes."
+            f"training.quantization.mode=nf4), {recompute_hint(cfg)}lower training.micro_batch_size or "
+            "data.seq_len, or add GPUs/nodes."
         )
         return Decision(Chosen(fallback.strategy, {}, rows), problems=(problem,))
     slower = [s.estimate.strategy for s in sized[: sized.index(first)]]
@@ -479,6 +531,11 @@ def choose_strategy(cfg: LadleConfig, topo: Topology, target: Target, model: dic
     reasons += (candidate.reason,) if candidate.reason else ()
     warnings = (candidate.warning,) if candidate.warning else ()
     return Decision(Chosen(candidate.strategy, candidate.options, rows), reasons, warnings)
+
+
+def recompute_hint(cfg: LadleConfig) -> str:
+    """The checkpointing fix, unless activations are already recomputed (auto turned it on, or it was asked)."""
+    return "" if cfg.training.gradient_checkpointing else "set training.gradient_checkpointing=true, "
 
 
 def explicit_strategy(cfg, job, strategy, sized, first, capacity, limit, overrides) -> Decision[Chosen]:

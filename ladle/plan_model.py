@@ -35,6 +35,9 @@ class Plan(BaseModel):
     main_port: int = Field(0, description="Rendezvous port; 0: pick a free one at launch (single machine).")
     micro_batch_size: int
     eval_micro_batch_size: int = Field(0, description="Rows per rank per eval forward (0: micro_batch_size).")
+    gradient_checkpointing: bool = Field(
+        False, description="Activations recomputed in backward (training.gradient_checkpointing, auto resolved)."
+    )
     gradient_accumulation: int
     global_batch_size: int = Field(description="Packed rows per optimizer step across all ranks.")
     dtype: Literal["float32", "bfloat16", "float16"]

@@ -170,7 +170,12 @@ class TrainingConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Training dtype. auto: float32 on CPU, bfloat16 on GPUs that support it."
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto",
+        description="Recompute each layer's activations in backward instead of keeping them (less memory, about "
+        "a third more compute). auto: on only when the memory model finds that nothing fits the device without "
+        "it (the plan says which), else off.",
+    )
     checkpoint_every: int = Field(
         0, ge=0, description="Write a resumable checkpoint every N optimizer steps. 0: only at the end."
     )

@@ -55,5 +55,5 @@ class TrainResult(BaseModel):
     kernels: dict[str, str] = Field(
         default_factory=dict,
         description="The step's fast paths as they ran on the training host (fused loss, compile, Liger, LoRA "
-        "compute dtype).",
+        "compute dtype, activation checkpointing).",
     )

@@ -85,9 +85,11 @@ def load_model(spec: TrainSpec, accelerator: Accelerator):
         model = AutoModelForCausalLM.from_pretrained(spec.base_dir, **kwargs)
     model.config.use_cache = False
     ran = {"liger": kernels.apply_liger(model, plan.kernels, plan.device)}
-    if cfg.training.gradient_checkpointing:
+    if plan.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
+    recomputes = getattr(model, "is_gradient_checkpointing", False)  # what the model says it does, not the plan
+    ran["checkpointing"] = "activations recomputed in backward" if recomputes else "off"
     if cfg.training.lora.enabled:
         from peft import LoraConfig, get_peft_model
 

@@ -38,6 +38,8 @@ def runs(tmp_path_factory, tiny_model):
     specs = {name: spec_for(name, root) for name in ("ddp", *SHARDED)}
     # DDP's head and loss as the model computes them (every run above uses the chunked fused loss on CPU)
     specs["ddp plain loss"] = spec_for("ddp", root / "plain", "training.kernels.fused_loss=off")
+    # DDP recomputing every layer's activations in backward (auto leaves it off for this tiny model)
+    specs["ddp recomputed"] = spec_for("ddp", root / "recomputed", "training.gradient_checkpointing=true")
     results = launch_all(specs)
     return {name: (results[name], specs[name]) for name in specs}
 
@@ -63,6 +65,18 @@ def test_fused_loss_matches_plain(runs):
     assert fused.train_losses == pytest.approx(plain.train_losses, abs=1e-5)
     assert fused.eval_loss_after == pytest.approx(plain.eval_loss_after, abs=1e-5)
     assert fused.train_losses[-1] < fused.train_losses[0]
+
+
+def test_recomputed_activations_train_as_kept_ones(runs):
+    """Activation checkpointing (asked; the plan's auto keeps it off where everything fits) is applied in the
+    worker, as the model itself reports, and changes no loss: recomputing a layer gives the same numbers."""
+    recomputed, kept = runs["ddp recomputed"], runs["ddp"]
+    assert recomputed[1].plan.gradient_checkpointing and not kept[1].plan.gradient_checkpointing
+    assert any(r.startswith("activation checkpointing off (auto): ") for r in kept[1].plan.reasons)
+    assert recomputed[0].kernels["checkpointing"] == "activations recomputed in backward"
+    assert kept[0].kernels["checkpointing"] == "off"
+    assert recomputed[0].train_losses == pytest.approx(kept[0].train_losses, abs=1e-5)
+    assert recomputed[0].eval_loss_after == pytest.approx(kept[0].eval_loss_after, abs=1e-5)
 
 
 def pipeline_stage0_share(model_dir) -> float:

@@ -364,7 +364,7 @@ def test_eval_micro_batch_of_the_70b_recipe_and_an_explicit_one_wins(tmp_path):
     cfg = load_config("recipes/llama3-70b-fsdp2.yaml")
     plan = make_plan(cfg, recorded(tmp_path), model=local_model_config(cfg))
     budget, chosen, wider = eval_costs(plan, cfg, local_model_config(cfg))
-    assert cfg.training.gradient_checkpointing and plan.eval_micro_batch_size == 4 * plan.micro_batch_size
+    assert plan.gradient_checkpointing and plan.eval_micro_batch_size == 4 * plan.micro_batch_size
     assert chosen <= budget < wider
     pinned = make_plan(
         cfg.model_copy(update={"training": cfg.training.model_copy(update={"eval_micro_batch_size": 3})}),
@@ -381,3 +381,44 @@ def test_pipeline_stages_evaluate_at_the_training_micro_batch():
     plan = make_plan(cfg, CPU, model=tiny_model_config())
     assert plan.eval_micro_batch_size == 2
     assert any("the stages' shapes are fixed" in r for r in plan.reasons)
+
+
+def eight_b_on(gib: float, *overrides: str):
+    """The 8B LoRA recipe at seq 4096 planned on 8 GPUs of ``gib`` each (a recorded topology)."""
+    from ladle.config import load_config
+    from ladle.inputs import local_model_config
+    from ladle.topology import probe_file
+
+    cfg = load_config("recipes/llama3-8b-lora.yaml", ["data.seq_len=4096", *overrides])
+    topo = probe_file("tests/unit/topo_pastes/rtx4090-8-go-gpuallocator-17.txt", gpu_memory_gib=gib)
+    return make_plan(cfg, topo, model=local_model_config(cfg, None))
+
+
+def test_activation_checkpointing_auto_is_on_only_when_nothing_fits_without_it():
+    """auto: 4 rows of 4096 tokens keep 84 GiB of activations, which no strategy fits on 80 GiB, so the plan
+    recomputes them (and says why, in numbers); with the micro-batch left to the planner, one row fits without
+    recomputing, so it stays off; an explicit value is kept."""
+    on = eight_b_on(80, "training.gradient_checkpointing=auto", "training.micro_batch_size=4")
+    assert on.gradient_checkpointing
+    (why,) = [r for r in on.reasons if r.startswith("activation checkpointing")]
+    assert why.startswith("activation checkpointing on (auto): nothing fits with every activation kept (the smallest")
+    assert "recomputing each layer's in backward, ddp needs" in why
+    off = eight_b_on(80, "training.gradient_checkpointing=auto", "training.micro_batch_size=auto")
+    assert not off.gradient_checkpointing and off.micro_batch_size >= 1
+    assert any(r.startswith("activation checkpointing off (auto): ddp fits without recomputing") for r in off.reasons)
+    kept = eight_b_on(80, "training.gradient_checkpointing=false", "training.micro_batch_size=1")
+    assert not kept.gradient_checkpointing
+    assert not any(r.startswith("activation checkpointing") for r in kept.reasons)
+    tiny = make_plan(build_config(MINIMAL, []), CPU, model=tiny_model_config())
+    assert not tiny.gradient_checkpointing  # the default, auto, where everything fits
+
+
+def test_nothing_fits_names_checkpointing_only_when_it_is_not_on():
+    with pytest.raises(ConfigError) as refused:
+        eight_b_on(24, "training.gradient_checkpointing=false", "training.micro_batch_size=4", "parallelism.nodes=1",
+                   "training.lora.enabled=false")  # fmt: skip
+    assert "set training.gradient_checkpointing=true" in str(refused.value)
+    with pytest.raises(ConfigError) as refused:
+        eight_b_on(24, "training.gradient_checkpointing=auto", "training.micro_batch_size=64",
+                   "training.global_batch_size=512", "training.lora.enabled=false")  # fmt: skip
+    assert "no strategy fits" in str(refused.value) and "gradient_checkpointing=true" not in str(refused.value)
