@@ -1,4 +1,5 @@
-"""The training plan: what the planner decided (``ladle.plan`` decides it), how it launches and how it reads.
+"""The training plan: what the planner decided (``ladle.plan`` decides it, step by step, each step a
+``Decision``), how it launches and how it reads.
 
 ``Plan`` is what travels: into the train spec, the MLflow run, the Prefect artifact and ``ladle plan --json``.
 ``launcher_argv`` renders the ``accelerate launch`` command that starts a machine's training processes;
@@ -10,7 +11,8 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -18,6 +20,20 @@ from ladle import strategies
 from ladle.strategies.mesh import Dims
 
 DEFAULT_PORT = 29500
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Decision(Generic[T]):
+    """One planning step's result: its value, why, and what it warns about, refuses or lets win."""
+
+    value: T
+    reasons: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = ()
 
 
 class Plan(BaseModel):

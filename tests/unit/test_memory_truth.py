@@ -107,7 +107,7 @@ def test_serving_that_cannot_fit_is_said_before_training(tmp_path):
 
 
 def test_merge_that_cannot_fit_this_host_is_refused(monkeypatch):
-    monkeypatch.setattr("ladle.plan.host_bytes", lambda: 2**20)
+    monkeypatch.setattr("ladle.plan_memory.host_bytes", lambda: 2**20)
     with pytest.raises(ConfigError) as err:
         make_plan(build_config(MINIMAL, []), CPU, model=tiny_config())
     assert "training.lora.enabled = true: merging the adapter needs" in str(err.value)
