@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 import ladle.compute.k8s_status as k8s_status
+import ladle.compute.kubectl as kubectl
 from ladle import storage
 from ladle.compute.base import ComputeTarget
 from ladle.errors import LadleError
@@ -42,6 +43,10 @@ ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"  # marks the job 
 RESOURCES = {"trainjob": "trainjobs.trainer.kubeflow.org", "pytorchjob": "pytorchjobs.kubeflow.org"}
 KINDS = {"trainjob": "TrainJob", "pytorchjob": "PyTorchJob"}
 RUNTIME_RESOURCE = "clustertrainingruntimes.trainer.kubeflow.org"
+MISSING = (
+    "compute.target = 'kubernetes' submits the training job with kubectl (infra/Dockerfile's image has it); or "
+    "print it with `ladle k8s render` and apply it."
+)
 
 
 def job_name(run_name: str) -> str:
@@ -221,28 +226,11 @@ class KubernetesTarget(ComputeTarget):
         return "PyTorchJob:\n" + yaml.safe_dump(self.render(spec, plan, self.cfg.name), sort_keys=False)
 
     def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-        """One bounded kubectl call. A call that outlives ``timeout`` reads as a failed one (rc 124)."""
-        try:
-            return subprocess.run(
-                ["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=timeout, check=False
-            )
-        except FileNotFoundError:
-            raise LadleError(
-                "compute.target = 'kubernetes': kubectl not found on PATH. The train stage submits the training "
-                "job with kubectl (infra/Dockerfile's image has it); or print it with `ladle k8s render` and apply "
-                "it."
-            ) from None
-        except subprocess.TimeoutExpired:
-            return subprocess.CompletedProcess(
-                ["kubectl", *args], 124, "", f"kubectl {args[0]}: no answer in {timeout:g} s"
-            )
+        return kubectl.run(*args, stdin=stdin, timeout=timeout, missing=MISSING)
 
     def get_json(self, *args: str) -> dict[str, Any] | None:
         """``kubectl get ... -o json``, parsed; None when kubectl failed (the caller decides what that means)."""
-        got = self.kubectl("get", *args, "-o", "json")
-        if got.returncode != 0 or not got.stdout.strip():
-            return None
-        return json.loads(got.stdout)
+        return kubectl.parsed(self.kubectl("get", *args, "-o", "json"))
 
     def run(self, spec, on_progress=None, on_line=None, on_command=None):
         from ladle import strategies

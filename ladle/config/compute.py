@@ -94,7 +94,32 @@ class SlurmConfig(Section):
         return value
 
 
-class KubernetesConfig(Section):
+class KubernetesPods(Section):
+    """What every pod ladle puts on a cluster carries, training or serving."""
+
+    namespace: str = Field("default", description="Namespace of the objects.")
+    image: str = Field(
+        "ladle:latest", description="The pods' image (built from infra/Dockerfile and pushed where the cluster pulls)."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="The containers' `imagePullPolicy`."
+    )
+    cpu: str | None = Field(None, description="CPU request and limit per pod, e.g. `32`. null: none set.")
+    memory: str | None = Field(None, description="Memory request and limit per pod, e.g. `480Gi`. null: none set.")
+    service_account: str | None = Field(None, description="Pods' service account. null: the namespace's default.")
+    env_secret: str | None = Field(
+        "ladle-env",
+        description="Secret whose keys become the pods' environment (AWS_* for the artifact store, "
+        "MLFLOW_TRACKING_URI and its credentials, a serving API key). null: none.",
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pods' `nodeSelector`.")
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        description="Pods' tolerations (default: GPU nodes' usual taint).",
+    )
+
+
+class KubernetesConfig(KubernetesPods):
     api: Literal["trainjob", "pytorchjob"] = Field(
         "trainjob",
         description="The training job's API: `trainjob` (Kubeflow Trainer v2.3, `trainer.kubeflow.org/v1alpha1`: a "
@@ -104,34 +129,14 @@ class KubernetesConfig(Section):
     queue: str | None = Field(
         None, description="Kueue LocalQueue to submit to (the `kueue.x-k8s.io/queue-name` label). null: no queue."
     )
-    namespace: str = Field("default", description="Namespace of the training job.")
-    image: str = Field(
-        "ladle:latest", description="Worker image (built from infra/Dockerfile and pushed where the cluster pulls)."
-    )
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
-        "IfNotPresent", description="The containers' `imagePullPolicy`."
-    )
     gpus_per_node: int | None = Field(
         None,
         ge=0,
         le=64,
         description="`nvidia.com/gpu` per pod (one pod per node). null: the plan's processes per node on a GPU run.",
     )
-    cpu: str | None = Field(None, description="CPU request and limit per pod, e.g. `32`. null: none set.")
-    memory: str | None = Field(None, description="Memory request and limit per pod, e.g. `480Gi`. null: none set.")
     shm_size: str = Field(
         "16Gi", description="Size of the in-memory /dev/shm (NCCL and data loaders need more than the 64 MiB default)."
-    )
-    service_account: str | None = Field(None, description="Pods' service account. null: the namespace's default.")
-    env_secret: str | None = Field(
-        "ladle-env",
-        description="Secret whose keys become the pods' environment (AWS_* for the artifact store, "
-        "MLFLOW_TRACKING_URI and its credentials). null: none.",
-    )
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Pods' `nodeSelector`.")
-    tolerations: list[dict[str, Any]] = Field(
-        default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        description="Pods' tolerations (default: GPU nodes' usual taint).",
     )
     port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on the master pod.")
     schedule_timeout_s: float = Field(

@@ -8,22 +8,18 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from ladle.config.compute import KubernetesPods
 from ladle.schema import Section, choice_error, registry_choices
 from ladle.serve import backends
 
 BUILTIN_METRICS = ("exact_match", "loss")
 
 
-class ServeKubernetesConfig(Section):
+class ServeKubernetesConfig(KubernetesPods):
     kind: Literal["deployment", "inferenceservice"] = Field(
         "deployment",
         description="What serves the champion: `deployment` (a Deployment and a Service) or `inferenceservice` (a "
         "KServe `serving.kserve.io/v1beta1` InferenceService with ladle's server as its predictor).",
-    )
-    namespace: str = Field("default", description="Namespace of the serving objects.")
-    image: str = Field("ladle:latest", description="Server image (infra/Dockerfile's, pushed where the cluster pulls).")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
-        "IfNotPresent", description="The container's `imagePullPolicy`."
     )
     replicas: int = Field(1, ge=1, le=256, description="Server pods (each loads the whole model).")
     gpus: int | None = Field(
@@ -32,19 +28,6 @@ class ServeKubernetesConfig(Section):
         le=64,
         description="`nvidia.com/gpu` per pod. null: what serve.backend takes (a backend that shards the model: "
         "serve.tensor_parallel, at least 1, x serve.replica_num; another CUDA-only backend: 1; else 0).",
-    )
-    cpu: str | None = Field(None, description="CPU request and limit per pod, e.g. `8`. null: none set.")
-    memory: str | None = Field(None, description="Memory request and limit per pod, e.g. `64Gi`. null: none set.")
-    env_secret: str | None = Field(
-        "ladle-env",
-        description="Secret whose keys become the pods' environment (AWS_* to read the model from the artifact "
-        "store, the API key named by serve.api_key_env). null: none.",
-    )
-    service_account: str | None = Field(None, description="Pods' service account. null: the namespace's default.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Pods' `nodeSelector`.")
-    tolerations: list[dict[str, Any]] = Field(
-        default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        description="Pods' tolerations (default: GPU nodes' usual taint).",
     )
     port: int = Field(8000, ge=1, le=65535, description="The server's port in the pod (and the Service's).")
     startup_timeout_s: float = Field(

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import ladle.compute.k8s_status as k8s_status
+import ladle.compute.kubectl as kubectl
 from ladle import promote
 from ladle.config import ServeConfig
 from ladle.errors import LadleError
@@ -40,6 +41,10 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 CONTAINER = "kserve-container"  # the name KServe gives a custom predictor's container; harmless for a Deployment
 KSERVE_API = "serving.kserve.io/v1beta1"
 RESOURCES = {"deployment": "deployments.apps", "inferenceservice": "inferenceservices.serving.kserve.io"}
+MISSING = (
+    "serve.target = 'kubernetes' applies the serving objects with kubectl; or print them with "
+    "`ladle k8s render-serving MODEL` and apply them."
+)
 
 
 def object_name(model: str) -> str:
@@ -208,17 +213,7 @@ class KubernetesServing:
     # ----- the rollout (kubectl) -----
 
     def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-        try:
-            return subprocess.run(
-                ["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=timeout, check=False
-            )
-        except FileNotFoundError:
-            raise LadleError(
-                "serve.target = 'kubernetes': kubectl not found on PATH. ladle applies the serving objects with "
-                "kubectl; or print them with `ladle k8s render-serving MODEL` and apply them."
-            ) from None
-        except subprocess.TimeoutExpired:
-            return subprocess.CompletedProcess(["kubectl", *args], 124, "", f"no answer in {timeout:g} s")
+        return kubectl.run(*args, stdin=stdin, timeout=timeout, missing=MISSING)
 
     def current(self) -> dict[str, Any] | None:
         """The serving object on the cluster now; None when there is none."""
@@ -244,7 +239,7 @@ class KubernetesServing:
         got = self.kubectl(
             "get", "pods", "-n", self.opts.namespace, "-l", f"{INSTANCE_LABEL}={self.name}", "-o", "json"
         )
-        pods = json.loads(got.stdout) if got.returncode == 0 and got.stdout.strip() else {}
+        pods = kubectl.parsed(got) or {}
         reasons = k8s_status.pods_waiting(pods) + k8s_status.pods_failed(pods)
         return "; ".join(dict.fromkeys(reasons)) or "no pod reported a reason"
 

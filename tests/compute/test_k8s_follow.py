@@ -27,8 +27,10 @@ def scenario(name: str) -> dict:
     return json.loads((RECORDED / f"{name}.json").read_text())
 
 
-def follow(tmp_path, monkeypatch, name: str, timeout_s: float = 1.0, api: str = "trainjob", **changes):
-    """Run the kubernetes target's train stage against scenario ``name``; returns (outcome, calls, lines)."""
+def follow(tmp_path, monkeypatch, name: str, timeout_s: float = 30.0, api: str = "trainjob", **changes):
+    """Run the kubernetes target's train stage against scenario ``name``; returns (outcome, calls, lines, took).
+    A scenario that moves on is given 30 s to start running, so that a busy machine's slow stand-in kubectl
+    (a Python process per call) never trips the deadline; one that tests the deadline passes 1 s."""
     played = {**scenario(name), **changes}
     home = fake_kubectl.install(tmp_path, played)
     monkeypatch.setenv("FAKE_KUBECTL", str(home))
@@ -109,8 +111,8 @@ def test_a_failed_trainjob_names_the_jobsets_reason_and_the_oom_killed_pod(tmp_p
 
 
 def test_unschedulable_pods_end_at_the_deadline_with_the_schedulers_message(tmp_path, monkeypatch):
-    outcome, calls, _, took = follow(tmp_path, monkeypatch, "trainjob_unschedulable")
-    assert isinstance(outcome, LadleError) and took < 30
+    outcome, calls, _, took = follow(tmp_path, monkeypatch, "trainjob_unschedulable", timeout_s=1)
+    assert isinstance(outcome, LadleError) and took < 120  # ends at the deadline, not never
     assert str(outcome).startswith(
         "compute.kubernetes.schedule_timeout_s = 1: TrainJob default/ladle-k8s did not start running in 1 s "
         "(ladle-k8s-node-0-0-a1b2c: Unschedulable: 0/9 nodes are available: 9 node(s) didn't match Pod's node "
@@ -121,7 +123,7 @@ def test_unschedulable_pods_end_at_the_deadline_with_the_schedulers_message(tmp_
 
 
 def test_a_job_kueue_never_admits_ends_with_kueues_reason(tmp_path, monkeypatch):
-    outcome, calls, _, _ = follow(tmp_path, monkeypatch, "trainjob_kueue_pending")
+    outcome, calls, _, _ = follow(tmp_path, monkeypatch, "trainjob_kueue_pending", timeout_s=1)
     assert isinstance(outcome, LadleError)
     assert "TrainJob default/ladle-k8s was not admitted in 1 s (Kueue: Pending: couldn't assign flavors to pod " in (
         str(outcome)
@@ -135,7 +137,7 @@ def test_a_job_kueue_never_admits_ends_with_kueues_reason(tmp_path, monkeypatch)
 
 def test_a_queue_that_cannot_admit_ends_at_once_not_at_the_deadline(tmp_path, monkeypatch):
     outcome, calls, _, took = follow(tmp_path, monkeypatch, "trainjob_kueue_inadmissible", timeout_s=600)
-    assert isinstance(outcome, LadleError) and took < 60  # not the 600 s deadline
+    assert isinstance(outcome, LadleError) and took < 300  # at once, not at the 600 s deadline
     assert str(outcome).startswith(
         "compute.kubernetes.queue = 'user-queue': TrainJob default/ladle-k8s cannot be admitted (Kueue: "
         "Inadmissible: LocalQueue user-queue doesn't exist)"
@@ -144,7 +146,9 @@ def test_a_queue_that_cannot_admit_ends_at_once_not_at_the_deadline(tmp_path, mo
 
 
 def test_a_preempted_job_waits_for_readmission_then_names_the_preemption(tmp_path, monkeypatch):
-    outcome, calls, lines, _ = follow(tmp_path, monkeypatch, "trainjob_preempted")
+    # 8 s: the wait before Kueue first admits it (step 0) must not run out before the preemption, however busy
+    # this machine is; the wait after the preemption then runs its full 8 s.
+    outcome, calls, lines, _ = follow(tmp_path, monkeypatch, "trainjob_preempted", timeout_s=8)
     assert isinstance(outcome, LadleError)
     assert "TrainJob default/ladle-k8s was preempted (Kueue: Preempted: Preempted to accommodate a higher " in str(
         outcome
@@ -155,7 +159,7 @@ def test_a_preempted_job_waits_for_readmission_then_names_the_preemption(tmp_pat
 
 
 def test_a_preempted_job_admitted_again_streams_its_new_pod_and_completes(tmp_path, monkeypatch):
-    outcome, calls, lines, _ = follow(tmp_path, monkeypatch, "trainjob_preempted_then_complete", timeout_s=30)
+    outcome, calls, lines, _ = follow(tmp_path, monkeypatch, "trainjob_preempted_then_complete")
     assert outcome == "train_result.json"
     streamed = [c["argv"][2] for c in calls if c["argv"][0] == "logs"]
     assert streamed == ["ladle-k8s-node-0-0-a1b2c", "ladle-k8s-node-0-0-d4e5f"]
