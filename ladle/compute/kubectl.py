@@ -1,4 +1,5 @@
-"""One bounded ``kubectl`` call: how ladle talks to a cluster, for training jobs and for serving objects."""
+"""How ladle talks to a cluster, for training jobs and serving objects alike: one bounded ``kubectl`` call, and
+what every pod it renders shares (its name's form, its resources, its placement)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,31 @@ def parsed(done: subprocess.CompletedProcess) -> dict[str, Any] | None:
     if done.returncode != 0 or not done.stdout.strip():
         return None
     return json.loads(done.stdout)
+
+
+def dns_label(name: str, limit: int) -> str:
+    """``ladle-NAME`` as a DNS-1035 label of at most ``limit`` characters (controllers derive pod and service
+    names from it, so callers leave room for their suffixes)."""
+    clean = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+    return ("ladle-" + clean)[:limit].rstrip("-")
+
+
+def resources(gpus: int, pods) -> dict[str, dict[str, str]] | None:
+    """A container's requests and limits (equal): ``gpus`` NVIDIA GPUs and the section's CPU and memory; None
+    when nothing is asked. ``pods`` is a ``KubernetesPods`` config section."""
+    limits: dict[str, str] = {"nvidia.com/gpu": str(gpus)} if gpus else {}
+    limits.update({k: v for k, v in (("cpu", pods.cpu), ("memory", pods.memory)) if v})
+    return {"limits": limits, "requests": dict(limits)} if limits else None
+
+
+def placement(pods) -> dict[str, Any]:
+    """Where a pod lands and as whom: the section's tolerations, node selector and service account (each only
+    when set)."""
+    out: dict[str, Any] = {}
+    if pods.tolerations:
+        out["tolerations"] = pods.tolerations
+    if pods.node_selector:
+        out["nodeSelector"] = pods.node_selector
+    if pods.service_account:
+        out["serviceAccountName"] = pods.service_account
+    return out

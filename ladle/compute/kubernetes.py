@@ -51,8 +51,7 @@ MISSING = (
 
 def job_name(run_name: str) -> str:
     """A DNS-1035 label from the run's name (the operator derives pod and service names from it)."""
-    clean = "".join(c if c.isalnum() else "-" for c in run_name.lower()).strip("-")
-    return ("ladle-" + clean)[:52].rstrip("-")
+    return kubectl.dns_label(run_name, 52)
 
 
 def launch_args(spec_url: str, address_var: str, port_var: str) -> list[str]:
@@ -74,12 +73,7 @@ class KubernetesTarget(ComputeTarget):
 
     def resources(self, plan) -> dict[str, dict[str, str]] | None:
         """One pod's requests and limits (GPUs, CPU, memory); None when nothing is asked."""
-        o = self.opts
-        limits: dict[str, str] = {}
-        if self.gpus_per_node(plan):
-            limits["nvidia.com/gpu"] = str(self.gpus_per_node(plan))
-        limits.update({k: v for k, v in (("cpu", o.cpu), ("memory", o.memory)) if v})
-        return {"limits": limits, "requests": dict(limits)} if limits else None
+        return kubectl.resources(self.gpus_per_node(plan), self.opts)
 
     def base_container(self, name: str) -> dict[str, Any]:
         """What every training container has, whichever API runs it: the image, /dev/shm, the env secret."""
@@ -101,13 +95,8 @@ class KubernetesTarget(ComputeTarget):
             "containers": [container],
             "restartPolicy": "Never",  # a failed node fails the job; the train task's retry resumes it
             "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": o.shm_size}}],
+            **kubectl.placement(o),
         }
-        if o.tolerations:
-            pod["tolerations"] = o.tolerations
-        if o.node_selector:
-            pod["nodeSelector"] = o.node_selector
-        if o.service_account:
-            pod["serviceAccountName"] = o.service_account
         return pod
 
     def container(self, spec_url: str, plan) -> dict[str, Any]:

@@ -49,8 +49,7 @@ MISSING = (
 
 def object_name(model: str) -> str:
     """A DNS-1035 label from the registered model's name (KServe adds ``-predictor-...`` to it: kept short)."""
-    clean = "".join(c if c.isalnum() else "-" for c in model.lower()).strip("-")
-    return ("ladle-" + clean)[:40].rstrip("-")
+    return kubectl.dns_label(model, 40)
 
 
 def gpus(cfg: ServeConfig) -> int:
@@ -106,12 +105,8 @@ class KubernetesServing:
         }
         if o.env_secret:
             container["envFrom"] = [{"secretRef": {"name": o.env_secret}}]
-        limits: dict[str, str] = {}
-        if gpus(cfg):
-            limits["nvidia.com/gpu"] = str(gpus(cfg))
-        limits.update({k: v for k, v in (("cpu", o.cpu), ("memory", o.memory)) if v})
-        if limits:
-            container["resources"] = {"limits": limits, "requests": dict(limits)}
+        if resources := kubectl.resources(gpus(cfg), o):
+            container["resources"] = resources
         return container
 
     def pod_fields(self) -> dict[str, Any]:
@@ -120,13 +115,8 @@ class KubernetesServing:
         pod: dict[str, Any] = {
             "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}],
             "terminationGracePeriodSeconds": int(self.cfg.drain_timeout_s) + 15,
+            **kubectl.placement(o),
         }
-        if o.tolerations:
-            pod["tolerations"] = o.tolerations
-        if o.node_selector:
-            pod["nodeSelector"] = o.node_selector
-        if o.service_account:
-            pod["serviceAccountName"] = o.service_account
         return pod
 
     def metadata(self, version: promote.Version) -> dict[str, Any]:
