@@ -92,7 +92,9 @@ def render_serving(
     if config:
         serve_cfg = load(config, [*set_, *chosen], None).serving()
     else:
-        serve_cfg = build_config({"base": "ladle://tiny-llama", "data": {"path": "x"}}, [*set_, *chosen]).serve
+        # No config: serve.* from --set on the defaults, derived as a config's are (base and data are required
+        # fields that serving does not read).
+        serve_cfg = build_config({"base": "-", "data": {"path": "-"}}, [*set_, *chosen]).serving()
     store = tracking_uri(uri, config)
     wanted = promote.get_version(store, model, version) if version else promote.champion(store, model)
     if wanted is None:

@@ -320,7 +320,7 @@ class KubernetesTarget(ComputeTarget):
                     continue  # look again at once: the pod's end is the job's news
             if state.phase in ("succeeded", "failed"):
                 return state
-            if state.phase in ("running",) or k8s_status.pod_started(lead):
+            if state.phase == "running" or k8s_status.pod_started(lead):
                 time.sleep(self.POLL_S)
                 continue
             # Not running: created, waiting for the scheduler or an image, or suspended by Kueue.
