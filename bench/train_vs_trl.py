@@ -55,7 +55,7 @@ MODELS = {
 }
 
 
-def ladle_config(alpaca: Path, tmp: Path, steps: int, model: str = "tiny"):
+def ladle_config(alpaca: Path, tmp: Path, steps: int, model: str = "tiny", padding_free: bool | str = "auto"):
     base, seq_len, lr, ends = MODELS[model]
     return build_config(
         {
@@ -70,21 +70,23 @@ def ladle_config(alpaca: Path, tmp: Path, steps: int, model: str = "tiny"):
                 "warmup_steps": 5,
                 "checkpoint_every": 0,
                 "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", "modules_to_save": ends},
+                "kernels": {"padding_free": padding_free},
             },
         },
         [],
     )
 
 
-def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int, model: str) -> dict:
-    cfg = ladle_config(alpaca, tmp, steps, model)
-    spec = train_spec(cfg, tmp, f"ladle-{rep}", topo=probe())
+def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int, model: str, padding_free: bool | str = "auto") -> dict:
+    cfg = ladle_config(alpaca, tmp, steps, model, padding_free)
+    spec = train_spec(cfg, tmp, f"ladle-{rep}-{padding_free}", topo=probe())
     result = launch(spec)
     return {
         "tokens": result.real_tokens,
         "seconds": result.train_seconds,
         "tokens_per_s": result.tokens_per_s,
         "train_loss": result.train_loss_last,
+        "padding_free": result.kernels.get("padding_free"),
     }
 
 
@@ -146,7 +148,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=4000)
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     args = parser.parse_args()
-    results = {"ladle": [], "trl-bfd": [], "trl-wrapped": []}
+    results = {"ladle": [], "ladle-padded": [], "trl-bfd": [], "trl-wrapped": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         alpaca, prompt_completion = write_inputs(tmp, args.records)
@@ -155,10 +157,10 @@ def main() -> None:
         dtype, checkpointing = planned.dtype, planned.gradient_checkpointing
         print(f"precision {dtype}, activation checkpointing {checkpointing}, on both sides")
         for rep in range(args.reps):
-            sides = ("ladle", "trl-bfd", "trl-wrapped")
+            sides = tuple(results)
             for side in sides if rep % 2 == 0 else tuple(reversed(sides)):
-                if side == "ladle":
-                    res = run_ladle(alpaca, tmp, args.steps, rep, args.model)
+                if side.startswith("ladle"):
+                    res = run_ladle(alpaca, tmp, args.steps, rep, args.model, "auto" if side == "ladle" else False)
                 else:
                     res = run_trl(
                         prompt_completion,
@@ -173,15 +175,16 @@ def main() -> None:
                 results[side].append(res)
                 print(
                     f"rep {rep} {side:<5} {res['tokens_per_s']:9.0f} real tok/s  {res['tokens']:8d} tokens in "
-                    f"{res['seconds']:6.2f} s  last loss {res['train_loss']}",
+                    f"{res['seconds']:6.2f} s  last loss {res['train_loss']}"
+                    + (f"  padding-free {res['padding_free']}" if side.startswith("ladle") else ""),
                     flush=True,
                 )
     med = {s: statistics.median(r["tokens_per_s"] for r in results[s]) for s in results}
     best = max(("trl-bfd", "trl-wrapped"), key=lambda s: med[s])
     ratio = med["ladle"] / med[best]
     print(
-        f"\nmedian real tokens/s: ladle {med['ladle']:.0f}, TRL bfd {med['trl-bfd']:.0f}, TRL wrapped "
-        f"{med['trl-wrapped']:.0f}; ratio ladle / TRL's best ({best}) {ratio:.2f}"
+        f"\nmedian real tokens/s: ladle {med['ladle']:.0f} (padded rows {med['ladle-padded']:.0f}), TRL bfd "
+        f"{med['trl-bfd']:.0f}, TRL wrapped {med['trl-wrapped']:.0f}; ratio ladle / TRL's best ({best}) {ratio:.2f}"
     )
     print(
         "saved",

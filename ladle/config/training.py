@@ -130,6 +130,14 @@ class KernelsConfig(Section):
         # YAML reads a bare `off` (as in `--set training.kernels.fused_loss=off`) as false
         return "off" if value is False else value
 
+    padding_free: bool | Literal["auto"] = Field(
+        "auto",
+        description="Join a micro-batch's packed rows into one row of their real tokens (padding dropped, "
+        "attention kept within each example), for each micro-batch where that computes less: the padding no "
+        "longer runs through every layer, the one longer row adds attention pairs; the model's config prices "
+        "both. auto: on for ddp, zero1, zero2, zero3, zero++ and fsdp2 (the strategies that run the model's "
+        "own forward); pipeline, tensor and N-D stages keep fixed row shapes.",
+    )
     lora_compute: Literal["run_dtype", "float32"] = Field(
         "run_dtype",
         description="run_dtype: LoRA adapters compute in the run's 16-bit dtype under autocast, their weights "

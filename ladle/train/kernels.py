@@ -12,6 +12,8 @@
 - **LoRA compute in the run's dtype**: peft casts each adapted input to its adapters' dtype; under DDP's
   autocast the adapters are float32 master weights, so every adapted layer saved a float32 copy of its input.
   With the cast off, autocast runs the adapter matmuls in 16-bit from the float32 weights.
+- **Padding-free micro-batches**: a micro-batch's rows joined into one row of their real tokens where that
+  computes less (``ladle.train.padding_free``).
 
 The plan resolves what it can from the config and the device (``decide``, no torch import); the worker
 resolves the rest on the training host (``apply``) and reports what ran in the result.
@@ -88,6 +90,16 @@ def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool 
     else:
         liger = "on" if kernels.liger else "off"
         liger_why = f"{liger} (training.kernels.liger)"
+    if kernels.padding_free == "auto":
+        joined = strategy in FUSED_LOSS_STRATEGIES
+        joined_why = (
+            "per micro-batch, where one row of its real tokens computes less than its padded rows"
+            if joined
+            else f"off: {strategy} keeps fixed row shapes"
+        )
+    else:
+        joined = bool(kernels.padding_free)
+        joined_why = f"{'on' if joined else 'off'} (training.kernels.padding_free)"
     lora_compute = kernels.lora_compute
     sixteen = dtype != "float32"
     decided = {
@@ -96,6 +108,7 @@ def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool 
         "loss_chunk_mib": kernels.loss_chunk_mib,
         "liger": liger,
         "lora_compute": lora_compute if sixteen else "float32",
+        "padding_free": joined,
     }
     reasons = [
         f"kernels: per-block compile {why}; fused loss {loss_why}; Liger RMSNorm/SwiGLU/RoPE {liger_why}; "
@@ -104,6 +117,7 @@ def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool 
             if sixteen and lora_compute == "run_dtype"
             else "LoRA adapters compute in float32"
         )
+        + f"; padding-free micro-batches {joined_why}"
     ]
     return decided, reasons
 
@@ -128,6 +142,12 @@ def problems(kernels, strategy: str, device: str) -> list[str]:
         found.append(
             "training.kernels.liger = true: Liger's kernels are Triton kernels for CUDA and this run is on the CPU. "
             "Set training.kernels.liger=auto or false."
+        )
+    if kernels.padding_free is True and strategy not in FUSED_LOSS_STRATEGIES:
+        found.append(
+            f"training.kernels.padding_free = true with parallelism.strategy = {strategy}: {strategy}'s stages "
+            f"need rows of one fixed shape; padding-free micro-batches run with {', '.join(FUSED_LOSS_STRATEGIES)}. "
+            "Set training.kernels.padding_free=auto or false."
         )
     if kernels.fused_loss == "liger" and strategy not in LIGER_LOSS_STRATEGIES:
         found.append(

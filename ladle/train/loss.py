@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ladle.data.packing import IGNORE
 from ladle.train.kernels import FusedHead
+from ladle.train.padding_free import JoinRows
 
 
 def token_loss(model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, int]:
@@ -28,9 +29,14 @@ def token_loss(model, data: dict[str, torch.Tensor], rows: list[int], device) ->
 
 
 def batch_rows(data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, ...]:
-    """The input ids, labels and position ids of ``rows``, on ``device``."""
+    """The input ids, labels and position ids of ``rows``, on ``device``: one row of their real tokens where the
+    run joins micro-batches (``training.kernels.padding_free``) and that computes less."""
     index = torch.tensor(rows, dtype=torch.long)
-    return tuple(data[key][index].to(device) for key in ("input_ids", "labels", "position_ids"))
+    ids, labels, positions = (data[key][index] for key in ("input_ids", "labels", "position_ids"))
+    joiner = JoinRows.ACTIVE
+    if joiner is not None and "real_tokens" in data:
+        ids, labels, positions = joiner.join(ids, labels, positions, data["real_tokens"][index])
+    return ids.to(device), labels.to(device), positions.to(device)
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:

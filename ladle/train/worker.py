@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from ladle import storage, strategies
 from ladle.data.packing import IGNORE, read_rows
 from ladle.strategies.base import inner
-from ladle.train import checkpoint, kernels, loading, saving, schedule
+from ladle.train import checkpoint, kernels, loading, padding_free, saving, schedule
 from ladle.train.loss import token_loss
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
@@ -276,6 +276,7 @@ def setup(spec: TrainSpec) -> Session:
         ran["fused_loss"] = "vocabulary-parallel (the ends stay sharded)"
     else:
         ran["fused_loss"] = kernels.fused_head(strategy.hf_model(accelerator, model), plan.kernels, plan.device)
+    ran["padding_free"] = padding_free.install(strategy.hf_model(accelerator, model).config, plan.kernels)
     if leftover := loading.meta_parameters(model):
         raise RuntimeError(f"{plan.strategy}: {len(leftover)} parameter(s) were never loaded, e.g. {leftover[0]}")
     sharding = strategy.check_applied(accelerator, model, plan)
@@ -437,6 +438,7 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
     release_freed_memory(acc)
     s.log({"eval_loss": eval_after}, s.steps)
     adapter_url, model_url = save_outputs(acc, s.model, s.spec)
+    padding_free.report(s.kernels)
     losses = s.losses
     result = TrainResult(
         strategy=s.spec.plan.strategy,
