@@ -21,7 +21,9 @@ faster one counts as TRL's best: `bfd` (best-fit decreasing, padding-free: each
 batch becomes one long row with position ids reset per example) and `wrapped`
 (fixed 256-token rows, examples cut at row ends). Throughput is real
 (non-padding) tokens over the seconds spent in optimizer steps, on both
-sides. The sides alternate.
+sides. The sides alternate. ladle runs three ways: its defaults, without padding-free
+micro-batches (`training.kernels.padding_free=false`), and also without attention
+example by example (`packed_attention=false`: masked SDPA over whole padded rows).
 """
 
 from __future__ import annotations
@@ -55,7 +57,16 @@ MODELS = {
 }
 
 
-def ladle_config(alpaca: Path, tmp: Path, steps: int, model: str = "tiny", padding_free: bool | str = "auto"):
+# ladle's sides: its defaults, then without padding-free micro-batches, then also without attention example by
+# example (masked SDPA over whole padded rows, the step before either).
+LADLE_SIDES = {
+    "ladle": {},
+    "ladle-padded": {"padding_free": False},
+    "ladle-masked": {"padding_free": False, "packed_attention": False},
+}
+
+
+def ladle_config(alpaca: Path, tmp: Path, steps: int, model: str = "tiny", kernels: dict | None = None):
     base, seq_len, lr, ends = MODELS[model]
     return build_config(
         {
@@ -70,16 +81,16 @@ def ladle_config(alpaca: Path, tmp: Path, steps: int, model: str = "tiny", paddi
                 "warmup_steps": 5,
                 "checkpoint_every": 0,
                 "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear", "modules_to_save": ends},
-                "kernels": {"padding_free": padding_free},
+                "kernels": kernels or {},
             },
         },
         [],
     )
 
 
-def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int, model: str, padding_free: bool | str = "auto") -> dict:
-    cfg = ladle_config(alpaca, tmp, steps, model, padding_free)
-    spec = train_spec(cfg, tmp, f"ladle-{rep}-{padding_free}", topo=probe())
+def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int, model: str, side: str = "ladle") -> dict:
+    cfg = ladle_config(alpaca, tmp, steps, model, LADLE_SIDES[side])
+    spec = train_spec(cfg, tmp, f"{side}-{rep}", topo=probe())
     result = launch(spec)
     return {
         "tokens": result.real_tokens,
@@ -87,6 +98,7 @@ def run_ladle(alpaca: Path, tmp: Path, steps: int, rep: int, model: str, padding
         "tokens_per_s": result.tokens_per_s,
         "train_loss": result.train_loss_last,
         "padding_free": result.kernels.get("padding_free"),
+        "packed_attention": result.kernels.get("packed_attention"),
     }
 
 
@@ -148,7 +160,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=4000)
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     args = parser.parse_args()
-    results = {"ladle": [], "ladle-padded": [], "trl-bfd": [], "trl-wrapped": []}
+    results = {**{side: [] for side in LADLE_SIDES}, "trl-bfd": [], "trl-wrapped": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         alpaca, prompt_completion = write_inputs(tmp, args.records)
@@ -160,7 +172,7 @@ def main() -> None:
             sides = tuple(results)
             for side in sides if rep % 2 == 0 else tuple(reversed(sides)):
                 if side.startswith("ladle"):
-                    res = run_ladle(alpaca, tmp, args.steps, rep, args.model, "auto" if side == "ladle" else False)
+                    res = run_ladle(alpaca, tmp, args.steps, rep, args.model, side)
                 else:
                     res = run_trl(
                         prompt_completion,
@@ -176,14 +188,19 @@ def main() -> None:
                 print(
                     f"rep {rep} {side:<5} {res['tokens_per_s']:9.0f} real tok/s  {res['tokens']:8d} tokens in "
                     f"{res['seconds']:6.2f} s  last loss {res['train_loss']}"
-                    + (f"  padding-free {res['padding_free']}" if side.startswith("ladle") else ""),
+                    + (
+                        f"  padding-free {res['padding_free']}; attention by example {res['packed_attention']}"
+                        if side.startswith("ladle")
+                        else ""
+                    ),
                     flush=True,
                 )
     med = {s: statistics.median(r["tokens_per_s"] for r in results[s]) for s in results}
     best = max(("trl-bfd", "trl-wrapped"), key=lambda s: med[s])
     ratio = med["ladle"] / med[best]
     print(
-        f"\nmedian real tokens/s: ladle {med['ladle']:.0f} (padded rows {med['ladle-padded']:.0f}), TRL bfd "
+        f"\nmedian real tokens/s: ladle {med['ladle']:.0f} (padded rows {med['ladle-padded']:.0f}, masked attention "
+        f"over padded rows {med['ladle-masked']:.0f}), TRL bfd "
         f"{med['trl-bfd']:.0f}, TRL wrapped {med['trl-wrapped']:.0f}; ratio ladle / TRL's best ({best}) {ratio:.2f}"
     )
     print(

@@ -60,7 +60,7 @@ class Plan(BaseModel):
     kernels: dict[str, Any] = Field(
         default_factory=dict,
         description="The step's fast paths (training.kernels resolved for this strategy and device): compile, "
-        "fused_loss, loss_chunk_mib, liger, lora_compute, padding_free. 'auto' entries are settled on the training host.",
+        "fused_loss, loss_chunk_mib, liger, lora_compute, padding_free, packed_attention. 'auto' entries are settled on the training host.",
     )
     reasons: list[str] = Field(default_factory=list, description="Why each decision was made.")
     overrides: list[str] = Field(default_factory=list, description="Explicit settings that won.")

@@ -138,6 +138,14 @@ class KernelsConfig(Section):
         "both. auto: on for ddp, zero1, zero2, zero3, zero++ and fsdp2 (the strategies that run the model's "
         "own forward); pipeline, tensor and N-D stages keep fixed row shapes.",
     )
+    packed_attention: bool | Literal["auto"] = Field(
+        "auto",
+        description="Attention example by example in packed rows: each example's queries, keys and values "
+        "regrouped into a batch of their own and causal SDPA run over it, instead of SDPA over the whole row "
+        "with a block-diagonal mask (every query-key pair of the row computed). For model types with plain "
+        "causal attention (Llama, Mistral without a sliding window, Qwen2/3, Phi-3, OLMo, Gemma). auto: on on "
+        "CPU for ddp, zero1, zero2, zero3, zero++ and fsdp2; off on CUDA, where it has not been measured.",
+    )
     lora_compute: Literal["run_dtype", "float32"] = Field(
         "run_dtype",
         description="run_dtype: LoRA adapters compute in the run's 16-bit dtype under autocast, their weights "

@@ -14,6 +14,8 @@
   With the cast off, autocast runs the adapter matmuls in 16-bit from the float32 weights.
 - **Padding-free micro-batches**: a micro-batch's rows joined into one row of their real tokens where that
   computes less (``ladle.train.padding_free``).
+- **Attention example by example** in packed rows (``ladle.train.packed_attention``): causal SDPA over each
+  example instead of masked SDPA over the whole row.
 
 The plan resolves what it can from the config and the device (``decide``, no torch import); the worker
 resolves the rest on the training host (``apply``) and reports what ran in the result.
@@ -100,6 +102,16 @@ def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool 
     else:
         joined = bool(kernels.padding_free)
         joined_why = f"{'on' if joined else 'off'} (training.kernels.padding_free)"
+    if kernels.packed_attention == "auto":
+        by_example = "auto" if not cuda and strategy in FUSED_LOSS_STRATEGIES else "off"
+        by_example_why = (
+            "on where the model's attention is plain causal attention"
+            if by_example == "auto"
+            else (f"off: {strategy} keeps its own attention masks" if not cuda else "off: not measured on CUDA")
+        )
+    else:
+        by_example = "on" if kernels.packed_attention else "off"
+        by_example_why = f"{by_example} (training.kernels.packed_attention)"
     lora_compute = kernels.lora_compute
     sixteen = dtype != "float32"
     decided = {
@@ -109,6 +121,7 @@ def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool 
         "liger": liger,
         "lora_compute": lora_compute if sixteen else "float32",
         "padding_free": joined,
+        "packed_attention": by_example,
     }
     reasons = [
         f"kernels: per-block compile {why}; fused loss {loss_why}; Liger RMSNorm/SwiGLU/RoPE {liger_why}; "
@@ -117,7 +130,7 @@ def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool 
             if sixteen and lora_compute == "run_dtype"
             else "LoRA adapters compute in float32"
         )
-        + f"; padding-free micro-batches {joined_why}"
+        + f"; padding-free micro-batches {joined_why}; attention example by example {by_example_why}"
     ]
     return decided, reasons
 
@@ -148,6 +161,12 @@ def problems(kernels, strategy: str, device: str) -> list[str]:
             f"training.kernels.padding_free = true with parallelism.strategy = {strategy}: {strategy}'s stages "
             f"need rows of one fixed shape; padding-free micro-batches run with {', '.join(FUSED_LOSS_STRATEGIES)}. "
             "Set training.kernels.padding_free=auto or false."
+        )
+    if kernels.packed_attention is True and strategy not in FUSED_LOSS_STRATEGIES:
+        found.append(
+            f"training.kernels.packed_attention = true with parallelism.strategy = {strategy}: {strategy}'s stages "
+            f"build their own attention masks; attention example by example runs with "
+            f"{', '.join(FUSED_LOSS_STRATEGIES)}. Set training.kernels.packed_attention=auto or false."
         )
     if kernels.fused_loss == "liger" and strategy not in LIGER_LOSS_STRATEGIES:
         found.append(

@@ -12,7 +12,8 @@ joining B rows of S tokens into one of R real tokens trades ``B*S - R`` padded t
 for ``R**2 - B*S**2`` more attention pairs. ``JoinRows.worth`` counts both in multiply-adds from the model's
 config (per layer: the projections and the MLP per token, ``2 x heads x head_dim`` per query-key pair) and joins
 only when the joined row costs less. One row with padding always gains (its padding is dropped, nothing is
-added); many nearly full rows of long sequences never do.
+added); many nearly full rows of long sequences never do. Where attention runs example by example
+(``training.kernels.packed_attention``), joining adds no pair, and any padding is worth dropping.
 
 Memory: the planner sizes activations for the padded rows, and a joined row holds fewer tokens, so the planned
 peak stays an upper bound; the joined row's attention mask (R x R, against B x S x S padded) is a few MB at the
@@ -31,12 +32,12 @@ class JoinRows:
 
     ACTIVE: JoinRows | None = None
 
-    def __init__(self, per_token: float, per_pair: float) -> None:
-        self.per_token, self.per_pair = per_token, per_pair
+    def __init__(self, per_token: float, per_pair: float, by_example: bool = False) -> None:
+        self.per_token, self.per_pair, self.by_example = per_token, per_pair, by_example
         self.batches = self.joined = self.row_tokens = self.computed = 0
 
     @classmethod
-    def for_config(cls, config) -> JoinRows:
+    def for_config(cls, config, by_example: bool = False) -> JoinRows:
         """Costs from a Hugging Face model config (a decoder with a gated MLP; a plain MLP counts one matrix less)."""
         hidden = config.hidden_size
         heads = config.num_attention_heads
@@ -45,13 +46,15 @@ class JoinRows:
         inner = getattr(config, "intermediate_size", None) or 4 * hidden
         gated = 3 if getattr(config, "hidden_act", "silu") in ("silu", "swiglu", "gelu_pytorch_tanh") else 2
         per_token = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + gated * hidden * inner
-        return cls(per_token, 2 * heads * head_dim)
+        return cls(per_token, 2 * heads * head_dim, by_example)
 
     def cost(self, lengths: list[int]) -> float:
         """Multiply-adds per layer of rows of these lengths (every query-key pair of a row computed)."""
         return sum(n * self.per_token + n * n * self.per_pair for n in lengths)
 
     def worth(self, real: list[int], seq_len: int) -> bool:
+        if self.by_example:  # attention per example: the joined row has the same examples, less padding
+            return sum(real) < seq_len * len(real)
         return self.cost([sum(real)]) < self.cost([seq_len] * len(real))
 
     def join(self, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, real: torch.Tensor):
@@ -91,12 +94,13 @@ class JoinRows:
         )
 
 
-def install(model_config, decided: dict) -> str:
-    """Start joining micro-batches where the plan decided to; what runs, in words."""
+def install(model_config, decided: dict, by_example: bool = False) -> str:
+    """Start joining micro-batches where the plan decided to; what runs, in words. ``by_example``: attention
+    runs example by example (``ladle.train.packed_attention``), so joining adds no attention pairs."""
     JoinRows.ACTIVE = None
     if not decided.get("padding_free"):
         return "off"
-    JoinRows.ACTIVE = JoinRows.for_config(model_config)
+    JoinRows.ACTIVE = JoinRows.for_config(model_config, by_example)
     return "on"
 
 

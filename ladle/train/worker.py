@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from ladle import storage, strategies
 from ladle.data.packing import IGNORE, read_rows
 from ladle.strategies.base import inner
-from ladle.train import checkpoint, kernels, loading, padding_free, saving, schedule
+from ladle.train import checkpoint, kernels, loading, packed_attention, padding_free, saving, schedule
 from ladle.train.loss import token_loss
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
@@ -276,7 +276,10 @@ def setup(spec: TrainSpec) -> Session:
         ran["fused_loss"] = "vocabulary-parallel (the ends stay sharded)"
     else:
         ran["fused_loss"] = kernels.fused_head(strategy.hf_model(accelerator, model), plan.kernels, plan.device)
-    ran["padding_free"] = padding_free.install(strategy.hf_model(accelerator, model).config, plan.kernels)
+    hf_model = strategy.hf_model(accelerator, model)
+    ran["packed_attention"] = packed_attention.install(hf_model, plan.kernels)
+    by_example = ran["packed_attention"].startswith("on")
+    ran["padding_free"] = padding_free.install(hf_model.config, plan.kernels, by_example)
     if leftover := loading.meta_parameters(model):
         raise RuntimeError(f"{plan.strategy}: {len(leftover)} parameter(s) were never loaded, e.g. {leftover[0]}")
     sharding = strategy.check_applied(accelerator, model, plan)

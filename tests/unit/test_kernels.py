@@ -159,6 +159,7 @@ def test_plan_decides_each_fast_path_with_its_reason():
         "liger": "off",  # compiled blocks: inductor fuses what Liger's kernels would
         "lora_compute": "run_dtype",
         "padding_free": True,
+        "packed_attention": "off",  # not measured on CUDA
     }
     assert "per-block compile on" in why[0] and "LoRA adapters compute in bfloat16" in why[0]
     on_cpu, why = kernels.decide(cfg_with().training.kernels, "ddp", "cpu", "float32")
