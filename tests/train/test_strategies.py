@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -37,10 +38,17 @@ def runs(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("strategies")
     specs = {name: spec_for(name, root) for name in ("ddp", *SHARDED)}
     # DDP the plain way: the head and loss as the model computes them (every run above uses the chunked fused loss
-    # on CPU), and every layer's activations recomputed in backward (auto leaves that off for this tiny model).
-    # Both are exact, so one run checks both against "ddp" (one run fewer in this module's setup).
+    # on CPU), padded rows with transformers' masked attention (the runs above join each micro-batch's rows and
+    # run attention example by example), and every layer's activations recomputed in backward (auto leaves that
+    # off for this tiny model). All are exact, so one run checks them all against "ddp" (one run fewer in this
+    # module's setup).
     specs["ddp plain"] = spec_for(
-        "ddp", root / "plain", "training.kernels.fused_loss=off", "training.gradient_checkpointing=true"
+        "ddp",
+        root / "plain",
+        "training.kernels.fused_loss=off",
+        "training.kernels.padding_free=false",
+        "training.kernels.packed_attention=false",
+        "training.gradient_checkpointing=true",
     )
     results = launch_all(specs)
     return {name: (results[name], specs[name]) for name in specs}
@@ -58,11 +66,16 @@ def test_losses_match_ddp(runs, name):
     assert other.eval_loss_after == pytest.approx(ddp.eval_loss_after, abs=1e-5)
 
 
-def test_fused_loss_matches_plain(runs):
-    """The chunked loss (head and cross-entropy a chunk at a time, recomputed in backward) trains as the plain one
-    does: the same losses to float32 rounding over every step, the same eval."""
+def test_fast_paths_match_plain(runs):
+    """The chunked loss (head and cross-entropy a chunk at a time, recomputed in backward), joined rows and
+    attention example by example train as the plain path does: the same losses to float32 rounding over every
+    step, the same eval."""
     fused, plain = runs["ddp"][0], runs["ddp plain"][0]
     assert fused.kernels["fused_loss"].startswith("chunked") and plain.kernels["fused_loss"] == "off"
+    assert fused.kernels["packed_attention"] == "on: causal SDPA per example"
+    joined = re.fullmatch(r"on: (\d+) of (\d+) micro-batches joined into one row; .*", fused.kernels["padding_free"])
+    assert joined and int(joined[1]) > 0, fused.kernels["padding_free"]
+    assert plain.kernels["padding_free"] == plain.kernels["packed_attention"] == "off"
     assert fused.train_losses[0] == pytest.approx(plain.train_losses[0], abs=1e-6)
     assert fused.train_losses == pytest.approx(plain.train_losses, abs=1e-5)
     assert fused.eval_loss_after == pytest.approx(plain.eval_loss_after, abs=1e-5)
@@ -72,7 +85,7 @@ def test_fused_loss_matches_plain(runs):
 def test_recomputed_activations_train_as_kept_ones(runs):
     """Activation checkpointing (asked; the plan's auto keeps it off where everything fits) is applied in the
     worker, as the model itself reports, and changes no loss: recomputing a layer gives the same numbers (this run
-    also computes the plain loss, which test_fused_loss_matches_plain holds to the same tolerance)."""
+    also computes the plain loss, which test_fast_paths_match_plain holds to the same tolerance)."""
     recomputed, kept = runs["ddp plain"], runs["ddp"]
     assert recomputed[1].plan.gradient_checkpointing and not kept[1].plan.gradient_checkpointing
     assert any(r.startswith("activation checkpointing off (auto): ") for r in kept[1].plan.reasons)
