@@ -155,10 +155,27 @@ class LadleConfig(Section):
         return self.promote.metric or self.eval.metric
 
 
+# The names pydantic gives a union's branches in an error's location (``bool``, ``literal['auto']``,
+# ``constrained-int``, ``function-after[...]``); no config field or key is spelled so.
+_UNION_TAG = re.compile(r"(bool|int|float|str|list|dict|none|literal\[.*\]|constrained-\w+|function-\w+\[.*\])")
+
+
+def _union_tag(part: object) -> bool:
+    return isinstance(part, str) and _UNION_TAG.fullmatch(part) is not None
+
+
 def format_validation_error(err: ValidationError, source: str) -> list[str]:
-    """Turn pydantic errors into ``field = value: problem. fix.`` lines."""
-    lines = []
+    """Turn pydantic errors into ``field = value: problem. fix.`` lines (a union's branches in one line)."""
+    merged: dict[str, dict] = {}
     for item in err.errors():
+        field_loc = tuple(p for p in item["loc"] if not _union_tag(p))
+        path = ".".join(str(p) for p in field_loc)
+        if path in merged and path and merged[path]["type"] not in ("extra_forbidden", "missing"):
+            merged[path]["msg"] += " or " + item["msg"].removeprefix("Value error, ")
+            continue
+        merged[path] = {**item, "loc": field_loc}
+    lines = []
+    for item in merged.values():
         path = ".".join(str(p) for p in item["loc"])
         value = item.get("input")
         if not path:  # a rule across fields: its message names the fields, their values and the fix

@@ -49,6 +49,17 @@ def test_wrong_type_names_field_value_and_fix():
     assert "--set training.max_steps=" in message
 
 
+def test_a_union_field_gets_one_line_naming_the_field_and_every_accepted_form():
+    with pytest.raises(ConfigError) as info:
+        build_config(MINIMAL, ["training.kernels.packed_attention=sometimes", "training.micro_batch_size=-3"])
+    assert info.value.problems == [
+        "training.micro_batch_size = -3: Input should be greater than or equal to 1 or Input should be 'auto'. "
+        "Fix it in config or with --set training.micro_batch_size=...",
+        'training.kernels.packed_attention = "sometimes": Input should be a valid boolean, unable to interpret '
+        "input or Input should be 'auto'. Fix it in config or with --set training.kernels.packed_attention=...",
+    ]
+
+
 def test_every_problem_reported_at_once():
     with pytest.raises(ConfigError) as info:
         build_config(MINIMAL, ["training.lr=-1", "data.seq_len=3", "bogus=1"])
