@@ -33,16 +33,18 @@ class Layout:
     """Where each token of a rows x length batch goes when its examples become a batch of their own."""
 
     def __init__(self, position_ids: torch.Tensor) -> None:
-        rows, length = position_ids.shape
+        from transformers.masking_utils import find_packed_sequence_indices
+
         device = position_ids.device
-        flat = position_ids.reshape(-1)
-        total = flat.numel()
-        start = torch.ones(total, dtype=torch.bool, device=device)
-        start[1:] = flat[1:] - flat[:-1] != 1  # transformers' rule: an example ends where positions stop counting
-        start[::length] = True  # and every row starts one
-        example = start.cumsum(0) - 1
-        starts = start.nonzero().squeeze(1)
-        lengths = torch.diff(starts, append=torch.tensor([total], device=device))
+        # transformers' own rule for where an example ends (its positions stop counting), numbered per row
+        within = find_packed_sequence_indices(position_ids)
+        if within is None:  # one example per row
+            within = torch.zeros_like(position_ids)
+        per_row = within[:, -1] + 1
+        example = (within + (per_row.cumsum(0) - per_row)[:, None]).reshape(-1)
+        lengths = torch.bincount(example)
+        starts = lengths.cumsum(0) - lengths
+        total = example.numel()
         self.examples, self.longest = int(starts.numel()), int(lengths.max())
         offset = torch.arange(total, device=device) - starts[example]
         # The slot of every token, and for every slot the token it reads (slots past an example's end repeat its

@@ -272,11 +272,11 @@ def setup(spec: TrainSpec) -> Session:
     steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
     model, pending, ran = load_model(spec, accelerator)
     model, optimizer = strategy.wrap(accelerator, model, lambda m: build_optimizer(m, cfg), plan, pending)
+    hf_model = strategy.hf_model(accelerator, model)
     if getattr(model, "ladle_vocab", None) is not None:
         ran["fused_loss"] = "vocabulary-parallel (the ends stay sharded)"
     else:
-        ran["fused_loss"] = kernels.fused_head(strategy.hf_model(accelerator, model), plan.kernels, plan.device)
-    hf_model = strategy.hf_model(accelerator, model)
+        ran["fused_loss"] = kernels.fused_head(hf_model, plan.kernels, plan.device)
     ran["packed_attention"] = packed_attention.install(hf_model, plan.kernels)
     by_example = ran["packed_attention"].startswith("on")
     ran["padding_free"] = padding_free.install(hf_model.config, plan.kernels, by_example)

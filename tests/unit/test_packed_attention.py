@@ -12,7 +12,7 @@ from ladle.train import kernels, packed_attention
 from ladle.train.packed_attention import Layout
 from ladle.train.padding_free import JoinRows
 from tests.unit.test_kernels import cfg_with, close, tiny
-from tests.unit.test_padding_free import loss_and_grads, packed
+from tests.unit.test_padding_free import decoder, loss_and_grads, packed
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +99,7 @@ def test_plan_decides_attention_by_example_and_joining_follows_it():
     assert kernels.decide(forced, "ddp", "cuda", "bfloat16")[0]["packed_attention"] == "on"
     assert "packed_attention = true with parallelism.strategy = tp" in kernels.problems(forced, "tp", "cpu")[0]
     # Attention per example: joining adds no pair, so any padding is worth dropping; masked SDPA: priced.
-    shape = SimpleNamespace(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=352)
+    shape = decoder(hidden=128, heads=4, kv_heads=2, inner=352)
     nearly_full = [250, 244, 251, 240]
     assert not JoinRows.for_config(shape).worth(nearly_full, 256)
     assert JoinRows.for_config(shape, by_example=True).worth(nearly_full, 256)

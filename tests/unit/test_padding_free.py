@@ -85,16 +85,21 @@ def test_joined_rows_attend_within_each_example_only():
     assert torch.allclose(a[0, first_end:], b[0, first_end:], atol=1e-5)
 
 
-def test_rows_are_joined_only_where_that_computes_less():
+def decoder(hidden: int, heads: int, kv_heads: int, inner: int):
+    """A decoder's config as ``JoinRows.for_config`` reads it (a gated SiLU MLP)."""
     from types import SimpleNamespace
 
-    smollm2 = SimpleNamespace(
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        intermediate_size=1536,
+    return SimpleNamespace(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inner,
         hidden_act="silu",
     )
+
+
+def test_rows_are_joined_only_where_that_computes_less():
+    smollm2 = decoder(hidden=576, heads=9, kv_heads=3, inner=1536)
     joiner = JoinRows.for_config(smollm2)
     # 576 x (2 x 576 + 2 x 192) + 3 x 576 x 1536 multiply-adds per token; 2 x 576 per query-key pair
     assert (joiner.per_token, joiner.per_pair) == (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536, 2 * 576)
@@ -102,13 +107,7 @@ def test_rows_are_joined_only_where_that_computes_less():
     assert joiner.worth([5], 4096)  # one row: its padding is dropped, nothing added
     assert not joiner.worth([4000] * 8, 4096)  # nearly full long rows: the attention added costs more
     assert not joiner.worth([128, 128], 128)  # no padding: nothing to gain
-    llama8b = SimpleNamespace(
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        hidden_act="silu",
-    )
+    llama8b = decoder(hidden=4096, heads=32, kv_heads=8, inner=14336)
     assert JoinRows.for_config(llama8b).worth([3000, 3100], 4096)  # 26 % padding outweighs the attention
     data = packed(100)
     joiner.join(data["input_ids"][:2], data["labels"][:2], data["position_ids"][:2], torch.tensor([48, 48]))
