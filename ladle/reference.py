@@ -68,11 +68,12 @@ def render() -> str:
     from ladle.events import EVENTS
     from ladle.serve import router, server
 
-    backend = SimpleNamespace(queue_depth=lambda: 0, name="-", engine=None)  # routes are listed, never served
+    # Routes are listed, never served.
+    backend = SimpleNamespace(queue_depth=lambda: 0, name="-", engine=None, context_length=2048)
     model_server = server.create_app(backend, "MODEL")
     front = router.create_app("NAME", "-", {}, None)
     front_registry = front.state.supervisor.registry
-    server_registry = server.Metrics(backend).registry
+    server_registry = server.Metrics(backend, server.ROUTES).registry
     events = ["| event | when | payload |", "| --- | --- | --- |"]
     events += [f"| `{name}` | {when} | {payload} |" for name, (when, payload) in EVENTS.items()]
     lines = [
@@ -82,9 +83,18 @@ def render() -> str:
         "",
         "## The model server (`ladle serve`, and each version behind the front)",
         "",
-        "OpenAI-compatible. With `serve.api_key` set, every route but `/health`, `/ready` and `/metrics` needs",
-        '`Authorization: Bearer KEY`. Errors are OpenAI\'s shape: `{"error": {"message", "type", "param",',
-        '"code"}}`, with the field and value named for a bad request.',
+        "OpenAI-compatible. With `serve.api_key_env` set (`ladle serve --api-key-env NAME`), every route but",
+        "`/health`, `/ready` and `/metrics` needs `Authorization: Bearer KEY`, compared in constant time. Errors",
+        'are OpenAI\'s shape: `{"error": {"message", "type", "param", "code"}}`, with the field and value named',
+        "for a bad request.",
+        "",
+        "Every request is bounded before the work it bounds (`serve.limits`, see the config reference): a body",
+        "over `max_body_bytes` gets 413 before it is read whole; more than `max_messages` messages, a prompt over",
+        "`max_prompt_chars` characters, a stop string over `max_stop_chars` or `max_tokens` over `max_tokens` get",
+        "400 naming the field; a request finding `max_queue` requests waiting gets 429 with `Retry-After`, and one",
+        "that waits past `queue_timeout_s` gets 503 with `Retry-After` (a streamed one too: the status is known",
+        "before the first chunk). A client that hangs up, streaming or not, cancels its generation. `/ready` and",
+        "`/health` answer 503 once the engine fails every step.",
         "",
         *routes(model_server),
         "",

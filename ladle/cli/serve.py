@@ -18,6 +18,12 @@ def serve(
     option: list[str] = typer.Option([], "--option", help="A backend option, NAME=VALUE (e.g. tensor_parallel=2)."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
+    api_key_env: str | None = typer.Option(
+        None,
+        "--api-key-env",
+        help="Environment variable holding the API key clients must send as `Authorization: Bearer` (every route "
+        "but /health, /ready and /metrics). Without it the server answers anyone who can reach it.",
+    ),
 ) -> None:
     """Serve a model folder over the OpenAI-compatible API until interrupted."""
     from ladle.assets import resolve_base
@@ -31,4 +37,16 @@ def serve(
         raise LadleError(str(err).replace("base =", "MODEL =")) from None
     extra = [arg for item in option for arg in ("--option", item)]
     argv = ["--model", str(folder), "--backend", kind.name, *extra, "--host", host, "--port", str(port)]
+    if api_key_env:
+        from ladle.serve.server import api_key_from_env
+
+        try:
+            api_key_from_env(api_key_env)  # unset: one line here, before the model loads
+        except ValueError as err:
+            raise LadleError(
+                str(err)
+                .replace("serve.api_key_env", "--api-key-env")
+                .replace("set --api-key-env=null", "leave --api-key-env out")
+            ) from None
+        argv += ["--api-key-env", api_key_env]
     raise SystemExit(main(argv))

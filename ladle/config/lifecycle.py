@@ -6,11 +6,12 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ladle.config.compute import KubernetesPods
 from ladle.schema import Section, choice_error, registry_choices
 from ladle.serve import backends
+from ladle.serve.limits import ServeLimits
 
 BUILTIN_METRICS = ("exact_match", "loss")
 
@@ -131,6 +132,11 @@ class ServeConfig(Section):
     kubernetes: ServeKubernetesConfig = Field(
         default_factory=ServeKubernetesConfig, description="Options of serve.target kubernetes."
     )
+    limits: ServeLimits = Field(
+        default_factory=ServeLimits,
+        description="What one request may ask of the server: body size, messages, prompt characters, stop strings, "
+        "max_tokens, and its place and wait in the queue.",
+    )
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -138,6 +144,16 @@ class ServeConfig(Section):
         if not isinstance(value, str) or value not in backends.REGISTRY:
             raise choice_error(value, list(backends.REGISTRY))
         return value
+
+    @model_validator(mode="after")
+    def _default_within_cap(self) -> ServeConfig:
+        if self.max_new_tokens > self.limits.max_tokens:
+            raise ValueError(
+                f"serve.max_new_tokens = {self.max_new_tokens}: above serve.limits.max_tokens = "
+                f"{self.limits.max_tokens}, so a request that sends no max_tokens would be refused. Lower "
+                "serve.max_new_tokens or raise serve.limits.max_tokens"
+            )
+        return self
 
 
 class EvalConfig(Section):

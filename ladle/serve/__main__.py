@@ -36,9 +36,9 @@ def local_model(model: str, sha256: str | None):
 
     if storage.is_local(model):
         return storage.local_path(model)
-    key = sha256 or hashlib.sha256(model.encode()).hexdigest()
     try:
-        return storage.cached_copy(model, ladle_home() / "served" / key[:16])
+        key = storage.cache_key(sha256 or hashlib.sha256(model.encode()).hexdigest(), "--model-sha256")
+        return storage.cached_copy(model, ladle_home() / "served" / key)
     except (OSError, ValueError) as exc:
         raise LadleError(f"--model {model}: could not copy it from the artifact store: {exc}") from None
 
@@ -64,11 +64,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="Default max_tokens of a request.")
     parser.add_argument("--api-key-env", default=None, help="Environment variable holding the API key.")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="Seconds SIGTERM waits for requests.")
+    parser.add_argument(
+        "--limits", default="{}", help="serve.limits as JSON (what one request may ask; its defaults when left out)."
+    )
     args = parser.parse_args(argv)
     import uvicorn
+    from pydantic import ValidationError
 
+    from ladle.serve.limits import ServeLimits
     from ladle.serve.server import Settings, api_key_from_env, create_app
 
+    try:
+        limits = ServeLimits.model_validate_json(args.limits)
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = ".".join(str(p) for p in problem["loc"])
+        print(f"error: --limits: serve.limits.{where}: {problem['msg']}", file=sys.stderr)
+        return 2
     try:
         key = api_key_from_env(args.api_key_env)
         kind = backends.get(args.backend)
@@ -78,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     name = args.name or args.model.rstrip("/").rsplit("/", 1)[-1]
-    app = create_app(backend, Settings(name, args.max_new_tokens, key))
+    app = create_app(backend, Settings(name, args.max_new_tokens, key, limits))
     record = records.write(f"http://{args.host}:{args.port}", name, args.backend, str(model))
     config = uvicorn.Config(
         app,

@@ -121,6 +121,10 @@ class Backend(ABC):
 
     def ready(self) -> bool:
         """Whether requests are being served (the model is loaded and its generation loop alive)."""
+        return self.live()
+
+    def live(self) -> bool:
+        """Whether the process is worth keeping: False once its engine fails every step, so it is replaced."""
         return True
 
     def queue_depth(self) -> int:
@@ -170,8 +174,8 @@ class TransformersBackend(Backend):
     def submit(self, job) -> None:
         self.engine.submit(job)
 
-    def ready(self) -> bool:
-        return self.engine.alive()
+    def live(self) -> bool:
+        return self.engine.alive() and self.engine.healthy()
 
     def queue_depth(self) -> int:
         return self.engine.depth()

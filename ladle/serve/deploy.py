@@ -45,7 +45,8 @@ def local_model_dir(merged: MergedModel) -> Path:
     """The merged model on local disk (copied once from a remote store, keyed by its hash)."""
     if storage.is_local(merged.url):
         return storage.local_path(merged.url)
-    return storage.cached_copy(merged.url, ladle_home() / "served" / merged.sha256[:16])
+    key = storage.cache_key(merged.sha256, "ladle.model_sha256")
+    return storage.cached_copy(merged.url, ladle_home() / "served" / key)
 
 
 def backend_options(cfg: ServeConfig) -> dict:
@@ -78,6 +79,8 @@ def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int) -> list
         str(cfg.max_new_tokens),
         "--drain-timeout",
         str(cfg.drain_timeout_s),
+        "--limits",
+        cfg.limits.model_dump_json(),
     ]
     accepted = backends.get(cfg.backend).options
     for option, value in backend_options(cfg).items():

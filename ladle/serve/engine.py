@@ -45,6 +45,10 @@ from ladle.errors import LadleError
 KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 """Decoder layer types whose cache is keys and values the engine can join and split."""
 
+FAILING_STEPS = 3
+"""Steps (prefills or decodes) failing in a row after which the engine reports itself unhealthy. One failure can
+be one request's (its prompt); three in a row with nothing succeeding between them is the device or the model."""
+
 
 @dataclass
 class Job:
@@ -59,11 +63,15 @@ class Job:
     emit: Callable[[str, dict], None] = lambda kind, data: None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # monotonic time by which it must have joined the batch (serve.limits)
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of ``text`` already emitted
+    prefix_at: int = 0  # incremental detokenization: where the last decoded window started ...
+    read_at: int = 0  # ... and ended (tokens past it are not in ``text`` yet)
     finish: str | None = None
     generator: torch.Generator | None = None
+    ttft_seen: bool = False  # the server timed its first text
 
     @property
     def tokens_needed(self) -> int:
@@ -110,19 +118,61 @@ class RowStop(StoppingCriteria):
             return
         if token in self.eos:
             job.finish = "stop"
-            flush(job, len(job.text), final=True)
+            self.end(job)
             return
         job.tokens.append(token)
-        job.text = self.tokenizer.decode(job.tokens, skip_special_tokens=True)
-        cut = min((i for i in (job.text.find(s) for s in job.stop) if i >= 0), default=-1)
+        scanned = len(job.text)
+        job.text += decode_next(self.tokenizer, job)
+        cut = find_stop(job.text, job.stop, scanned)
         if cut >= 0:
             job.text, job.finish = job.text[:cut], "stop"
             flush(job, cut, final=True)
         elif len(job.tokens) >= job.max_new_tokens:
             job.finish = "length"
-            flush(job, len(job.text), final=True)
+            self.end(job)
         else:
             flush(job, len(job.text) - held_back(job.text, job.stop))
+
+    def end(self, job: Job) -> None:
+        """Send the rest: tokens still held back as an unfinished character are decoded as they stand, as a whole
+        decode of the answer would (a stop string can still appear in them)."""
+        scanned = len(job.text)
+        job.text += decode_rest(self.tokenizer, job)
+        cut = find_stop(job.text, job.stop, scanned)
+        if cut >= 0:
+            job.text, job.finish = job.text[:cut], "stop"
+        flush(job, len(job.text), final=True)
+
+
+def decode_next(tokenizer, job: Job) -> str:
+    """The text the newest token adds, decoding a window of a few tokens instead of the whole answer (which
+    made every step cost the answer's length). The window starts one decoded token back, so a token whose text
+    depends on its neighbour (a leading space, a merge) reads as it does in a whole decode; a window ending in a
+    half-decoded character waits for the next token."""
+    prefix = tokenizer.decode(job.tokens[job.prefix_at : job.read_at], skip_special_tokens=True)
+    text = tokenizer.decode(job.tokens[job.prefix_at :], skip_special_tokens=True)
+    if len(text) > len(prefix) and not text.endswith("\ufffd"):
+        job.prefix_at, job.read_at = job.read_at, len(job.tokens)
+        return text[len(prefix) :]
+    return ""
+
+
+def decode_rest(tokenizer, job: Job) -> str:
+    """The text of the tokens ``decode_next`` still holds back, as they decode now."""
+    if job.read_at >= len(job.tokens):
+        return ""
+    prefix = tokenizer.decode(job.tokens[job.prefix_at : job.read_at], skip_special_tokens=True)
+    text = tokenizer.decode(job.tokens[job.prefix_at :], skip_special_tokens=True)
+    job.prefix_at = job.read_at = len(job.tokens)
+    return text[len(prefix) :]
+
+
+def find_stop(text: str, stops: list[str], scanned: int) -> int:
+    """Where the first stop string starts in ``text``, or -1. Only the part that can hold a new match is
+    searched (from ``scanned``, the length already searched, less each stop's length), so a step costs the new
+    text and the stops, not the whole answer."""
+    found = [text.find(s, max(0, scanned - len(s) + 1)) for s in stops]
+    return min((i for i in found if i >= 0), default=-1)
 
 
 def held_back(text: str, stops: list[str]) -> int:
@@ -133,8 +183,8 @@ def held_back(text: str, stops: list[str]) -> int:
 def flush(job: Job, upto: int, final: bool = False) -> None:
     """Emit ``job.text[job.sent:upto]``. Until ``final``, text past a held-back stop prefix waits for the next
     token, and so does a trailing replacement character (a multi-byte character half decoded)."""
-    if not final:
-        upto = min(upto, len(job.text[:upto].rstrip("\ufffd")))
+    while not final and upto > job.sent and job.text[upto - 1] == "\ufffd":
+        upto -= 1
     if upto > job.sent:
         job.emit("text", {"text": job.text[job.sent : upto]})
         job.sent = upto
@@ -169,6 +219,7 @@ class Engine:
         eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos])
         self.jobs: queue.Queue[Job] = queue.Queue()
+        self.failures = 0  # steps failed in a row
         self.thread = threading.Thread(target=self.loop, name="ladle-engine", daemon=True)
         self.thread.start()
 
@@ -177,6 +228,11 @@ class Engine:
 
     def alive(self) -> bool:
         return self.thread.is_alive()
+
+    def healthy(self) -> bool:
+        """False once ``FAILING_STEPS`` steps in a row have failed (a sticky device error fails every one): the
+        server's readiness and liveness then go red, so whatever supervises it replaces the process."""
+        return self.failures < FAILING_STEPS
 
     def depth(self) -> int:
         """Requests waiting for a place in the batch."""
@@ -192,19 +248,64 @@ class Engine:
                     self.waiting.append(self.jobs.get_nowait())
                 except queue.Empty:
                     break
+            self.expire()
             arrivals = self.admissible(batch)
+            if arrivals:
+                self.admit(batch, arrivals)
+            if not batch.jobs:
+                continue
+            self.on_batch(len(batch.jobs))
             try:
-                if arrivals:
-                    batch.admit(arrivals)
-                if batch.jobs:
-                    self.on_batch(len(batch.jobs))
-                    batch.step()
+                batch.step()
             except Exception as exc:  # a failed step fails its requests, never the engine
-                for job in [*batch.jobs, *arrivals]:
-                    if job.finish is None:
-                        job.finish = "error"
-                        job.emit("error", {"message": f"{type(exc).__name__}: {exc}"})
+                self.count(exc)
+                fail(batch.jobs, exc)
                 batch = Batch(self)
+            else:
+                self.failures = 0
+
+    def admit(self, batch: Batch, arrivals: list[Job]) -> None:
+        """Prefill the arrivals together; when that fails, each alone, so a request that cannot be prefilled
+        fails by itself and neither the others arriving with it nor the running rows lose their answers."""
+        try:
+            batch.admit(arrivals)
+            self.failures = 0
+            return
+        except Exception as error:
+            exc = error
+            if len(arrivals) == 1:
+                self.count(exc)
+                fail(arrivals, exc)
+                return
+        for job in arrivals:
+            if job.finish is None and not job.tokens:
+                self.admit(batch, [job])
+            else:  # it had its first token when the group failed: a second prefill would send it twice
+                fail([job], exc)
+
+    def count(self, exc: Exception) -> None:
+        self.failures += 1
+        if self.failures == FAILING_STEPS:
+            print(f"ladle engine: {FAILING_STEPS} steps failed in a row, the last with {exc!r}; not ready", flush=True)
+
+    def expire(self) -> None:
+        """Answer the waiting requests whose ``deadline`` passed (HTTP 503): they never join the batch."""
+        now = time.monotonic()
+        late = [job for job in self.waiting if job.deadline is not None and now > job.deadline]
+        for job in late:
+            self.waiting.remove(job)
+            job.finish = "error"
+            if not job.cancelled.is_set():
+                waited = now - job.submitted
+                job.emit(
+                    "error",
+                    {
+                        "message": f"the request waited {waited:.1f} s for a place in the batch and was not "
+                        "served (serve.limits.queue_timeout_s); retry later",
+                        "status": 503,
+                        "code": "queue_timeout",
+                    },
+                )
 
     def admissible(self, batch: Batch) -> list[Job]:
         """The waiting jobs that join now: in arrival order, while the batch has a row free and the KV budget
@@ -220,6 +321,14 @@ class Engine:
                 break
             arrivals.append(self.waiting.popleft())
         return arrivals
+
+
+def fail(jobs: list[Job], exc: Exception) -> None:
+    """End ``jobs`` that are still running with ``exc``."""
+    for job in jobs:
+        if job.finish is None:
+            job.finish = "error"
+            job.emit("error", {"message": f"{type(exc).__name__}: {exc}"})
 
 
 def check_cache_layers(config) -> None:
@@ -282,6 +391,7 @@ class Batch:
                 position_ids=positions.to(device),
                 past_key_values=cache,
                 use_cache=True,
+                logits_to_keep=1,  # the next token's logits only: [rows, 1, vocab], not one per prompt position
             ).logits[:, -1, :]
         self.choose(jobs, logits)
         going = [row for row, job in enumerate(jobs) if job.finish is None]

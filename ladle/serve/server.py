@@ -12,11 +12,12 @@ cancels its generation.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from ladle.serve.backends import Backend
 from ladle.serve.engine import Job
+from ladle.serve.limits import ServeLimits
 
 UNSUPPORTED = (
     "logprobs",
@@ -53,6 +55,15 @@ class Settings:
     model: str
     max_new_tokens: int = 32
     api_key: str | None = None
+    limits: ServeLimits = field(default_factory=ServeLimits)
+
+
+MIN_TEMPERATURE = 1e-4
+"""Below this a request is answered greedily: its distribution is the argmax to float precision, and dividing
+logits by a temperature near zero overflows to inf (a sampling error, not an answer)."""
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+"""Routes a probe or a scraper reads without the API key."""
 
 
 class ApiError(Exception):
@@ -65,13 +76,19 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer was ready; its generation was cancelled."""
 
 
 class ChatMessage(BaseModel):
@@ -96,7 +113,8 @@ class Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # What a random generator takes (torch's manual_seed: a signed or unsigned 64-bit integer).
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -120,9 +138,11 @@ class ChatRequest(Sampling):
 
 
 class Metrics:
-    """The server's Prometheus metrics, in a registry of their own."""
+    """The server's Prometheus metrics, in a registry of their own. Requests are labelled by route template
+    (an unknown path is ``other``), so requests to random paths cannot grow the series without bound."""
 
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, routes: frozenset[str]):
+        self.routes = routes
         self.registry = r = CollectorRegistry()
         self.requests = Counter("ladle_requests", "Requests by route and status.", ["route", "status"], registry=r)
         self.prompt_tokens = Counter("ladle_prompt_tokens", "Prompt tokens processed.", registry=r)
@@ -137,19 +157,107 @@ class Metrics:
         depth = Gauge("ladle_queue_depth", "Requests waiting for a batch.", registry=r)
         depth.set_function(backend.queue_depth)
 
+    def count(self, path: str, status: int) -> None:
+        route = path if path in self.routes else "other"
+        self.requests.labels(route, str(status)).inc()
+
+
+ROUTES = frozenset({*OPEN_PATHS, "/v1/models", "/v1/completions", "/v1/chat/completions"})
+
+
+class Guard:
+    """ASGI middleware that looks at every HTTP request before the app parses it: the API key (compared in
+    constant time), then the body's size, refused with 413 as soon as it is over ``serve.limits.max_body_bytes``
+    (by its Content-Length, or while it arrives), so no oversized body is read whole. A body within the bound
+    is handed to the app as read; after it, ``receive`` is the connection's own (a disconnect reaches the app)."""
+
+    def __init__(self, app, settings: Settings, metrics: Metrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+        self.key = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            self.authorise(scope)
+            body = await self.read_body(scope, receive)
+        except ApiError as exc:
+            self.metrics.count(scope["path"], exc.status)
+            await exc.response()(scope, receive, send)
+            return
+        except ClientGone:
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def authorise(self, scope) -> None:
+        if self.key is None or scope["path"] in OPEN_PATHS:
+            return
+        sent = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(sent, self.key):
+            message = "missing or wrong API key: send Authorization: Bearer <key>"
+            raise ApiError(401, message, code="invalid_api_key", kind="authentication_error")
+
+    async def read_body(self, scope, receive) -> bytes:
+        limit = self.settings.limits.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise ApiError(400, f"Content-Length = {declared[:40]!r}: not a number of bytes.")
+            if int(declared) > limit:
+                raise too_large(int(declared), limit)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            body += message.get("body", b"")
+            if len(body) > limit:
+                raise too_large(len(body), limit, so_far=True)
+            if not message.get("more_body"):
+                return bytes(body)
+
+
+def too_large(size: int, limit: int, so_far: bool = False) -> ApiError:
+    what = f"more than {limit}" if so_far else str(size)
+    return ApiError(
+        413,
+        f"The request body has {what} bytes; this server takes at most {limit} (serve.limits.max_body_bytes). "
+        "Send a shorter prompt or fewer messages.",
+        code="request_too_large",
+    )
+
 
 def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
     """The API app serving ``backend`` (``settings``: a ``Settings``, or just the model id)."""
     settings = Settings(settings) if isinstance(settings, str) else settings
     app = FastAPI(title="ladle inference server")
-    metrics = Metrics(backend)
+    metrics = Metrics(backend, ROUTES)
     engine = getattr(backend, "engine", None)
     if engine is not None:
         engine.on_batch = metrics.batch.observe
+    add_error_handlers(app, metrics)
+    app.add_middleware(Guard, settings=settings, metrics=metrics)
+    add_probe_routes(app, backend, settings, metrics)
+    add_generation_routes(app, backend, settings, metrics)
+    return app
+
+
+def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error as the OpenAI envelope, counted by route template."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        metrics.count(request.url.path, exc.status)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
@@ -161,32 +269,36 @@ def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return await api_error(request, ApiError(exc.status_code, str(exc.detail), kind=kind))
 
+    @app.exception_handler(ClientGone)
+    async def gone(request: Request, exc: ClientGone):
+        metrics.count(request.url.path, 499)  # nginx's "client closed request": nobody reads this answer
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception):
         return await api_error(request, ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
 
-    @app.middleware("http")
-    async def authorise(request: Request, call_next):
-        open_paths = ("/health", "/ready", "/metrics")
-        denied = request.headers.get("authorization", "") != f"Bearer {settings.api_key}"
-        if settings.api_key and request.url.path not in open_paths and denied:
-            message = "missing or wrong API key: send Authorization: Bearer <key>"
-            return await api_error(request, ApiError(401, message, code="invalid_api_key", kind="authentication_error"))
-        return await call_next(request)
+
+def add_probe_routes(app: FastAPI, backend: Backend, settings: Settings, metrics: Metrics) -> None:
+    """Liveness, readiness, metrics and the model list."""
 
     @app.get("/health")
     def health() -> dict:
-        """Liveness: the process answers (no key needed)."""
+        """Liveness: the process answers and its engine is not failing every step (no key needed); 503 when it
+        is, so a supervisor or Kubernetes replaces the process."""
+        if not backend.live():
+            raise ApiError(503, f"the {backend.name} backend fails every step; restart it", kind="server_error")
         return {"status": "ok", "model": settings.model, "backend": backend.name}
 
     @app.get("/ready")
     def ready():
         """Readiness: 200 when the backend generates; 503 with the reason when its loop or model server is down
-        (no key needed)."""
+        or every step fails (no key needed)."""
         if not backend.ready():
             raise ApiError(
                 503,
-                f"the {backend.name} backend is not serving (its generation loop or model server is down)",
+                f"the {backend.name} backend is not serving (its generation loop or model server is down, or "
+                "every step fails)",
                 kind="server_error",
             )
         return {"status": "ready", "model": settings.model, "max_batch": backend.max_batch}
@@ -204,80 +316,122 @@ def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
             "data": [{"id": settings.model, "object": "model", "created": 0, "owned_by": "ladle"}],
         }
 
+
+def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, metrics: Metrics) -> None:
+    """The OpenAI completion routes. Each request is bounded (``serve.limits``) before the work it bounds;
+    tokenization runs off the event loop, so a long prompt never stalls ``/health``; the answer's HTTP status is
+    known before any of it is sent (a request that waited too long is a 503, not a broken stream); and a client
+    that hangs up, streaming or not, cancels its generation."""
+    limits = settings.limits
+    prompt_chars = limits.prompt_chars(backend.context_length)
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         """OpenAI's text completion (``prompt``), streamed as server-sent events with ``stream: true``."""
-        return await serve(request, req, backend.encode(req.prompt), "text_completion", "cmpl")
+        check_prompt_chars(len(req.prompt), prompt_chars, "prompt")
+        ids = await asyncio.to_thread(backend.encode, req.prompt)
+        return await serve(request, req, ids, "text_completion", "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         """OpenAI's chat completion (``messages``, through the model's chat template), streamed as server-sent
         events with ``stream: true``."""
+        if len(req.messages) > limits.max_messages:
+            raise ApiError(
+                400,
+                f"messages has {len(req.messages)} items; this server takes at most {limits.max_messages} "
+                "(serve.limits.max_messages).",
+                param="messages",
+                code="too_many_messages",
+            )
+        check_prompt_chars(sum(len(m.content) for m in req.messages), prompt_chars, "messages")
         messages = [m.model_dump(include={"role", "content"}) for m in req.messages]
-        return await serve(request, req, backend.encode_chat(messages), "chat.completion", "chatcmpl")
+        ids = await asyncio.to_thread(backend.encode_chat, messages)
+        return await serve(request, req, ids, "chat.completion", "chatcmpl")
 
     async def serve(request: Request, req: Sampling, ids: list[int], kind: str, prefix: str):
         job = make_job(req, ids, backend, settings)
+        if backend.queue_depth() >= limits.max_queue:
+            raise ApiError(
+                429,
+                f"{backend.queue_depth()} requests are waiting for this server (serve.limits.max_queue = "
+                f"{limits.max_queue}); retry after a second.",
+                code="queue_full",
+                kind="rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
         started, route = time.monotonic(), request.url.path
+        job.deadline = job.submitted + limits.queue_timeout_s
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         job.emit = lambda event, data: loop.call_soon_threadsafe(events.put_nowait, (event, data))
         backend.submit(job)
         reply = Reply(f"{prefix}-{uuid.uuid4().hex}", kind, settings.model, int(time.time()))
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                stream(events, job, reply, include_usage, started, route), media_type="text/event-stream"
-            )
-        text, done = await collect(events, job)
+        watcher = asyncio.create_task(watch_disconnect(request, job, events))
+        try:
+            first = await next_event(events, job)
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                watcher.cancel()  # from here the streaming response hears the hang-up
+                return StreamingResponse(
+                    stream(first, events, job, reply, include_usage, started, route), media_type="text/event-stream"
+                )
+            text, done = await collect(first, events, job)
+        finally:
+            watcher.cancel()
         finished(done, started, route)
         return reply.whole(text, done)
 
+    async def watch_disconnect(request: Request, job: Job, events: asyncio.Queue) -> None:
+        """Cancel ``job`` when its client hangs up before the answer is sent (uvicorn keeps the handler running,
+        so without this an abandoned request would generate to its end)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancelled.set()
+        metrics.cancelled.inc()
+        events.put_nowait(("gone", {}))
+
     def finished(done: dict, started: float, route: str) -> None:
-        metrics.requests.labels(route, "200").inc()
+        metrics.count(route, 200)
         metrics.prompt_tokens.inc(done["prompt_tokens"])
         metrics.completion_tokens.inc(done["completion_tokens"])
         metrics.latency.observe(time.monotonic() - started)
 
-    async def events_of(events: asyncio.Queue, job: Job):
-        """The job's events as they arrive, up to its ``done`` or ``error``; the first text times TTFT."""
-        first = True
-        while True:
-            event, data = await events.get()
-            if event == "text" and first:
-                metrics.ttft.observe(time.monotonic() - job.submitted)
-                first = False
-            yield event, data
-            if event != "text":
-                return
+    async def next_event(events: asyncio.Queue, job: Job) -> tuple[str, dict]:
+        """The job's next event; an error is raised as the status it carries (500 when none), the first text times
+        TTFT."""
+        event, data = await events.get()
+        if event == "gone":
+            raise ClientGone
+        if event == "error":
+            status = int(data.get("status", 500))
+            message = data["message"] if status != 500 else f"generation failed: {data['message']}"
+            headers = {"Retry-After": "1"} if status == 503 else None
+            raise ApiError(status, message, code=data.get("code"), kind="server_error", headers=headers)
+        if event == "text" and not job.ttft_seen:
+            job.ttft_seen = True
+            metrics.ttft.observe(time.monotonic() - job.submitted)
+        return event, data
 
-    async def collect(events: asyncio.Queue, job: Job) -> tuple[str, dict]:
-        pieces = []
+    async def collect(first: tuple[str, dict], events: asyncio.Queue, job: Job) -> tuple[str, dict]:
+        pieces, (event, data) = [], first
         try:
-            async for event, data in events_of(events, job):
-                if event == "text":
-                    pieces.append(data["text"])
-                elif event == "error":
-                    raise ApiError(500, f"generation failed: {data['message']}", kind="server_error")
-                else:
-                    return "".join(pieces), data
-        except asyncio.CancelledError:  # the client went away: stop generating for it
+            while event == "text":
+                pieces.append(data["text"])
+                event, data = await next_event(events, job)
+            return "".join(pieces), data
+        except asyncio.CancelledError:  # the server is going away under this request: stop generating for it
             job.cancelled.set()
             metrics.cancelled.inc()
             raise
 
-    async def stream(events, job: Job, reply: Reply, include_usage: bool, started: float, route: str):
-        ended = False
+    async def stream(first, events, job: Job, reply: Reply, include_usage: bool, started: float, route: str):
+        ended, (event, data) = False, first
         try:
             yield sse(reply.chunk({"role": "assistant", "content": ""} if reply.chat else ""))
-            async for event, data in events_of(events, job):
+            while True:
                 if event == "text":
                     yield sse(reply.chunk({"content": data["text"]} if reply.chat else data["text"]))
-                elif event == "error":
-                    ended = True
-                    error = {"message": f"generation failed: {data['message']}", "type": "server_error"}
-                    yield sse({"error": {**error, "param": None, "code": None}})
-                    break
                 else:
                     ended = True
                     yield sse(reply.chunk({} if reply.chat else "", data["finish_reason"]))
@@ -285,13 +439,34 @@ def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
                         yield sse({**reply.head(), "choices": [], "usage": usage(data)})
                     finished(data, started, route)
                     break
+                try:
+                    event, data = await next_event(events, job)
+                except ApiError as exc:  # the status line is sent: the error goes in the stream
+                    ended = True
+                    error = {"message": exc.message, "type": exc.kind, "param": None, "code": exc.code}
+                    yield sse({"error": error})
+                    break
             yield "data: [DONE]\n\n"
         finally:
             if not ended:  # the client went away mid-stream
                 job.cancelled.set()
                 metrics.cancelled.inc()
 
-    return app
+
+def check_prompt_chars(chars: int, limit: int, param: str) -> None:
+    """Refuse a prompt longer than ``limit`` characters before it is tokenized.
+
+    Raises:
+        ApiError: 400 naming ``param`` and ``serve.limits.max_prompt_chars``.
+    """
+    if chars > limit:
+        raise ApiError(
+            400,
+            f"The prompt has {chars} characters; this server takes at most {limit} (serve.limits.max_prompt_chars). "
+            "Shorten the prompt.",
+            param=param,
+            code="prompt_too_long",
+        )
 
 
 @dataclass(frozen=True)
@@ -357,7 +532,26 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
         )
     if req.n != 1:
         raise ApiError(400, f"n = {req.n}: only n=1 is supported; send n requests instead.", param="n")
+    limits = settings.limits
+    asked = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     limit = req.max_completion_tokens or req.max_tokens or settings.max_new_tokens
+    if limit > limits.max_tokens:
+        raise ApiError(
+            400,
+            f"{asked} is too large: {limit}. This server generates at most {limits.max_tokens} tokens per request "
+            "(serve.limits.max_tokens).",
+            param=asked,
+            code="max_tokens_too_large",
+        )
+    long_stop = next((s for s in req.stop or [] if len(s) > limits.max_stop_chars), None)
+    if long_stop is not None:
+        raise ApiError(
+            400,
+            f"A stop string has {len(long_stop)} characters; this server takes stop strings of at most "
+            f"{limits.max_stop_chars} (serve.limits.max_stop_chars).",
+            param="stop",
+            code="stop_too_long",
+        )
     if len(ids) + limit > backend.context_length:
         raise ApiError(
             400,
@@ -379,7 +573,7 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
     return Job(
         ids=ids,
         max_new_tokens=limit,
-        temperature=req.temperature,
+        temperature=req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0,
         top_p=req.top_p,
         seed=req.seed,
         stop=list(req.stop or []),
