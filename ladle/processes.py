@@ -54,11 +54,17 @@ def exited(pid: int) -> bool:
             return True
 
 
+KILL_WAIT_S = 30.0
+"""Seconds a SIGKILLed process is waited for before it is reported and left (the kernel ends it when it can)."""
+
+
 def stop_pid(pid: int, grace_s: float, group: bool = False) -> str:
     """``stop_process`` for a process known only by its pid (one another process started, e.g. from a run record).
 
     Returns:
-        ``stopped`` (it exited within ``grace_s`` of SIGTERM) or ``killed``.
+        ``stopped`` (it exited within ``grace_s`` of SIGTERM), ``killed``, or ``unkillable`` when it has not gone
+        ``KILL_WAIT_S`` after SIGKILL (a process in uninterruptible sleep: a hung NFS read, a wedged driver call),
+        which is logged instead of waited on for ever.
     """
 
     def send(sig: int) -> None:
@@ -72,7 +78,13 @@ def stop_pid(pid: int, grace_s: float, group: bool = False) -> str:
             return "stopped"
         time.sleep(0.1)
     send(signal.SIGKILL)
+    deadline = time.monotonic() + KILL_WAIT_S
     while not exited(pid):
+        if time.monotonic() > deadline:
+            print(
+                f"ladle: process {pid} is still there {KILL_WAIT_S:g} s after SIGKILL; not waiting for it", flush=True
+            )
+            return "unkillable"
         time.sleep(0.1)
     return "killed"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -79,12 +80,42 @@ def local_path(url: str) -> Path:
 def cached_copy(url: str, target: Path) -> Path:
     """A local copy of the folder artifact at ``url`` in ``target``, downloaded once.
 
-    The download lands beside ``target`` and is renamed into place, so a
-    ``target`` that exists is always complete.
+    The download lands in a folder of this process's own beside ``target`` and is renamed into place, so a
+    ``target`` that exists is always complete, and two processes making the first copy at once never write into
+    one folder (the second to finish finds the first's copy and drops its own).
     """
-    if not (target / "config.json").exists():
-        download_dir(url, target.with_name(target.name + ".tmp")).replace(target)
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        download_dir(url, tmp)
+        try:
+            tmp.replace(target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+CACHE_KEY = re.compile(r"[0-9a-f]{16,128}")
+
+
+def cache_key(sha256: str, what: str) -> str:
+    """The folder name a content hash keys a local copy with (its first 16 hex digits).
+
+    Raises:
+        ValueError: ``sha256`` is not a hex digest (a registry tag or flag that names a path, say), naming
+            ``what``.
+    """
+    if not CACHE_KEY.fullmatch(sha256):
+        raise ValueError(
+            f"{what} = {sha256[:80]!r}: not a hex content hash, so it cannot name a local copy. Fix the tag or "
+            "flag (ladle writes the merged weights' SHA-256)."
+        )
+    return sha256[:16]
 
 
 def normalise(url: str) -> str:
@@ -158,11 +189,17 @@ def download_dir(url: str, local: str | Path) -> Path:
     local = Path(local)
     fs, root = filesystem(url)
     root = root.rstrip("/")
+    inside = local.resolve()
     for path in fs.find(root):
         rel = path[len(root) :].lstrip("/")
         if rel == COMPLETE_MARKER:
             continue
         dest = local / rel
+        if not dest.resolve().is_relative_to(inside):
+            raise ValueError(
+                f"{url}: its key {rel!r} would be written outside {local}; a folder artifact's keys must stay "
+                "inside it. Remove that key from the store."
+            )
         dest.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(path, str(dest))
     return local

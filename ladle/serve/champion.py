@@ -15,6 +15,7 @@ flow run, ``ladle model serve``) that started them; ``ladle model stop`` ends th
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import time
@@ -118,8 +119,12 @@ def current_upstream(record: dict) -> dict | None:
 
 def model_dir_of(version: promote.Version):
     """The version's model folder on local disk (copied once from a remote store)."""
-    sha = version.tags.get("ladle.model_sha256") or f"v{version.version}-{version.created_ms}"
-    return local_model_dir(MergedModel(url=version.source, sha256=sha, parameters=0))
+    made = f"{version.source}@v{version.version}-{version.created_ms}"  # a version registered without the tag
+    sha = version.tags.get("ladle.model_sha256") or hashlib.sha256(made.encode()).hexdigest()
+    try:
+        return local_model_dir(MergedModel(url=version.source, sha256=sha, parameters=0))
+    except ValueError as exc:  # a tag that is not a hash, a key that would land outside the copy
+        raise LadleError(f"v{version.version}: {exc}") from None
 
 
 def start_version(name: str, version: promote.Version, cfg: ServeConfig) -> tuple[subprocess.Popen, str, Path]:

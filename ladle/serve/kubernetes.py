@@ -28,7 +28,7 @@ from typing import Any
 
 import ladle.compute.k8s_status as k8s_status
 import ladle.compute.kubectl as kubectl
-from ladle import promote
+from ladle import promote, storage
 from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.secrets import redact_url
@@ -78,6 +78,11 @@ class KubernetesServing:
         o, cfg = self.opts, self.cfg
         argv = server_argv(version.source, self.model, cfg.model_copy(update={"host": "0.0.0.0"}), o.port)  # noqa: S104
         sha = version.tags.get("ladle.model_sha256")
+        if sha is not None:
+            try:
+                storage.cache_key(sha, f"v{version.version}'s tag ladle.model_sha256")  # it names the pod's copy
+            except ValueError as exc:
+                raise LadleError(str(exc)) from None
         http = {"port": o.port, "path": ""}
         probe_period = 10
         container: dict[str, Any] = {

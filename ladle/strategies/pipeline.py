@@ -277,7 +277,7 @@ class Pipeline(Strategy):
 
         # This stage's file only, wherever the checkpoint is stored.
         data = storage.read_bytes(storage.join(url, tag, f"stage-{model.stage:03d}.pt"))
-        state = torch.load(io.BytesIO(data), weights_only=False)
+        state = torch.load(io.BytesIO(data), weights_only=True)  # a checkpoint is data: never code to run
         if state["layers"] != model.stage_module.layer_ids:
             raise RuntimeError(
                 f"pipeline checkpoint stage {model.stage} holds layers {state['layers']}, this run "

@@ -118,7 +118,8 @@ def load_latest(accelerator, root: str, model, optimizer, scheduler, plan, strat
     if not steps:
         return None
     target = step_dir(root, steps[-1])
-    payload = torch.load(io.BytesIO(storage.read_bytes(storage.join(target, "state.pt"))), weights_only=False)
+    # weights_only: whoever can write to the store must not run code on the training hosts.
+    payload = torch.load(io.BytesIO(storage.read_bytes(storage.join(target, "state.pt"))), weights_only=True)
     fmt = payload.get("format", "full")
     if fmt == "full":
         raise RuntimeError(
