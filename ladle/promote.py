@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pydantic import BaseModel, Field
 
 from ladle.errors import LadleError
+from ladle.registry_lock import champion_lock
 from ladle.secrets import redact_url
 
 CHAMPION = "champion"
@@ -212,8 +213,11 @@ def register(uri: str, name: str, source: str, run_id: str | None, tags: dict[st
     except Exception as exc:  # noqa: BLE001 - MLflow raises RestException subclasses for "not found"
         if not absent(exc):
             raise unreachable(uri, exc, f"looking up registered model {name!r}") from None
-        with registry(uri, f"creating registered model {name!r}"):
+        try:
             mlflow.create_registered_model(name, description="Fine-tuned by ladle; alias `champion` is the one served.")
+        except Exception as exc:  # noqa: BLE001 - another run created it first: that one is ours too
+            if getattr(exc, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
+                raise unreachable(uri, exc, f"creating registered model {name!r}") from None
     with registry(uri, f"registering {source} as a version of {name!r}"):
         made = [mv for mv in mlflow.search_model_versions(f"name = '{name}' and run_id = '{run_id}'") if run_id]
         mv = next((mv for mv in made if mv.source == source), None)
@@ -307,22 +311,45 @@ def gate_and_promote(
     Returns:
         ``(the version, the decision, the champion it was compared with or None)``.
     """
-    current = champion(uri, name)
     version = register(uri, name, source, run_id, tags)
-    if current is not None and current.version == version.version:
-        with registry(uri, f"reading {name}'s champion history"):
-            past = [v for v in history(uri, name) if v != version.version]
-        current = get_version(uri, name, past[-1]) if past else None
-    reference, against = reference_of(current)
-    decision = decide(metric, greater_is_better, candidate.get(metric), reference.get(metric), against, min_improvement)
-    decision = guard_probe(decision, candidate.get("probe"), reference.get("probe"), max_probe_drop)
-    if canary is not None:
-        decision = to_canary(decision, canary)
-    with registry(uri, f"recording the decision on {name} v{version.version}"):
-        tag_decision(uri, name, version.version, decision)
-        if decision.promoted:
-            promote(uri, name, version.version, decision.reason)
-    return version, decision, current
+    for _ in range(GATE_TRIES):
+        observed = champion(uri, name)
+        current = gate_reference(uri, name, observed, version)
+        reference, against = reference_of(current)
+        decision = decide(
+            metric, greater_is_better, candidate.get(metric), reference.get(metric), against, min_improvement
+        )
+        decision = guard_probe(decision, candidate.get("probe"), reference.get("probe"), max_probe_drop)
+        if canary is not None:
+            decision = to_canary(decision, canary)
+        with champion_lock(uri, name, f"the gate of v{version.version}"):
+            now = champion(uri, name)
+            if (now and now.version) != (observed and observed.version):
+                continue  # promoted or rolled back while this one was compared: compare with the one in service now
+            with registry(uri, f"recording the decision on {name} v{version.version}"):
+                tag_decision(uri, name, version.version, decision)
+                if decision.promoted:
+                    promote(uri, name, version.version, decision.reason)
+            return version, decision, current
+    raise LadleError(
+        f"{name} v{version.version}: the champion changed {GATE_TRIES} times while this version was compared with "
+        "it; nothing was decided. Run the promotion again.",
+        exit_code=1,
+    )
+
+
+GATE_TRIES = 5
+"""Comparisons a gate makes when other writers keep changing the champion under it."""
+
+
+def gate_reference(uri: str, name: str, observed: Version | None, version: Version) -> Version | None:
+    """The champion ``version`` is compared with: ``observed``, unless it is ``version`` itself (a first try
+    that failed after the alias flip), then the champion before it."""
+    if observed is None or observed.version != version.version:
+        return observed
+    with registry(uri, f"reading {name}'s champion history"):
+        past = [v for v in history(uri, name) if v != version.version]
+    return get_version(uri, name, past[-1]) if past else None
 
 
 def tag_decision(uri: str, name: str, version: str, decision: Decision) -> None:
@@ -377,7 +404,7 @@ def mark_canary(uri: str, name: str, version: str) -> Version:
     current = champion(uri, name)
     if current is not None and current.version == target.version:
         raise LadleError(f"VERSION = {version}: version {version} is the champion of {name!r} already; nothing to try.")
-    with registry(uri, f"marking {name} v{version} for a canary"):
+    with champion_lock(uri, name, f"marking v{version} for a canary"), registry(uri, f"marking {name} v{version}"):
         mlflow = client(uri)
         mlflow.set_model_version_tag(name, target.version, "ladle.promotion", CANARY_PENDING)
         mlflow.set_registered_model_alias(name, CHALLENGER, target.version)
@@ -395,6 +422,14 @@ def rollback(uri: str, name: str, to: str | None = None) -> tuple[str | None, st
     """
     if not versions(uri, name):
         raise LadleError(f"NAME = {name!r}: no registered model of that name at {redact_url(uri)}.")
+    with champion_lock(uri, name, f"a rollback of {name}"):
+        return rollback_locked(uri, name, to)
+
+
+def rollback_locked(uri: str, name: str, to: str | None) -> tuple[str | None, str]:
+    """``rollback`` under the champion lock: the history read and the alias written are one step. A version
+    waiting for its canary is taken off it: an operator rolling back does not want a canary to promote anything
+    after them."""
     current = champion(uri, name)
     past = history(uri, name)
     if to is not None:
@@ -412,5 +447,25 @@ def rollback(uri: str, name: str, to: str | None = None) -> tuple[str | None, st
         target, new_history = trail[-1], trail
     if current is not None and current.version == target:
         raise LadleError(f"--to {target}: version {target} is already the champion of {name!r}.")
-    set_champion(uri, name, target, f"rollback from v{current.version if current else '-'}", new_history)
+    reason = f"rollback from v{current.version if current else '-'}"
+    set_champion(uri, name, target, reason, new_history)
+    withdraw_canary(uri, name, reason)
     return (current.version if current else None), target
+
+
+def withdraw_canary(uri: str, name: str, reason: str) -> str | None:
+    """Take the version waiting for (or in) its canary off it: tagged not promoted with ``reason``, its
+    ``challenger`` alias removed. Returns its version, or None when none waits."""
+    mlflow = client(uri)
+    try:
+        waiting = as_version(mlflow.get_model_version_by_alias(name, CHALLENGER))
+    except Exception as exc:  # noqa: BLE001 - MLflow's "not found" for a missing alias
+        if absent(exc):
+            return None
+        raise
+    if waiting.tags.get("ladle.promotion") != CANARY_PENDING:
+        return None
+    mlflow.set_model_version_tag(name, waiting.version, "ladle.promotion", "not promoted")
+    mlflow.set_model_version_tag(name, waiting.version, "ladle.promotion.reason", f"canary withdrawn: {reason}")
+    mlflow.delete_registered_model_alias(name, CHALLENGER)
+    return waiting.version

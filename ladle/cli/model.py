@@ -110,12 +110,14 @@ def rollback(
 ) -> None:
     """Re-point `champion` (default: to the previous champion) and announce it, so serving swaps back."""
     from ladle import promote
+    from ladle.serve.canary import end_at_front
 
     store = tracking_uri(uri, config)
     before, after = promote.rollback(store, name, to)
+    ended = end_at_front(name, f"the operator rolled {name} back to v{after}")
     event = announce(name, after, f"rollback from v{before}")
     told(
-        {"model": name, "from": before, "to": after, "event_id": event},
+        {"model": name, "from": before, "to": after, "event_id": event, "canary_ended": ended},
         as_json,
         f"{name}: champion v{before} -> v{after}",
         f"run `ladle model serve CONFIG` to swap the local front to v{after}.",

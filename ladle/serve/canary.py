@@ -38,6 +38,7 @@ from ladle import promote
 from ladle.config import CanaryConfig, ServeConfig
 from ladle.errors import LadleError
 from ladle.processes import exited, stop_pid
+from ladle.registry_lock import champion_lock
 
 PENDING = promote.CANARY_PENDING
 CANARY_TAG = "ladle.canary"
@@ -151,6 +152,26 @@ class Canary:
         self.status, self.reason = status, reason
         return status
 
+    def snapshot(self) -> dict:
+        """What a front started after this one died needs to go on with the canary (its clock; the counts start
+        again, so the evidence is all its own)."""
+        return {
+            "challenger": self.challenger,
+            "champion": self.champion,
+            "limits": self.limits.model_dump(),
+            "started_at": self.started_at,
+            "status": self.status,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def restore(cls, snapshot: dict) -> Canary:
+        canary = cls(snapshot["challenger"], snapshot["champion"], CanaryConfig.model_validate(snapshot["limits"]))
+        canary.started_at = snapshot["started_at"]
+        canary.started = time.monotonic() - max(0.0, time.time() - snapshot["started_at"])
+        canary.status, canary.reason = snapshot["status"], snapshot["reason"]
+        return canary
+
     def summary(self) -> dict:
         return {
             "version": self.version,
@@ -218,14 +239,27 @@ def follow(front: dict, headers: dict, version: str, deadline_s: float) -> dict:
 
 
 def apply(uri: str, name: str, state: dict) -> bool:
-    """Make the registry say what the front decided (idempotent). Returns whether ``champion`` changed."""
+    """Make the registry say what the front decided (idempotent), compare-and-set under the champion lock: a pass
+    promotes only while ``champion`` is still the version the canary was measured against (a rollback or another
+    promotion made meanwhile wins, and the verdict is recorded as superseded); a rollback removes ``challenger``
+    only while it still names this version. Returns whether ``champion`` changed."""
     version, reason = state["version"], f"canary {state['status'].replace('_', ' ')}: {state['reason']}"
-    changed = False
-    with promote.registry(uri, f"recording the canary of {name} v{version}"):
+    changed = superseded = False
+    with (
+        champion_lock(uri, name, f"the canary verdict on v{version}"),
+        promote.registry(uri, f"recording the canary of {name} v{version}"),
+    ):
         mlflow = promote.client(uri)
         mlflow.set_model_version_tag(name, version, CANARY_TAG, json.dumps(state)[:4000])
         current = promote.champion(uri, name)
-        if state["status"] == "passed":
+        measured_against = str(state["champion_version"])
+        if state["status"] == "passed" and current is not None and current.version not in (version, measured_against):
+            superseded = True
+            reason = (
+                f"canary passed but superseded: champion is v{current.version} now, not v{measured_against} it was "
+                f"measured against (a rollback or another promotion came first); {state['reason']}"
+            )
+        if state["status"] == "passed" and not superseded:
             mlflow.set_model_version_tag(name, version, "ladle.promotion", "promoted")
             mlflow.set_model_version_tag(name, version, "ladle.promotion.reason", reason[:4000])
             if current is None or current.version != version:
@@ -234,19 +268,25 @@ def apply(uri: str, name: str, state: dict) -> bool:
         else:
             mlflow.set_model_version_tag(name, version, "ladle.promotion", "not promoted")
             mlflow.set_model_version_tag(name, version, "ladle.promotion.reason", reason[:4000])
-            try:
-                mlflow.delete_registered_model_alias(name, promote.CHALLENGER)
-            except Exception as exc:  # noqa: BLE001 - already removed by an earlier try
-                if not promote.absent(exc):
-                    raise
+            drop_challenger(mlflow, name, version)
     if os.environ.get("PREFECT_API_URL"):
         from ladle import events
 
         if changed:
             events.emit_promoted(name, version, reason, previous=state["champion_version"])
-        elif state["status"] != "passed":
+        elif state["status"] != "passed" or superseded:
             events.emit_canary(events.CANARY_ROLLED_BACK, name, version, reason)
     return changed
+
+
+def drop_challenger(mlflow, name: str, version: str) -> None:
+    """Remove the ``challenger`` alias while it names ``version`` (a newer challenger keeps it)."""
+    try:
+        if str(mlflow.get_model_version_by_alias(name, promote.CHALLENGER).version) == str(version):
+            mlflow.delete_registered_model_alias(name, promote.CHALLENGER)
+    except Exception as exc:  # noqa: BLE001 - already removed by an earlier try
+        if not promote.absent(exc):
+            raise
 
 
 def run(
@@ -278,7 +318,11 @@ def run(
             "log": str(log_path),
             "limits": limits.model_dump(),
         }
-        answer = httpx.put(front["url"] + "/ladle/canary", json=body, headers=headers, timeout=30)
+        try:
+            answer = httpx.put(front["url"] + "/ladle/canary", json=body, headers=headers, timeout=30)
+        except BaseException:
+            stop_pid(proc.pid, 10, group=True)  # the handover was dropped: nothing else owns the server
+            raise
         if answer.status_code != 200:
             stop_pid(proc.pid, 10, group=True)
             raise LadleError(f"the front refused the canary of v{version.version}: {answer.text[:500]}")
@@ -290,12 +334,38 @@ def finish(uri: str, name: str, cfg: ServeConfig, front: dict, headers: dict, st
     """After the front's verdict: the registry follows it, the server that lost is drained and stopped, and the
     front forgets the canary. Idempotent (each step checks first), so a crash anywhere is finished by a rerun."""
     apply(uri, name, state)
-    loser = state["champion"] if state["status"] == "passed" else state["challenger"]
-    drain(front, headers, loser["url"], cfg.drain_timeout_s)
-    if loser.get("pid") and not exited(loser["pid"]):
-        stop_pid(loser["pid"], cfg.drain_timeout_s + 10, group=True)
+    answer = httpx.get(front["url"] + "/ladle/upstream", headers=headers, timeout=10)
+    answer.raise_for_status()
+    serving = (answer.json()["upstream"] or {}).get("url")
+    # Whichever of the two the front does not serve now is stopped: not a snapshot's idea of the loser (after a
+    # rollback during the canary, the front serves a third server and both of these go).
+    for arm in (state["champion"], state["challenger"]):
+        if arm["url"] != serving:
+            drain(front, headers, arm["url"], cfg.drain_timeout_s)
+            if arm.get("pid") and not exited(arm["pid"]):
+                stop_pid(arm["pid"], cfg.drain_timeout_s + 10, group=True)
     httpx.delete(front["url"] + "/ladle/canary", headers=headers, timeout=10).raise_for_status()
     return state
+
+
+def end_at_front(name: str, reason: str) -> str | None:
+    """Roll back the canary running at ``name``'s front on this machine, if any, so it can promote nothing after
+    an operator's rollback; the version it was, or None. Its follower (the serving flow) then finishes it: the
+    registry records it and its server is stopped."""
+    from ladle.serve import router
+
+    front = router.read_record(name)
+    if front is None:
+        return None
+    headers = {router.ADMIN_HEADER: front["token"]}
+    state = front_canary(front, headers)
+    if state is None or state["status"] != "running":
+        return None
+    answer = httpx.request(
+        "PATCH", front["url"] + "/ladle/canary", params={"reason": reason}, headers=headers, timeout=10
+    )
+    answer.raise_for_status()
+    return state["version"]
 
 
 def drain(front: dict, headers: dict, url: str, timeout_s: float) -> bool:

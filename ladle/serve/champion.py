@@ -224,21 +224,30 @@ def serve_champion(uri: str, name: str, cfg: ServeConfig) -> Serving:
             canary=finished,
         )
     proc, url, log_path = start_version(name, wanted, cfg)
-    switched = httpx.put(
-        front["url"] + "/ladle/upstream",
-        json={
-            "url": url,
-            "version": wanted.version,
-            "pid": proc.pid,
-            "model_dir": str(model_dir_of(wanted)),
-            "argv": list(proc.args),  # how the front restarts it should it die
-            "log": str(log_path),
-            "drain_timeout_s": cfg.drain_timeout_s,
-        },
-        headers=admin_headers(front),
-        timeout=cfg.drain_timeout_s + 30,
-    )
-    switched.raise_for_status()
+    body = {
+        "url": url,
+        "version": wanted.version,
+        "pid": proc.pid,
+        "model_dir": str(model_dir_of(wanted)),
+        "argv": list(proc.args),  # how the front restarts it should it die
+        "log": str(log_path),
+        "drain_timeout_s": cfg.drain_timeout_s,
+        "expect_url": old["url"] if old else None,  # compare-and-set: lose to a swap made meanwhile
+    }
+    try:
+        switched = httpx.put(
+            front["url"] + "/ladle/upstream", json=body, headers=admin_headers(front), timeout=cfg.drain_timeout_s + 30
+        )
+        if switched.status_code == 409:
+            raise LadleError(
+                f"{name} v{wanted.version}: not swapped in: {switched.json()['error']['message']}. Its server was "
+                "stopped; run `ladle model serve` again to serve the champion as it is now.",
+                exit_code=1,
+            )
+        switched.raise_for_status()
+    except BaseException:
+        stop_process(proc, grace_s=10, group=True)  # the front never took it: nothing else owns it
+        raise
     took = time.monotonic() - started
     if old and records.alive(old):
         stop_pid(old["pid"], cfg.drain_timeout_s + 10, group=True)

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import os
 import secrets
 import sys
@@ -58,38 +59,64 @@ def write_record(path: Path, record: dict) -> None:
 
 
 def read_record(name: str) -> dict | None:
-    """The live router of ``name``, or None (a record of a dead router is removed)."""
+    """The live router of ``name``, or None. A dead router's record is left for the next front to adopt what it
+    served (``adopted``)."""
     from ladle.serve import records
 
-    path = record_path(name)
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(record_path(name).read_text())
     except (OSError, ValueError):
         return None
-    if records.alive(record, marker="ladle.serve.router"):
-        return record
-    path.unlink(missing_ok=True)
-    return None
+    return record if records.alive(record, marker="ladle.serve.router") else None
 
 
 def error(status: int, message: str, kind: str, code: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
 
 
+FRONT_TIMEOUT = httpx.Timeout(connect=5.0, read=900.0, write=60.0, pool=10.0)
+"""The front's requests to its servers. read: the longest silence between two pieces of an answer (a request
+that waits up to serve.limits.queue_timeout_s, then generates up to serve.limits.max_tokens on a slow CPU); pool:
+how long a request waits for a connection when a thousand are open."""
+
+
+class Relayed(StreamingResponse):
+    """A proxied answer whose ``release`` runs however the response ends: sent whole, broken by the server, or
+    abandoned by a client that left before its first byte (the body's generator then never starts, so a
+    ``finally`` inside it would never run and the server would keep a request counted in flight for ever)."""
+
+    def __init__(self, content, release, **kwargs):
+        super().__init__(content, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.release()
+
+
 def create_app(
     name: str, token: str, record: dict, record_file: Path | None, supervision: dict | None = None
 ) -> FastAPI:
-    """The front's app. ``supervision``: ``Supervisor`` settings (tests shorten its clocks)."""
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=1000))
+    """The front's app. ``record``: its run record (``upstream`` and ``canary`` adopted from a front that died);
+    ``supervision``: ``Supervisor`` settings (tests shorten its clocks)."""
+    client = httpx.AsyncClient(timeout=FRONT_TIMEOUT, limits=httpx.Limits(max_connections=1000))
 
-    state = {"upstream": record.get("upstream")}
+    state: dict = {"upstream": record.get("upstream"), "broken": None}
     in_flight: collections.Counter[str] = collections.Counter()
-    supervisor = Supervisor(
-        name,
-        state,
-        lambda up: write_record(record_file, {**record, "upstream": up}) if record_file else None,
-        **(supervision or {}),
-    )
+
+    def persist() -> None:
+        """The run record says what is served and what canary runs, so a front started after this one died
+        adopts both."""
+        if record_file is not None:
+            canary = state.get("canary")
+            snapshot = canary.snapshot() if canary is not None else None
+            write_record(record_file, {**record, "upstream": state["upstream"], "canary": snapshot})
+
+    supervisor = Supervisor(name, state, lambda up: persist(), **(supervision or {}))
+    if record.get("canary"):
+        state["canary"] = Canary.restore(record["canary"])
 
     canary_requests = Counter(
         "ladle_front_canary_requests",
@@ -99,24 +126,51 @@ def create_app(
     )
 
     def switch(new: dict) -> None:
+        """Point new requests at ``new``. A running canary measured against another server is over: whatever
+        switched the front (a swap, a rollback) was decided after it and wins."""
         state["upstream"] = new
         supervisor.watch(new)
-        if record_file is not None:
-            write_record(record_file, {**record, "upstream": new})
+        canary = state.get("canary")
+        if canary is not None and canary.status == "running" and canary.challenger["url"] != new["url"]:
+            canary.end("rolled_back", f"superseded: the front was switched to v{new['version']} during the canary")
+        persist()
 
     async def judge_canary() -> None:
-        """The canary's clock: a verdict is reached here even when nobody asks for one."""
+        """The canary's clock: a verdict is reached here even when nobody asks for one. A canary passes only
+        while the front still serves the champion it was measured against."""
         while True:
             await asyncio.sleep(0.25)
             canary = state.get("canary")
             if canary is None or canary.status != "running":
                 continue
-            if canary.judge(challenger_alive(canary)) == "passed":
+            upstream = state["upstream"] or {}
+            if upstream.get("url") != canary.champion["url"]:
+                canary.end("rolled_back", f"superseded: the front serves v{upstream.get('version')} now")
+                persist()
+            elif canary.judge(challenger_alive(canary)) == "passed":
                 switch(canary.challenger)  # all new requests to the challenger's warm server; the old one drains
+            elif canary.status != "running":
+                persist()
+
+    async def guarded(task: str, loop) -> None:
+        """A background loop that dies says so: logged, and the front's readiness and liveness turn red with the
+        reason (a front that no longer supervises or judges must be replaced, not trusted)."""
+        try:
+            await loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any crash of the loop is the front's to report
+            state["broken"] = (
+                f"{name}: the front's {task} loop crashed ({type(exc).__name__}: {exc}); restart the front"
+            )
+            logging.getLogger("ladle.front").exception(state["broken"])
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        tasks = [asyncio.create_task(supervisor.run()), asyncio.create_task(judge_canary())]
+        tasks = [
+            asyncio.create_task(guarded("supervision", supervisor.run)),
+            asyncio.create_task(guarded("canary", judge_canary)),
+        ]
         yield
         for task in tasks:
             task.cancel()
@@ -124,14 +178,17 @@ def create_app(
 
     app = FastAPI(title=f"ladle front: {name}", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.supervisor = supervisor
+    app.state.front = state
 
     def admin(request: Request) -> bool:
         host = request.client.host if request.client else ""
         return host in ("127.0.0.1", "::1") and secrets.compare_digest(request.headers.get(ADMIN_HEADER, ""), token)
 
     @app.get("/health")
-    def health() -> dict:
-        """Liveness of the front itself, and the version behind it."""
+    def health():
+        """Liveness of the front itself, and the version behind it; 503 when one of its loops crashed."""
+        if state["broken"]:
+            return error(503, state["broken"], "server_error", "front_broken")
         return {"status": "ok", "model": name, "version": (state["upstream"] or {}).get("version")}
 
     @app.get("/ladle/metrics")
@@ -142,7 +199,9 @@ def create_app(
     @app.get("/ready")
     async def ready():
         """The server's readiness, with its status code: 503 with the reason when it is not ready, when nothing is
-        served yet, or when the front gave up restarting it."""
+        served yet, when the front gave up restarting it, or when a loop of the front crashed."""
+        if state["broken"]:
+            return error(503, state["broken"], "server_error", "front_broken")
         if supervisor.failed:
             return error(503, supervisor.failed, "server_error", "upstream_failed")
         upstream = state["upstream"]
@@ -173,13 +232,23 @@ def create_app(
     @app.put("/ladle/upstream")
     async def put_upstream(request: Request):
         """Admin: swap to another server (``url``, ``version``, ``pid``, ``model_dir``; ``argv`` and ``log`` to
-        restart it); answers once the old one has no request in flight or ``drain_timeout_s`` passed."""
+        restart it); answers once the old one has no request in flight or ``drain_timeout_s`` passed. With
+        ``expect_url``, compare-and-set: 409 (and no swap) unless the front still serves that URL. A running
+        canary ends, superseded."""
         if not admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         body = await request.json()
+        old = state["upstream"]
+        if "expect_url" in body and (old or {}).get("url") != body["expect_url"]:
+            return error(
+                409,
+                f"{name}: the front serves {(old or {}).get('url')} (v{(old or {}).get('version')}), not "
+                f"{body['expect_url']}: another swap came first",
+                "invalid_request_error",
+                "conflict",
+            )
         new = {k: body[k] for k in ("url", "version", "pid", "model_dir")}
         new.update({k: body[k] for k in ("argv", "log") if k in body})
-        old = state["upstream"]
         switch(new)
         deadline = time.monotonic() + float(body.get("drain_timeout_s", 30.0))
         while old and old["url"] != new["url"] and in_flight[old["url"]] > 0 and time.monotonic() < deadline:
@@ -219,7 +288,20 @@ def create_app(
             return error(422, f"bad canary: {exc}", "invalid_request_error", "invalid")
         challenger.update({k: body[k] for k in ("argv", "log") if k in body})
         state["canary"] = Canary(challenger, dict(state["upstream"]), limits)
+        persist()
         return {"canary": state["canary"].summary()}
+
+    @app.patch("/ladle/canary")
+    def end_canary(request: Request, reason: str = "stopped by the operator"):
+        """Admin: roll back a running canary with ``?reason=`` and keep its verdict for whoever follows it (an
+        operator's rollback); its state."""
+        if not admin(request):
+            return error(403, "admin routes need the router's token", "permission_error", "forbidden")
+        canary = state.get("canary")
+        if canary is not None and canary.status == "running":
+            canary.end("rolled_back", reason)
+            persist()
+        return {"canary": canary.summary() if canary else None}
 
     @app.delete("/ladle/canary")
     def delete_canary(request: Request, reason: str = "stopped by the operator"):
@@ -230,6 +312,7 @@ def create_app(
         canary = state.pop("canary", None)
         if canary is not None and canary.status == "running":
             canary.end("rolled_back", reason)
+        persist()
         return {"canary": canary.summary() if canary else None}
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
@@ -279,31 +362,97 @@ def create_app(
             except BaseException:
                 in_flight[upstream["url"]] -= 1
                 raise
+            # ok: None until the answer was relayed whole (a client that left is no evidence either way).
+            outcome: dict = {"ok": None, "released": False}
 
-            async def relay(answer=answer, url=upstream["url"], arm=arm, canary=canary, sent=sent):
-                ok: bool | None = answer.status_code < 500
+            async def relay(answer=answer, outcome=outcome):
                 try:
                     async for chunk in answer.aiter_raw():
                         yield chunk
+                    outcome["ok"] = answer.status_code < 500
                 except httpx.HTTPError:
-                    ok = False  # the server broke the stream
+                    outcome["ok"] = False  # the server broke the stream
                     raise
                 except BaseException:
-                    ok = None  # the client left: no evidence either way
+                    outcome["ok"] = None  # the client left: no evidence either way
                     raise
-                finally:
-                    await answer.aclose()  # a client that left closes the upstream request: it cancels there too
-                    in_flight[url] -= 1
-                    if canary is not None and ok is not None:
-                        canary.record(arm, ok, time.monotonic() - sent)
-                        canary_requests.labels(arm, "ok" if ok else "error").inc()
+
+            async def release(answer=answer, url=upstream["url"], arm=arm, canary=canary, sent=sent, outcome=outcome):
+                if outcome["released"]:
+                    return
+                outcome["released"] = True
+                in_flight[url] -= 1
+                await answer.aclose()  # a client that left closes the upstream request: it cancels there too
+                if outcome["ok"] is not None and canary is not None:
+                    canary.record(arm, outcome["ok"], time.monotonic() - sent)
+                    canary_requests.labels(arm, "ok" if outcome["ok"] else "error").inc()
 
             out_headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP | {"date", "server"}}
             out_headers[VERSION_HEADER] = str(upstream["version"])
-            return StreamingResponse(relay(), status_code=answer.status_code, headers=out_headers)
+            return Relayed(relay(), release, status_code=answer.status_code, headers=out_headers)
         return error(503, f"{name}: upstream changed repeatedly; retry", "server_error", "not_ready")
 
     return app
+
+
+def adopted(name: str) -> dict:
+    """What a front that died left behind and a new one takes over: its upstream when that server still runs
+    (supervision goes on with its argv), and its canary while its challenger runs too. A canary whose challenger
+    is gone is dropped (the next reconcile finishes it in the registry)."""
+    from ladle.serve import records
+
+    try:
+        old = json.loads(record_path(name).read_text())
+    except (OSError, ValueError):
+        return {}
+    upstream = old.get("upstream")
+    if not records.alive(upstream):
+        return {}
+    kept = {"upstream": upstream}
+    canary = old.get("canary")
+    if canary and records.alive(canary.get("challenger")):
+        kept["canary"] = canary
+    return kept
+
+
+def bind(host: str, port: int):
+    """The front's listening socket, bound before the run record is written: a second front on a live front's
+    port fails here, and never touches the live one's record."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(
+            f"error: --port {port}: cannot listen on {host}:{port} ({exc.strerror}). Free it, or start "
+            "the front on another port (serve.front_port)."
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def hold_name(name: str):
+    """An exclusive lock on ``NAME.lock`` for this process's life: at most one front per name on this machine
+    (a second one, on any port, exits at once naming the first)."""
+    import fcntl
+
+    path = records_dir() / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        live = read_record(name) or {}
+        raise SystemExit(
+            f"error: --name {name}: a front for it already runs (pid {live.get('pid')}, {live.get('url')}). Use that "
+            "one (`ladle model serve`), or stop it first (`ladle model stop`)."
+        ) from None
+    return handle
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,16 +465,25 @@ def main(argv: list[str] | None = None) -> int:
 
     from ladle.serve.__main__ import draining_server_class
 
+    lock = hold_name(args.name)  # noqa: F841 - held until this process exits
+    sock = bind(args.host, args.port)
     token = secrets.token_urlsafe(24)
     url = f"http://{args.host}:{args.port}"
     record = {"pid": os.getpid(), "pgid": os.getpgid(0), "name": args.name, "url": url, "token": token}
     record["started_at"] = time.time()
     path = record_path(args.name)
-    app = create_app(args.name, token, record, path)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
-    write_record(path, {**record, "upstream": None})  # read only once /health answers
+    kept = adopted(args.name)
+    if kept:
+        print(
+            f"ladle front {args.name}: adopting v{kept['upstream'].get('version')} at {kept['upstream']['url']}"
+            + (" and its canary" if "canary" in kept else ""),
+            flush=True,
+        )
+    app = create_app(args.name, token, {**record, **kept}, path)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30)
+    write_record(path, {**record, "upstream": None, **kept})  # read only once /health answers
     try:
-        draining_server_class()(config).run()
+        draining_server_class()(config).run(sockets=[sock])
     finally:
         if (read_record(args.name) or {}).get("pid") == os.getpid():
             path.unlink(missing_ok=True)

@@ -138,6 +138,11 @@ class Supervisor:
         delay = min(self.backoff_max_s, self.backoff_s * 2 ** (len(self.restarts) - 1))
         log.warning("%s v%s: %s; restarting it in %.1f s", self.name, version, why, delay)
         await asyncio.sleep(delay)
+        if self.state["upstream"] is not upstream:
+            # Compare-and-set: a swap or rollback during the backoff brought another server, and it wins. The one
+            # this restart was for is the swapper's to drain and stop.
+            log.warning("%s v%s: not restarted: the front serves another server now", self.name, version)
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(upstream["pid"], signal.SIGKILL)  # a hung one; its process group: MII's processes too
         out = open(upstream["log"], "a") if upstream.get("log") else subprocess.DEVNULL  # noqa: SIM115 - the child's
