@@ -45,7 +45,8 @@ def apply_blocks(
         tree["output"] = store.url
     if mlflow_server:
         server = MlflowServer.load(mlflow_server)
-        uri = credentials_to_env(server.tracking_uri)  # a password in the URI goes to the environment, not the config
+        # A password in the URI goes to the environment, not the config.
+        uri = credentials_to_env(server.tracking_uri.get_secret_value())
         tree["tracking"].update(uri=uri, ui_url=server.ui_url or uri)
     if compute:
         ComputeTarget.load(compute).overlay(tree)

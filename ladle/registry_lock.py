@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 
 from ladle.errors import LadleError
+from ladle.mlflow_registry import absent, client, registry
 
 LOCK_SUFFIX = ".ladle-lock"
 LOCK_TTL_S = 120.0
@@ -41,14 +42,12 @@ def champion_lock(uri: str, name: str, doing: str, wait_s: float = WAIT_S) -> It
         LadleError: another writer held it for all of ``wait_s`` (its holder and what it does are named), or the
             registry failed.
     """
-    from ladle import promote
-
     token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    mlflow = promote.client(uri)
+    mlflow = client(uri)
     deadline = time.monotonic() + wait_s
     holder: dict = {}
     while True:
-        with promote.registry(uri, f"taking {name}'s champion lock for {doing}"):
+        with registry(uri, f"taking {name}'s champion lock for {doing}"):
             holder = acquire(mlflow, name, token, doing)
         if not holder:
             break
@@ -69,8 +68,6 @@ def champion_lock(uri: str, name: str, doing: str, wait_s: float = WAIT_S) -> It
 
 def acquire(mlflow, name: str, token: str, doing: str) -> dict:
     """Take the lock; empty when taken, else the holder's tags (a dead holder's lock is removed first)."""
-    from ladle import promote
-
     tags = {
         "ladle.lock.owner": token,
         "ladle.lock.doing": doing[:200],
@@ -85,7 +82,7 @@ def acquire(mlflow, name: str, token: str, doing: str) -> dict:
     try:
         held = dict(mlflow.get_registered_model(lock_name(name)).tags or {})
     except Exception as exc:  # noqa: BLE001 - released between the two calls
-        if promote.absent(exc):
+        if absent(exc):
             return {"ladle.lock.owner": "(just released)"}
         raise
     if float(held.get("ladle.lock.expires", "0")) < time.time():

@@ -48,6 +48,22 @@ def secret_values() -> list[str]:
     return sorted(values, key=len, reverse=True)
 
 
+def credentials_to_env(uri: str) -> str:
+    """``uri`` without its ``user:password@`` (http/https only), the pair exported for MLflow's client
+    (``MLFLOW_TRACKING_USERNAME``/``PASSWORD``, which the processes started from here inherit) and the password
+    registered as a secret."""
+    from urllib.parse import unquote
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.password:
+        return uri
+    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parts.username or "")
+    os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parts.password)
+    register(unquote(parts.password))
+    netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def redact_url(url: str) -> str:
     """``scheme://user:***@host/...``: the password of a URL masked (other URLs unchanged)."""
     try:

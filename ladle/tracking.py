@@ -13,12 +13,11 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel
 
-from ladle import storage
+from ladle import secrets, storage
 from ladle.assets import ladle_home
 from ladle.config import LadleConfig, flatten
 from ladle.secrets import redact, redact_url
@@ -73,15 +72,7 @@ def apply_deadlines(cfg: LadleConfig) -> None:
             os.environ[var] = str(int(value) if float(value).is_integer() else value)
 
 
-def credentials_to_env(uri: str) -> str:
-    """``uri`` without its ``user:password@`` (http/https only), the pair exported for MLflow's client."""
-    parts = urlsplit(uri)
-    if parts.scheme not in ("http", "https") or not parts.password:
-        return uri
-    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parts.username or "")
-    os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parts.password)
-    netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+credentials_to_env = secrets.credentials_to_env
 
 
 def client(uri: str):

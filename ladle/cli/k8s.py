@@ -82,7 +82,7 @@ def render_serving(
     `serve.target: kubernetes` applies on each promotion or rollback."""
     import yaml
 
-    from ladle import promote
+    from ladle import promote, tracking
     from ladle.cli.model import tracking_uri
     from ladle.config import build_config
     from ladle.errors import LadleError
@@ -90,12 +90,15 @@ def render_serving(
 
     chosen = [f"serve.kubernetes.kind={kind}"] if kind else []
     if config:
-        serve_cfg = load(config, [*set_, *chosen], None).serving()
+        cfg = load(config, [*set_, *chosen], None)
+        serve_cfg = cfg.serving()
+        # The store of the config as --set left it (a moved `output` moves the default store with it).
+        store = tracking_uri(uri, None) if uri else tracking.tracking_uri(cfg)[0]
     else:
         # No config: serve.* from --set on the defaults, derived as a config's are (base and data are required
         # fields that serving does not read).
         serve_cfg = build_config({"base": "-", "data": {"path": "-"}}, [*set_, *chosen]).serving()
-    store = tracking_uri(uri, config)
+        store = tracking_uri(uri, None)
     wanted = promote.get_version(store, model, version) if version else promote.champion(store, model)
     if wanted is None:
         raise LadleError(f"MODEL = {model!r}: it has no `champion` to serve; name one with --version V.")

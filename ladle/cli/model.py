@@ -110,11 +110,11 @@ def rollback(
 ) -> None:
     """Re-point `champion` (default: to the previous champion) and announce it, so serving swaps back."""
     from ladle import promote
-    from ladle.serve.canary import end_at_front
+    from ladle.serve.champion import end_canary_at_front
 
     store = tracking_uri(uri, config)
     before, after = promote.rollback(store, name, to)
-    ended = end_at_front(name, f"the operator rolled {name} back to v{after}")
+    ended = end_canary_at_front(name, f"the operator rolled {name} back to v{after}")
     event = announce(name, after, f"rollback from v{before}")
     told(
         {"model": name, "from": before, "to": after, "event_id": event, "canary_ended": ended},

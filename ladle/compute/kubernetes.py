@@ -21,6 +21,7 @@ import hashlib
 import json
 import subprocess
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -32,6 +33,10 @@ from ladle import storage
 from ladle.compute.base import ComputeTarget
 from ladle.errors import LadleError
 from ladle.processes import stop_process
+
+ENDED = ("succeeded", "failed")
+LOG_DRAIN_S = 30.0
+"""Seconds a log stream may go on after its job ended before it is stopped."""
 
 CONTAINER = "pytorch"  # the name the training operator looks for
 PORT_NAME = "pytorchjob-port"  # the master port the operator reads
@@ -315,9 +320,12 @@ class KubernetesTarget(ComputeTarget):
             if state.phase in ("running", "succeeded", "failed") or k8s_status.pod_started(lead):
                 deadline, evicted = None, None
                 if lead and k8s_status.pod_started(lead) and self.uid(lead) not in streamed:
-                    if self.stream(lead, ns, relay):
+                    ended = lambda last=job: state_of(self.get_json(resource, name, "-n", ns) or last).phase in ENDED  # noqa: E731
+                    if self.stream(lead, ns, relay, ended):
                         streamed.add(self.uid(lead))
-                    continue  # look again at once: the pod's end is the job's news
+                        continue  # look again at once: the pod's end is the job's news
+                    time.sleep(self.POLL_S)  # kubectl could not follow it (yet): not a busy loop
+                    continue
             if state.phase in ("succeeded", "failed"):
                 return state
             if state.phase == "running" or k8s_status.pod_started(lead):
@@ -347,19 +355,33 @@ class KubernetesTarget(ComputeTarget):
         meta = pod.get("metadata") or {}
         return meta.get("uid") or meta.get("name", "")
 
-    def stream(self, pod: dict[str, Any], ns: str, relay) -> bool:
+    def stream(self, pod: dict[str, Any], ns: str, relay, ended=lambda: False) -> bool:
         """Feed the pod's log to the relay until the pod's container ends; False when kubectl could not follow
-        it (its container not started yet), so the caller looks again."""
+        it (its container not started yet), so the caller looks again. The stream has a deadline: every
+        ``POLL_S`` the job is looked at, and once it has ended the stream gets ``LOG_DRAIN_S`` to finish before it
+        is stopped (a ``kubectl logs -f`` whose connection hung would otherwise hold the stage for ever)."""
         proc = subprocess.Popen(
             ["kubectl", "logs", "-f", pod["metadata"]["name"], "-n", ns],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        try:
+
+        def read() -> None:
             assert proc.stdout is not None
             for line in proc.stdout:
                 relay.feed(line)
+
+        reader = threading.Thread(target=read, name="ladle-kubectl-logs", daemon=True)
+        reader.start()
+        try:
+            while reader.is_alive():
+                reader.join(timeout=self.POLL_S)
+                if reader.is_alive() and ended():
+                    reader.join(timeout=LOG_DRAIN_S)
+                    if reader.is_alive():
+                        relay.feed(f"kubectl logs -f did not end {LOG_DRAIN_S:g} s after the job did; stopped\n")
+                        return True
             return proc.wait(timeout=30) == 0
         finally:
             if proc.poll() is None:

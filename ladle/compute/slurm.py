@@ -29,6 +29,9 @@ from ladle import storage
 from ladle.compute.base import ComputeTarget
 from ladle.errors import LadleError
 
+UNKNOWN_S = 120.0
+"""Seconds a job's state may stay unreadable (a controller restarting, a transient RPC failure) before the follow
+gives up and cancels it."""
 RUNNING = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"}
 # Pending reasons that waiting does not cure: the request itself is beyond what the partition or account allows.
 HOPELESS = {
@@ -190,7 +193,9 @@ class SlurmTarget(ComputeTarget):
             if acct.returncode == 0 and row:
                 state, code, reason, nodes = (row[0].split("|") + ["", "", "", ""])[:4]
                 return {"JobState": state.split()[0], "ExitCode": code, "Reason": reason, "NodeList": nodes}
-        return {"JobState": "UNKNOWN", "Reason": (done.stderr or done.stdout).strip()}
+        said = (done.stderr or done.stdout).strip()
+        # "Invalid job id": the controller answered, and no longer knows the job. Anything else is a failed look.
+        return {"JobState": "UNKNOWN", "Reason": said, "Gone": "1" if "invalid job id" in said.lower() else ""}
 
     def cancel(self, job_id: str, wait_s: float = 30.0) -> str:
         """``scancel``, then wait until the job has left the running states: all of it within ``wait_s``, every
@@ -216,13 +221,33 @@ class SlurmTarget(ComputeTarget):
             why = str(err)
         return f"scancel {job_id}: sent, but not confirmed ({why}); check it with `squeue -j {job_id}`"
 
-    def follow(self, job_id: str, log: Path, relay) -> dict[str, str]:
-        """Relay the job's output until it ends; returns its final record."""
+    def follow(self, job_id: str, log: Path, relay, finished=lambda: False) -> dict[str, str]:
+        """Relay the job's output until it ends; returns its final record. A state that cannot be read is
+        looked at again, never taken for an end: within ``UNKNOWN_S`` it is known again, or the follow fails (and
+        the caller cancels the job before any retry, so no second job writes the same checkpoints beside it).
+        ``finished``: whether the job's result is written, for a job the controller has already forgotten."""
         follower, last_reason, start = LogFollower(log), None, time.monotonic()
+        unknown_since: float | None = None
         while True:
-            info = self.job(job_id)
+            try:
+                info = self.job(job_id)
+            except LadleError as err:  # the controller did not answer this look
+                info = {"JobState": "UNKNOWN", "Reason": str(err)}
             follower.pump(relay.feed)
             state, reason = info.get("JobState", "UNKNOWN"), info.get("Reason", "")
+            if state == "UNKNOWN":
+                if info.get("Gone") and finished():
+                    follower.pump(relay.feed, final=True)
+                    return {**info, "JobState": "COMPLETED", "ExitCode": "0:0"}
+                unknown_since = unknown_since or time.monotonic()
+                if time.monotonic() - unknown_since > UNKNOWN_S:
+                    raise LadleError(
+                        f"Slurm job {job_id}: its state could not be read for {UNKNOWN_S:g} s ({reason[:200]}); it is "
+                        "cancelled so that no retry runs beside it. Check the controller (`scontrol ping`)."
+                    )
+                time.sleep(self.opts.poll_interval_s)
+                continue
+            unknown_since = None
             if state == "PENDING":
                 if reason != last_reason and reason not in ("", "None") and relay.on_line:
                     relay.on_line(f"slurm: job {job_id} pending ({reason})")
@@ -279,7 +304,8 @@ class SlurmTarget(ComputeTarget):
             if on_command:
                 on_command(f"sbatch {script}: Slurm job {job_id}, {spec.plan.num_machines} node(s)")
             try:
-                info = self.follow(job_id, folder / f"train-{job_id}.out", relay)
+                done = lambda: storage.exists(storage.join(spec.run_url, "train_result.json"))  # noqa: E731
+                info = self.follow(job_id, folder / f"train-{job_id}.out", relay, finished=done)
             except BaseException:
                 outcome = self.cancel(job_id)
                 if on_command:

@@ -277,7 +277,8 @@ class TrackingConfig(Section):
         None,
         description="MLflow tracking URI. null: $MLFLOW_TRACKING_URI when set, else sqlite in the output folder "
         "(in $LADLE_HOME/mlflow when output is remote). Credentials in an http(s) URI are moved to "
-        "MLFLOW_TRACKING_USERNAME/PASSWORD and never logged.",
+        "MLFLOW_TRACKING_USERNAME/PASSWORD when the config is read, so no parameter, spec file or artifact carries "
+        "them, and are never logged; a URI of another scheme with a password is refused (set MLFLOW_TRACKING_URI).",
     )
     experiment: str = Field("ladle", description="MLflow experiment name.")
     registered_model: str | None = Field(
@@ -300,3 +301,27 @@ class TrackingConfig(Section):
         "(MLFLOW_HTTP_REQUEST_MAX_RETRIES; MLflow's default is 7, minutes of waiting on a dead server). With "
         "the defaults a dead server is reported within about 2.5 minutes, a refused connection within 15 s.",
     )
+
+    @field_validator("uri")
+    @classmethod
+    def _no_password_in_the_config(cls, value: str | None) -> str | None:
+        """The config travels (Prefect parameters, spec files, artifacts): an http(s) password moves to MLflow's
+        environment here, and a URI of another scheme that carries one is refused."""
+        if value is None:
+            return None
+        from urllib.parse import urlsplit
+
+        from ladle.secrets import credentials_to_env, redact_url
+
+        try:
+            parts = urlsplit(value)
+            has_password = bool(parts.password)
+        except ValueError:
+            has_password = False
+        if has_password and parts.scheme not in ("http", "https"):
+            raise ValueError(
+                f"{redact_url(value)} carries a password, which would travel with the config (flow parameters, "
+                "spec files, artifacts). Leave tracking.uri null and set MLFLOW_TRACKING_URI in the environment, or "
+                "use the tracking server's http(s) address"
+            )
+        return credentials_to_env(value)

@@ -348,26 +348,6 @@ def finish(uri: str, name: str, cfg: ServeConfig, front: dict, headers: dict, st
     return state
 
 
-def end_at_front(name: str, reason: str) -> str | None:
-    """Roll back the canary running at ``name``'s front on this machine, if any, so it can promote nothing after
-    an operator's rollback; the version it was, or None. Its follower (the serving flow) then finishes it: the
-    registry records it and its server is stopped."""
-    from ladle.serve import router
-
-    front = router.read_record(name)
-    if front is None:
-        return None
-    headers = {router.ADMIN_HEADER: front["token"]}
-    state = front_canary(front, headers)
-    if state is None or state["status"] != "running":
-        return None
-    answer = httpx.request(
-        "PATCH", front["url"] + "/ladle/canary", params={"reason": reason}, headers=headers, timeout=10
-    )
-    answer.raise_for_status()
-    return state["version"]
-
-
 def drain(front: dict, headers: dict, url: str, timeout_s: float) -> bool:
     """Wait until the front has no request in flight on ``url`` (True), or ``timeout_s`` passed (False)."""
     deadline = time.monotonic() + timeout_s

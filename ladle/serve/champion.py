@@ -265,6 +265,24 @@ def serve_champion(uri: str, name: str, cfg: ServeConfig) -> Serving:
     )
 
 
+def end_canary_at_front(name: str, reason: str) -> str | None:
+    """Roll back the canary running at ``name``'s front on this machine, if any, so it can promote nothing after
+    an operator's rollback; the version it was, or None. Its follower (the serving flow) then finishes it: the
+    registry records it and its server is stopped."""
+    front = router.read_record(name)
+    if front is None:
+        return None
+    headers = {router.ADMIN_HEADER: front["token"]}
+    state = canaries.front_canary(front, headers)
+    if state is None or state["status"] != "running":
+        return None
+    answer = httpx.request(
+        "PATCH", front["url"] + "/ladle/canary", params={"reason": reason}, headers=headers, timeout=10
+    )
+    answer.raise_for_status()
+    return state["version"]
+
+
 def stop(name: str, grace_s: float = 40.0) -> dict:
     """Stop ``name``'s front and the server behind it; returns what was stopped.
 

@@ -77,6 +77,12 @@ class KubernetesServing:
         """ladle's server for ``version``: the argv the local path starts, in the pod, on all addresses."""
         o, cfg = self.opts, self.cfg
         argv = server_argv(version.source, self.model, cfg.model_copy(update={"host": "0.0.0.0"}), o.port)  # noqa: S104
+        if storage.is_local(version.source):
+            raise LadleError(
+                f"output: v{version.version} of {self.model} is at {version.source}, a path on this machine, which no "
+                "pod can read. Serve on Kubernetes a version trained with `output` on a store the pods reach "
+                "(s3://..., gs://...), or copy its folder there and register that copy."
+            )
         sha = version.tags.get("ladle.model_sha256")
         if sha is not None:
             try:
@@ -238,15 +244,22 @@ class KubernetesServing:
         reasons = k8s_status.pods_waiting(pods) + k8s_status.pods_failed(pods)
         return "; ".join(dict.fromkeys(reasons)) or "no pod reported a reason"
 
-    def put_back(self, previous: dict[str, Any] | None) -> str:
-        """Undo a rollout that did not finish: the previous version serves on. Returns what was done."""
+    def put_back(self, previous: dict[str, Any] | None, served: str | None) -> str:
+        """Undo a rollout that did not finish: the previous version serves on, its version annotation says so
+        again. Only what ladle made is touched: an object that was not there before is deleted; one that was is
+        restored. Returns what was done, and what kubectl refused."""
         ns = self.opts.namespace
         if previous is None:
-            self.kubectl("delete", self.resource, self.name, "-n", ns, "--ignore-not-found")
-            return f"nothing served before, so {self.name} is deleted"
+            done = self.kubectl("delete", self.resource, self.name, "-n", ns, "--ignore-not-found")
+            return self.said(done, f"nothing served before, so {self.name} (made by this rollout) is deleted")
         if self.opts.kind == "deployment":
-            self.kubectl("rollout", "undo", f"{self.resource}/{self.name}", "-n", ns)
-            return "the Deployment is rolled back to it"
+            undo = self.kubectl("rollout", "undo", f"{self.resource}/{self.name}", "-n", ns)
+            if undo.returncode != 0:
+                return self.said(undo, "the Deployment's rollback")
+            marked = self.kubectl(
+                "annotate", self.resource, self.name, "-n", ns, "--overwrite", f"{VERSION_ANNOTATION}={served}"
+            )
+            return self.said(marked, f"the Deployment is rolled back to v{served} and annotated so")
         restored = {
             "apiVersion": previous["apiVersion"],
             "kind": previous["kind"],
@@ -257,8 +270,30 @@ class KubernetesServing:
             },
             "spec": previous["spec"],
         }
-        self.kubectl("apply", "-f", "-", stdin=json.dumps(restored))
-        return "the InferenceService's previous spec is applied again"
+        done = self.kubectl("apply", "-f", "-", stdin=json.dumps(restored))
+        return self.said(done, "the InferenceService's previous spec is applied again")
+
+    @staticmethod
+    def said(done: subprocess.CompletedProcess, what: str) -> str:
+        """``what`` when kubectl did it; else that it failed, in kubectl's words (the caller's error carries it)."""
+        if done.returncode == 0:
+            return what
+        return f"{what} FAILED (kubectl: {(done.stderr or done.stdout).strip()[:300]}); check it by hand"
+
+    def check_ours(self, previous: dict[str, Any] | None) -> None:
+        """Refuse to replace an object of the same name that ladle did not make.
+
+        Raises:
+            LadleError: naming the object and what to change.
+        """
+        annotations = ((previous or {}).get("metadata") or {}).get("annotations") or {}
+        if previous is None or VERSION_ANNOTATION in annotations:
+            return
+        raise LadleError(
+            f"serve.kubernetes: {previous.get('kind', self.resource)} {self.opts.namespace}/{self.name} exists and was "
+            f"not made by ladle (it has no {VERSION_ANNOTATION} annotation), so ladle will neither replace nor "
+            "delete it. Delete or rename it, or serve into another namespace (serve.kubernetes.namespace)."
+        )
 
     def reconcile(self, uri: str) -> dict[str, Any]:
         """Make the cluster serve the registry's ``champion``; returns what ``champion.Serving`` reports.
@@ -275,6 +310,7 @@ class KubernetesServing:
                 "until a version is promoted, or set one with `ladle model rollback NAME --to VERSION`."
             )
         previous = self.current()
+        self.check_ours(previous)
         served = ((previous or {}).get("metadata", {}).get("annotations") or {}).get(VERSION_ANNOTATION)
         objects = self.render(wanted)
         applied = self.kubectl(
@@ -285,7 +321,7 @@ class KubernetesServing:
         done, said = self.wait()
         if not done:
             reason = self.pods_reason()
-            undone = self.put_back(previous if served else None)
+            undone = self.put_back(previous, served)
             was = f"v{served}" if served else "the previous version"
             raise SwapFailed(
                 f"{self.model} v{wanted.version} did not become ready on Kubernetes in "

@@ -604,6 +604,10 @@ def api_key_from_env(name: str | None) -> str | None:
     if not name:
         return None
     key = os.environ.get(name)
+    if key:
+        from ladle import secrets
+
+        secrets.register(key)  # masked in whatever this process logs, whatever the variable is called
     if not key:
         raise ValueError(
             f"serve.api_key_env = {name}: the environment variable {name} is not set. Set it, or "

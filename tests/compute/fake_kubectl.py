@@ -43,7 +43,11 @@ def main(argv: list[str]) -> int:
     if verb == "logs":
         pod = argv[2]
         for line in scenario.get("log", ["training on {pod}"]):
-            print(line.format(pod=pod))
+            print(line.format(pod=pod), flush=True)
+        if scenario.get("log_hangs"):  # a stream whose connection hung: it never ends by itself
+            import time
+
+            time.sleep(600)
         return 0
     if verb == "get" and what.startswith("clustertrainingruntimes"):
         if scenario.get("runtime_exists"):
@@ -104,6 +108,13 @@ def serving(home: Path, scenario: dict, argv: list[str], stdin: str | None) -> i
         return answer["rc"]
     if verb == "get" and what == "pods":
         print(json.dumps({"apiVersion": "v1", "kind": "List", "items": scenario.get("pods", [])}))
+        return 0
+    if verb == "annotate":
+        kind = SERVING[what]
+        obj = json.loads((stored / f"{kind}.json").read_text())
+        key, _, value = argv[-1].partition("=")
+        obj["metadata"].setdefault("annotations", {})[key] = value
+        (stored / f"{kind}.json").write_text(json.dumps(obj))
         return 0
     if verb in ("rollout", "delete"):
         return 0

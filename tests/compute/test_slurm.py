@@ -169,3 +169,60 @@ def test_a_job_stuck_in_the_queue_is_cancelled_after_pending_timeout(slurm_env, 
         compute.get(cfg).run(spec)
     job_id = err.value.args[0].split("job ")[1].split(" ")[0]
     assert slurm_env.scontrol_job(job_id)["JobState"] == "CANCELLED"
+
+
+def test_an_unreadable_job_state_is_looked_at_again_then_the_job_is_cancelled(slurm_env, tmp_path, monkeypatch):
+    """scontrol failing (a controller restarting) is not the job's end: looked at again, and past
+    ``UNKNOWN_S`` the job is cancelled before the task's retry could start a second one beside it."""
+    import os
+
+    from ladle.compute import slurm
+
+    real = subprocess.run(["which", "scontrol"], capture_output=True, text=True, check=True).stdout.strip()
+    wrapper = tmp_path / "bin" / "scontrol"
+    wrapper.parent.mkdir()
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = show ] && [ "$2" = job ]; then\n'
+        "  echo 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2; exit 1\n"
+        "fi\n"
+        f'exec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(slurm, "UNKNOWN_S", 2.0)
+    cfg = slurm_config(tmp_path, sbatch_args=["--begin=now+1hour"])
+    spec = train_spec(cfg, tmp_path, "unreadable")
+    with pytest.raises(
+        LadleError, match=r"Slurm job (\d+): its state could not be read for 2 s \(slurm_load_jobs"
+    ) as err:
+        compute.get(cfg).run(spec)
+    job_id = err.value.args[0].split("job ")[1].split(":")[0]
+    monkeypatch.setenv("PATH", os.environ["PATH"].split(":", 1)[1])
+    assert slurm_env.scontrol_job(job_id)["JobState"] == "CANCELLED"
+
+
+def test_a_state_that_comes_back_is_followed_to_the_end(tmp_path, monkeypatch):
+    """Two failed looks, then the job's real states: the follow goes on to COMPLETED."""
+    from ladle.compute import slurm
+
+    looks = iter(
+        [
+            {"JobState": "RUNNING"},
+            {"JobState": "UNKNOWN", "Reason": "Socket timed out", "Gone": ""},
+            LadleError("scontrol did not answer in 60 s"),
+            {"JobState": "RUNNING"},
+            {"JobState": "COMPLETED", "ExitCode": "0:0"},
+        ]
+    )
+
+    def job(self, job_id, timeout=60):
+        look = next(looks)
+        if isinstance(look, Exception):
+            raise look
+        return look
+
+    monkeypatch.setattr(slurm.SlurmTarget, "job", job)
+    target = slurm.SlurmTarget(slurm_config(tmp_path, poll_interval_s=0.1))
+    relay = type("Relay", (), {"feed": lambda self, text: None, "on_line": None})()
+    assert target.follow("7", tmp_path / "none.out", relay)["JobState"] == "COMPLETED"

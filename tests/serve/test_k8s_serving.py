@@ -214,6 +214,25 @@ def test_a_rollout_that_cannot_finish_is_undone_and_named(tmp_path, monkeypatch)
     assert ["rollout", "undo", "deployments.apps/ladle-serve-demo", "-n", "default"] in [
         c["argv"] for c in calls_of(home)
     ]
+    # The object says v1 again, not the version that failed.
+    assert "rolled back to v1 and annotated so" in message
+    restored = json.loads((home / "serving" / "Deployment.json").read_text())
+    assert restored["metadata"]["annotations"][VERSION_ANNOTATION] == "1"
+
+
+def test_an_object_ladle_did_not_make_is_neither_replaced_nor_deleted(tmp_path, monkeypatch):
+    theirs = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "ladle-serve-demo", "namespace": "default", "annotations": {"owner": "another-team"}},
+        "spec": {},
+    }
+    home = play(tmp_path, monkeypatch, "serving_rollout_stuck", current=theirs)
+    monkeypatch.setattr(promote, "champion", lambda uri, name: version("2", "s3://ladle/models/v2"))
+    with pytest.raises(LadleError, match=r"Deployment default/ladle-serve-demo exists and was not made by ladle"):
+        champion.reconcile("sqlite:///unused.db", NAME, ServeConfig(target="kubernetes"))
+    verbs = [c["argv"][0] for c in calls_of(home)]
+    assert "apply" not in verbs and "delete" not in verbs
 
 
 def test_render_serving_prints_valid_objects_for_a_registered_version(tmp_path):
@@ -255,3 +274,26 @@ def test_a_canary_with_kubernetes_serving_is_refused_at_load():
             },
             [],
         )
+
+
+def test_a_version_on_this_machines_disk_is_refused_naming_output(tmp_path):
+    local = version("3", str(tmp_path / "runs" / "merged"))
+    with pytest.raises(LadleError, match=r"output: v3 of serve-demo is at .*a path on this machine, which no pod"):
+        KubernetesServing(NAME, ServeConfig(target="kubernetes")).render(local)
+
+
+def test_render_serving_reads_the_store_of_the_config_as_set(tmp_path):
+    """`--config C --set output=X`: the champion is looked up in X's store, as `ladle run` would have kept it."""
+    out = tmp_path / "elsewhere"
+    out.mkdir()
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    v1 = promote.register(uri, NAME, "s3://ladle/models/v1", None, {"ladle.model_sha256": "1" * 64})
+    promote.promote(uri, NAME, v1.version, "test")
+    done = subprocess.run(
+        [sys.executable, "-m", "ladle.cli.main", "k8s", "render-serving", NAME, "--config", "recipes/tiny-cpu.yaml",
+         "--set", f"output={out}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    deployment = next(yaml.safe_load_all(done.stdout))
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["args"][1] == "s3://ladle/models/v1"

@@ -94,3 +94,29 @@ def test_a_process_sigkill_cannot_end_is_reported_not_waited_on(monkeypatch, cap
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_tracking_password_never_stays_in_the_config(monkeypatch):
+    from ladle.config import ConfigError, load_config
+
+    for var in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = load_config("recipes/tiny-cpu.yaml", ["tracking.uri=https://ops:hunter2-secret@mlflow.example:5000/"])
+    assert cfg.tracking.uri == "https://mlflow.example:5000/"
+    assert "hunter2" not in cfg.model_dump_json() and "hunter2" not in json.dumps(cfg.model_dump())
+    import os
+
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "hunter2-secret"
+    from ladle.secrets import redact
+
+    assert redact("failed: hunter2-secret") == "failed: ***"
+    with pytest.raises(ConfigError, match=r"tracking.uri = .*postgresql://ops:\*\*\*@db/mlflow carries a password"):
+        load_config("recipes/tiny-cpu.yaml", ["tracking.uri=postgresql://ops:pw12345@db/mlflow"])
+
+
+def test_the_mlflow_block_keeps_its_uri_secret():
+    from ladle.blocks import MlflowServer
+
+    block = MlflowServer(tracking_uri="https://ops:hunter2-secret@mlflow.example")
+    assert "hunter2" not in repr(block) and "hunter2" not in block.model_dump_json()
+    assert block.tracking_uri.get_secret_value().endswith("@mlflow.example")
