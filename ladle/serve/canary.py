@@ -39,6 +39,7 @@ from ladle.config import CanaryConfig, ServeConfig
 from ladle.errors import LadleError
 from ladle.processes import exited, stop_pid
 from ladle.registry_lock import champion_lock
+from ladle.serve import records
 
 PENDING = promote.CANARY_PENDING
 CANARY_TAG = "ladle.canary"
@@ -342,7 +343,7 @@ def finish(uri: str, name: str, cfg: ServeConfig, front: dict, headers: dict, st
     for arm in (state["champion"], state["challenger"]):
         if arm["url"] != serving:
             drain(front, headers, arm["url"], cfg.drain_timeout_s)
-            if arm.get("pid") and not exited(arm["pid"]):
+            if arm.get("pid") and records.alive(arm):  # a ladle server still: a reused pid is left alone
                 stop_pid(arm["pid"], cfg.drain_timeout_s + 10, group=True)
     httpx.delete(front["url"] + "/ladle/canary", headers=headers, timeout=10).raise_for_status()
     return state

@@ -249,8 +249,12 @@ def serve_champion(uri: str, name: str, cfg: ServeConfig) -> Serving:
         stop_process(proc, grace_s=10, group=True)  # the front never took it: nothing else owns it
         raise
     took = time.monotonic() - started
-    if old and records.alive(old):
-        stop_pid(old["pid"], cfg.drain_timeout_s + 10, group=True)
+    # The server the front had at the switch, which may not be the one read before the start: the front's
+    # supervisor may have restarted it meanwhile (a new pid on the same address), and that one is stopped too.
+    replaced = switched.json().get("previous") or old
+    for server in {s["pid"]: s for s in (old, replaced) if s and s.get("pid") != proc.pid}.values():
+        if records.alive(server):
+            stop_pid(server["pid"], cfg.drain_timeout_s + 10, group=True)
     return Serving(
         model=name,
         version=wanted.version,

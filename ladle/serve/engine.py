@@ -93,7 +93,8 @@ def sample(job: Job, logits: torch.Tensor) -> int:
     probs = torch.softmax(logits.float() / job.temperature, dim=-1)
     if job.top_p < 1.0:
         ordered, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(ordered, dim=-1) - ordered < job.top_p  # always keeps the top token
+        keep = torch.cumsum(ordered, dim=-1) - ordered < job.top_p
+        keep[0] = True  # the top token always: a top_p below float32's least value compares as 0 < 0
         probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
     return int(torch.multinomial(probs, 1, generator=job.generator_on(probs.device)))
 

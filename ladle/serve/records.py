@@ -44,7 +44,8 @@ def alive(record: dict | None, marker: str = "ladle.serve") -> bool:
     if not record:
         return False
     try:
-        return marker in " ".join(psutil.Process(record["pid"]).cmdline())
+        process = psutil.Process(record["pid"])
+        return process.status() != psutil.STATUS_ZOMBIE and marker in " ".join(process.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
@@ -345,8 +346,18 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
                 code="too_many_messages",
             )
         check_prompt_chars(sum(len(m.content) for m in req.messages), prompt_chars, "messages")
-        messages = [m.model_dump(include={"role", "content"}) for m in req.messages]
-        ids = await asyncio.to_thread(backend.encode_chat, messages)
+        # OpenAI's `developer` is the newer name of `system`, which chat templates know.
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in req.messages]
+        try:
+            ids = await asyncio.to_thread(backend.encode_chat, messages)
+        except TemplateError as exc:  # the template refuses these turns (an order or role it does not take)
+            raise ApiError(
+                400,
+                f"The model's chat template refused these messages: {exc}. Send turns it takes (e.g. user and "
+                "assistant alternating, one system message first).",
+                param="messages",
+                code="invalid_messages",
+            ) from None
         return await serve(request, req, ids, "chat.completion", "chatcmpl")
 
     async def serve(request: Request, req: Sampling, ids: list[int], kind: str, prefix: str):

@@ -155,6 +155,9 @@ class Supervisor:
                 out.close()
         restarted = {**upstream, "pid": self.child.pid}
         self.state["upstream"] = restarted
+        canary = self.state.get("canary")
+        if canary is not None and canary.champion.get("url") == upstream["url"]:
+            canary.champion = restarted  # whoever finishes the canary stops the process that runs, not a dead pid
         self.unready, self.was_ready = 0, False
         self.save(restarted)
         self.counter.inc()

@@ -82,10 +82,13 @@ def test_64_concurrent_clients(tiny_model, tmp_path):
                     statuses.append(http.post(f"{url}/v1/chat/completions", json=body).status_code)
 
         def watch() -> None:
+            # Every look is recorded, not asserted here: an assert in this thread would end only the thread.
             while not stop.is_set():
                 began = time.monotonic()
-                assert httpx.get(f"{url}/health", timeout=5).status_code == 200
-                health.append(time.monotonic() - began)
+                try:
+                    health.append((httpx.get(f"{url}/health", timeout=5).status_code, time.monotonic() - began))
+                except httpx.HTTPError as exc:
+                    health.append((type(exc).__name__, time.monotonic() - began))
                 time.sleep(0.2)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -95,6 +98,7 @@ def test_64_concurrent_clients(tiny_model, tmp_path):
         stop.set()
         watcher.join(timeout=10)
         assert len(statuses) >= 64 and set(statuses) == {200}, sorted(set(statuses))
+        assert {status for status, _ in health} == {200}, health  # a stalled or failed /health fails the test
         # /health kept answering while 64 clients generated (the event loop is never blocked by generation): each
         # within httpx's 5 s timeout, several times over the 8 s of load. A liveness check, not a latency figure.
         assert len(health) >= 5, health
