@@ -180,7 +180,8 @@ def check_memory(cfg, topo, target: Target, model, strategy: Strategy, micro: in
     where = f"{shards} device(s)" if shards > 1 else "one device"
     reasons.append(
         f"serve ({serve_cfg.backend}): {sizing.gib(serve)} per device over {where} (weights, and a KV cache of "
-        f"{kv_tokens} tokens: serve.kv_cache_tokens, {serve_cfg.max_batch_size} request(s) x {tokens})"
+        f"{kv_tokens} tokens: serve.kv_cache_tokens, {serve_cfg.max_batch_size} request(s) x {tokens}; a prefill of "
+        f"that many prompt tokens at once, {sizing.gib(sizing.prefill_bytes(job.shape, stored, kv_tokens))})"
     )
     if device and serve > sizing.HEADROOM * device:
         # A warning, not a refusal: the served model often runs elsewhere (another machine, or MII over more

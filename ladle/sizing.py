@@ -335,14 +335,23 @@ def merge_bytes(shape: ModelShape, dtype_bytes: int) -> int:
     return shard + shape.largest_tensor * (4 + 4 + dtype_bytes)
 
 
+def prefill_bytes(shape: ModelShape, dtype_bytes: int, tokens: int) -> int:
+    """The transient of prefilling ``tokens`` prompt tokens at once, one layer's worth (layers run one after
+    another): the hidden states with their norm and attention input and output (4 x hidden), and the MLP's gate,
+    up and activated rows (3 x intermediate). Its logits are one row per request (``logits_to_keep``), counted
+    with the decode step's."""
+    return tokens * (4 * shape.hidden + 3 * shape.intermediate) * dtype_bytes
+
+
 def serve_bytes(shape: ModelShape, dtype_bytes: int, batch: int, tokens_per_request: int, shards: int = 1) -> int:
     """Device memory of one serving replica: the merged weights, the KV cache of ``batch`` requests of
-    ``tokens_per_request`` tokens (keys and values, every layer) and one decode step's float32 logits;
+    ``tokens_per_request`` tokens (keys and values, every layer), one step's float32 logits (one row per request,
+    prefill included) and the largest prefill (the whole batch's prompts joining at once, at most the KV budget);
     weights and cache divided over ``shards`` tensor-parallel devices."""
     weights = shape.params * dtype_bytes
     kv = kv_bytes(shape.layers, shape.kv_dim, batch * tokens_per_request, dtype_bytes)
     logits = batch * shape.vocab * 4
-    return (weights + kv) // shards + logits
+    return (weights + kv) // shards + logits + prefill_bytes(shape, dtype_bytes, batch * tokens_per_request)
 
 
 def spread_over(weight_bytes: int, transient_bytes: int, devices: int, device_bytes: int | None) -> int:

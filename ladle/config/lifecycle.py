@@ -38,6 +38,13 @@ class ServeKubernetesConfig(KubernetesPods):
         description="Seconds a new pod may take to copy the version from the artifact store, load it and answer "
         "/health (its startup probe) before Kubernetes restarts it.",
     )
+    access: Literal["namespace", "api_key", "open"] = Field(
+        "namespace",
+        description="Who may call the server pods. namespace: a NetworkPolicy admits only pods of the same "
+        "namespace (needs a network plugin that enforces NetworkPolicy). api_key: every request needs the key in "
+        "serve.api_key_env, which the pods read from the Secret serve.kubernetes.env_secret. open: anyone who can "
+        "reach the pods (say so on purpose).",
+    )
     rollout_timeout_s: float = Field(
         900.0,
         gt=0,
@@ -144,6 +151,26 @@ class ServeConfig(Section):
         if not isinstance(value, str) or value not in backends.REGISTRY:
             raise choice_error(value, list(backends.REGISTRY))
         return value
+
+    @model_validator(mode="after")
+    def _kubernetes_key_is_set(self) -> ServeConfig:
+        if self.kubernetes.access != "api_key":
+            return self
+        missing = [
+            f
+            for f, v in (
+                ("serve.api_key_env", self.api_key_env),
+                ("serve.kubernetes.env_secret", self.kubernetes.env_secret),
+            )
+            if not v
+        ]
+        if missing:
+            raise ValueError(
+                f"serve.kubernetes.access = 'api_key': {' and '.join(missing)} not set, so the pods would have no key "
+                "to require. Set serve.api_key_env to the variable and serve.kubernetes.env_secret to the Secret "
+                "holding it, or choose access namespace"
+            )
+        return self
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> ServeConfig:

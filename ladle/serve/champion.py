@@ -89,6 +89,7 @@ def ensure_front(name: str, cfg: ServeConfig, timeout_s: float = 60.0) -> dict:
     log_path = ladle_home() / "served" / f"{name}-front-{cfg.front_port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "ladle.serve.router", "--name", name, "--host", cfg.host]
+    argv += ["--max-body-bytes", str(cfg.limits.max_body_bytes)]
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [*argv, "--port", str(cfg.front_port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -36,6 +36,13 @@ from ladle.serve import backends
 from ladle.serve.deploy import SwapFailed, server_argv
 
 VERSION_ANNOTATION = "ladle.dev/model-version"
+ACCESS_ANNOTATION = "ladle.dev/access"
+ACCESS = {
+    "namespace": "pods of this namespace only (NetworkPolicy)",
+    "api_key": "requests with the API key of serve.api_key_env",
+    "open": "anyone who reaches the pods (serve.kubernetes.access open)",
+}
+"""What the objects say about who may call the server (``serve.kubernetes.access``)."""
 MODEL_ANNOTATION = "ladle.dev/model"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 CONTAINER = "kserve-container"  # the name KServe gives a custom predictor's container; harmless for a Deployment
@@ -146,7 +153,38 @@ class KubernetesServing:
         }
 
     def render(self, version: promote.Version) -> list[dict[str, Any]]:
-        """The objects that serve ``version``: [Deployment, Service] or [InferenceService]."""
+        """The objects that serve ``version``: [Deployment, Service] or [InferenceService], and with
+        ``serve.kubernetes.access`` namespace the NetworkPolicy that admits only the namespace's pods."""
+        objects = self.render_serving(version)
+        if self.opts.access == "namespace":
+            objects.append(self.network_policy())
+        for obj in objects:
+            obj["metadata"].setdefault("annotations", {})[ACCESS_ANNOTATION] = ACCESS[self.opts.access]
+        return objects
+
+    def network_policy(self) -> dict[str, Any]:
+        """Ingress to the server pods from pods of their own namespace only, on the server's port (the kubelet's
+        probes are not subject to it)."""
+        if self.opts.kind == "inferenceservice":
+            pods = {"serving.kserve.io/inferenceservice": self.name}
+        else:
+            pods = {"app.kubernetes.io/name": "ladle", INSTANCE_LABEL: self.name}
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {
+                "name": self.name,
+                "namespace": self.opts.namespace,
+                "labels": {"app.kubernetes.io/name": "ladle", INSTANCE_LABEL: self.name},
+            },
+            "spec": {
+                "podSelector": {"matchLabels": pods},
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [{"podSelector": {}}], "ports": [{"port": self.opts.port, "protocol": "TCP"}]}],
+            },
+        }
+
+    def render_serving(self, version: promote.Version) -> list[dict[str, Any]]:
         if self.opts.kind == "inferenceservice":
             return [self.render_inferenceservice(version)]
         labels = {"app.kubernetes.io/name": "ladle", INSTANCE_LABEL: self.name}

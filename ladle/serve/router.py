@@ -80,6 +80,27 @@ that waits up to serve.limits.queue_timeout_s, then generates up to serve.limits
 how long a request waits for a connection when a thousand are open."""
 
 
+DEFAULT_BODY_BYTES = 4 * 1024 * 1024
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (``ValueError``) as soon as it is over ``limit`` bytes: by its Content-Length,
+    or while it arrives, so the front never holds an oversized body whole."""
+    declared = request.headers.get("content-length", "")
+    too_large = (
+        f"The request body has more than {limit} bytes; this front takes at most {limit} "
+        "(serve.limits.max_body_bytes). Send a shorter prompt or fewer messages."
+    )
+    if declared.isdigit() and int(declared) > limit:
+        raise ValueError(too_large)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ValueError(too_large)
+    return bytes(body)
+
+
 class Relayed(StreamingResponse):
     """A proxied answer whose ``release`` runs however the response ends: sent whole, broken by the server, or
     abandoned by a client that left before its first byte (the body's generator then never starts, so a
@@ -97,10 +118,16 @@ class Relayed(StreamingResponse):
 
 
 def create_app(
-    name: str, token: str, record: dict, record_file: Path | None, supervision: dict | None = None
+    name: str,
+    token: str,
+    record: dict,
+    record_file: Path | None,
+    supervision: dict | None = None,
+    max_body_bytes: int = DEFAULT_BODY_BYTES,
 ) -> FastAPI:
     """The front's app. ``record``: its run record (``upstream`` and ``canary`` adopted from a front that died);
-    ``supervision``: ``Supervisor`` settings (tests shorten its clocks)."""
+    ``supervision``: ``Supervisor`` settings (tests shorten its clocks); ``max_body_bytes``: the largest body it
+    reads to proxy (``serve.limits.max_body_bytes``: the server's own bound, so the front never holds more)."""
     client = httpx.AsyncClient(timeout=FRONT_TIMEOUT, limits=httpx.Limits(max_connections=1000))
 
     state: dict = {"upstream": record.get("upstream"), "broken": None}
@@ -319,7 +346,10 @@ def create_app(
     async def proxy(path: str, request: Request):
         """Everything else (the OpenAI routes): proxied byte for byte to the server (during a canary, ``weight``
         of them to the challenger), with ``x-ladle-model-version``."""
-        body = await request.body()
+        try:
+            body = await read_body(request, max_body_bytes)
+        except ValueError as exc:
+            return error(413, str(exc), "invalid_request_error", "request_too_large")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {ADMIN_HEADER}}
         skip_canary = False
         for _ in range(3):
@@ -460,6 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", required=True, help="The served (registered) model's name.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_BODY_BYTES, help="Largest request body proxied (413 above)."
+    )
     args = parser.parse_args(argv)
     import uvicorn
 
@@ -479,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             + (" and its canary" if "canary" in kept else ""),
             flush=True,
         )
-    app = create_app(args.name, token, {**record, **kept}, path)
+    app = create_app(args.name, token, {**record, **kept}, path, max_body_bytes=args.max_body_bytes)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30)
     write_record(path, {**record, "upstream": None, **kept})  # read only once /health answers
     try:

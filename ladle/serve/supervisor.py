@@ -3,8 +3,8 @@
 Where it lives, and why: in the front (``ladle.serve.router``). The front already owns the upstream's record and
 is what clients and probes talk to, so it is the process that must notice a dead server, restart it, and answer
 503 with the reason when it cannot; a second supervisor process would need both. The front itself is what a
-platform supervises: ``infra/`` runs it as a long-lived service, and a dead front is restarted by the serving
-deployment (or systemd / Kubernetes).
+platform supervises: ``infra/systemd/ladle-front@.service`` runs it as a long-lived service, and a dead front is
+restarted by systemd or the next ``ladle model serve``; the new front adopts the server it recorded.
 
 Every ``check_s`` seconds the supervisor looks at the upstream: a process that is gone, or one that was ready
 and has failed ``/ready`` for ``unready_checks`` looks in a row, is (killed and) started again with the argv it

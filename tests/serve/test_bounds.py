@@ -286,3 +286,25 @@ def test_a_stop_string_across_tokens_is_found_by_the_bounded_scan():
     text += "ee four"
     assert find_stop(text, ["three", "zzz"], len("one two thr")) == text.index("three")
     assert find_stop("stop at the start", ["stop"], 0) == 0
+
+
+def test_the_front_refuses_an_oversized_body_before_holding_it(backend):
+    from ladle.serve import router
+
+    running = serving(backend)
+    upstream = {"url": running.url, "version": "1", "pid": None, "model_dir": "x"}
+    front = Running(router.create_app("tiny", "t", {"upstream": upstream}, None, max_body_bytes=4096))
+    try:
+        big = httpx.post(f"{front.url}{CHAT}", json=body("x" * 10_000))
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+
+        def chunks():
+            for _ in range(100):
+                yield b"x" * 1000
+
+        streamed = httpx.post(f"{front.url}{CHAT}", content=chunks(), headers={"content-type": "application/json"})
+        assert streamed.status_code == 413
+        assert httpx.post(f"{front.url}{CHAT}", json=body(), timeout=60).status_code == 200
+    finally:
+        front.stop()
+        running.stop()

@@ -59,8 +59,15 @@ def validate_inferenceservice(isvc: dict) -> None:
 
 
 def test_the_deployment_and_service_are_valid_and_roll_without_losing_a_pod():
-    deployment, service = KubernetesServing(NAME, serve_cfg(replicas=2)).render(version())
-    validate_core([deployment, service])
+    deployment, service, policy = KubernetesServing(NAME, serve_cfg(replicas=2)).render(version())
+    validate_core([deployment, service, policy])
+    # Who may call it, by default: the namespace's pods only, and every object says so.
+    assert (
+        policy["kind"] == "NetworkPolicy"
+        and policy["spec"]["podSelector"]["matchLabels"] == (deployment["spec"]["selector"]["matchLabels"])
+    )
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {}}], "ports": [{"port": 8000, "protocol": "TCP"}]}]
+    assert deployment["metadata"]["annotations"]["ladle.dev/access"].startswith("pods of this namespace only")
     spec = deployment["spec"]
     assert spec["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
     assert deployment["metadata"]["annotations"][VERSION_ANNOTATION] == "3"
@@ -82,8 +89,10 @@ def test_the_deployment_and_service_are_valid_and_roll_without_losing_a_pod():
 
 
 def test_the_inferenceservice_is_valid_against_kserves_schema():
-    (isvc,) = KubernetesServing(NAME, serve_cfg(kind="inferenceservice")).render(version())
+    isvc, policy = KubernetesServing(NAME, serve_cfg(kind="inferenceservice")).render(version())
     validate_inferenceservice(isvc)
+    validate_core([policy])
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"serving.kserve.io/inferenceservice": "ladle-serve-demo"}
     assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
     predictor = isvc["spec"]["predictor"]
     assert predictor["containers"][0]["name"] == "kserve-container"
@@ -111,7 +120,7 @@ def test_the_pods_command_serves_the_version_from_the_store_and_answers_its_prob
     source = "s3://ladle/models/serve-demo/v3"
     storage.upload_dir(str(tiny_model), source)
     cfg = ServeConfig(target="kubernetes", max_new_tokens=4, drain_timeout_s=10)
-    deployment, _ = KubernetesServing(NAME, cfg).render(version(source=source))
+    deployment, *_ = KubernetesServing(NAME, cfg).render(version(source=source))
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     args, port = list(container["args"]), free_port()
     args[args.index("--host") + 1] = "127.0.0.1"
@@ -245,8 +254,8 @@ def test_render_serving_prints_valid_objects_for_a_registered_version(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    deployment, service = yaml.safe_load_all(done.stdout)
-    validate_core([deployment, service])
+    deployment, service, policy = yaml.safe_load_all(done.stdout)
+    validate_core([deployment, service, policy])
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/ladle:1"
     done = subprocess.run(
         [sys.executable, "-m", "ladle.cli.main", "k8s", "render-serving", NAME, "--tracking-uri", uri,
@@ -254,7 +263,9 @@ def test_render_serving_prints_valid_objects_for_a_registered_version(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    validate_inferenceservice(yaml.safe_load(done.stdout))
+    isvc, policy = yaml.safe_load_all(done.stdout)
+    validate_inferenceservice(isvc)
+    validate_core([policy])
     done = subprocess.run(
         [sys.executable, "-m", "ladle.cli.main", "k8s", "render-serving", "never-trained", "--tracking-uri", uri],
         capture_output=True, text=True, timeout=120,
@@ -274,6 +285,20 @@ def test_a_canary_with_kubernetes_serving_is_refused_at_load():
             },
             [],
         )
+
+
+def test_access_by_api_key_needs_the_key_and_renders_no_policy():
+    with pytest.raises(ValueError, match=r"serve.kubernetes.access = 'api_key': serve.api_key_env not set"):
+        ServeConfig(target="kubernetes", kubernetes={"access": "api_key"})
+    cfg = ServeConfig(target="kubernetes", api_key_env="LADLE_API_KEY", kubernetes={"access": "api_key"})
+    objects = KubernetesServing(NAME, cfg).render(version())
+    assert [o["kind"] for o in objects] == ["Deployment", "Service"]
+    container = objects[0]["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][container["args"].index("--api-key-env") + 1] == "LADLE_API_KEY"
+    assert container["envFrom"] == [{"secretRef": {"name": "ladle-env"}}]
+    open_cfg = ServeConfig(target="kubernetes", kubernetes={"access": "open"})
+    (deployment, _) = KubernetesServing(NAME, open_cfg).render(version())
+    assert deployment["metadata"]["annotations"]["ladle.dev/access"].startswith("anyone who reaches the pods")
 
 
 def test_a_version_on_this_machines_disk_is_refused_naming_output(tmp_path):

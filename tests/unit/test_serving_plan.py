@@ -60,6 +60,17 @@ def test_the_plan_sizes_serving_by_the_kv_budget():
     assert cfg.serving().kv_cache_tokens == 4 * (256 + 64) and cfg.serve.kv_cache_tokens == 0
     plan = make_plan(cfg, A100, model=LLAMA_1B)
     assert any("KV cache of 1280 tokens: serve.kv_cache_tokens, 4 request(s) x 320" in r for r in plan.reasons)
+    # The largest prefill (every row's prompt at once) is counted beside the cache: one layer's hidden states and
+    # MLP rows; its logits are one row per request, as a decode step's.
+    from ladle import sizing
+
+    shape = sizing.ModelShape(
+        params=10**9, trainable=0, layers=16, hidden=2048, intermediate=8192, kv_dim=512, heads=32, vocab=128256,
+        embedding_params=0, layer_params=0,
+    )  # fmt: skip
+    bare = shape.params * 2 + sizing.kv_bytes(16, 512, 1280, 2) + 4 * 128256 * 4
+    assert sizing.serve_bytes(shape, 2, 4, 320) - bare == 1280 * (4 * 2048 + 3 * 8192) * 2
+    assert any("a prefill of that many prompt tokens at once" in r for r in plan.reasons)
     explicit = build_config(MINIMAL, ["serve.kv_cache_tokens=9000"])
     assert explicit.serving().kv_cache_tokens == 9000
 

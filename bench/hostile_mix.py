@@ -1,0 +1,214 @@
+"""Ordinary clients beside hostile ones: does anything a client sends hurt everyone else?
+
+Real processes on 127.0.0.1: ``python -m ladle.serve`` on the demo's tiny model (default ``serve.limits``) behind
+ladle's front. Two phases of the same length, side by side on the same server: 16 ordinary clients alone, then the
+same 16 beside hostile clients, each repeating one attack:
+
+- oversized bodies (8 MB, over ``max_body_bytes``), sent whole;
+- ``max_tokens`` far past the cap (1,000,000);
+- four one-megabyte stop strings;
+- a 3 MB prompt (over ``max_prompt_chars``);
+- streams hung up after their first chunk, and whole answers abandoned after 0.2 s (each asking 4,000 tokens);
+- requests to random paths.
+
+    .venv/bin/python bench/hostile_mix.py [--seconds 20] [--clients 16]
+
+Reported: ordinary requests failed (goal 0), their p50/p99 latency in each phase and the ratio (goal p99 within
+1.5x), ``/health`` p99 of the server and the front during the hostile phase (goal < 100 ms), what the hostile
+requests got, and the number of ``ladle_requests_total`` series before and after (goal: bounded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save  # noqa: E402
+
+CHAT = "/v1/chat/completions"
+
+
+def wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def ordinary(url: str, i: int, stop: threading.Event, out: list) -> None:
+    body = {"messages": [{"role": "user", "content": f"Count to {i % 7 + 2}."}], "max_tokens": 16, "temperature": 0}
+    with httpx.Client(timeout=120) as http:
+        while not stop.is_set():
+            began = time.monotonic()
+            try:
+                status = http.post(f"{url}{CHAT}", json=body).status_code
+            except httpx.HTTPError as exc:
+                status = type(exc).__name__
+            out.append((status, time.monotonic() - began))
+
+
+def attacks(url: str) -> dict:
+    """One callable per attack: each sends one hostile request and returns what it got."""
+    megabyte_stops = {"messages": [{"role": "user", "content": "hi"}], "stop": ["x" * 1_000_000] * 4}
+
+    def post(body=None, content=None, timeout=60.0):
+        headers = {"content-type": "application/json"}
+        return httpx.post(f"{url}{CHAT}", json=body, content=content, headers=headers, timeout=timeout).status_code
+
+    def hang_up_stream():
+        body = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 4000, "stream": True}
+        with httpx.stream("POST", f"{url}{CHAT}", json=body, timeout=60) as answer:
+            next(answer.iter_lines())
+            return f"{answer.status_code} then hung up"
+
+    def abandon():
+        body = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 4000}
+        try:
+            return post(body, timeout=0.2)
+        except httpx.ReadTimeout:
+            return "abandoned"
+
+    return {
+        "oversized body": lambda: post(content=b'{"messages": "' + b"x" * 8_000_000 + b'"}'),
+        "max_tokens past the cap": lambda: post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}),
+        "megabyte stop strings": lambda: post(megabyte_stops),
+        "3 MB prompt": lambda: post({"messages": [{"role": "user", "content": "word " * 600_000}]}),
+        "stream hung up": hang_up_stream,
+        "whole answer abandoned": abandon,
+        "random path": lambda: httpx.get(f"{url}/{uuid.uuid4().hex}", timeout=30).status_code,
+    }
+
+
+def hostile(attack, stop: threading.Event, got: dict, name: str) -> None:
+    while not stop.is_set():
+        try:
+            outcome = str(attack())
+        except httpx.HTTPError as exc:
+            outcome = type(exc).__name__
+        got.setdefault(name, {}).setdefault(outcome, 0)
+        got[name][outcome] += 1
+
+
+def probe(url: str, stop: threading.Event, out: list) -> None:
+    while not stop.is_set():
+        began = time.monotonic()
+        try:
+            ok = httpx.get(f"{url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        out.append((ok, time.monotonic() - began))
+        time.sleep(0.05)
+
+
+def series(server_url: str) -> int:
+    text = httpx.get(f"{server_url}/metrics", timeout=10).text
+    return sum(1 for line in text.splitlines() if line.startswith("ladle_requests_total{"))
+
+
+def phase(front: str, server: str, seconds: float, clients: int, with_hostile: bool) -> dict:
+    stop, results, health_server, health_front, got = threading.Event(), [], [], [], {}
+    threads = [threading.Thread(target=ordinary, args=(front, i, stop, results)) for i in range(clients)]
+    threads += [threading.Thread(target=probe, args=(server, stop, health_server))]
+    threads += [threading.Thread(target=probe, args=(front, stop, health_front))]
+    if with_hostile:
+        threads += [
+            threading.Thread(target=hostile, args=(attack, stop, got, name)) for name, attack in attacks(front).items()
+        ]
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=180)
+    latencies = [t for status, t in results if status == 200]
+    return {
+        "requests": len(results),
+        "failed": [s for s, _ in results if s != 200][:20],
+        "failed_count": sum(1 for s, _ in results if s != 200),
+        "p50_s": round(statistics.median(latencies), 4) if latencies else None,
+        "p99_s": round(pct(latencies, 0.99), 4),
+        "health_server_p99_ms": round(1000 * pct([t for _, t in health_server], 0.99), 1),
+        "health_front_p99_ms": round(1000 * pct([t for _, t in health_front], 0.99), 1),
+        "health_failures": sum(1 for ok, _ in health_server + health_front if not ok),
+        "hostile": got,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--clients", type=int, default=16)
+    args = parser.parse_args()
+    from ladle.assets import tiny_model_dir
+    from ladle.processes import free_port, stop_pid
+
+    home = Path(tempfile.mkdtemp())
+    env = {**os.environ, "LADLE_HOME": str(home), "PREFECT_API_URL": ""}
+    model = tiny_model_dir()
+    port, front_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "ladle.serve", "--model", str(model), "--name", "m", "--port", str(port)]
+    server = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
+    front = subprocess.Popen(
+        [sys.executable, "-m", "ladle.serve.router", "--name", "m", "--port", str(front_port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+    )
+    url, front_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{front_port}"
+    record_file = home / "served" / "routers" / "m.json"
+    try:
+        wait(lambda: answers(f"{url}/ready"), 120, "the server")
+        wait(lambda: answers(f"{front_url}/health") and record_file.is_file(), 60, "the front")
+        token = json.loads(record_file.read_text())["token"]
+        body = {"url": url, "version": "1", "pid": server.pid, "model_dir": str(model), "argv": argv}
+        httpx.put(f"{front_url}/ladle/upstream", json=body, headers={"x-ladle-admin-token": token}).raise_for_status()
+        before = series(url)
+        calm = phase(front_url, url, args.seconds, args.clients, with_hostile=False)
+        stormy = phase(front_url, url, args.seconds, args.clients, with_hostile=True)
+        after = series(url)
+        result = {
+            "clients": args.clients,
+            "seconds": args.seconds,
+            "alone": calm,
+            "with_hostile": stormy,
+            "p99_ratio": round(stormy["p99_s"] / calm["p99_s"], 3),
+            "p50_ratio": round(stormy["p50_s"] / calm["p50_s"], 3),
+            "metric_series": {"before": before, "after": after},
+        }
+        print(json.dumps(result, indent=1))
+        print(f"saved {save('hostile_mix', result)}")
+    finally:
+        stop_pid(front.pid, 10, group=True)
+        stop_pid(server.pid, 10, group=True)
+
+
+if __name__ == "__main__":
+    main()
