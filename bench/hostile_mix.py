@@ -8,10 +8,12 @@ same 16 beside hostile clients, each repeating one attack:
 - ``max_tokens`` far past the cap (1,000,000);
 - four one-megabyte stop strings;
 - a 3 MB prompt (over ``max_prompt_chars``);
-- streams hung up after their first chunk, and whole answers abandoned after 0.2 s (each asking 4,000 tokens);
+- streams hung up after their first chunk, and whole answers abandoned after 0.2 s (each asking 1,500 tokens);
 - requests to random paths.
 
-    .venv/bin/python bench/hostile_mix.py [--seconds 20] [--clients 16]
+    .venv/bin/python bench/hostile_mix.py [--seconds 20] [--clients 16] [--pause 0.1]
+
+The probes and the attackers run in processes of their own, beside the 16 clients' threads.
 
 Reported: ordinary requests failed (goal 0), their p50/p99 latency in each phase and the ratio (goal p99 within
 1.5x), ``/health`` p99 of the server and the front during the hostile phase (goal < 100 ms), what the hostile
@@ -21,6 +23,7 @@ requests got, and the number of ``ladle_requests_total`` series before and after
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -73,38 +76,41 @@ def ordinary(url: str, i: int, stop: threading.Event, out: list) -> None:
 
 
 def attacks(url: str) -> dict:
-    """One callable per attack: each sends one hostile request and returns what it got."""
-    megabyte_stops = {"messages": [{"role": "user", "content": "hi"}], "stop": ["x" * 1_000_000] * 4}
+    """One callable per attack: each sends one hostile request and returns what it got. Payloads are built once,
+    as an attacker's would be (serialising megabytes per request would spend this machine's cores on the client)."""
+    headers = {"content-type": "application/json"}
+    oversized = b'{"messages": "' + b"x" * 8_000_000 + b'"}'
+    stops = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": ["x" * 1_000_000] * 4}).encode()
+    prompt = json.dumps({"messages": [{"role": "user", "content": "word " * 600_000}]}).encode()
+    past_cap = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}).encode()
+    long_answer = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 1500}
 
-    def post(body=None, content=None, timeout=60.0):
-        headers = {"content-type": "application/json"}
-        return httpx.post(f"{url}{CHAT}", json=body, content=content, headers=headers, timeout=timeout).status_code
+    def post(content: bytes, timeout=60.0):
+        return httpx.post(f"{url}{CHAT}", content=content, headers=headers, timeout=timeout).status_code
 
     def hang_up_stream():
-        body = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 4000, "stream": True}
-        with httpx.stream("POST", f"{url}{CHAT}", json=body, timeout=60) as answer:
+        with httpx.stream("POST", f"{url}{CHAT}", json={**long_answer, "stream": True}, timeout=60) as answer:
             next(answer.iter_lines())
             return f"{answer.status_code} then hung up"
 
     def abandon():
-        body = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 4000}
         try:
-            return post(body, timeout=0.2)
+            return httpx.post(f"{url}{CHAT}", json=long_answer, timeout=0.2).status_code
         except httpx.ReadTimeout:
             return "abandoned"
 
     return {
-        "oversized body": lambda: post(content=b'{"messages": "' + b"x" * 8_000_000 + b'"}'),
-        "max_tokens past the cap": lambda: post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}),
-        "megabyte stop strings": lambda: post(megabyte_stops),
-        "3 MB prompt": lambda: post({"messages": [{"role": "user", "content": "word " * 600_000}]}),
+        "oversized body": lambda: post(oversized),
+        "max_tokens past the cap": lambda: post(past_cap),
+        "megabyte stop strings": lambda: post(stops),
+        "3 MB prompt": lambda: post(prompt),
         "stream hung up": hang_up_stream,
         "whole answer abandoned": abandon,
         "random path": lambda: httpx.get(f"{url}/{uuid.uuid4().hex}", timeout=30).status_code,
     }
 
 
-def hostile(attack, stop: threading.Event, got: dict, name: str) -> None:
+def hostile(attack, stop: threading.Event, got: dict, name: str, pause_s: float) -> None:
     while not stop.is_set():
         try:
             outcome = str(attack())
@@ -112,6 +118,7 @@ def hostile(attack, stop: threading.Event, got: dict, name: str) -> None:
             outcome = type(exc).__name__
         got.setdefault(name, {}).setdefault(outcome, 0)
         got[name][outcome] += 1
+        stop.wait(pause_s)
 
 
 def probe(url: str, stop: threading.Event, out: list) -> None:
@@ -125,19 +132,20 @@ def probe(url: str, stop: threading.Event, out: list) -> None:
         time.sleep(0.05)
 
 
-def series(server_url: str) -> int:
-    text = httpx.get(f"{server_url}/metrics", timeout=10).text
-    return sum(1 for line in text.splitlines() if line.startswith("ladle_requests_total{"))
-
-
-def phase(front: str, server: str, seconds: float, clients: int, with_hostile: bool) -> dict:
-    stop, results, health_server, health_front, got = threading.Event(), [], [], [], {}
-    threads = [threading.Thread(target=ordinary, args=(front, i, stop, results)) for i in range(clients)]
-    threads += [threading.Thread(target=probe, args=(server, stop, health_server))]
-    threads += [threading.Thread(target=probe, args=(front, stop, health_front))]
-    if with_hostile:
-        threads += [
-            threading.Thread(target=hostile, args=(attack, stop, got, name)) for name, attack in attacks(front).items()
+def side(role: str, url: str, seconds: float, pause_s: float) -> None:
+    """A process of its own for the probes (so the 16 clients' threads do not delay them) or the attackers (so
+    their work is not the clients'): runs for ``seconds`` and prints what it saw as JSON."""
+    stop, got = threading.Event(), {}
+    if role == "probe":
+        server, front = url.split(",")
+        looks: dict[str, list] = {"server": [], "front": []}
+        threads = [
+            threading.Thread(target=probe, args=(u, stop, looks[k])) for k, u in (("server", server), ("front", front))
+        ]
+    else:
+        threads = [
+            threading.Thread(target=hostile, args=(attack, stop, got, name, pause_s))
+            for name, attack in attacks(url).items()
         ]
     for thread in threads:
         thread.start()
@@ -145,6 +153,59 @@ def phase(front: str, server: str, seconds: float, clients: int, with_hostile: b
     stop.set()
     for thread in threads:
         thread.join(timeout=180)
+    if role == "probe":
+        got = {f"health_{k}_p99_ms": round(1000 * pct([t for _, t in v], 0.99), 1) for k, v in looks.items()} | {
+            "health_failures": sum(1 for v in looks.values() for ok, _ in v if not ok)
+        }
+    print(json.dumps(got))
+
+
+def spawn(role: str, url: str, seconds: float, pause_s: float) -> subprocess.Popen:
+    argv = [sys.executable, __file__, "--side", role, "--url", url, "--seconds", str(seconds), "--pause", str(pause_s)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+
+
+def series(server_url: str) -> int:
+    text = httpx.get(f"{server_url}/metrics", timeout=10).text
+    return sum(1 for line in text.splitlines() if line.startswith("ladle_requests_total{"))
+
+
+def cpu_seconds(pid: int) -> float:
+    import psutil
+
+    try:
+        times = psutil.Process(pid).cpu_times()
+        return times.user + times.system + times.children_user + times.children_system
+    except psutil.Error:
+        return 0.0
+
+
+def phase(
+    front: str, server: str, seconds: float, clients: int, hostile_pause: float | None, pids: dict[str, int]
+) -> dict:
+    """One phase: the clients, the probes and (with ``hostile_pause``) the attackers; the CPU seconds each process
+    spent (on a 2-core machine the attackers' own work is taken from the server's cores too)."""
+    stop, results = threading.Event(), []
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    threads = [threading.Thread(target=ordinary, args=(front, i, stop, results)) for i in range(clients)]
+    sides = [spawn("probe", f"{server},{front}", seconds, 0.0)]
+    if hostile_pause is not None:
+        sides.append(spawn("hostile", front, seconds, hostile_pause))
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=180)
+    spent = {name: round(cpu_seconds(pid) - before[name], 1) for name, pid in pids.items()}
+    attacker_cpu = 0.0
+    if len(sides) > 1:
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            attacker_cpu = sum(psutil.Process(sides[1].pid).cpu_times()[:2])
+    seen = [json.loads(proc.communicate(timeout=300)[0].strip().splitlines()[-1]) for proc in sides]
+    spent["attackers"] = round(attacker_cpu, 1)
     latencies = [t for status, t in results if status == 200]
     return {
         "requests": len(results),
@@ -152,10 +213,9 @@ def phase(front: str, server: str, seconds: float, clients: int, with_hostile: b
         "failed_count": sum(1 for s, _ in results if s != 200),
         "p50_s": round(statistics.median(latencies), 4) if latencies else None,
         "p99_s": round(pct(latencies, 0.99), 4),
-        "health_server_p99_ms": round(1000 * pct([t for _, t in health_server], 0.99), 1),
-        "health_front_p99_ms": round(1000 * pct([t for _, t in health_front], 0.99), 1),
-        "health_failures": sum(1 for ok, _ in health_server + health_front if not ok),
-        "hostile": got,
+        **seen[0],
+        "hostile": seen[1] if len(seen) > 1 else {},
+        "cpu_s": spent,
     }
 
 
@@ -163,7 +223,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument(
+        "--pause",
+        type=float,
+        default=0.1,
+        help="seconds each attacker waits between its requests (0: flat out, as fast as this machine sends)",
+    )
+    parser.add_argument("--side", choices=["probe", "hostile"], help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.side:
+        side(args.side, args.url, args.seconds, args.pause)
+        return
     from ladle.assets import tiny_model_dir
     from ladle.processes import free_port, stop_pid
 
@@ -191,10 +262,12 @@ def main() -> None:
         body = {"url": url, "version": "1", "pid": server.pid, "model_dir": str(model), "argv": argv}
         httpx.put(f"{front_url}/ladle/upstream", json=body, headers={"x-ladle-admin-token": token}).raise_for_status()
         before = series(url)
-        calm = phase(front_url, url, args.seconds, args.clients, with_hostile=False)
-        stormy = phase(front_url, url, args.seconds, args.clients, with_hostile=True)
+        pids = {"server": server.pid, "front": front.pid, "clients": os.getpid()}
+        calm = phase(front_url, url, args.seconds, args.clients, None, pids)
+        stormy = phase(front_url, url, args.seconds, args.clients, args.pause, pids)
         after = series(url)
         result = {
+            "attacker_pause_s": args.pause,
             "clients": args.clients,
             "seconds": args.seconds,
             "alone": calm,

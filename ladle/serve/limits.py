@@ -20,10 +20,12 @@ tokenizer packs into one token of real text, so a prompt that fits the context i
 
 class ServeLimits(Section):
     max_body_bytes: int = Field(
-        4 * 1024 * 1024,
+        2 * 1024 * 1024,
         ge=1024,
         le=1024**3,
-        description="Largest request body, in bytes; a larger one is refused with HTTP 413 before it is read whole.",
+        description="Largest request body, in bytes; a larger one is refused with HTTP 413 before it is read whole "
+        "(by the server and by ladle's front). The default holds a 128k-token prompt (about 0.5 MB of JSON) four "
+        "times over; raise it for longer contexts.",
     )
     max_messages: int = Field(
         512, ge=1, le=1_000_000, description="Most messages in one chat request (HTTP 400 on `messages` above)."

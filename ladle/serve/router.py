@@ -80,7 +80,7 @@ that waits up to serve.limits.queue_timeout_s, then generates up to serve.limits
 how long a request waits for a connection when a thousand are open."""
 
 
-DEFAULT_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_BODY_BYTES = 2 * 1024 * 1024  # serve.limits.max_body_bytes' default
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -99,6 +99,40 @@ async def read_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise ValueError(too_large)
     return bytes(body)
+
+
+class ClientGone(Exception):
+    """The client hung up while the front waited for the server's answer."""
+
+
+async def until_gone(request: Request, sending):
+    """Await ``sending`` (the upstream request, up to its answer's headers) unless the client hangs up first; then
+    the upstream request is cancelled, which closes its connection, and the server cancels the generation (a whole
+    answer's headers come only when it is done, so without this an abandoned request would generate to its end).
+
+    Raises:
+        ClientGone: the client left first.
+    """
+    send = asyncio.ensure_future(sending)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        done, _ = await asyncio.wait({send, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        send.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if send in done:
+        return send.result()
+    send.cancel()
+    with contextlib.suppress(BaseException):
+        await send
+    raise ClientGone
 
 
 class Relayed(StreamingResponse):
@@ -212,7 +246,7 @@ def create_app(
         return host in ("127.0.0.1", "::1") and secrets.compare_digest(request.headers.get(ADMIN_HEADER, ""), token)
 
     @app.get("/health")
-    def health():
+    async def health():
         """Liveness of the front itself, and the version behind it; 503 when one of its loops crashed."""
         if state["broken"]:
             return error(503, state["broken"], "server_error", "front_broken")
@@ -368,7 +402,10 @@ def create_app(
             )
             sent = time.monotonic()
             try:
-                answer = await client.send(outgoing, stream=True)
+                answer = await until_gone(request, client.send(outgoing, stream=True))
+            except ClientGone:  # the client hung up before the server answered: its upstream request was closed
+                in_flight[upstream["url"]] -= 1
+                return Response(status_code=499)
             except httpx.TransportError as exc:
                 in_flight[upstream["url"]] -= 1
                 if arm == "challenger":

@@ -281,10 +281,11 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
 
 def add_probe_routes(app: FastAPI, backend: Backend, settings: Settings, metrics: Metrics) -> None:
-    """Liveness, readiness, metrics and the model list."""
+    """Liveness, readiness, metrics and the model list. The probes run on the event loop itself (they only read
+    flags): no hop through a thread pool that a burst of requests may have filled."""
 
     @app.get("/health")
-    def health() -> dict:
+    async def health() -> dict:
         """Liveness: the process answers and its engine is not failing every step (no key needed); 503 when it
         is, so a supervisor or Kubernetes replaces the process."""
         if not backend.live():
@@ -292,7 +293,7 @@ def add_probe_routes(app: FastAPI, backend: Backend, settings: Settings, metrics
         return {"status": "ok", "model": settings.model, "backend": backend.name}
 
     @app.get("/ready")
-    def ready():
+    async def ready():
         """Readiness: 200 when the backend generates; 503 with the reason when its loop or model server is down
         or every step fails (no key needed)."""
         if not backend.ready():
