@@ -64,3 +64,24 @@ def random_llama(name: str, shape: dict) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_random_llama(path, tiny_model_dir(), **shape)
     return path
+
+
+def wait(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; past ``timeout`` seconds the bench stops naming ``what``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def answers(url: str) -> bool:
+    """``url`` answers 200."""
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -300,6 +300,9 @@ class MiiBackend(Backend):
     async def generate(self, job) -> None:
         """One request through the deployment, its text streamed as MII produces it. The stream's last
         response carries the finish reason and the token count; a client gone away closes the stream."""
+        import asyncio
+        import time
+
         kwargs: dict[str, Any] = {
             "stream": True,
             "max_new_tokens": job.max_new_tokens,
@@ -312,12 +315,30 @@ class MiiBackend(Backend):
         stream = self.client._request_async_response_stream([self.tokenizer.decode(job.ids)], **kwargs)
         last = None
         try:
-            async for (response,) in stream:  # one prompt: one response per message
+            # FastGen's queue is MII's own: the request's wait (serve.limits.queue_timeout_s) runs to its first
+            # message, and a request that gets none in time is ended and answered 503, as the engine's are.
+            left = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
+            try:
+                first = await asyncio.wait_for(anext(stream), timeout=left)
+            except TimeoutError:
+                job.emit(
+                    "error",
+                    {
+                        "message": f"the request had no answer from the MII deployment within {left:.1f} s "
+                        "(serve.limits.queue_timeout_s); retry later",
+                        "status": 503,
+                        "code": "queue_timeout",
+                    },
+                )
+                return
+            async for (response,) in prepend(first, stream):  # one prompt: one response per message
                 if job.cancelled.is_set():
                     return
                 if response.generated_text:
                     job.emit("text", {"text": response.generated_text})
                 last = response
+        except StopAsyncIteration:
+            pass  # the stream ended before its first message: said below
         except Exception as exc:
             job.emit("error", {"message": f"the MII deployment failed: {type(exc).__name__}: {exc}"})
             return
@@ -347,6 +368,13 @@ class MiiBackend(Backend):
         stop_all(self.processes)
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def prepend(first, rest):
+    """``first``, then what ``rest`` yields."""
+    yield first
+    async for item in rest:
+        yield item
 
 
 def serve_deployment(model_dir: str, tensor_parallel: int, replica_num: int, ports):

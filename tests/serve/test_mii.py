@@ -267,3 +267,23 @@ def test_each_deployment_gets_ports_of_its_own(fake_mii):
     finally:
         old.close()
         new.close()
+
+
+def test_a_request_mii_does_not_answer_within_its_wait_gets_a_503(fake_mii, monkeypatch):
+    """FastGen's queue is MII's own: the request's deadline runs to its first message."""
+    from ladle.serve.backends import MiiBackend
+    from ladle.serve.limits import ServeLimits
+    from ladle.serve.server import Settings, create_app
+    from tests.serve.test_server import Running
+
+    monkeypatch.setenv("FAKE_MII_DELAY_S", "2.0")  # every word 2 s apart, the first too
+    backend = MiiBackend(str(fake_mii), tensor_parallel=1, start_timeout_s=60)
+    server = Running(create_app(backend, Settings("m", max_new_tokens=2, limits=ServeLimits(queue_timeout_s=0.3))))
+    try:
+        body = {"messages": [{"role": "user", "content": "a b c"}], "max_tokens": 2}
+        late = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "queue_timeout", late.text
+        assert late.headers["retry-after"] == "1"
+    finally:
+        server.stop()
+        backend.close()
