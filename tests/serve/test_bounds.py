@@ -308,3 +308,48 @@ def test_the_front_refuses_an_oversized_body_before_holding_it(backend):
     finally:
         front.stop()
         running.stop()
+
+
+def test_a_client_that_leaves_the_front_before_its_answer_cancels_it_and_frees_its_count(backend, gated):
+    from ladle.serve import router
+
+    running = serving(backend)
+    upstream = {"url": running.url, "version": "1", "pid": None, "model_dir": "x"}
+    front = Running(router.create_app("tiny", "t", {"upstream": upstream}, None))
+    try:
+        before = cancelled(running.url)
+        for stream in (False, True):  # the answer's headers wait for its first token, held by the gate
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(
+                    f"{front.url}{CHAT}", json=body(max_tokens=200, stream=stream), timeout=httpx.Timeout(30, read=0.5)
+                )
+        deadline = time.monotonic() + 30
+        while cancelled(running.url) < before + 2:
+            assert time.monotonic() < deadline, "the abandoned requests were not cancelled at the server"
+            time.sleep(0.05)
+        counts = httpx.get(f"{front.url}/ladle/upstream", headers={router.ADMIN_HEADER: "t"}).json()["in_flight"]
+        assert counts.get(running.url, 0) == 0, counts
+    finally:
+        front.stop()
+        running.stop()
+
+
+def test_a_front_loop_that_crashes_turns_the_front_red():
+    from ladle.serve import router
+
+    app = router.create_app("tiny", "t", {"upstream": None}, None)
+
+    async def broken():
+        raise RuntimeError("supervision bug")
+
+    app.state.supervisor.run = broken
+    front = Running(app)
+    try:
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{front.url}/health").status_code != 503:
+            assert time.monotonic() < deadline, "the crash was not reported"
+            time.sleep(0.05)
+        message = httpx.get(f"{front.url}/ready").json()["error"]["message"]
+        assert "the front's supervision loop crashed (RuntimeError: supervision bug)" in message
+    finally:
+        front.stop()
