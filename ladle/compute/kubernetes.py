@@ -34,7 +34,6 @@ from ladle.compute.base import ComputeTarget
 from ladle.errors import LadleError
 from ladle.processes import stop_process
 
-ENDED = ("succeeded", "failed")
 LOG_DRAIN_S = 30.0
 """Seconds a log stream may go on after its job ended before it is stopped."""
 
@@ -320,8 +319,7 @@ class KubernetesTarget(ComputeTarget):
             if state.phase in ("running", "succeeded", "failed") or k8s_status.pod_started(lead):
                 deadline, evicted = None, None
                 if lead and k8s_status.pod_started(lead) and self.uid(lead) not in streamed:
-                    ended = lambda last=job: state_of(self.get_json(resource, name, "-n", ns) or last).phase in ENDED  # noqa: E731
-                    if self.stream(lead, ns, relay, ended):
+                    if self.stream(lead, ns, relay, lambda pod=lead: self.pod_ended(pod, name, ns)):
                         streamed.add(self.uid(lead))
                         continue  # look again at once: the pod's end is the job's news
                     time.sleep(self.POLL_S)  # kubectl could not follow it (yet): not a busy loop
@@ -350,6 +348,14 @@ class KubernetesTarget(ComputeTarget):
                 raise LadleError(self.not_running(name, ns, state, verdict, evicted, pods))
             time.sleep(self.POLL_S)
 
+    def pod_ended(self, pod: dict[str, Any], name: str, ns: str) -> bool:
+        """Whether ``pod`` (the one whose log is streamed) has ended or is gone, as the API server says now."""
+        pods = self.get_json("pods", "-n", ns, "-l", self.pod_selector(name))
+        if pods is None:
+            return False  # not known now: the stream goes on
+        now = next((p for p in pods.get("items", []) if self.uid(p) == self.uid(pod)), None)
+        return now is None or (now.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
     @staticmethod
     def uid(pod: dict[str, Any]) -> str:
         meta = pod.get("metadata") or {}
@@ -358,8 +364,9 @@ class KubernetesTarget(ComputeTarget):
     def stream(self, pod: dict[str, Any], ns: str, relay, ended=lambda: False) -> bool:
         """Feed the pod's log to the relay until the pod's container ends; False when kubectl could not follow
         it (its container not started yet), so the caller looks again. The stream has a deadline: every
-        ``POLL_S`` the job is looked at, and once it has ended the stream gets ``LOG_DRAIN_S`` to finish before it
-        is stopped (a ``kubectl logs -f`` whose connection hung would otherwise hold the stage for ever)."""
+        ``POLL_S`` its pod is looked at (``ended``), and once the pod has ended the stream gets ``LOG_DRAIN_S`` to
+        finish before it is stopped (a ``kubectl logs -f`` whose connection hung would otherwise hold the stage for
+        ever)."""
         proc = subprocess.Popen(
             ["kubectl", "logs", "-f", pod["metadata"]["name"], "-n", ns],
             stdout=subprocess.PIPE,

@@ -65,8 +65,9 @@ def test_a_registry_stopped_during_promote_fails_once_and_the_rerun_promotes_one
                 "loss", False, 0.0,
             )  # fmt: skip
         message = str(err.value)
+        # The first registry call after the scoring: taking the champion lock, before anything is written.
         assert message.startswith(
-            f"tracking.uri = {url}: the MLflow model registry failed while recording the decision"
+            f"tracking.uri = {url}: the MLflow model registry failed while taking m's champion lock for the gate of v2"
         )
         assert message.endswith("Nothing was decided; run it again once the registry answers.")
         assert "\n" not in message and err.value.exit_code == 1
