@@ -9,9 +9,10 @@ later loaded through the same ``from_pretrained`` path as any Hugging Face model
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
+
+from ladle.files import building, write_atomic
 
 DEMO_ROWS = 1600
 DEMO_SEED = 1234
@@ -84,13 +85,7 @@ def write_demo_data(path: Path) -> Path:
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     """``rows`` as JSONL at ``path``, written beside it and renamed in (a file that exists is complete, also
     when several processes make it at once)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
-    tmp.replace(path)
-    return path
+    return write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def build_tokenizer(texts: list[str]):
@@ -153,10 +148,9 @@ def write_tiny_model(target: Path, data_file: Path) -> Path:
     texts = [f"{r['instruction']}\n{r['input']}\n{r['output']}" for r in rows]
     tokenizer = build_tokenizer(texts)
     model = build_model(tokenizer)
-    tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    tmp.replace(target)
+    with building(target) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
     return target
 
 
@@ -166,8 +160,6 @@ def write_random_llama(target: Path, tokenizer_dir: Path, shard_mb: int = 400, s
 
     ``shape`` sets LlamaConfig fields (hidden_size, intermediate_size, num_hidden_layers, ...) over the tiny
     model's."""
-    import shutil
-
     import torch
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
@@ -176,10 +168,8 @@ def write_random_llama(target: Path, tokenizer_dir: Path, shard_mb: int = 400, s
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True, max_shard_size=f"{shard_mb}MB")
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
-    del model
-    tmp.replace(target)
+    with building(target) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=f"{shard_mb}MB")
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+        del model
     return target

@@ -31,6 +31,7 @@ from ladle.assets import ladle_home
 from ladle.config import EvalConfig
 from ladle.data.prepare import PreparedDataset
 from ladle.errors import LadleError
+from ladle.files import write_atomic
 from ladle.placement import load_placed
 from ladle.sizing import eval_loss_rows
 
@@ -318,10 +319,7 @@ def score(model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, cached: b
     if loss is not None:
         result.values["loss"] = loss
     if cached:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{hashlib.sha1(str(model_dir).encode()).hexdigest()[:6]}.tmp")
-        tmp.write_text(result.model_dump_json())
-        tmp.replace(cache)
+        write_atomic(cache, result.model_dump_json())
     return result, False
 
 

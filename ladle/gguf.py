@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ladle import storage
 from ladle.errors import LadleError
+from ladle.files import write_atomic
 from ladle.home import ladle_home
 
 log = logging.getLogger(__name__)
@@ -130,10 +131,7 @@ def file_digest(path: Path) -> str:
         while chunk := fh.read(8 << 20):
             digest.update(chunk)
     value = digest.hexdigest()[:16]
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"path": str(path), "sha256": value}))
-    tmp.replace(memo)
+    write_atomic(memo, json.dumps({"path": str(path), "sha256": value}))
     return value
 
 

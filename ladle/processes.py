@@ -9,12 +9,33 @@ import socket
 import subprocess
 import time
 
+from ladle.errors import LadleError
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_run(count: int, tries: int = 50) -> int:
+    """The first of ``count`` consecutive TCP ports on 127.0.0.1 that nothing listens on now."""
+    for _ in range(tries):
+        first = free_port()
+        if first + count < 65536 and all(port_free(first + i) for i in range(1, count)):
+            return first
+    raise LadleError(f"no {count} consecutive free ports on 127.0.0.1 after {tries} tries; free some ports.")
+
+
+def port_free(port: int) -> bool:
+    """Nothing listens on ``port`` of 127.0.0.1 now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except (OSError, OverflowError):
+            return False
+        return True
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 15.0, group: bool = False) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
+from ladle.files import building, write_atomic
+
 COMPLETE_MARKER = "_COMPLETE"
 
 
@@ -86,17 +88,8 @@ def cached_copy(url: str, target: Path) -> Path:
     """
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
+    with building(target) as tmp:
         download_dir(url, tmp)
-        try:
-            tmp.replace(target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -149,12 +142,7 @@ def read_bytes(url: str) -> bytes:
 def write_bytes(url: str, data: bytes) -> None:
     """Write a file; local writes go through a temp file and an atomic rename."""
     if is_local(url):
-        path = local_path(url)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
+        write_atomic(local_path(url), data)
         return
     fs, path = filesystem(url)
     fs.pipe_file(path, data)

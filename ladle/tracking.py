@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
-from ladle import secrets, storage
+from ladle import mlflow_registry, secrets, storage
 from ladle.assets import ladle_home
 from ladle.config import LadleConfig, flatten
 from ladle.secrets import redact, redact_url
@@ -73,12 +73,7 @@ def apply_deadlines(cfg: LadleConfig) -> None:
 
 
 credentials_to_env = secrets.credentials_to_env
-
-
-def client(uri: str):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(uri)
+client = mlflow_registry.client  # one MLflow client, with request deadlines, for runs and the registry alike
 
 
 def start_run(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from typing import TypeVar
 
 from ladle import cuda_arch
 from ladle.errors import LadleError
-from ladle.processes import free_port, running, stop_all
+from ladle.processes import free_port, free_run, port_free, running, stop_all
 
 T = TypeVar("T")
 
@@ -160,24 +159,6 @@ def start_within(start: Callable[[], T], timeout_s: float, what: str) -> tuple[T
             f"({killed} process(es) it had started were killed)."
         )
     return box["value"], [p for p in spawned() if running(p)]
-
-
-def free_run(count: int, tries: int = 50) -> int:
-    """The first of ``count`` consecutive TCP ports on 127.0.0.1 that nothing listens on now."""
-    for _ in range(tries):
-        first = free_port()
-        if first + count < 65536 and all(port_free(first + i) for i in range(1, count)):
-            return first
-    raise LadleError(f"no {count} consecutive free ports on 127.0.0.1 after {tries} tries; free some ports.")
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except (OSError, OverflowError):
-            return False
-        return True
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 
 from ladle.assets import ladle_home
+from ladle.files import write_atomic
 from ladle.processes import stop_pid
 
 
@@ -33,10 +34,7 @@ def write(url: str, model: str, backend: str, model_dir: str) -> Path:
         "model_dir": model_dir,
         "started_at": time.time(),
     }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(path)
-    return path
+    return write_atomic(path, json.dumps(record))
 
 
 def alive(record: dict | None, marker: str = "ladle.serve") -> bool:

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from ladle.assets import ladle_home
 from ladle.config import CanaryConfig
+from ladle.files import write_atomic
 from ladle.serve.canary import Canary, challenger_alive
 from ladle.serve.supervisor import Supervisor
 
@@ -50,12 +51,7 @@ def record_path(name: str) -> Path:
 
 
 def write_record(path: Path, record: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the admin token
-    with os.fdopen(fd, "w") as fh:
-        fh.write(json.dumps(record))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(record), mode=0o600)  # it holds the admin token
 
 
 def read_record(name: str) -> dict | None:
