@@ -85,3 +85,73 @@ def answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+class FrontOverServer:
+    """The demo's tiny model served by ``python -m ladle.serve`` behind ladle's front, on 127.0.0.1 in a
+    ``LADLE_HOME`` of its own, the front pointed at the server (its argv and log given, so the front's supervisor
+    can restart it). ``stop()`` stops the front and whatever server it serves now."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import tempfile
+
+        from ladle.assets import tiny_model_dir
+        from ladle.processes import free_port
+
+        self.home = Path(tempfile.mkdtemp())
+        env = {**os.environ, "LADLE_HOME": str(self.home), "PREFECT_API_URL": ""}
+        self.model = tiny_model_dir()
+        port, front_port = free_port(), free_port()
+        self.argv = [
+            sys.executable,
+            "-m",
+            "ladle.serve",
+            "--model",
+            str(self.model),
+            "--name",
+            "m",
+            "--port",
+            str(port),
+        ]
+        self.log = self.home / "server.log"
+        with self.log.open("w") as out:
+            self.server = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
+        self.front = subprocess.Popen(
+            [sys.executable, "-m", "ladle.serve.router", "--name", "m", "--port", str(front_port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+        self.url, self.front_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{front_port}"
+        self.record_file = self.home / "served" / "routers" / "m.json"
+
+    def start(self) -> FrontOverServer:
+        """Wait for both, then point the front at the server."""
+        import httpx
+
+        wait(lambda: answers(f"{self.url}/ready"), 120, "the server")
+        wait(lambda: answers(f"{self.front_url}/health") and self.record_file.is_file(), 60, "the front")
+        token = json.loads(self.record_file.read_text())["token"]
+        body = {
+            "url": self.url,
+            "version": "1",
+            "pid": self.server.pid,
+            "model_dir": str(self.model),
+            "argv": self.argv,
+            "log": str(self.log),
+        }
+        answer = httpx.put(f"{self.front_url}/ladle/upstream", json=body, headers={"x-ladle-admin-token": token})
+        answer.raise_for_status()
+        return self
+
+    def stop(self) -> None:
+        from ladle.processes import stop_pid
+
+        current = json.loads(self.record_file.read_text()).get("upstream") if self.record_file.is_file() else None
+        stop_pid(self.front.pid, 20, group=True)
+        for pid in {self.server.pid, (current or {}).get("pid")} - {None}:
+            stop_pid(pid, 20, group=True)

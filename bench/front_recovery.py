@@ -12,12 +12,9 @@ on the killed server (sent before the kill). The goal: recovered within 30 s, no
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,7 +22,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import answers, save, wait  # noqa: E402
+from common import FrontOverServer, save  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,30 +33,10 @@ def main() -> None:
     parser.add_argument("--kill-at", type=float, default=4.0)
     parser.add_argument("--after", type=float, default=30.0, help="seconds of traffic after the kill")
     args = parser.parse_args()
-    from ladle.assets import tiny_model_dir
-    from ladle.processes import free_port, stop_pid
-
-    home = Path(tempfile.mkdtemp())
-    env = {**os.environ, "LADLE_HOME": str(home), "PREFECT_API_URL": ""}
-    model = tiny_model_dir()
-    port, front_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "ladle.serve", "--model", str(model), "--name", "m", "--port", str(port)]
-    log = home / "server.log"
-    with log.open("w") as out:
-        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    front = subprocess.Popen(
-        [sys.executable, "-m", "ladle.serve.router", "--name", "m", "--port", str(front_port)],
-        start_new_session=True,
-        env=env,
-    )
-    url, front_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{front_port}"
-    record_file = home / "served" / "routers" / "m.json"
+    served = FrontOverServer()
+    server, front_url = served.server, served.front_url
     try:
-        wait(lambda: answers(f"{url}/ready"), 120, "the server")
-        wait(lambda: answers(f"{front_url}/health") and record_file.is_file(), 60, "the front")
-        token = json.loads(record_file.read_text())["token"]
-        body = {"url": url, "version": "1", "pid": server.pid, "model_dir": str(model), "argv": argv, "log": str(log)}
-        httpx.put(f"{front_url}/ladle/upstream", json=body, headers={"x-ladle-admin-token": token}).raise_for_status()
+        served.start()
         results, stop = [], threading.Event()
 
         def client(i: int) -> None:
@@ -116,10 +93,7 @@ def main() -> None:
         print(result)
         save("front_recovery", result)
     finally:
-        current = json.loads(record_file.read_text()).get("upstream") if record_file.is_file() else None
-        stop_pid(front.pid, 20, group=True)
-        for pid in {server.pid, (current or {}).get("pid")} - {None}:
-            stop_pid(pid, 20, group=True)
+        served.stop()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -38,7 +37,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import answers, save, wait  # noqa: E402
+from common import FrontOverServer, save  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 
@@ -220,34 +219,12 @@ def main() -> None:
     if args.side:
         side(args.side, args.url, args.seconds, args.pause)
         return
-    from ladle.assets import tiny_model_dir
-    from ladle.processes import free_port, stop_pid
-
-    home = Path(tempfile.mkdtemp())
-    env = {**os.environ, "LADLE_HOME": str(home), "PREFECT_API_URL": ""}
-    model = tiny_model_dir()
-    port, front_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "ladle.serve", "--model", str(model), "--name", "m", "--port", str(port)]
-    server = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True, env=env
-    )
-    front = subprocess.Popen(
-        [sys.executable, "-m", "ladle.serve.router", "--name", "m", "--port", str(front_port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env=env,
-    )
-    url, front_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{front_port}"
-    record_file = home / "served" / "routers" / "m.json"
+    served = FrontOverServer()
+    server, url, front_url = served.server, served.url, served.front_url
     try:
-        wait(lambda: answers(f"{url}/ready"), 120, "the server")
-        wait(lambda: answers(f"{front_url}/health") and record_file.is_file(), 60, "the front")
-        token = json.loads(record_file.read_text())["token"]
-        body = {"url": url, "version": "1", "pid": server.pid, "model_dir": str(model), "argv": argv}
-        httpx.put(f"{front_url}/ladle/upstream", json=body, headers={"x-ladle-admin-token": token}).raise_for_status()
+        served.start()
         before = series(url)
-        pids = {"server": server.pid, "front": front.pid, "clients": os.getpid()}
+        pids = {"server": server.pid, "front": served.front.pid, "clients": os.getpid()}
         calm = phase(front_url, url, args.seconds, args.clients, None, pids)
         stormy = phase(front_url, url, args.seconds, args.clients, args.pause, pids)
         after = series(url)
@@ -264,8 +241,7 @@ def main() -> None:
         print(json.dumps(result, indent=1))
         print(f"saved {save('hostile_mix', result)}")
     finally:
-        stop_pid(front.pid, 10, group=True)
-        stop_pid(server.pid, 10, group=True)
+        served.stop()
 
 
 if __name__ == "__main__":
