@@ -105,6 +105,16 @@ def hostile(attack, stop: threading.Event, got: dict, name: str, pause_s: float)
         stop.wait(pause_s)
 
 
+def run_for(threads: list[threading.Thread], stop: threading.Event, seconds: float) -> None:
+    """Start ``threads``, let them run ``seconds``, then stop them and wait for them."""
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=180)
+
+
 def probe(url: str, stop: threading.Event, out: list) -> None:
     while not stop.is_set():
         began = time.monotonic()
@@ -131,12 +141,7 @@ def side(role: str, url: str, seconds: float, pause_s: float) -> None:
             threading.Thread(target=hostile, args=(attack, stop, got, name, pause_s))
             for name, attack in attacks(url).items()
         ]
-    for thread in threads:
-        thread.start()
-    time.sleep(seconds)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=180)
+    run_for(threads, stop, seconds)
     if role == "probe":
         got = {f"health_{k}_p99_ms": round(1000 * pct([t for _, t in v], 0.99), 1) for k, v in looks.items()} | {
             "health_failures": sum(1 for v in looks.values() for ok, _ in v if not ok)
@@ -175,12 +180,7 @@ def phase(
     sides = [spawn("probe", f"{server},{front}", seconds, 0.0)]
     if hostile_pause is not None:
         sides.append(spawn("hostile", front, seconds, hostile_pause))
-    for thread in threads:
-        thread.start()
-    time.sleep(seconds)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=180)
+    run_for(threads, stop, seconds)
     spent = {name: round(cpu_seconds(pid) - before[name], 1) for name, pid in pids.items()}
     attacker_cpu = 0.0
     if len(sides) > 1:

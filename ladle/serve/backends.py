@@ -319,7 +319,7 @@ class MiiBackend(Backend):
             # message, and a request that gets none in time is ended and answered 503, as the engine's are.
             left = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
             try:
-                first = await asyncio.wait_for(anext(stream), timeout=left)
+                first = await asyncio.wait_for(anext(stream, None), timeout=left)  # None: it ended at once
             except TimeoutError:
                 job.emit(
                     "error",
@@ -331,14 +331,13 @@ class MiiBackend(Backend):
                     },
                 )
                 return
-            async for (response,) in prepend(first, stream):  # one prompt: one response per message
+            responses = prepend(first, stream) if first is not None else stream
+            async for (response,) in responses:  # one prompt: one response per message
                 if job.cancelled.is_set():
                     return
                 if response.generated_text:
                     job.emit("text", {"text": response.generated_text})
                 last = response
-        except StopAsyncIteration:
-            pass  # the stream ended before its first message: said below
         except Exception as exc:
             job.emit("error", {"message": f"the MII deployment failed: {type(exc).__name__}: {exc}"})
             return

@@ -71,7 +71,6 @@ class Job:
     read_at: int = 0  # ... and ended (tokens past it are not in ``text`` yet)
     finish: str | None = None
     generator: torch.Generator | None = None
-    ttft_seen: bool = False  # the server timed its first text
 
     @property
     def tokens_needed(self) -> int:
@@ -138,34 +137,27 @@ class RowStop(StoppingCriteria):
         """Send the rest: tokens still held back as an unfinished character are decoded as they stand, as a whole
         decode of the answer would (a stop string can still appear in them)."""
         scanned = len(job.text)
-        job.text += decode_rest(self.tokenizer, job)
+        job.text += decode_next(self.tokenizer, job, final=True)
         cut = find_stop(job.text, job.stop, scanned)
         if cut >= 0:
             job.text, job.finish = job.text[:cut], "stop"
         flush(job, len(job.text), final=True)
 
 
-def decode_next(tokenizer, job: Job) -> str:
+def decode_next(tokenizer, job: Job, final: bool = False) -> str:
     """The text the newest token adds, decoding a window of a few tokens instead of the whole answer (which
     made every step cost the answer's length). The window starts one decoded token back, so a token whose text
     depends on its neighbour (a leading space, a merge) reads as it does in a whole decode; a window ending in a
-    half-decoded character waits for the next token."""
-    prefix = tokenizer.decode(job.tokens[job.prefix_at : job.read_at], skip_special_tokens=True)
-    text = tokenizer.decode(job.tokens[job.prefix_at :], skip_special_tokens=True)
-    if len(text) > len(prefix) and not text.endswith("\ufffd"):
-        job.prefix_at, job.read_at = job.read_at, len(job.tokens)
-        return text[len(prefix) :]
-    return ""
-
-
-def decode_rest(tokenizer, job: Job) -> str:
-    """The text of the tokens ``decode_next`` still holds back, as they decode now."""
+    half-decoded character waits for the next token, unless ``final``: then what is held back is decoded as it
+    stands, as a whole decode of the answer would."""
     if job.read_at >= len(job.tokens):
         return ""
     prefix = tokenizer.decode(job.tokens[job.prefix_at : job.read_at], skip_special_tokens=True)
     text = tokenizer.decode(job.tokens[job.prefix_at :], skip_special_tokens=True)
-    job.prefix_at = job.read_at = len(job.tokens)
-    return text[len(prefix) :]
+    if final or (len(text) > len(prefix) and not text.endswith("\ufffd")):
+        job.prefix_at, job.read_at = job.read_at, len(job.tokens)
+        return text[len(prefix) :]
+    return ""
 
 
 def find_stop(text: str, stops: list[str], scanned: int) -> int:
@@ -270,19 +262,18 @@ class Engine:
         fails by itself and neither the others arriving with it nor the running rows lose their answers."""
         try:
             batch.admit(arrivals)
-            self.failures = 0
-            return
-        except Exception as error:
-            exc = error
+        except Exception as exc:
             if len(arrivals) == 1:
                 self.count(exc)
                 fail(arrivals, exc)
                 return
-        for job in arrivals:
-            if job.finish is None and not job.tokens:
-                self.admit(batch, [job])
-            else:  # it had its first token when the group failed: a second prefill would send it twice
-                fail([job], exc)
+            for job in arrivals:
+                if job.finish is None and not job.tokens:
+                    self.admit(batch, [job])
+                else:  # it had its first token when the group failed: a second prefill would send it twice
+                    fail([job], exc)
+            return
+        self.failures = 0
 
     def count(self, exc: Exception) -> None:
         self.failures += 1

@@ -35,6 +35,8 @@ from ladle.assets import ladle_home
 from ladle.config import CanaryConfig
 from ladle.files import write_atomic
 from ladle.serve.canary import Canary, challenger_alive
+from ladle.serve.guard import Guard
+from ladle.serve.limits import ServeLimits
 from ladle.serve.supervisor import Supervisor
 
 ADMIN_HEADER = "x-ladle-admin-token"
@@ -76,25 +78,7 @@ that waits up to serve.limits.queue_timeout_s, then generates up to serve.limits
 how long a request waits for a connection when a thousand are open."""
 
 
-DEFAULT_BODY_BYTES = 2 * 1024 * 1024  # serve.limits.max_body_bytes' default
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, refused (``ValueError``) as soon as it is over ``limit`` bytes: by its Content-Length,
-    or while it arrives, so the front never holds an oversized body whole."""
-    declared = request.headers.get("content-length", "")
-    too_large = (
-        f"The request body has more than {limit} bytes; this front takes at most {limit} "
-        "(serve.limits.max_body_bytes). Send a shorter prompt or fewer messages."
-    )
-    if declared.isdigit() and int(declared) > limit:
-        raise ValueError(too_large)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ValueError(too_large)
-    return bytes(body)
+DEFAULT_BODY_BYTES = ServeLimits.model_fields["max_body_bytes"].default
 
 
 class ClientGone(Exception):
@@ -234,6 +218,7 @@ def create_app(
         await client.aclose()
 
     app = FastAPI(title=f"ladle front: {name}", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(Guard, max_body_bytes=max_body_bytes)  # the front never holds an oversized body either
     app.state.supervisor = supervisor
     app.state.front = state
 
@@ -376,10 +361,7 @@ def create_app(
     async def proxy(path: str, request: Request):
         """Everything else (the OpenAI routes): proxied byte for byte to the server (during a canary, ``weight``
         of them to the challenger), with ``x-ladle-model-version``."""
-        try:
-            body = await read_body(request, max_body_bytes)
-        except ValueError as exc:
-            return error(413, str(exc), "invalid_request_error", "request_too_large")
+        body = await request.body()  # within serve.limits.max_body_bytes: the Guard refused anything larger
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {ADMIN_HEADER}}
         skip_canary = False
         for _ in range(3):

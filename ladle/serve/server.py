@@ -12,7 +12,6 @@ cancels its generation.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import os
 import time
@@ -30,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from ladle.serve.backends import Backend
 from ladle.serve.engine import Job
+from ladle.serve.guard import Guard
 from ladle.serve.limits import ServeLimits
 
 UNSUPPORTED = (
@@ -166,78 +166,6 @@ class Metrics:
 ROUTES = frozenset({*OPEN_PATHS, "/v1/models", "/v1/completions", "/v1/chat/completions"})
 
 
-class Guard:
-    """ASGI middleware that looks at every HTTP request before the app parses it: the API key (compared in
-    constant time), then the body's size, refused with 413 as soon as it is over ``serve.limits.max_body_bytes``
-    (by its Content-Length, or while it arrives), so no oversized body is read whole. A body within the bound
-    is handed to the app as read; after it, ``receive`` is the connection's own (a disconnect reaches the app)."""
-
-    def __init__(self, app, settings: Settings, metrics: Metrics):
-        self.app, self.settings, self.metrics = app, settings, metrics
-        self.key = f"Bearer {settings.api_key}".encode() if settings.api_key else None
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        try:
-            self.authorise(scope)
-            body = await self.read_body(scope, receive)
-        except ApiError as exc:
-            self.metrics.count(scope["path"], exc.status)
-            await exc.response()(scope, receive, send)
-            return
-        except ClientGone:
-            return
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    def authorise(self, scope) -> None:
-        if self.key is None or scope["path"] in OPEN_PATHS:
-            return
-        sent = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(sent, self.key):
-            message = "missing or wrong API key: send Authorization: Bearer <key>"
-            raise ApiError(401, message, code="invalid_api_key", kind="authentication_error")
-
-    async def read_body(self, scope, receive) -> bytes:
-        limit = self.settings.limits.max_body_bytes
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise ApiError(400, f"Content-Length = {declared[:40]!r}: not a number of bytes.")
-            if int(declared) > limit:
-                raise too_large(int(declared), limit)
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone
-            body += message.get("body", b"")
-            if len(body) > limit:
-                raise too_large(len(body), limit, so_far=True)
-            if not message.get("more_body"):
-                return bytes(body)
-
-
-def too_large(size: int, limit: int, so_far: bool = False) -> ApiError:
-    what = f"more than {limit}" if so_far else str(size)
-    return ApiError(
-        413,
-        f"The request body has {what} bytes; this server takes at most {limit} (serve.limits.max_body_bytes). "
-        "Send a shorter prompt or fewer messages.",
-        code="request_too_large",
-    )
-
-
 def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
     """The API app serving ``backend`` (``settings``: a ``Settings``, or just the model id)."""
     settings = Settings(settings) if isinstance(settings, str) else settings
@@ -247,7 +175,13 @@ def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
     if engine is not None:
         engine.on_batch = metrics.batch.observe
     add_error_handlers(app, metrics)
-    app.add_middleware(Guard, settings=settings, metrics=metrics)
+    app.add_middleware(
+        Guard,
+        max_body_bytes=settings.limits.max_body_bytes,
+        api_key=settings.api_key,
+        open_paths=OPEN_PATHS,
+        refused=metrics.count,
+    )
     add_probe_routes(app, backend, settings, metrics)
     add_generation_routes(app, backend, settings, metrics)
     return app
@@ -381,7 +315,9 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
         reply = Reply(f"{prefix}-{uuid.uuid4().hex}", kind, settings.model, int(time.time()))
         watcher = asyncio.create_task(watch_disconnect(request, job, events))
         try:
-            first = await next_event(events, job)
+            first = await next_event(events)
+            if first[0] == "text":  # the answer's first text: its time to first token
+                metrics.ttft.observe(time.monotonic() - job.submitted)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 watcher.cancel()  # from here the streaming response hears the hang-up
@@ -409,9 +345,8 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
         metrics.completion_tokens.inc(done["completion_tokens"])
         metrics.latency.observe(time.monotonic() - started)
 
-    async def next_event(events: asyncio.Queue, job: Job) -> tuple[str, dict]:
-        """The job's next event; an error is raised as the status it carries (500 when none), the first text times
-        TTFT."""
+    async def next_event(events: asyncio.Queue) -> tuple[str, dict]:
+        """The job's next event; an error is raised as the status it carries (500 when none)."""
         event, data = await events.get()
         if event == "gone":
             raise ClientGone
@@ -420,9 +355,6 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
             message = data["message"] if status != 500 else f"generation failed: {data['message']}"
             headers = {"Retry-After": "1"} if status == 503 else None
             raise ApiError(status, message, code=data.get("code"), kind="server_error", headers=headers)
-        if event == "text" and not job.ttft_seen:
-            job.ttft_seen = True
-            metrics.ttft.observe(time.monotonic() - job.submitted)
         return event, data
 
     async def collect(first: tuple[str, dict], events: asyncio.Queue, job: Job) -> tuple[str, dict]:
@@ -430,7 +362,7 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
         try:
             while event == "text":
                 pieces.append(data["text"])
-                event, data = await next_event(events, job)
+                event, data = await next_event(events)
             return "".join(pieces), data
         except asyncio.CancelledError:  # the server is going away under this request: stop generating for it
             job.cancelled.set()
@@ -452,7 +384,7 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
                     finished(data, started, route)
                     break
                 try:
-                    event, data = await next_event(events, job)
+                    event, data = await next_event(events)
                 except ApiError as exc:  # the status line is sent: the error goes in the stream
                     ended = True
                     error = {"message": exc.message, "type": exc.kind, "param": None, "code": exc.code}

@@ -262,7 +262,7 @@ def test_an_arrival_that_fails_its_prefill_fails_alone(tiny_model, tokenizer):
 def test_incremental_detokenization_equals_a_whole_decode(tokenizer):
     import random
 
-    from ladle.serve.engine import decode_next, decode_rest
+    from ladle.serve.engine import decode_next
 
     rng = random.Random(0)
     texts = ["héllo wörld — naïve café ✓ 日本語 🙂", "  spaces\tand\nnewlines  ", "a" * 50]
@@ -274,7 +274,7 @@ def test_incremental_detokenization_equals_a_whole_decode(tokenizer):
         for token in ids:
             job.tokens.append(token)
             text += decode_next(tokenizer, job)
-        text += decode_rest(tokenizer, job)
+        text += decode_next(tokenizer, job, final=True)
         assert text == tokenizer.decode(ids, skip_special_tokens=True), ids
 
 

@@ -1,0 +1,102 @@
+"""ASGI middleware that looks at every HTTP request before an app parses it, for the model server and for ladle's
+front alike: the API key (compared in constant time), then the body's size, refused with 413 as soon as it is over
+``serve.limits.max_body_bytes`` (by its Content-Length, or while it arrives), so no oversized body is ever read
+whole. A body within the bound is handed to the app as read; after it, ``receive`` is the connection's own, so a
+client's hang-up still reaches the app. Refusals are OpenAI's error envelope."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+
+
+class Refused(Exception):
+    """A request refused before the app saw it."""
+
+    def __init__(self, status: int, message: str, code: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.code, self.kind = status, message, code, kind
+
+    def response(self):
+        from starlette.responses import JSONResponse
+
+        body = {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class Hungup(Exception):
+    """The client left while its body was being read."""
+
+
+class Guard:
+    """``max_body_bytes``: the bound; ``api_key``: required as ``Authorization: Bearer`` on every path but
+    ``open_paths`` (None: no key); ``refused(path, status)``: told of each refusal (the server counts them)."""
+
+    def __init__(
+        self,
+        app,
+        max_body_bytes: int,
+        api_key: str | None = None,
+        open_paths: frozenset[str] = frozenset(),
+        refused: Callable[[str, int], None] = lambda path, status: None,
+    ):
+        self.app, self.limit, self.open_paths, self.refused = app, max_body_bytes, open_paths, refused
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            self.authorise(scope)
+            body = await self.read_body(scope, receive)
+        except Refused as exc:
+            self.refused(scope["path"], exc.status)
+            await exc.response()(scope, receive, send)
+            return
+        except Hungup:
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def authorise(self, scope) -> None:
+        if self.key is None or scope["path"] in self.open_paths:
+            return
+        sent = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(sent, self.key):
+            message = "missing or wrong API key: send Authorization: Bearer <key>"
+            raise Refused(401, message, "invalid_api_key", "authentication_error")
+
+    async def read_body(self, scope, receive) -> bytes:
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise Refused(400, f"Content-Length = {declared[:40]!r}: not a number of bytes.", "invalid_request")
+            if int(declared) > self.limit:
+                raise self.too_large(declared.decode())
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise Hungup
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                raise self.too_large(f"more than {self.limit}")
+            if not message.get("more_body"):
+                return bytes(body)
+
+    def too_large(self, size: str) -> Refused:
+        return Refused(
+            413,
+            f"The request body has {size} bytes; this server takes at most {self.limit} "
+            "(serve.limits.max_body_bytes). Send a shorter prompt or fewer messages.",
+            "request_too_large",
+        )
