@@ -57,7 +57,7 @@ def random_llama(name: str, shape: dict) -> Path:
     """A random-init Llama of ``shape`` with the demo tokenizer, created once under $LADLE_HOME/assets/``name``
     (400 MB safetensors shards; nothing downloaded)."""
     from ladle.assets import ladle_home, tiny_model_dir
-    from ladle.demo import write_random_llama
+    from ladle.assets.demo import write_random_llama
 
     path = ladle_home() / "assets" / name
     if not (path / "config.json").exists():
@@ -97,7 +97,7 @@ class FrontOverServer:
         import tempfile
 
         from ladle.assets import tiny_model_dir
-        from ladle.processes import free_port
+        from ladle.platform.processes import free_port
 
         self.home = Path(tempfile.mkdtemp())
         env = {**os.environ, "LADLE_HOME": str(self.home), "PREFECT_API_URL": ""}
@@ -120,7 +120,7 @@ class FrontOverServer:
                 self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )
         self.front = subprocess.Popen(
-            [sys.executable, "-m", "ladle.serve.router", "--name", "m", "--port", str(front_port)],
+            [sys.executable, "-m", "ladle.fleet.front", "--name", "m", "--port", str(front_port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -149,7 +149,7 @@ class FrontOverServer:
         return self
 
     def stop(self) -> None:
-        from ladle.processes import stop_pid
+        from ladle.platform.processes import stop_pid
 
         current = json.loads(self.record_file.read_text()).get("upstream") if self.record_file.is_file() else None
         stop_pid(self.front.pid, 20, group=True)

@@ -3,10 +3,10 @@
     .venv/bin/python bench/estimators.py
 
 Per-GPU device bytes (and per-node host bytes with offload) for ZeRO-2 and ZeRO-3,
-from `ladle.memory` and from DeepSpeed's `estimate_zero2_model_states_mem_needs` /
+from `ladle.sizing.memory` and from DeepSpeed's `estimate_zero2_model_states_mem_needs` /
 `estimate_zero3_model_states_mem_needs`, for the shipped model configs. The ratio
 column is ladle / DeepSpeed (1.00 = identical). Parameter counts come from
-`ladle.params` (equal to meta-device instantiation, tested).
+`ladle.sizing.params` (equal to meta-device instantiation, tested).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
 
 from ladle import memory  # noqa: E402
-from ladle.params import count_params, read_config  # noqa: E402
+from ladle.sizing.params import count_params, read_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("llama-3.2-1b", "llama-3.1-8b", "qwen3-32b", "llama-3.1-70b")

@@ -26,8 +26,8 @@ from bench.nd import mid_model  # noqa: E402
 def run(base: Path, eval_micro: str, root: Path) -> dict:
     from ladle.config import build_config
     from ladle.data.prepare import prepare
-    from ladle.plan import make_plan
-    from ladle.topology import probe
+    from ladle.machine.topology import probe
+    from ladle.plan.planner import make_plan
     from ladle.train.run import launch
     from ladle.train.spec import TrainSpec
 

@@ -1,5 +1,5 @@
 """A served model's server killed under traffic: how long until the front has it answering again, and which
-requests fail. Real processes on 127.0.0.1: the front (``python -m ladle.serve.router``) with its default
+requests fail. Real processes on 127.0.0.1: the front (``python -m ladle.fleet.front``) with its default
 supervision, and ``python -m ladle.serve`` on the demo's tiny model, killed with SIGKILL.
 
     .venv/bin/python bench/front_recovery.py [--clients 16] [--kill-at 4] [--after 30]

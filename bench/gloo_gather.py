@@ -53,7 +53,7 @@ def rank_main(rank: int, world: int, port: int, queue) -> None:
 def main() -> None:
     from common import save
 
-    from ladle.processes import free_port
+    from ladle.platform.processes import free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     port = free_port()

@@ -185,7 +185,7 @@ def serve(out: Path, folder: Path, backend: str, reference: dict, load_s: float)
     """One backend through ladle's server: start, correctness, load, stop, orphans."""
     import psutil
 
-    from ladle.processes import free_port
+    from ladle.platform.processes import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -68,7 +68,7 @@ def write_model(root: Path, tiny: bool) -> Path:
 
         return write_8b(root / "llama3-8b-random")
     from ladle.assets import tiny_model_dir
-    from ladle.demo import write_random_llama
+    from ladle.assets.demo import write_random_llama
 
     path = root / "tiny-llama"
     if not (path / "config.json").exists():

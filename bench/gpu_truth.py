@@ -109,8 +109,8 @@ def header() -> dict:
 
 
 def plan_for(cfg, model_config: dict):
-    from ladle.plan import make_plan
-    from ladle.topology import probe
+    from ladle.machine.topology import probe
+    from ladle.plan.planner import make_plan
 
     return make_plan(cfg, probe(), model=model_config)
 
@@ -118,7 +118,7 @@ def plan_for(cfg, model_config: dict):
 def train_row(label: str, base: Path, root: Path, cfg, steps_skip: int = 1) -> dict:
     """Plan on this GPU, train through ``launch``, and set the memory model beside the measured peak."""
     from ladle.data.prepare import prepare
-    from ladle.plan import plan_estimate
+    from ladle.plan.planner import plan_estimate
     from ladle.train.run import launch
     from ladle.train.spec import TrainSpec
 
@@ -277,7 +277,7 @@ def phase_serve(rec: Recorder, model: Path, root: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench.serve_load import PROMPTS, load, one_request
-    from ladle.processes import stop_process
+    from ladle.platform.processes import stop_process
     from tests.helpers import start_server
 
     tokenizer = AutoTokenizer.from_pretrained(model)

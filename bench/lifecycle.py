@@ -59,11 +59,11 @@ def parse_time(text: str) -> float:
 
 
 def run(query_seconds: str, work: Path, models: tuple[Path, Path]) -> dict:
-    from ladle import promote
     from ladle.assets import resolve_base
     from ladle.config import load_config
     from ladle.data.prepare import fingerprint
-    from ladle.processes import free_port, stop_process
+    from ladle.lifecycle import promote
+    from ladle.platform.processes import free_port, stop_process
     from tests.helpers import Traffic, deployments_file
 
     work.mkdir(parents=True)

@@ -89,7 +89,7 @@ def config_for(base: Path, strategy: str, lora: bool, overrides: list[str]):
 
 def predicted(cfg, plan, model_config: dict) -> dict:
     """The planner's per-rank figures for this plan on this host, in MiB."""
-    from ladle.plan import plan_estimate
+    from ladle.plan.planner import plan_estimate
 
     est = plan_estimate(cfg, plan, model_config)
     # The load as `ladle plan` reports it: what loading holds plus the CPU runtime and DeepSpeed's engine.
@@ -99,8 +99,8 @@ def predicted(cfg, plan, model_config: dict) -> dict:
 
 def run(base: Path, strategy: str, lora: bool, root: Path, overrides: list[str]) -> dict:
     from ladle.data.prepare import prepare
-    from ladle.plan import make_plan
-    from ladle.topology import probe
+    from ladle.machine.topology import probe
+    from ladle.plan.planner import make_plan
     from ladle.train.run import launch
     from ladle.train.spec import TrainSpec
 
@@ -138,7 +138,7 @@ def run(base: Path, strategy: str, lora: bool, root: Path, overrides: list[str])
 MERGE_SCRIPT = """
 import json, resource, sys, time
 from pathlib import Path
-from ladle.merge import merge_adapter
+from ladle.lifecycle.merge import merge_adapter
 t = time.perf_counter()
 merge_adapter(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), "float32")
 print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--no-merge", action="store_true")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="deep")
     args = parser.parse_args()
-    from ladle import storage
+    from ladle.platform import storage
 
     base = big_model(args.shape)
     rows = []

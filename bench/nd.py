@@ -49,8 +49,8 @@ def mid_model() -> Path:
 def planned(base: Path, label: str, steps: int):
     """The config, the plan for this CPU host, and the planner's per-rank peak for it (MiB)."""
     from ladle.config import build_config
-    from ladle.plan import make_plan, plan_estimate
-    from ladle.topology import probe
+    from ladle.machine.topology import probe
+    from ladle.plan.planner import make_plan, plan_estimate
 
     strategy, overrides = MESHES[label]
     cfg = build_config(

@@ -28,7 +28,7 @@ LOAD_ALL = "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]; pr
 
 
 def write(path: Path, rows: int) -> int:
-    from ladle.demo import demo_rows
+    from ladle.assets.demo import demo_rows
 
     block = demo_rows(n=10_000, seed=3)
     with path.open("w") as fh:

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
 
 from ladle.assets import tiny_model_dir  # noqa: E402
+from ladle.assets.demo import demo_rows  # noqa: E402
 from ladle.config import DataConfig  # noqa: E402
 from ladle.data.prepare import prepare  # noqa: E402
-from ladle.demo import demo_rows  # noqa: E402
 
 
 def write_inputs(folder: Path, rows: int) -> tuple[Path, Path]:

@@ -25,7 +25,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
 
-from ladle.processes import free_port, stop_process  # noqa: E402
+from ladle.platform.processes import free_port, stop_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [

@@ -109,7 +109,7 @@ def whole_sentences(text: str) -> str:
 def main() -> None:
     sys.path.insert(0, str(ROOT))
     from ladle.assets import resolve_base
-    from ladle.evaluate import greedy_answers, load_probe
+    from ladle.lifecycle.evaluate import greedy_answers, load_probe
 
     asked = questions()
     probe = {q["question"] for q in load_probe("ladle://general-probe")}

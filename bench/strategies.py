@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save, train_spec  # noqa: E402
 
 from ladle.config import build_config  # noqa: E402
+from ladle.machine.topology import probe  # noqa: E402
 from ladle.strategies import REGISTRY  # noqa: E402
-from ladle.topology import probe  # noqa: E402
 from ladle.train.run import launch  # noqa: E402
 
 

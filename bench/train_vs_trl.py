@@ -43,8 +43,8 @@ from prepare_vs_trl import write_inputs  # noqa: E402
 
 from ladle.assets import resolve_base, tiny_model_dir  # noqa: E402
 from ladle.config import build_config  # noqa: E402
-from ladle.plan import make_plan  # noqa: E402
-from ladle.topology import probe  # noqa: E402
+from ladle.machine.topology import probe  # noqa: E402
+from ladle.plan.planner import make_plan  # noqa: E402
 from ladle.train.run import free_port, launch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

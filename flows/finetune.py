@@ -12,12 +12,13 @@ from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_link_artifact
 from prefect.states import Completed
 
-from ladle import lineage, promote, storage, tracking
 from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import fingerprint
 from ladle.errors import LadleError, find_ladle_error
-from ladle.secrets import install_log_redaction, redact_url
+from ladle.lifecycle import lineage, promote, tracking
+from ladle.platform import storage
+from ladle.platform.secrets import install_log_redaction, redact_url
 from ladle.tasks.deploy import deploy_task
 from ladle.tasks.evaluate import evaluate_task
 from ladle.tasks.merge import merge_task
@@ -48,7 +49,7 @@ def data_unchanged(config: LadleConfig) -> tuple[str, promote.Version | None, st
     """``(the run's fingerprint, the champion when it was trained from exactly that, why: what is unchanged or
     what changed since the champion)``.
 
-    The fingerprint (``ladle.lineage``) covers the data files' contents (ETags on object stores), the tokenizer
+    The fingerprint (``ladle.lifecycle.lineage``) covers the data files' contents (ETags on object stores), the tokenizer
     and every data option, the base's weights and the training settings that decide what is learned; it is
     computed without preparing anything. A champion registered without one is never "the same".
     """
@@ -85,7 +86,7 @@ def finetune(
         run_id: a stable name for the run's folder. A run given the run_id of one that crashed or was
             cancelled resumes from its last complete checkpoint. None: a new folder per flow run.
         skip_if_data_unchanged: end early, Completed and "skipped", when the registered model's champion
-            was trained from the same data, base weights and training settings (``ladle.lineage``; scheduled
+            was trained from the same data, base weights and training settings (``ladle.lifecycle.lineage``; scheduled
             retraining).
     """
     install_log_redaction()

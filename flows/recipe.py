@@ -16,7 +16,7 @@ from prefect.states import Completed
 from ladle.assets import shipped_recipes
 from ladle.config import LadleConfig, load_config
 from ladle.flows.finetune import finetune
-from ladle.tracking import credentials_to_env
+from ladle.lifecycle.tracking import credentials_to_env
 
 RecipeName = Literal[tuple(shipped_recipes())]  # the shipped recipes, as the form's choices
 TYPED = {

@@ -4,7 +4,7 @@ Its deployment trigger runs it on every ``ladle.model.promoted`` event (a promot
 ``ladle.model.canary`` event (a version passed the gate and waits for its canary). Each run reconciles: it serves
 whatever is ``champion`` now (so a late or repeated event does no harm), starting the front on
 ``serve.front_port`` if needed and swapping the version behind it without failing a request; with
-``promote.canary``, it then runs the waiting version's canary to its verdict (``ladle.serve.canary``).
+``promote.canary``, it then runs the waiting version's canary to its verdict (``ladle.fleet.canary``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact
 from prefect.states import Completed
 
-from ladle import tracking
+from ladle.fleet import champion
 from ladle.flows.recipe import RecipeName, recipe_config
-from ladle.secrets import install_log_redaction
-from ladle.serve import champion
+from ladle.lifecycle import tracking
+from ladle.platform.secrets import install_log_redaction
 
 
 @flow(name="serve-champion", description="Serve the registered model's champion; swap to a new one without downtime.")

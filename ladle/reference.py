@@ -1,5 +1,5 @@
 """The HTTP API, events and metrics reference (``docs/http.md``), generated from the apps, the request models,
-the Prometheus registries and ``ladle.events.EVENTS`` themselves, so it cannot drift.
+the Prometheus registries and ``ladle.lifecycle.events.EVENTS`` themselves, so it cannot drift.
 
 ``python -m ladle.reference > docs/http.md``; ``tests/cli/test_cli_reference.py`` checks it is current.
 """
@@ -65,8 +65,9 @@ def metrics(registry) -> list[str]:
 
 
 def render() -> str:
-    from ladle.events import EVENTS
-    from ladle.serve import router, server
+    from ladle.fleet import front as router
+    from ladle.lifecycle.events import EVENTS
+    from ladle.serve import server
 
     # Routes are listed, never served.
     backend = SimpleNamespace(queue_depth=lambda: 0, name="-", engine=None, context_length=2048)

@@ -7,9 +7,9 @@ from prefect.artifacts import create_link_artifact
 
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
-from ladle.evaluate import load_samples
-from ladle.merge import MergedModel
-from ladle.serve.deploy import Endpoint, deploy
+from ladle.fleet.deploy import Endpoint, deploy
+from ladle.lifecycle.evaluate import load_samples
+from ladle.lifecycle.merge import MergedModel
 from ladle.tasks.policy import retry_unless_user_error
 
 

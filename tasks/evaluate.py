@@ -8,11 +8,11 @@ from prefect.artifacts import create_table_artifact
 from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
-from ladle.evaluate import Evaluation, evaluate
-from ladle.merge import MergedModel
-from ladle.serve.deploy import local_model_dir
+from ladle.fleet.deploy import local_model_dir
+from ladle.lifecycle.evaluate import Evaluation, evaluate
+from ladle.lifecycle.merge import MergedModel
+from ladle.lifecycle.tracking import Tracking, log_evaluation
 from ladle.tasks.policy import retry_unless_user_error
-from ladle.tracking import Tracking, log_evaluation
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)

@@ -6,7 +6,7 @@ from prefect import get_run_logger, task
 
 from ladle.assets import resolve_base
 from ladle.config import LadleConfig
-from ladle.merge import MergedModel, merge
+from ladle.lifecycle.merge import MergedModel, merge
 from ladle.tasks.policy import retry_unless_user_error
 from ladle.train.spec import TrainResult
 

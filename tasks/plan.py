@@ -6,10 +6,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from ladle.config import LadleConfig, flatten
-from ladle.inputs import check_inputs
-from ladle.plan import Plan, make_plan
-from ladle.topology import Topology
-from ladle.tracking import Tracking, log_json, log_params
+from ladle.lifecycle.tracking import Tracking, log_json, log_params
+from ladle.machine.topology import Topology
+from ladle.plan.inputs import check_inputs
+from ladle.plan.planner import Plan, make_plan
 
 
 @task(name="validate-and-plan", timeout_seconds=600)

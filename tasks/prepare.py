@@ -7,12 +7,12 @@ from datetime import timedelta
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
-from ladle import storage
 from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset, fingerprint, prepare
+from ladle.lifecycle.tracking import Tracking, log_bytes, log_json
+from ladle.platform import storage
 from ladle.tasks.policy import retry_unless_user_error
-from ladle.tracking import Tracking, log_bytes, log_json
 
 
 def prepare_cache_key(context, parameters) -> str:

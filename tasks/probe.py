@@ -7,8 +7,8 @@ from prefect.artifacts import create_table_artifact
 
 from ladle import compute
 from ladle.config import LadleConfig
+from ladle.machine.topology import Topology
 from ladle.tasks.policy import retry_unless_user_error
-from ladle.topology import Topology
 
 
 @task(

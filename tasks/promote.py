@@ -7,18 +7,18 @@ import json
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from ladle import lineage, promote
 from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
-from ladle.evaluate import Evaluation, score
-from ladle.events import CANARY, emit_canary, emit_promoted
-from ladle.merge import MergedModel
-from ladle.plan import Plan
-from ladle.serve.champion import model_dir_of
-from ladle.serve.deploy import Endpoint
+from ladle.fleet.champion import model_dir_of
+from ladle.fleet.deploy import Endpoint
+from ladle.lifecycle import lineage, promote
+from ladle.lifecycle.evaluate import Evaluation, score
+from ladle.lifecycle.events import CANARY, emit_canary, emit_promoted
+from ladle.lifecycle.merge import MergedModel
+from ladle.lifecycle.tracking import Tracking, client, metric_key
+from ladle.plan.planner import Plan
 from ladle.tasks.policy import retry_unless_user_error
-from ladle.tracking import Tracking, client, metric_key
 from ladle.train.spec import TrainResult
 
 

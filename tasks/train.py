@@ -11,9 +11,9 @@ from ladle import compute
 from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
-from ladle.plan import Plan
+from ladle.lifecycle.tracking import Tracking, log_loss_curve
+from ladle.plan.planner import Plan
 from ladle.tasks.policy import retry_unless_user_error
-from ladle.tracking import Tracking, log_loss_curve
 from ladle.train.spec import TrainResult, TrainSpec
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ladle.processes import stop_process  # noqa: F401 - the suite's one shutdown path
+from ladle.platform.processes import stop_process  # noqa: F401 - the suite's one shutdown path
 
 _SESSION = Path(tempfile.mkdtemp(prefix="ladle-tests-"))
 # Set before anything imports prefect, and inherited by every subprocess.
@@ -40,7 +40,7 @@ def share_cores(config) -> None:
     of 1.6 s (same losses). A user's OMP_NUM_THREADS wins."""
     if getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput"):
         return  # the xdist controller: its workers, started after this hook, set their own
-    from ladle.topology import usable_cores
+    from ladle.machine.topology import usable_cores
 
     workers = config.workerinput["workercount"] if hasattr(config, "workerinput") else 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores(os.environ) // workers)))
@@ -156,7 +156,7 @@ def tokenizer(tiny_model):
 @pytest.fixture(scope="session")
 def s3_server():
     """A moto S3 server bound to 127.0.0.1; yields the env that points boto/s3fs at it."""
-    from ladle.processes import free_port
+    from ladle.platform.processes import free_port
 
     port = free_port()
     exe = Path(sys.executable).with_name("moto_server")

@@ -39,7 +39,7 @@ Legend:
 def visible_gpus() -> int:
     """CUDA GPUs this session may use, as ladle's probe counts them (after ``CUDA_VISIBLE_DEVICES``, which
     ``conftest.py`` empties for a session that does not select the ``gpu`` marker)."""
-    from ladle.topology import probe
+    from ladle.machine.topology import probe
 
     return probe().gpu_count
 
@@ -143,7 +143,7 @@ MISTRAL_7B = {
 
 def stop_pid(pid: int, grace_s: float = 15.0) -> None:
     """``stop_process`` for a process known only by its pid (e.g. a server left running on purpose)."""
-    from ladle.processes import stop_pid as stop
+    from ladle.platform.processes import stop_pid as stop
 
     stop(pid, grace_s)
 
@@ -201,8 +201,8 @@ def train_spec(cfg, root: Path, run: str = "run", topo=None):
     dataset prepared under ``root``, its outputs under ``root/run``."""
     from ladle.assets import resolve_base
     from ladle.data.prepare import prepare
-    from ladle.plan import make_plan
-    from ladle.topology import probe
+    from ladle.machine.topology import probe
+    from ladle.plan.planner import make_plan
     from ladle.train.spec import TrainSpec
 
     base = resolve_base(cfg.base, cfg.training.dtype)
@@ -257,8 +257,8 @@ def start_server(model_dir, log_path: Path, name: str = "tiny", **serve):
     own process group and ready; returns (process, url). The caller stops it (``stop_process(..., group=True)``).
     """
     from ladle.config import ServeConfig
-    from ladle.processes import free_port
-    from ladle.serve import deploy
+    from ladle.fleet import deploy
+    from ladle.platform.processes import free_port
 
     proc, url, _ = deploy.start_server(Path(model_dir), name, ServeConfig(**serve), free_port(), Path(log_path))
     try:
@@ -345,7 +345,7 @@ def run_ranks(target, world: int, *args) -> list:
     port); returns what each put on the queue, once all have exited cleanly."""
     import torch.multiprocessing as mp
 
-    from ladle.processes import free_port
+    from ladle.platform.processes import free_port
 
     ctx = mp.get_context("forkserver")
     # The fork server imports torch once (in a process that has run no torch op, so no OpenMP pool is forked);
@@ -366,7 +366,7 @@ def start_service(argv: list[str], health_url: str, home: Path, env: dict | None
     """Start a server in its own session, logging to ``home/server.log``; return once ``health_url`` answers 200."""
     import pytest
 
-    from ladle.processes import stop_process
+    from ladle.platform.processes import stop_process
 
     with open(home / "server.log", "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

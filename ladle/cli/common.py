@@ -97,7 +97,7 @@ def load(config: str, overrides: list[str], gpus: str | None = None, deepspeed: 
     from ladle.config import load_config
 
     cfg = load_config(config, [*deepspeed_override(deepspeed), *overrides], gpus)
-    from ladle import tracking
+    from ladle.lifecycle import tracking
 
     tracking.apply_deadlines(cfg)  # every command that reaches MLflow or the artifact store is bounded
     return cfg

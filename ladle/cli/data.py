@@ -16,9 +16,9 @@ app = typer.Typer(help="Prepare and look at training data.", no_args_is_help=Tru
 @command
 def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSON) -> None:
     """Prepare the dataset into the artifact store and print its report."""
-    from ladle import storage
     from ladle.assets import resolve_base
     from ladle.data.prepare import prepare
+    from ladle.platform import storage
 
     cfg = load(config, set_)
     columns = (SpinnerColumn(), TextColumn("preparing: {task.fields[rows]:,} records read"), TimeElapsedColumn())

@@ -28,7 +28,7 @@ PACKAGES = (
 @command
 def env(as_json: bool = JSON) -> None:
     """What a bug report needs: versions, Python, GPUs."""
-    from ladle.topology import probe
+    from ladle.machine.topology import probe
 
     versions = {}
     for name in PACKAGES:

@@ -38,10 +38,11 @@ def render(
     """Print the training job (YAML) for CONFIG planned on NODES nodes like the one probed or recorded."""
     import yaml
 
-    from ladle import compute, storage
-    from ladle.inputs import local_model_config
-    from ladle.plan import make_plan
-    from ladle.topology import probe_file
+    from ladle import compute
+    from ladle.machine.topology import probe_file
+    from ladle.plan.inputs import local_model_config
+    from ladle.plan.planner import make_plan
+    from ladle.platform import storage
 
     chosen = [f"compute.kubernetes.api={api}"] if api else []
     cfg = load(config, [*set_, "compute.target=kubernetes", f"parallelism.nodes={nodes}", *chosen], gpus)
@@ -82,11 +83,11 @@ def render_serving(
     `serve.target: kubernetes` applies on each promotion or rollback."""
     import yaml
 
-    from ladle import promote, tracking
     from ladle.cli.model import tracking_uri
     from ladle.config import build_config
     from ladle.errors import LadleError
-    from ladle.serve.kubernetes import KubernetesServing
+    from ladle.fleet.kubernetes import KubernetesServing
+    from ladle.lifecycle import promote, tracking
 
     chosen = [f"serve.kubernetes.kind={kind}"] if kind else []
     if config:

@@ -46,7 +46,7 @@ def launch(
     """Start this machine's training processes and wait for them."""
     from pydantic import ValidationError
 
-    from ladle import storage
+    from ladle.platform import storage
     from ladle.train.run import run_node
     from ladle.train.spec import TrainSpec
 

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from ladle.cli.common import JSON, SET, command, console, load, print_json
 from ladle.errors import LadleError
-from ladle.secrets import redact_url
+from ladle.platform.secrets import redact_url
 
 app = typer.Typer(
     help="Registered models: versions and their metrics, the `champion` alias, rollback, and serving the champion.",
@@ -27,7 +27,7 @@ CONFIG_OPT = typer.Option(None, "--config", "-c", help="A config or recipe whose
 
 def tracking_uri(uri: str | None, config: str | None) -> str:
     """Raises: LadleError: no way to find the MLflow store."""
-    from ladle import tracking
+    from ladle.lifecycle import tracking
 
     if uri:
         return tracking.credentials_to_env(uri)
@@ -46,7 +46,7 @@ def tracking_uri(uri: str | None, config: str | None) -> str:
 def list_(name: str = NAME, uri: str | None = URI, config: str | None = CONFIG_OPT, as_json: bool = JSON) -> None:
     """Every version, newest first: aliases, the gate metric, the decision, the data it was trained on; and the
     last scheduled run's decision (trained or skipped, and why)."""
-    from ladle import promote
+    from ladle.lifecycle import promote
 
     store = tracking_uri(uri, config)
     found = promote.versions(store, name)
@@ -109,8 +109,8 @@ def rollback(
     as_json: bool = JSON,
 ) -> None:
     """Re-point `champion` (default: to the previous champion) and announce it, so serving swaps back."""
-    from ladle import promote
-    from ladle.serve.champion import end_canary_at_front
+    from ladle.fleet.champion import end_canary_at_front
+    from ladle.lifecycle import promote
 
     store = tracking_uri(uri, config)
     before, after = promote.rollback(store, name, to)
@@ -135,8 +135,8 @@ def canary(
 ) -> None:
     """Give VERSION a canary: it becomes `challenger`, and where the champion is served with promote.canary it
     takes that share of live traffic until the front promotes it or rolls it back."""
-    from ladle import promote
-    from ladle.events import CANARY
+    from ladle.lifecycle import promote
+    from ladle.lifecycle.events import CANARY
 
     store = tracking_uri(uri, config)
     target = promote.mark_canary(store, name, version)
@@ -168,7 +168,7 @@ def announce(name: str, version: str, reason: str, event: str | None = None) -> 
     when there is none."""
     if not os.environ.get("PREFECT_API_URL"):
         return None
-    from ladle.events import emit_canary, emit_promoted
+    from ladle.lifecycle.events import emit_canary, emit_promoted
 
     return emit_promoted(name, version, reason) if event is None else emit_canary(event, name, version, reason)
 
@@ -181,8 +181,8 @@ def serve(
     as_json: bool = JSON,
 ) -> None:
     """Serve the champion on serve.front_port, or swap the front to it: start, check, switch, drain the old."""
-    from ladle import tracking
-    from ladle.serve import champion
+    from ladle.fleet import champion
+    from ladle.lifecycle import tracking
 
     cfg = load(config, set_, None, None)
     uri, _ = tracking.tracking_uri(cfg)
@@ -197,7 +197,8 @@ def serve(
 @command
 def status(name: str = NAME, as_json: bool = JSON) -> None:
     """The front of NAME on this machine: its address and the version behind it."""
-    from ladle.serve import champion, router
+    from ladle.fleet import champion
+    from ladle.fleet import front as router
 
     front = router.read_record(name)
     if front is None:
@@ -215,7 +216,7 @@ def status(name: str = NAME, as_json: bool = JSON) -> None:
 @command
 def stop(name: str = NAME, as_json: bool = JSON) -> None:
     """Drain and stop NAME's front and the server behind it."""
-    from ladle.serve import champion
+    from ladle.fleet import champion
 
     result = champion.stop(name)
     if as_json:

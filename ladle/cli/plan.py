@@ -10,7 +10,7 @@ from ladle.errors import LadleError
 
 def model_size(cfg, model: dict | None) -> dict:
     """Parameter counts of the base (empty when its config.json is not at hand)."""
-    from ladle.params import count_params, lora_params
+    from ladle.sizing.params import count_params, lora_params
 
     if model is None:
         return {}
@@ -44,9 +44,9 @@ def plan(
 ) -> None:
     """Validate the config against this (or a recorded) machine and show the plan, with the launch command."""
     from ladle import compute
-    from ladle.inputs import local_model_config
-    from ladle.plan import make_plan
-    from ladle.topology import probe_file
+    from ladle.machine.topology import probe_file
+    from ladle.plan.inputs import local_model_config
+    from ladle.plan.planner import make_plan
 
     if gpu_memory is not None and not (0 < gpu_memory <= 4096):
         raise LadleError(f"--gpu-memory = {gpu_memory}: GiB per GPU must be in (0, 4096], e.g. --gpu-memory 80.")

@@ -26,8 +26,8 @@ def probe(
     as_json: bool = JSON,
 ) -> None:
     """Show the GPUs, their interconnect and the node layout."""
-    from ladle.topology import probe as probe_machine
-    from ladle.topology import probe_file
+    from ladle.machine.topology import probe as probe_machine
+    from ladle.machine.topology import probe_file
 
     topo = probe_file(topology_file) if topology_file else probe_machine()
     if as_json:

@@ -11,9 +11,9 @@ from ladle.errors import LadleError, find_ladle_error
 
 def preflight(cfg, config: str):
     """Check the machine, base and data against the config before the flow starts."""
-    from ladle.inputs import check_inputs
-    from ladle.plan import make_plan
-    from ladle.topology import probe
+    from ladle.machine.topology import probe
+    from ladle.plan.inputs import check_inputs
+    from ladle.plan.planner import make_plan
 
     plan = make_plan(cfg, probe(), config, model=check_inputs(cfg))
     for warning in plan.warnings:
@@ -42,7 +42,7 @@ def run(
 ) -> None:
     """Run probe -> plan -> prepare -> train -> merge -> evaluate -> deploy -> promote."""
     from ladle.assets import ladle_home
-    from ladle.prefect_api import PrefectApi
+    from ladle.platform.prefect_api import PrefectApi
 
     api = PrefectApi(ladle_home() / "logs")
     try:
@@ -84,7 +84,7 @@ def run(
 
 def warm_tracking_store(cfg) -> None:
     """Create (migrate) the MLflow store now, while an embedded Prefect server is still booting."""
-    from ladle import tracking
+    from ladle.lifecycle import tracking
 
     uri, _ = tracking.tracking_uri(cfg)
     tracking.client(uri).search_experiments(max_results=1)

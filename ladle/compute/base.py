@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from ladle.config import LadleConfig
-    from ladle.topology import Topology
+    from ladle.machine.topology import Topology
     from ladle.train.run import ProgressFn
     from ladle.train.spec import TrainResult, TrainSpec
 
@@ -49,7 +49,7 @@ class ComputeTarget(ABC):
 
     def probe(self) -> Topology:
         """The topology of one node training will run on: this machine's, unless the target reaches its nodes."""
-        from ladle.topology import probe
+        from ladle.machine.topology import probe
 
         return probe()
 

@@ -27,12 +27,12 @@ from typing import Any
 
 import yaml
 
-import ladle.compute.k8s_status as k8s_status
-import ladle.compute.kubectl as kubectl
-from ladle import storage
+import ladle.kubernetes.kubectl as kubectl
+import ladle.kubernetes.status as k8s_status
 from ladle.compute.base import ComputeTarget
 from ladle.errors import LadleError
-from ladle.processes import stop_process
+from ladle.platform import storage
+from ladle.platform.processes import stop_process
 
 LOG_DRAIN_S = 30.0
 """Seconds a log stream may go on after its job ended before it is stopped."""

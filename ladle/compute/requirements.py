@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 
-from ladle import storage
+from ladle.platform import storage
 
 SLURM_CLIENT = ("sbatch", "srun", "scontrol", "scancel")
 

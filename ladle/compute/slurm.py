@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ladle import storage
 from ladle.compute.base import ComputeTarget
 from ladle.errors import LadleError
+from ladle.platform import storage
 
 UNKNOWN_S = 120.0
 """Seconds a job's state may stay unreadable (a controller restarting, a transient RPC failure) before the follow
@@ -268,7 +268,7 @@ class SlurmTarget(ComputeTarget):
 
     def probe(self):
         """``ladle probe`` on one node of the cluster, with the GPUs training will ask for."""
-        from ladle.topology import Topology
+        from ladle.machine.topology import Topology
 
         argv = ["srun", *self.placement(1, self.gpus_per_node(), "5"), "--job-name=ladle-probe"]
         done = call([*argv, self.python(), "-m", "ladle.cli.main", "probe", "--json"], timeout=600)

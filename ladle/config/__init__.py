@@ -39,7 +39,7 @@ from ladle.config.training import (
     parse_gpus,
 )
 from ladle.errors import ConfigError, LadleError
-from ladle.schema import Section
+from ladle.section import Section
 
 __all__ = [
     "BUILTIN_METRICS",

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ladle.config.compute import KubernetesPods
-from ladle.schema import Section, choice_error, registry_choices
+from ladle.section import Section, choice_error, registry_choices
 from ladle.serve import backends
 from ladle.serve.limits import ServeLimits
 
@@ -338,7 +338,7 @@ class TrackingConfig(Section):
             return None
         from urllib.parse import urlsplit
 
-        from ladle.secrets import credentials_to_env, redact_url
+        from ladle.platform.secrets import credentials_to_env, redact_url
 
         try:
             parts = urlsplit(value)

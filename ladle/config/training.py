@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, create_model, field_validator
 
 from ladle import strategies
-from ladle.schema import Section, choice_error, registry_choices
+from ladle.section import Section, choice_error, registry_choices
 
 MAX_GPU_COUNT = 128
 

@@ -7,12 +7,12 @@ from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
 
-from ladle import storage
 from ladle.config import DataConfig
 from ladle.data import sources
 from ladle.data.formats import RowError
 from ladle.data.prepare import iter_samples, load_tokenizer, resolve_format
 from ladle.data.tokenize import IGNORE, tokenize_batch
+from ladle.platform import storage
 
 
 def inspect(cfg: DataConfig, n: int = 3) -> dict:

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - registers pa.compute
 import pyarrow.parquet as pq
 
-from ladle import storage
+from ladle.platform import storage
 
 IGNORE = -100
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from ladle import storage
 from ladle.config import DataConfig
 from ladle.data import sources
 from ladle.data.formats import FORMATS, Chat, RowError, Sample, Text, detect_format
@@ -25,6 +24,7 @@ from ladle.data.packing import SplitWriter
 from ladle.data.report import DataReport, LengthHistogram, histogram_png
 from ladle.data.tokenize import IGNORE, Example, TooLong, tokenize_batch
 from ladle.errors import LadleError
+from ladle.platform import storage
 
 # Bump when the prepared bytes would change for the same inputs.
 PREP_VERSION = "3"  # 3: held-out eval samples kept for the evaluate stage

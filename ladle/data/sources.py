@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator
 
 import fsspec
 
-from ladle import storage
 from ladle.assets import resolve_builtin
 from ladle.data.formats import RowError
 from ladle.errors import LadleError, store_outage
+from ladle.platform import storage
 
 Record = tuple[int, "dict | RowError"]
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")

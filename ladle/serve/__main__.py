@@ -31,8 +31,8 @@ def local_model(model: str, sha256: str | None):
     server pod on Kubernetes serves a registered version straight from the store)."""
     import hashlib
 
-    from ladle import storage
     from ladle.assets import ladle_home
+    from ladle.platform import storage
 
     if storage.is_local(model):
         return storage.local_path(model)

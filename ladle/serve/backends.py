@@ -64,7 +64,7 @@ class Backend(ABC):
             LadleError: the first problem, naming the field, the value and the fix.
         """
         if has_cuda is None:
-            from ladle.topology import probe
+            from ladle.machine.topology import probe
 
             has_cuda = probe().gpu_count > 0
         problems = cls.host_problems(has_cuda)
@@ -146,7 +146,7 @@ class TransformersBackend(Backend):
     def __init__(self, model_dir: str, max_batch: int = 32, kv_tokens: int = 0):
         from transformers import AutoConfig
 
-        from ladle.placement import load_placed
+        from ladle.machine.placement import load_placed
         from ladle.serve.engine import Engine
 
         if not 1 <= max_batch <= 1024:
@@ -357,12 +357,12 @@ class MiiBackend(Backend):
         )
 
     def ready(self) -> bool:
-        from ladle.processes import running
+        from ladle.platform.processes import running
 
         return self.loop is not None and self.thread.is_alive() and all(running(p) for p in self.processes)
 
     def close(self) -> None:
-        from ladle.processes import stop_all
+        from ladle.platform.processes import stop_all
 
         stop_all(self.processes)
         if self.loop is not None:
@@ -385,7 +385,7 @@ def serve_deployment(model_dir: str, tensor_parallel: int, replica_num: int, por
 
     import mii
 
-    from ladle import cuda_arch
+    from ladle.machine import cuda_arch
 
     os.environ.update(cuda_arch.fixed_env()[0])  # MII's server processes inherit it
     loop = asyncio.new_event_loop()

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from ladle import cuda_arch
 from ladle.errors import LadleError
-from ladle.processes import free_port, free_run, port_free, running, stop_all
+from ladle.machine import cuda_arch
+from ladle.platform.processes import free_port, free_run, port_free, running, stop_all
 
 T = TypeVar("T")
 

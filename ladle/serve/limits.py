@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ladle.schema import Section
+from ladle.section import Section
 
 CHARS_PER_TOKEN = 32
 """``max_prompt_chars`` 0 allows this many characters per token of the model's context: far more than any

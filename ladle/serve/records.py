@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 
 from ladle.assets import ladle_home
-from ladle.files import write_atomic
-from ladle.processes import stop_pid
+from ladle.platform.files import write_atomic
+from ladle.platform.processes import stop_pid
 
 
 def records_dir() -> Path:

@@ -549,7 +549,7 @@ def api_key_from_env(name: str | None) -> str | None:
         return None
     key = os.environ.get(name)
     if key:
-        from ladle import secrets
+        from ladle.platform import secrets
 
         secrets.register(key)  # masked in whatever this process logs, whatever the variable is called
     if not key:

@@ -17,20 +17,22 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ladle import memory, sizing, storage
+from ladle import sizing
+from ladle.platform import storage
+from ladle.sizing import memory
 from ladle.strategies.mesh import Dims
 from ladle.train.kernels import COMPILE_STRATEGIES, FUSED_LOSS_STRATEGIES, LIGER_LOSS_STRATEGIES
 
 if TYPE_CHECKING:
-    from ladle.schema import Section
-    from ladle.topology import Topology
+    from ladle.machine.topology import Topology
+    from ladle.section import Section
     from ladle.train.loading import Pending
 
 # A strategy reads the run's config and plan, yet neither module is imported here, not even for type checking:
 # both are built from the strategies (the config's parallelism sections and strategy choices, the plan's strategy
 # and its options), so importing them would close a circle. These names say what the annotations mean.
 LadleConfig = Any  # ladle.config.LadleConfig
-Plan = Any  # ladle.plan_model.Plan
+Plan = Any  # ladle.plan.model.Plan
 
 EVAL_MICRO_MAX = 8  # an eval forward takes at most 8 training micro-batches' rows
 

@@ -7,8 +7,9 @@ from typing import Any
 
 from pydantic import Field
 
-from ladle import memory, sizing
-from ladle.schema import Section
+from ladle import sizing
+from ladle.section import Section
+from ladle.sizing import memory
 from ladle.strategies.base import Candidate, Strategy, gathered_for_save
 from ladle.strategies.registry import register
 

@@ -24,8 +24,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from ladle import memory, storage
-from ladle.schema import Section
+from ladle.platform import storage
+from ladle.section import Section
+from ladle.sizing import memory
 from ladle.strategies.base import Candidate, Strategy, gathered_for_save, weights_held
 from ladle.strategies.deepspeed_json import render_zero, render_zeropp, sub_group_elements, validate_with_deepspeed
 from ladle.strategies.mesh import Dims

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ladle import memory
-from ladle.schema import Section
+from ladle.section import Section
+from ladle.sizing import memory
 from ladle.strategies.base import Candidate, Strategy
 from ladle.strategies.mesh import Dims
 from ladle.strategies.registry import register

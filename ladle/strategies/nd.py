@@ -40,8 +40,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from ladle import memory, sizing
-from ladle.schema import Section
+from ladle import sizing
+from ladle.section import Section
+from ladle.sizing import memory
 from ladle.strategies.base import Candidate, Strategy, dcp_load, dcp_save
 from ladle.strategies.mesh import ORDER, Dims, model_problems, resolve
 from ladle.strategies.registry import register

@@ -21,8 +21,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from ladle import memory, sizing, storage
-from ladle.schema import Section
+from ladle import sizing
+from ladle.platform import storage
+from ladle.section import Section
+from ladle.sizing import memory
 from ladle.strategies.base import Candidate, Strategy
 from ladle.strategies.mesh import Dims
 from ladle.strategies.registry import register

@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
-from ladle import memory
+from ladle.sizing import memory
 from ladle.strategies.base import Strategy
 from ladle.strategies.mesh import Dims
 from ladle.strategies.registry import register

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ladle import storage
+from ladle.platform import storage
 
 KEEP_LAST = 2
 NATIVE_TAG = "engine"  # the folder a strategy's checkpoint files (DCP or native) live in

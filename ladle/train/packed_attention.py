@@ -10,7 +10,7 @@ variable-length attention, as FlashAttention's varlen kernels do on CUDA, from p
 
 The regrouping is a gather of q, k, v and a gather back of the output, computed once per forward from the
 position ids (every layer gets the same tensor) and reused by every layer. The loss and gradients equal the
-masked path's to float32 rounding (``tests/unit/test_packed_attention.py``); on the tiny model's 256-token
+masked path's to float32 rounding (``tests/train/test_packed_attention.py``); on the tiny model's 256-token
 rows it took a CPU step from 125-131 ms to 93-103 ms.
 
 It replaces the model's attention through transformers' ``AttentionInterface`` under the name ``ladle_packed``

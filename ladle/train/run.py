@@ -10,9 +10,10 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from ladle import cuda_arch, storage
-from ladle.processes import free_port, stop_process  # noqa: F401 - free_port is also imported from here
-from ladle.topology import usable_cores
+from ladle.machine import cuda_arch
+from ladle.machine.topology import usable_cores
+from ladle.platform import storage
+from ladle.platform.processes import free_port, stop_process  # noqa: F401 - free_port is also imported from here
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
 ProgressFn = Callable[[dict], None]
@@ -24,7 +25,7 @@ class TrainingFailed(RuntimeError):
 
 def worker_env(spec: TrainSpec) -> dict[str, str]:
     """The launch environment: the user's settings win over ladle's hints (but for an arch list DeepSpeed
-    cannot parse, rewritten to the same capabilities: ``ladle.cuda_arch``)."""
+    cannot parse, rewritten to the same capabilities: ``ladle.machine.cuda_arch``)."""
     env, _ = cuda_arch.fixed_env()
     if spec.plan.device == "cpu":
         # Each rank gets its share of the cores instead of all of them (oversubscription halves throughput).

@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
-from ladle.plan import Plan
+from ladle.plan.planner import Plan
 
 PROGRESS_PREFIX = "LADLE_PROGRESS "
 

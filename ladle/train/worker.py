@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from ladle import storage, strategies
+from ladle import strategies
 from ladle.data.packing import IGNORE, read_rows
+from ladle.platform import storage
 from ladle.strategies.base import inner
 from ladle.train import checkpoint, kernels, loading, packed_attention, padding_free, saving, schedule
 from ladle.train.loss import token_loss
@@ -237,7 +238,7 @@ def one_process_group(plan) -> None:
     """
     if plan.world_size != 1 or torch.distributed.is_initialized():
         return
-    from ladle.processes import free_port
+    from ladle.platform.processes import free_port
 
     # torchrun's variables, as the N-rank launch sets them: DeepSpeed reads LOCAL_RANK and RANK itself.
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):

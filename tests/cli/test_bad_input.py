@@ -85,7 +85,7 @@ def test_unreachable_prefect_api_is_one_line():
 
 def test_bad_embedded_server_budget_is_one_line():
     """Prefect itself would fail to import on it, with a traceback; ladle checks it first.
-    (A budget that runs out is tested on the server handle itself: tests/unit/test_prefect_api.py.)"""
+    (A budget that runs out is tested on the server handle itself: tests/platform/test_prefect_api.py.)"""
     done = run_cli("run", RECIPE, env={"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "soon"}, timeout=120)
     assert_clean_error(
         done,

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ladle.processes import free_port, stop_process
+from ladle.platform.processes import free_port, stop_process
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo", "squeue")
 NODES = ("n1", "n2")

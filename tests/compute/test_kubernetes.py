@@ -23,15 +23,15 @@ import yaml
 from ladle import compute
 from ladle.config import build_config
 from ladle.errors import LadleError
-from ladle.plan import make_plan
-from ladle.topology import probe, probe_file
+from ladle.machine.topology import probe, probe_file
+from ladle.plan.planner import make_plan
 from tests.helpers import strict_crd_schema, train_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "infra" / "k8s"
 VERSION = "1.33.0"
 CRD = strict_crd_schema(K8S / "schemas" / "kubeflow.org_v1_pytorchjob.json")
-EIGHT_GPUS = ROOT / "tests" / "unit" / "topo_pastes" / "rtx4090-8-go-gpuallocator-17.txt"
+EIGHT_GPUS = ROOT / "tests" / "machine" / "topo_pastes" / "rtx4090-8-go-gpuallocator-17.txt"
 
 
 def validate_pytorchjob(job: dict) -> None:
@@ -224,7 +224,7 @@ def test_a_pytorchjob_that_never_starts_is_deleted_at_its_deadline_with_the_pods
     """compute.kubernetes.api=pytorchjob: the job stays Created, its master pod unschedulable (recorded, see
     k8s_recorded/SOURCES.md). The train stage ends at compute.kubernetes.schedule_timeout_s, names the
     scheduler's message, and deletes the job."""
-    from tests.compute.test_k8s_follow import follow, verbs
+    from tests.kubernetes.test_follow import follow, verbs
 
     outcome, calls, _, took = follow(tmp_path, monkeypatch, "pytorchjob_unschedulable", timeout_s=1, api="pytorchjob")
     assert isinstance(outcome, LadleError) and took < 120  # ends at the deadline, not never

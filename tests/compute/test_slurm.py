@@ -83,7 +83,7 @@ from pathlib import Path
 from prefect import flow
 from ladle.config import build_config
 from ladle.tasks.train import train_task
-from ladle.tracking import start_run
+from ladle.lifecycle.tracking import start_run
 from tests.helpers import train_spec
 
 root = Path(sys.argv[1])

@@ -12,8 +12,8 @@ import pytest
 from ladle import compute
 from ladle.config import build_config
 from ladle.errors import ConfigError
-from ladle.plan import make_plan
-from ladle.topology import probe, probe_file
+from ladle.machine.topology import probe, probe_file
+from ladle.plan.planner import make_plan
 from tests.compute.test_kubernetes import EIGHT_GPUS
 
 BASE = {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}}

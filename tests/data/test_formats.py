@@ -9,11 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ladle import storage
 from ladle.config import DataConfig
 from ladle.data.packing import read_rows
 from ladle.data.prepare import IGNORE, prepare
 from ladle.errors import LadleError
+from ladle.platform import storage
 
 
 def reference(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:

@@ -3,13 +3,13 @@ import json
 import pytest
 import torch
 
-from ladle import storage
 from ladle.config import DataConfig
 from ladle.data.formats import Chat
 from ladle.data.packing import first_fit_decreasing, pack_examples, read_rows
 from ladle.data.prepare import IGNORE, check_not_empty, fingerprint, prepare
 from ladle.data.tokenize import tokenize_batch
 from ladle.errors import LadleError
+from ladle.platform import storage
 
 
 def render_example(tokenizer, messages, train_on, seq_len, truncation="right"):

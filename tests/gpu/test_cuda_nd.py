@@ -23,7 +23,7 @@ FULL = ("training.lora.enabled=false", "training.dtype=bfloat16", "training.glob
 def test_mesh_matches_one_gpu(gpus, dims, mesh, tmp_path, tiny_model):
     if (have := visible_gpus()) < gpus:
         pytest.skip(f"needs {gpus} GPUs, this session sees {have}")
-    from ladle.topology import probe
+    from ladle.machine.topology import probe
     from ladle.train.run import launch
 
     one = launch(strategy_spec("ddp", tmp_path / "one", "parallelism.gpus=1", *FULL, topo=probe()))

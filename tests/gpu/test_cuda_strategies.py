@@ -14,7 +14,7 @@ pytestmark = [
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "zero++", "fsdp2"])
 def test_strategy_trains_on_one_gpu(name, tmp_path, tiny_model):
-    from ladle.topology import probe
+    from ladle.machine.topology import probe
     from ladle.train.run import launch
 
     spec = strategy_spec(name, tmp_path, "parallelism.gpus=1", "training.global_batch_size=4", topo=probe())
@@ -36,7 +36,7 @@ def test_strategy_trains_on_one_gpu(name, tmp_path, tiny_model):
 def test_offload_trains_on_one_gpu(name, offload, tmp_path, tiny_model):
     """Optimizer offload runs: DeepSpeed builds its own AdamW (DeepSpeedCPUAdam, compiled on first use) from
     the rendered config; FSDP2's CPUOffloadPolicy keeps the loaded shards on the host."""
-    from ladle.topology import probe
+    from ladle.machine.topology import probe
     from ladle.train.run import launch
 
     spec = strategy_spec(name, tmp_path, "parallelism.gpus=1", "training.global_batch_size=4", offload, topo=probe())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ladle import storage
+from ladle.platform import storage
 from tests.helpers import offline_greedy
 
 

@@ -32,9 +32,11 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from ladle import storage
-from ladle.processes import stop_process
-from ladle.serve import champion, records, router
+from ladle.fleet import champion
+from ladle.fleet import front as router
+from ladle.platform import storage
+from ladle.platform.processes import stop_process
+from ladle.serve import records
 from ladle.train.run import free_port
 from tests.helpers import ROOT, Traffic, deployments_file, run_cli, start_service, wait_for_requests
 from tests.pipeline import checks
@@ -71,7 +73,7 @@ SECRET_S3 = "s3-secret-9f1c2b7e4d"  # the artifact store's secret key, saved in 
 SECRET_MLFLOW = "mlflow-pass-5a8e3c1f0b"  # the MLflow password, in the worker's environment
 MODEL = "tiny-cpu"  # the registered model of the tiny-cpu recipe
 # The serving deployment runs canaries (step 6): short, on half the traffic. Its latency limit is loose because
-# both servers share this machine's cores (tests/serve/test_canary.py proves the latency rollback).
+# both servers share this machine's cores (tests/fleet/test_canary.py proves the latency rollback).
 CANARY = [
     "promote.canary.duration_s=6",
     "promote.canary.weight=0.5",

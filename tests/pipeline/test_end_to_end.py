@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ladle import storage
+from ladle.platform import storage
 from ladle.train.checkpoint import complete_steps
 from tests.helpers import ROOT, run_cli
 from tests.pipeline import checks

@@ -52,7 +52,7 @@ def test_the_gguf_file_becomes_an_ordinary_folder_that_answers(smollm2):
 def fine_tuned(smollm2, tmp_path_factory):
     """A few LoRA steps on the demo tasks under FSDP2 on 2 gloo processes, and the merge of their adapter."""
     from ladle.config import build_config
-    from ladle.merge import merge
+    from ladle.lifecycle.merge import merge
     from ladle.train.run import launch
 
     root = tmp_path_factory.mktemp("smollm2")
@@ -81,7 +81,7 @@ def fine_tuned(smollm2, tmp_path_factory):
 
 
 def held_out(spec, limit: int) -> list[list[dict]]:
-    from ladle.evaluate import load_samples, prompt_of
+    from ladle.lifecycle.evaluate import load_samples, prompt_of
 
     return [prompt_of(m) for m in load_samples(spec.dataset, limit)]
 
@@ -129,7 +129,7 @@ def test_a_real_fine_tune_merges_to_what_base_plus_adapter_answers(smollm2, fine
 def test_the_merged_real_model_streams_what_offline_generate_answers(fine_tuned):
     from ladle.serve.backends import TransformersBackend
     from ladle.serve.server import Settings, create_app
-    from tests.serve.test_server import Running
+    from tests.serve.running import Running
 
     spec, _, merged_dir = fine_tuned
     running = Running(create_app(TransformersBackend(str(merged_dir), max_batch=4), Settings("smollm2", 16)))

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ladle import promote
 from ladle.errors import LadleError
-from ladle.processes import free_port, stop_process
+from ladle.lifecycle import promote
+from ladle.platform.processes import free_port, stop_process
 from tests.helpers import start_service
 
 pytestmark = pytest.mark.pipeline

@@ -21,7 +21,7 @@ from ladle.serve.backends import TransformersBackend
 from ladle.serve.engine import Engine, Job
 from ladle.serve.limits import ServeLimits
 from ladle.serve.server import Settings, create_app
-from tests.serve.test_server import Running
+from tests.serve.running import Running
 
 CHAT = "/v1/chat/completions"
 
@@ -289,7 +289,7 @@ def test_a_stop_string_across_tokens_is_found_by_the_bounded_scan():
 
 
 def test_the_front_refuses_an_oversized_body_before_holding_it(backend):
-    from ladle.serve import router
+    from ladle.fleet import front as router
 
     running = serving(backend)
     upstream = {"url": running.url, "version": "1", "pid": None, "model_dir": "x"}
@@ -311,7 +311,7 @@ def test_the_front_refuses_an_oversized_body_before_holding_it(backend):
 
 
 def test_a_client_that_leaves_the_front_before_its_answer_cancels_it_and_frees_its_count(backend, gated):
-    from ladle.serve import router
+    from ladle.fleet import front as router
 
     running = serving(backend)
     upstream = {"url": running.url, "version": "1", "pid": None, "model_dir": "x"}
@@ -335,7 +335,7 @@ def test_a_client_that_leaves_the_front_before_its_answer_cancels_it_and_frees_i
 
 
 def test_a_front_loop_that_crashes_turns_the_front_red():
-    from ladle.serve import router
+    from ladle.fleet import front as router
 
     app = router.create_app("tiny", "t", {"upstream": None}, None)
 

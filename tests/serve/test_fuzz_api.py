@@ -14,11 +14,11 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from ladle.serve import router
+from ladle.fleet import front as router
 from ladle.serve.backends import TransformersBackend
 from ladle.serve.limits import ServeLimits
 from ladle.serve.server import Settings, create_app
-from tests.serve.test_server import Running
+from tests.serve.running import Running
 
 # The schema the server publishes, read from its app (routes only: nothing is served here).
 ROUTES_ONLY = SimpleNamespace(queue_depth=lambda: 0, name="-", engine=None, context_length=2048)

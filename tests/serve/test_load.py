@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ladle.processes import stop_process
+from ladle.platform.processes import stop_process
 from ladle.serve.backends import TransformersBackend
 from ladle.serve.server import Settings, create_app
 from tests.helpers import start_server

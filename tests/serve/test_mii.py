@@ -16,7 +16,7 @@ import pytest
 
 from ladle.config import ServeConfig
 from ladle.errors import LadleError
-from ladle.serve.deploy import server_argv
+from ladle.fleet.deploy import server_argv
 from ladle.serve.fastgen import check_architecture, fastgen_head_sizes, fastgen_model_types, start_within
 from tests.helpers import ROOT, needs_gpus
 
@@ -131,7 +131,7 @@ def test_mii_backend_serves_streams_and_holds_concurrent_clients_then_leaves_not
 
     from ladle.serve.backends import MiiBackend
     from ladle.serve.server import Settings, create_app
-    from tests.serve.test_server import Running
+    from tests.serve.running import Running
 
     before = descendants()
     backend = MiiBackend(str(fake_mii), tensor_parallel=1, start_timeout_s=60)
@@ -274,7 +274,7 @@ def test_a_request_mii_does_not_answer_within_its_wait_gets_a_503(fake_mii, monk
     from ladle.serve.backends import MiiBackend
     from ladle.serve.limits import ServeLimits
     from ladle.serve.server import Settings, create_app
-    from tests.serve.test_server import Running
+    from tests.serve.running import Running
 
     monkeypatch.setenv("FAKE_MII_DELAY_S", "2.0")  # every word 2 s apart, the first too
     backend = MiiBackend(str(fake_mii), tensor_parallel=1, start_timeout_s=60)

@@ -5,40 +5,19 @@ cancellation on disconnect, and batched greedy == unbatched greedy == offline gr
 from __future__ import annotations
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from ladle.processes import free_port
 from ladle.serve.backends import TransformersBackend
 from ladle.serve.server import Settings, create_app
 from tests.helpers import offline_greedy
+from tests.serve.running import Running
 
 PROMPTS = ["Add 2 and 3.", "Name a colour.", "blue red", "Count to five please, slowly.", "x", "Hello there!"]
-
-
-class Running:
-    """A uvicorn server in a thread of this process (real sockets, real HTTP)."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def test_a_deleted_dataset_is_prepared_again_not_taken_from_the_cache(prefect_ha
     """`make clean` removes runs/; the cache must not hand back the folder it deleted."""
     import shutil
 
-    from ladle import storage
+    from ladle.platform import storage
 
     data = tmp_path / "d.jsonl"
     write(data, 40)

@@ -16,10 +16,10 @@ import psutil
 import pytest
 from prefect import flow
 
-from ladle import storage
 from ladle.config import build_config
+from ladle.lifecycle.tracking import start_run
+from ladle.platform import storage
 from ladle.tasks.train import train_task
-from ladle.tracking import start_run
 from ladle.train.checkpoint import complete_steps
 from ladle.train.run import launch
 from tests.helpers import train_spec

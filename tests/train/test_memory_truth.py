@@ -27,8 +27,8 @@ SHAPE = {
 
 @pytest.fixture(scope="module")
 def mid_runs(tmp_path_factory, tiny_model):
+    from ladle.assets.demo import write_random_llama
     from ladle.config import build_config
-    from ladle.demo import write_random_llama
 
     root = tmp_path_factory.mktemp("memory")
     base = write_random_llama(root / "mid-llama", tiny_model, shard_mb=100, **SHAPE)
@@ -92,7 +92,7 @@ def test_planner_predicts_the_measured_peak(mid_runs):
     """The planner's per-rank figure for this CPU host, against the measured peak less the process baseline."""
     import json
 
-    from ladle.plan import plan_estimate
+    from ladle.plan.planner import plan_estimate
 
     results, specs = mid_runs
     # ZeRO-3's prediction counts DeepSpeed's engine on a CPU host (ENGINE_HOST_BYTES); the full fine-tunes

@@ -1,6 +1,6 @@
 import torch
 
-from ladle.merge import merge_adapter
+from ladle.lifecycle.merge import merge_adapter
 
 
 def test_merged_logits_equal_base_plus_adapter(tiny_model, tmp_path):
@@ -41,7 +41,7 @@ def test_merged_logits_equal_base_plus_adapter(tiny_model, tmp_path):
 MERGE_PEAK = """
 import json, resource, sys
 from pathlib import Path
-from ladle.merge import merge_adapter
+from ladle.lifecycle.merge import merge_adapter
 import torch, transformers, peft, safetensors  # the baseline includes the libraries the merge uses
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 merge_adapter(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
@@ -61,7 +61,7 @@ def test_streaming_merge_of_a_sharded_base(tiny_model, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ladle.demo import write_random_llama
+    from ladle.assets.demo import write_random_llama
 
     base = write_random_llama(
         tmp_path / "base",

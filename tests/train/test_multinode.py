@@ -10,9 +10,9 @@ import pytest
 
 from ladle.config import build_config
 from ladle.errors import ConfigError
-from ladle.plan import make_plan
-from ladle.processes import stop_process
-from ladle.topology import probe
+from ladle.machine.topology import probe
+from ladle.plan.planner import make_plan
+from ladle.platform.processes import stop_process
 from ladle.train.run import free_port, launch
 from tests.helpers import train_spec
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ladle import storage
-from ladle.merge import merge_adapter
+from ladle.lifecycle.merge import merge_adapter
+from ladle.platform import storage
 from ladle.train.checkpoint import step_dir
 from ladle.train.run import launch
 from tests.helpers import launch_all, strategy_spec

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from ladle import storage
 from ladle.config import build_config
+from ladle.platform import storage
 from ladle.train.checkpoint import complete_steps, step_dir
 from ladle.train.run import launch
 from tests.helpers import train_spec

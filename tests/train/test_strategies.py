@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ladle import storage
-from ladle.merge import merge_adapter
+from ladle.lifecycle.merge import merge_adapter
+from ladle.platform import storage
 from ladle.train.checkpoint import step_dir
 from ladle.train.run import launch
 from ladle.train.spec import TrainSpec
@@ -263,7 +263,7 @@ def test_gpipe_and_tensor_parallel_full_finetunes_match_ddp(full_runs, name):
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp2", "pipeline", "tp"])
 def test_full_finetune_consolidates_to_the_same_safetensors(full_runs, name, tmp_path):
-    from ladle.merge import merge
+    from ladle.lifecycle.merge import merge
 
     ddp, other = full_runs["ddp"], full_runs[name]
     assert other.adapter_url is None and other.model_url

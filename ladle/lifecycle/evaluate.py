@@ -1,0 +1,367 @@
+"""Evaluate stage: the task metric and eval loss of a model folder on the held-out split.
+
+Two measures, both on data the model never trained on:
+
+- ``loss``: token-weighted next-token loss over the prepared eval rows (the same rows and the same sum the
+  trainer's ``eval_loss_after`` uses), lower is better;
+- ``eval.metric``: ``exact_match`` (each held-out conversation is asked without its last, assistant, turn
+  through the tokenizer's chat template exactly as the server asks it, and the greedy answer must equal that
+  turn, surrounding whitespace aside), or a user's ``module:function`` called with the model folder and the
+  conversations.
+
+Any model folder is scored the same way: the base, the new model, and the champion it must beat. A score is
+cached by (model files, dataset fingerprint, metric, examples), so the base and the champion are scored once
+per dataset and "before" costs nothing on the next run of the same data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from ladle.assets import ladle_home
+from ladle.config import EvalConfig
+from ladle.data.prepare import PreparedDataset
+from ladle.errors import LadleError
+from ladle.machine.placement import load_placed
+from ladle.platform import storage
+from ladle.platform.files import write_atomic
+from ladle.sizing import eval_loss_rows
+
+EVAL_VERSION = "2"  # bump when a score for the same inputs would change
+
+
+class Score(BaseModel):
+    values: dict[str, float] = Field(description="Metric name -> value (`loss`, and `eval.metric`).")
+    correct: int | None = Field(None, description="Exact answers (exact_match only).")
+    total: int = Field(0, description="Held-out conversations scored by the task metric.")
+    answers: list[str] = Field(default_factory=list, description="Greedy answers, in sample order (the first few).")
+    probe: list[dict] = Field(
+        default_factory=list, description="eval.probe's questions with the greedy answer and whether it was right."
+    )
+
+
+class Evaluation(BaseModel):
+    metric: str = Field("exact_match", description="The task metric (`eval.metric`).")
+    greater_is_better: bool = True
+    examples: int = Field(description="Held-out conversations scored (0: none available, the metric is null).")
+    eval_rows: int = Field(0, description="Packed eval rows the loss is summed over.")
+    base: dict[str, float] = Field(default_factory=dict, description="The base model's scores.")
+    model: dict[str, float] = Field(default_factory=dict, description="The fine-tuned (merged) model's scores.")
+    accuracy_before: float | None = Field(None, description="The base model's exact match on the same prompts.")
+    accuracy_after: float | None = Field(None, description="The fine-tuned (merged) model's exact match.")
+    base_cached: bool = Field(False, description="The base score came from the cache (same base and data).")
+    examples_shown: list[dict] = Field(
+        default_factory=list, description="A few prompts with expected and given answers."
+    )
+    probe_questions: int = Field(0, description="eval.probe's questions (0: no probe).")
+    probe_shown: list[dict] = Field(
+        default_factory=list, description="Each probe question with the base's and the new model's answers."
+    )
+    note: str = ""
+
+
+def load_samples(prepared: PreparedDataset, limit: int) -> list[list[dict]]:
+    """Up to ``limit`` held-out conversations (each ending with the reference assistant turn)."""
+    if not prepared.eval_samples or limit <= 0:
+        return []
+    text = storage.read_bytes(storage.join(prepared.url, prepared.eval_samples)).decode("utf-8")
+    return [json.loads(line)["messages"] for line in text.splitlines()[:limit] if line.strip()]
+
+
+def prompt_of(messages: list[dict]) -> list[dict]:
+    """The conversation up to (not including) its last, reference turn."""
+    return messages[:-1]
+
+
+def load_model(model_dir: Path):
+    """``(model, tokenizer, device)``: bf16 on GPUs, float32 on CPU, in eval mode; ``device`` takes the inputs.
+
+    A model larger than one GPU is spread over every visible GPU (``load_placed``). Inside ``one_load`` a
+    folder is loaded once, whatever asks for it (a score's metric and its loss)."""
+    key = str(Path(model_dir).resolve())
+    if not _SHARED.get("open"):
+        return load_placed(Path(model_dir))
+    if _SHARED.get("key") != key:
+        _SHARED.update(key=key, value=load_placed(Path(model_dir)))
+    return _SHARED["value"]
+
+
+_SHARED: dict = {}
+
+
+@contextlib.contextmanager
+def one_load():
+    """Loads inside share the model; at the end it is let go, so the next model (the champion's, the server's)
+    does not meet this one in memory."""
+    _SHARED.clear()
+    _SHARED["open"] = True
+    try:
+        yield
+    finally:
+        _SHARED.clear()
+
+
+def greedy_answers(
+    model_dir: Path, prompts: list[list[dict]], batch_size: int, max_new_tokens: Callable[..., int]
+) -> list[str]:
+    """Greedy answers of the model in ``model_dir`` to each prompt (a conversation up to the turn to answer),
+    asked through the tokenizer's chat template exactly as the server asks it; batched with left padding,
+    stopping at EOS or ``max_new_tokens(tokenizer, indices of the batch's prompts)``."""
+    import torch
+
+    model, tokenizer, device = load_model(model_dir)
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    answers: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in batch]
+        enc = tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True).to(device)
+        with torch.no_grad():
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens(tokenizer, list(range(start, start + len(batch)))),
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        new = out[:, enc.input_ids.shape[1] :]
+        answers += [tokenizer.decode(row, skip_special_tokens=True) for row in new]
+    return answers
+
+
+def exact_match(model_dir: Path, samples: list[list[dict]], batch_size: int = 32, shown: int = 5) -> Score:
+    """Greedy answers of the model in ``model_dir`` to each sample's prompt, scored against its last turn.
+
+    Generation stops at EOS or one token past the longest reference in the batch: a longer answer cannot be
+    exact anyway.
+    """
+
+    def longest_reference(tokenizer, rows: list[int]) -> int:
+        return max(len(tokenizer(samples[i][-1]["content"], add_special_tokens=False).input_ids) for i in rows) + 1
+
+    answers = greedy_answers(model_dir, [prompt_of(m) for m in samples], batch_size, longest_reference)
+    correct = sum(answer.strip() == m[-1]["content"].strip() for answer, m in zip(answers, samples, strict=False))
+    return Score(
+        values={"exact_match": round(correct / max(1, len(samples)), 4)},
+        correct=correct,
+        total=len(samples),
+        answers=answers[:shown],
+    )
+
+
+PROBE_BUILTIN = "ladle://general-probe"
+
+
+def probe_file(url: str) -> str:
+    """The probe's local path or URL: ``ladle://general-probe`` is shipped with ladle."""
+    if url == PROBE_BUILTIN:
+        from ladle.assets import recipes_dir
+
+        return str(recipes_dir() / "probes" / "general-v1.jsonl")
+    if url.startswith("ladle://"):
+        raise LadleError(f"eval.probe = {url!r}: the one built-in probe is {PROBE_BUILTIN}.")
+    return storage.normalise(url)
+
+
+def load_probe(url: str) -> list[dict]:
+    """The probe's questions, each ``{"question": str, "answers": [str, ...]}``.
+
+    Raises:
+        LadleError: the file is missing, or a row is not a question with at least one accepted answer.
+    """
+    path = probe_file(url)
+    try:
+        text = storage.read_bytes(path).decode("utf-8")
+    except FileNotFoundError:
+        raise LadleError(
+            f"eval.probe = {url!r}: no such file. Point it at a JSONL file, or use {PROBE_BUILTIN}."
+        ) from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise LadleError(f"eval.probe = {url!r}: line {number} is not JSON ({exc.msg}).") from None
+        answers = row.get("answers") if isinstance(row, dict) else None
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("question"), str)
+            or not row["question"].strip()
+            or not isinstance(answers, list)
+            or not answers
+            or not all(isinstance(a, str) and a.strip() for a in answers)
+        ):
+            raise LadleError(
+                f"eval.probe = {url!r}: line {number} must be "
+                '{"question": "...", "answers": ["accepted", ...]} with a question and at least one answer.'
+            )
+        rows.append({"question": row["question"], "answers": answers})
+    if not rows:
+        raise LadleError(f"eval.probe = {url!r}: the file holds no question.")
+    return rows
+
+
+def probe_digest(url: str | None) -> str:
+    return hashlib.sha256(json.dumps(load_probe(url)).encode()).hexdigest()[:16] if url else "-"
+
+
+def answered(answer: str, accepted: list[str]) -> bool:
+    """``answer`` contains one of ``accepted`` as a whole word (or phrase), case ignored; a number is whole
+    when no digits follow its point ("3" is not in "3.09")."""
+    import re
+
+    return any(re.search(rf"(?<!\w){re.escape(a.strip())}(?!\w|[.,]\d)", answer, re.IGNORECASE) for a in accepted)
+
+
+def probe_score(model_dir: Path, cfg: EvalConfig) -> tuple[float, list[dict]]:
+    """The fraction of ``eval.probe``'s questions the model answers right, and each question's answer."""
+    questions = load_probe(cfg.probe)
+    prompts = [[{"role": "user", "content": q["question"]}] for q in questions]
+    answers = greedy_answers(model_dir, prompts, cfg.batch_size, lambda tok, rows: cfg.probe_max_new_tokens)
+    marks = [answered(a, q["answers"]) for a, q in zip(answers, questions, strict=True)]
+    detail = [
+        {"question": q["question"], "answer": a, "right": m} for q, a, m in zip(questions, answers, marks, strict=True)
+    ]
+    return round(sum(marks) / len(marks), 4), detail
+
+
+def eval_loss(model_dir: Path, prepared: PreparedDataset) -> float | None:
+    """Token-weighted next-token loss of the model over every packed eval row; None without eval rows."""
+    import torch
+
+    from ladle.data.packing import read_rows
+    from ladle.train.loss import token_loss
+
+    shards = prepared.shards.get("eval", [])
+    if not shards:
+        return None
+    parts = [read_rows(storage.read_bytes(storage.join(prepared.url, shard))) for shard in shards]
+    data = {key: torch.tensor([v for part in parts for v in part[key]], dtype=torch.long) for key in parts[0]}
+    model, _, device = load_model(model_dir)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        step = eval_loss_rows(data["input_ids"].shape[1], model.config.get_text_config().vocab_size)
+        for start in range(0, len(data["input_ids"]), step):
+            rows = list(range(start, min(start + step, len(data["input_ids"]))))
+            loss, count = token_loss(model, data, rows, device)
+            total, tokens = total + float(loss), tokens + count
+    return round(total / max(tokens, 1), 6)
+
+
+def user_metric(entry_point: str) -> Callable[[Path, list[list[dict]]], float]:
+    """The function an ``eval.metric`` entry point names.
+
+    Raises:
+        LadleError: the module or function cannot be imported.
+    """
+    module_name, _, attr = entry_point.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise LadleError(
+            f"eval.metric = {entry_point!r}: cannot import it ({err}). Make `{module_name}` importable (installed, "
+            "or on PYTHONPATH) and define `{attr}(model_dir, conversations) -> float` in it."
+        ) from None
+    return fn
+
+
+def task_score(cfg: EvalConfig, model_dir: Path, samples: list[list[dict]]) -> Score:
+    """``eval.metric`` of ``model_dir`` on ``samples``.
+
+    Raises:
+        LadleError: a user metric that does not return a finite number.
+    """
+    if cfg.metric == "exact_match":
+        return exact_match(model_dir, samples, cfg.batch_size)
+    value = user_metric(cfg.metric)(model_dir, samples)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise LadleError(f"eval.metric = {cfg.metric!r}: returned {value!r}; it must return a finite number (a float).")
+    return Score(values={cfg.metric: float(value)}, total=len(samples))
+
+
+def model_key(model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, examples: int) -> str:
+    """Identity of a score: the model's config and weight files (names, sizes, times), the data, the metric."""
+    probe = f"{probe_digest(cfg.probe)}/{cfg.probe_max_new_tokens}" if cfg.probe else "-"
+    digest = hashlib.sha256(
+        f"ladle-eval/{EVAL_VERSION}/{prepared.fingerprint}/{examples}/{cfg.metric}/{probe}".encode()
+    )
+    digest.update((model_dir / "config.json").read_bytes())
+    for file in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        digest.update(f"{file.name}:{file.stat().st_size}:{file.stat().st_mtime_ns}".encode())
+    return digest.hexdigest()[:24]
+
+
+def score(model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, cached: bool = True) -> tuple[Score, bool]:
+    """``(scores of model_dir on the held-out split, whether they came from the cache)``.
+
+    Scores: ``loss`` when there are eval rows, ``eval.metric`` when there are held-out conversations.
+    """
+    samples = load_samples(prepared, cfg.max_examples)
+    cache = ladle_home() / "eval-cache" / f"{model_key(model_dir, prepared, cfg, len(samples))}.json"
+    if cached and cache.is_file():
+        return Score.model_validate_json(cache.read_text()), True
+    with one_load():  # the metric and the loss share one load of the model
+        result = task_score(cfg, model_dir, samples) if samples else Score(values={})
+        loss = eval_loss(model_dir, prepared)
+        if cfg.probe:
+            result.values["probe"], result.probe = probe_score(model_dir, cfg)
+    if loss is not None:
+        result.values["loss"] = loss
+    if cached:
+        write_atomic(cache, result.model_dump_json())
+    return result, False
+
+
+def evaluate(base_dir: Path, model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig) -> Evaluation:
+    """The base's (cached) and the new model's scores on the same held-out split."""
+    samples = load_samples(prepared, cfg.max_examples)
+    before, cached = score(base_dir, prepared, cfg)
+    after, _ = score(model_dir, prepared, cfg, cached=False)
+    note = ""
+    if not samples:
+        why = (
+            "eval.max_examples = 0"
+            if cfg.max_examples <= 0
+            else "no held-out conversation (text data, or no eval split)"
+        )
+        note = f"{cfg.metric} not measured: {why}"
+    shown = [
+        {"prompt": prompt_of(m)[-1]["content"], "expected": m[-1]["content"], "before": b, "after": a}
+        for m, b, a in zip(samples, before.answers, after.answers, strict=False)
+    ]
+    probe_shown = [
+        {
+            "question": b["question"],
+            "before": b["answer"],
+            "right_before": b["right"],
+            "after": a["answer"],
+            "right_after": a["right"],
+        }
+        for b, a in zip(before.probe, after.probe, strict=False)
+    ]
+    return Evaluation(
+        probe_questions=len(after.probe),
+        probe_shown=probe_shown,
+        metric=cfg.metric,
+        greater_is_better=cfg.higher_wins(),
+        examples=len(samples),
+        eval_rows=prepared.eval_rows,
+        base=before.values,
+        model=after.values,
+        accuracy_before=before.values.get("exact_match"),
+        accuracy_after=after.values.get("exact_match"),
+        base_cached=cached,
+        examples_shown=shown,
+        note=note,
+    )

@@ -1,0 +1,97 @@
+"""One writer of a registered model's ``champion`` at a time, wherever the writers run.
+
+Why a lock in the registry: the nightly and the on-demand deployments are different Prefect deployments (each
+``concurrency_limit: 1`` is its own), ``ladle run`` may use a temporary Prefect API of its own, and the serving
+flow, a canary's verdict and ``ladle model rollback`` may run on other machines. What they all share is the
+MLflow registry, so that is where the lock lives: a registered model named ``<name>.ladle-lock``, whose creation
+the registry's store makes atomic (a second create of the same name is refused). Its tags say who holds it and
+until when; a holder that died is outlived by ``LOCK_TTL_S`` and its lock is then taken over. It is held only for
+the read-compare-write of the alias and the champion history (seconds), never while a model is evaluated.
+Taking over a dead holder's lock is a read and then a delete: two waiters doing that to the same dead lock in the
+same instant is the one window it leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+
+from ladle.errors import LadleError
+from ladle.lifecycle.registry import absent, client, registry
+
+LOCK_SUFFIX = ".ladle-lock"
+LOCK_TTL_S = 120.0
+"""Seconds after which a lock whose holder never released it (it died) may be taken over."""
+WAIT_S = 180.0
+"""Seconds a writer waits for the lock before it fails naming the holder."""
+
+
+def lock_name(name: str) -> str:
+    return name + LOCK_SUFFIX
+
+
+@contextlib.contextmanager
+def champion_lock(uri: str, name: str, doing: str, wait_s: float = WAIT_S) -> Iterator[None]:
+    """Hold ``name``'s champion lock while the block runs.
+
+    Raises:
+        LadleError: another writer held it for all of ``wait_s`` (its holder and what it does are named), or the
+            registry failed.
+    """
+    token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    mlflow = client(uri)
+    deadline = time.monotonic() + wait_s
+    holder: dict = {}
+    while True:
+        with registry(uri, f"taking {name}'s champion lock for {doing}"):
+            holder = acquire(mlflow, name, token, doing)
+        if not holder:
+            break
+        if time.monotonic() > deadline:
+            raise LadleError(
+                f"{name}: another writer of its champion ({holder.get('ladle.lock.owner')}, "
+                f"{holder.get('ladle.lock.doing')}) held the registry's lock for all of {wait_s:.0f} s, so "
+                f"{doing} did not run. Run it again once that one finished.",
+                exit_code=1,
+            )
+        time.sleep(0.2)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):  # an expired lock someone took over is theirs now
+            release(mlflow, name, token)
+
+
+def acquire(mlflow, name: str, token: str, doing: str) -> dict:
+    """Take the lock; empty when taken, else the holder's tags (a dead holder's lock is removed first)."""
+    tags = {
+        "ladle.lock.owner": token,
+        "ladle.lock.doing": doing[:200],
+        "ladle.lock.expires": str(time.time() + LOCK_TTL_S),
+    }
+    try:
+        mlflow.create_registered_model(lock_name(name), tags=tags, description=f"ladle: {name}'s champion lock")
+        return {}
+    except Exception as exc:  # noqa: BLE001 - MLflow's "already exists" is an MlflowException
+        if getattr(exc, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
+            raise
+    try:
+        held = dict(mlflow.get_registered_model(lock_name(name)).tags or {})
+    except Exception as exc:  # noqa: BLE001 - released between the two calls
+        if absent(exc):
+            return {"ladle.lock.owner": "(just released)"}
+        raise
+    if float(held.get("ladle.lock.expires", "0")) < time.time():
+        with contextlib.suppress(Exception):  # another waiter may remove it first
+            mlflow.delete_registered_model(lock_name(name))
+    return held
+
+
+def release(mlflow, name: str, token: str) -> None:
+    held = dict(mlflow.get_registered_model(lock_name(name)).tags or {})
+    if held.get("ladle.lock.owner") == token:
+        mlflow.delete_registered_model(lock_name(name))

@@ -1,0 +1,1 @@
+"""The planner: the decisions from a config and a machine to a launch, each with its reasons (``planner``), the ones the memory model sizes (``memory``), the plan's typed model (``model``) and the inputs it reads (``inputs``)."""

@@ -1,0 +1,45 @@
+"""The front's readiness is its upstream's: a probe reads the status code, so an upstream that is not ready makes
+the front answer 503 with the upstream's reason (never a 200 carrying the error), and liveness stays 200."""
+
+from __future__ import annotations
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from ladle.fleet import front as router
+from tests.serve.running import Running
+
+
+def upstream_app(ready: dict) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/ready")
+    def answer():
+        if ready["now"]:
+            return {"status": "ready"}
+        body = {
+            "error": {"message": "the mii backend is not serving (its model server is down)", "type": "server_error"}
+        }
+        return JSONResponse(body, 503)
+
+    return app
+
+
+def test_the_front_answers_its_upstreams_readiness_with_its_status_code():
+    ready = {"now": True}
+    upstream = Running(upstream_app(ready))
+    front = Running(router.create_app("m", "token", {"upstream": {"url": upstream.url, "version": "3"}}, None))
+    try:
+        assert httpx.get(f"{front.url}/ready").json() == {"status": "ready", "version": "3"}
+        ready["now"] = False
+        answer = httpx.get(f"{front.url}/ready")
+        assert answer.status_code == 503
+        assert answer.json()["error"]["message"] == "m v3: the mii backend is not serving (its model server is down)"
+        assert httpx.get(f"{front.url}/health").status_code == 200  # liveness: the front itself is up
+        upstream.stop()
+        gone = httpx.get(f"{front.url}/ready")
+        assert gone.status_code == 503 and gone.json()["error"]["message"].startswith("m v3: Connect")
+    finally:
+        front.stop()
+        upstream.stop()

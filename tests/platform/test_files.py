@@ -1,0 +1,45 @@
+"""One way to write a local file whole: concurrent writers never leave a torn file or a temporary one behind,
+the mode is the file's from its first byte, and a failed write leaves the old file as it was."""
+
+from __future__ import annotations
+
+import stat
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from ladle.platform.files import write_atomic
+
+
+def test_concurrent_writers_leave_one_whole_file(tmp_path):
+    target = tmp_path / "deep" / "record.json"
+    payloads = [str(i) * 200_000 for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda p: write_atomic(target, p), payloads * 4))
+    assert target.read_text() in payloads
+    assert [p.name for p in target.parent.iterdir()] == ["record.json"]
+
+
+def test_the_mode_is_set_and_a_failed_write_keeps_the_old_file(tmp_path):
+    target = write_atomic(tmp_path / "token.json", '{"token": "x"}', mode=0o600)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    with pytest.raises(TypeError):
+        write_atomic(target, 12345)  # not text or bytes: nothing replaced
+    assert target.read_text() == '{"token": "x"}'
+    assert [p.name for p in tmp_path.iterdir()] == ["token.json"]
+
+
+def test_a_folder_is_built_whole_or_not_at_all(tmp_path):
+    from ladle.platform.files import building
+
+    target = tmp_path / "model"
+    with pytest.raises(RuntimeError), building(target) as tmp:
+        (tmp / "config.json").write_text("{}")
+        raise RuntimeError("the save failed")
+    assert list(tmp_path.iterdir()) == []  # nothing half-built, nothing left
+    with building(target) as tmp:
+        (tmp / "config.json").write_text('{"first": true}')
+    with building(target) as tmp:  # another process's copy, finished second: the first stays
+        (tmp / "config.json").write_text('{"second": true}')
+    assert (target / "config.json").read_text() == '{"first": true}'
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]

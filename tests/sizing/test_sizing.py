@@ -1,0 +1,325 @@
+"""The memory model's activation coefficients (re-measured here) and the planner's sizing decisions,
+over model size x GPU count x interconnect x full/LoRA/QLoRA, asserting the reasoning."""
+
+from __future__ import annotations
+
+import pytest
+
+from ladle import sizing
+from ladle.config import build_config
+from ladle.errors import ConfigError
+from ladle.machine.topology import probe_file
+from ladle.plan.planner import make_plan
+from ladle.sizing.params import read_config
+from tests.helpers import CONSUMER_2, NVSWITCH_8, PCIE_8
+
+MODELS = {
+    name: read_config(f"recipes/models/{name}")
+    for name in ("llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-32b")
+}
+
+
+@pytest.fixture(autouse=True)
+def bitsandbytes_present(monkeypatch):
+    """These plans are for GPU hosts that have bitsandbytes; its absence here is tested in test_memory_truth.py."""
+    monkeypatch.setattr("ladle.plan.planner.bitsandbytes_installed", lambda: True)
+
+
+@pytest.fixture(scope="module")
+def machines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("topo")
+
+    def machine(text: str, gib: float, name: str):
+        (root / name).write_text(text)
+        return probe_file(str(root / name), env={}, gpu_memory_gib=gib)
+
+    return {
+        "8x80 nvswitch": machine(NVSWITCH_8, 80, "a"),
+        "8x48 pcie": machine(PCIE_8, 48, "b"),
+        "2x24 pcie": machine(CONSUMER_2, 24, "c"),
+    }
+
+
+def plan(machines, machine: str, model: str, kind: str, *overrides: str, nodes: int = 1):
+    extra = {"full": ["training.lora.enabled=false"], "lora": [], "qlora": ["training.quantization.mode=nf4"]}[kind]
+    cfg = build_config(
+        {
+            "base": "b",
+            "data": {"path": "d", "seq_len": 2048},
+            "training": {"micro_batch_size": 1, "gradient_checkpointing": True, "dtype": "bfloat16"},
+            "parallelism": {"nodes": nodes, "main_port": 29500},
+        },
+        [*extra, *overrides],
+    )
+    return make_plan(cfg, machines[machine], "job.yaml", model=MODELS[model])
+
+
+@pytest.mark.parametrize("dims", [(128, 352, 4, 2), (512, 1408, 8, 4), (256, 1024, 8, 8)])
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_activation_coefficients_match_a_measured_llama_block(dims, dtype_name):
+    """Count the bytes a real Llama decoder block (SDPA) saves for backward, with saved-tensor hooks."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    h, i, heads, kv_heads = dims
+    dtype = getattr(torch, dtype_name)
+    config = LlamaConfig(
+        hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=1
+    )
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, 0).to(dtype)
+    b, s = 2, 64
+    x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    rotary = tuple(t.to(dtype) for t in LlamaRotaryEmbedding(config)(x, positions))
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {
+        t.untyped_storage().data_ptr() for t in rotary
+    }
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+    shape = sizing.ModelShape(0, 0, 1, h, i, kv_heads * (h // heads), heads, 0, 0, 0)
+    assert sum(saved.values()) == sizing.activation_bytes_per_token_layer(shape, dtype.itemsize) * b * s
+
+
+CASES = [
+    # machine, model, kind, chosen, words the reasoning must contain
+    ("8x80 nvswitch", "llama-3.2-1b", "full", "ddp", ["a full replica fits", "within 72.0 GiB usable of 80.0 GiB"]),
+    ("2x24 pcie", "llama-3.2-1b", "full", "zero1", ["optimizer state sharded", "faster ddp do not fit"]),
+    ("8x80 nvswitch", "llama-3.1-8b", "full", "fsdp2", ["nvswitch: all-gathers are cheap", "faster ddp do not fit"]),
+    ("8x48 pcie", "llama-3.1-8b", "full", "zero2", ["gradients sharded too", "faster ddp, zero1 do not fit"]),
+    (
+        "8x80 nvswitch",
+        "llama-3.1-70b",
+        "full",
+        "zero3",
+        ["zero3+offload: last resort", "faster ddp, fsdp2, zero1, nd(tp=8), zero2, zero3, pipeline do not fit"],
+    ),
+    ("8x80 nvswitch", "llama-3.1-70b", "lora", "fsdp2", ["frozen base does not fit whole", "faster ddp do not fit"]),
+    ("8x80 nvswitch", "llama-3.1-70b", "qlora", "ddp", ["adapter gradients are tiny"]),
+    ("8x48 pcie", "llama-3.1-70b", "qlora", "fsdp2", ["FSDP2 shards it", "faster ddp do not fit"]),
+    ("8x80 nvswitch", "llama-3.1-8b", "lora", "ddp", ["adapter gradients are tiny", "within 72.0 GiB"]),
+    ("2x24 pcie", "llama-3.1-8b", "qlora", "ddp", ["within 21.6 GiB usable of 24.0 GiB"]),
+]
+
+
+@pytest.mark.parametrize(("machine", "model", "kind", "chosen", "words"), CASES)
+def test_planner_picks_the_fastest_strategy_that_fits(machines, machine, model, kind, chosen, words):
+    made = plan(machines, machine, model, kind)
+    assert made.strategy == chosen
+    reason = next(r for r in made.reasons if r.startswith("strategy "))
+    for word in words:
+        assert word in reason, reason
+    fitting = [c for c in made.candidates if c["fits"]]
+    assert fitting and made.candidates.index(fitting[0]) == min(made.candidates.index(c) for c in fitting)
+    for candidate in made.candidates:  # every candidate carries its number and its reason
+        assert candidate["per_rank_gib"] > 0 and candidate["why"] and "/rank (" in candidate["breakdown"]
+
+
+def test_offload_is_a_last_resort_and_says_so(machines):
+    made = plan(machines, "8x80 nvswitch", "llama-3.1-70b", "full")
+    assert made.strategy_options["offload_optimizer"] == "cpu"
+    assert made.launcher_config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert any("optimizer step runs on the host" in w for w in made.warnings)
+
+
+def test_more_nodes_choose_zeropp_and_shrink_the_share(machines):
+    one = plan(machines, "8x80 nvswitch", "qwen3-32b", "full")
+    two = plan(machines, "8x80 nvswitch", "qwen3-32b", "full", nodes=2)
+    assert one.strategy == "zero3" and two.strategy == "zero++"
+    assert "hpZ keeps weight all-gathers inside each node" in next(r for r in two.reasons if r.startswith("strategy"))
+    assert two.launcher_config["zero_optimization"]["zero_hpz_partition_size"] == 8
+
+
+def test_nothing_fits_is_one_error_with_the_fixes(machines):
+    with pytest.raises(ConfigError) as err:
+        plan(machines, "2x24 pcie", "llama-3.1-70b", "lora")
+    text = str(err.value)
+    assert "parallelism.strategy = auto: no strategy fits 21.6 GiB usable of 24.0 GiB per rank" in text
+    assert "training.quantization.mode=nf4" in text and "add GPUs/nodes" in text
+
+
+def test_explicit_choice_wins_and_is_told_when_it_does_not_fit(machines):
+    made = plan(machines, "8x80 nvswitch", "llama-3.1-8b", "full", "parallelism.strategy=ddp")
+    assert made.strategy == "ddp" and made.overrides == ["parallelism.strategy = ddp (explicit)"]
+    warning = next(w for w in made.warnings if w.startswith("parallelism.strategy = ddp needs"))
+    assert "more than 72.0 GiB usable" in warning and "fsdp2 would fit" in warning
+
+
+def test_unknown_model_size_says_so(machines):
+    cfg = build_config({"base": "b", "data": {"path": "d"}}, [])
+    made = make_plan(cfg, machines["8x80 nvswitch"], model=None)
+    assert made.strategy == "ddp" and "model size unknown" in made.reasons[1]
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "llama3-70b-fsdp2",
+        "llama3-70b-nd",
+        "qwen3-32b-zeropp",
+        "deepseek-v3-pipeline",
+        "llama3-8b-lora",
+        "llama3-8b-qlora",
+        "llama3.2-1b-lora",
+        "llama3.2-1b-qlora",
+    ],
+)
+@pytest.mark.parametrize("gib", [80, 141])
+def test_every_recipe_plans_on_recorded_8_gpu_machines(machines, recipe, gib, tmp_path):
+    from ladle.config import load_config
+    from ladle.plan.inputs import local_model_config
+
+    cfg = load_config(f"recipes/{recipe}.yaml")
+    (tmp_path / "topo.txt").write_text(NVSWITCH_8)
+    topo = probe_file(str(tmp_path / "topo.txt"), env={}, gpu_memory_gib=gib)
+    model = local_model_config(cfg)
+    assert model is not None  # the shipped config.json: planning is offline
+    if recipe == "deepseek-v3-pipeline" and gib == 80:  # 671B bf16 base over 16 stages: 78 GiB of weights per GPU
+        made = make_plan(cfg, topo, model=model)
+        assert any(w.startswith("parallelism.strategy = pipeline needs") for w in made.warnings)
+        return
+    made = make_plan(cfg, topo, model=model)
+    explicit = cfg.parallelism.strategy
+    chosen_by_planner = {"llama3-70b-nd": "nd"}  # its full fine-tune: tp inside the nodes, FSDP across them
+    assert made.strategy == (explicit if explicit != "auto" else chosen_by_planner.get(recipe, "ddp"))
+    assert set(made.memory) == {"load", "train", "merge", "evaluate", "serve"}
+    if recipe == "deepseek-v3-pipeline":  # 1.3 TB of merged bf16 weights: 168 GiB per GPU even over 8
+        assert [w for w in made.warnings if w.startswith("serve.backend = transformers: serving the merged model")]
+        assert [w for w in made.warnings if w.startswith("evaluate: the merged model needs")]
+        return
+    assert not [w for w in made.warnings if "needs" in w], made.warnings
+    assert made.candidates
+
+
+def test_multinode_candidates_include_hsdp_sharded_per_machine(machines):
+    made = plan(machines, "8x80 nvswitch", "qwen3-32b", "full", nodes=4)
+    by_name = {c["strategy"]: c for c in made.candidates}
+    assert list(by_name).index("zero++") < list(by_name).index("fsdp2+hsdp") < list(by_name).index("fsdp2")
+    # HSDP shards over the 8 GPUs of a machine, FSDP over all 32: it holds more per rank, moves less across nodes
+    assert by_name["fsdp2+hsdp"]["per_rank_gib"] > by_name["fsdp2"]["per_rank_gib"]
+    assert "only one gradient all-reduce per step crosses the network" in by_name["fsdp2+hsdp"]["why"]
+
+
+@pytest.mark.parametrize(
+    ("machine", "model", "kind", "global_batch"),
+    [
+        ("8x80 nvswitch", "llama-3.1-8b", "lora", 256),
+        ("2x24 pcie", "llama-3.2-1b", "qlora", 0),
+        ("8x48 pcie", "llama-3.1-8b", "full", 64),
+    ],
+)
+def test_auto_micro_batch_is_the_largest_that_fits_and_divides(machines, machine, model, kind, global_batch):
+    made = plan(
+        machines, machine, model, kind, "training.micro_batch_size=auto", f"training.global_batch_size={global_batch}"
+    )
+    micro = made.micro_batch_size
+    reason = next(r for r in made.reasons if r.startswith(f"micro-batch {micro}:"))
+    assert "the largest of 64/32/16/8/4/2/1 that fits" in reason
+    assert made.global_batch_size == micro * made.world_size * made.gradient_accumulation
+    if micro < 64:  # the next size up either does not fit or does not divide the batch
+        bigger = plan(
+            machines,
+            machine,
+            model,
+            kind,
+            f"training.micro_batch_size={micro * 2}",
+            f"parallelism.strategy={made.strategy}",
+        )
+        bigger_fits = not any("needs" in w for w in bigger.warnings)
+        assert not bigger_fits or (global_batch and global_batch % (micro * 2 * made.world_size))
+
+
+def test_fsdp2_vocabulary_parallel_ends_gather_only_layers_and_chunk_the_logits(machines):
+    """The 70B FSDP2 recipe on 8 GPUs: with the ends kept sharded (the default) nothing larger than a decoder
+    layer is gathered and the logits are a chunk (128k vocabulary x 4 096 tokens would be 6 GB whole)."""
+    from ladle.config import load_config
+    from ladle.plan.inputs import local_model_config
+    from ladle.plan.planner import plan_estimate
+
+    estimates = {}
+    for shard in (True, False):
+        cfg = load_config("llama3-70b-fsdp2", [f"parallelism.fsdp2.shard_head={str(shard).lower()}"])
+        model = local_model_config(cfg)
+        made = make_plan(cfg, machines["8x80 nvswitch"], model=model)
+        assert made.strategy == "fsdp2"
+        assert made.launcher_config["vocabulary"].startswith("sharded" if shard else "gathered")
+        estimates[shard] = plan_estimate(cfg, made, model)
+    shape = sizing.shape_from_config(model)
+    tokens = made.micro_batch_size * cfg.data.seq_len
+    # gathered ends: the chunked fused loss's one chunk (the whole tokens x vocabulary with fused_loss=off)
+    chunk = cfg.training.kernels.loss_chunk_mib * 2**20
+    assert (
+        estimates[False].logits == sizing.logits_bytes(shape, tokens, 2, chunk) < sizing.logits_bytes(shape, tokens, 2)
+    )
+    assert estimates[True].logits <= sizing.LOGITS_CHUNK_BYTES * (2 + 8) // 4 < estimates[False].logits
+    assert estimates[True].gathered < estimates[False].gathered  # no embedding or head gathered
+    assert estimates[True].weights == estimates[False].weights  # the same shards
+
+
+def test_ddp_broadcast_counts_the_flat_buckets_as_torch_closes_them():
+    """DDP's wrap broadcasts in buckets closed once they reach 250 MiB; a bucket of several tensors is copied
+    flat, a single tensor is not; two are in flight. Llama-3's 128k vocabulary on 4 layers (the bench's
+    wide-vocab shape): the 501 MiB embedding goes alone, the layers and the 501 MiB head make one bucket."""
+    from ladle.strategies.ddp import broadcast_bytes
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 128256,
+    }
+    shape = sizing.shape_from_config(config)
+    sizes = sizing.tensor_sizes(shape)
+    assert sum(sizes) == pytest.approx(shape.params, rel=0.001)  # every weight once (norms aside)
+    job = sizing.Job(shape, True, False, 1, 128, 4, False, 2, 1, cuda=False)
+    embedding = 128256 * 1024 * 4
+    assert broadcast_bytes(job) == 4 * sum(sizes) - embedding  # the layers and the head, as one flat copy
+    # Small tensors only: two full buckets in flight, each at most 250 MiB plus its last tensor.
+    small = sizing.shape_from_config({**config, "vocab_size": 1000, "num_hidden_layers": 40})
+    flat = broadcast_bytes(sizing.Job(small, True, False, 1, 128, 4, False, 2, 1, cuda=False))
+    assert 2 * 250 * 2**20 <= flat <= 2 * (250 * 2**20 + 4 * max(sizing.tensor_sizes(small)))
+
+
+def test_zero3_lora_keeps_frozen_ends_local_unless_trained_or_asked_not_to(machines):
+    """The 70B LoRA recipe under ZeRO-3 on 8 GPUs: the frozen ends stay local rows (nothing larger than a decoder
+    layer gathered, the logits a chunk); an end that modules_to_save trains, or shard_head=false, gathers them,
+    and a trained head's copy is sized with its states."""
+    from ladle.config import load_config
+    from ladle.plan.inputs import local_model_config
+    from ladle.plan.planner import plan_estimate
+
+    estimates = {}
+    for name, extra in {
+        "local": [],
+        "trained": ["training.lora.modules_to_save=[lm_head]"],
+        "off": ["parallelism.deepspeed.shard_head=false"],
+    }.items():
+        cfg = load_config("llama3-70b-fsdp2", ["parallelism.strategy=zero3", "parallelism.fsdp2.compile=false", *extra])
+        model = local_model_config(cfg)
+        made = make_plan(cfg, machines["8x80 nvswitch"], model=model)
+        assert made.strategy == "zero3"
+        estimates[name] = plan_estimate(cfg, made, model)
+    shape = sizing.shape_from_config(model)
+    layer = 2 * shape.layer_params  # bf16
+    assert estimates["local"].gathered == 2 * layer  # the layer in its backward and the one prefetched
+    for gathered in ("trained", "off"):
+        assert estimates[gathered].gathered == layer + 2 * shape.embedding_params
+        assert estimates[gathered].logits > estimates["local"].logits
+    assert estimates["off"].weights == estimates["local"].weights  # the same share of the base
+    # modules_to_save: peft's trained copy of the head, with its gradient and Adam states, sharded over the 8 ranks
+    head = shape.embedding_params // 2
+    added = {k: getattr(estimates["trained"], k) - getattr(estimates["local"], k) for k in ("weights", "optimizer")}
+    assert added == {"weights": pytest.approx(2 * head / 8, abs=2), "optimizer": pytest.approx(16 * head / 8, abs=2)}
