@@ -12,15 +12,15 @@ from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_link_artifact
 from prefect.states import Completed
 
-from ladle.assets import resolve_base
 from ladle.config import LadleConfig
-from ladle.data.prepare import fingerprint
 from ladle.errors import LadleError, find_ladle_error
 from ladle.lifecycle import lineage, promote, tracking
+from ladle.plan.inputs import RunInputs
 from ladle.platform import storage
 from ladle.platform.secrets import install_log_redaction, redact_url
 from ladle.tasks.deploy import deploy_task
 from ladle.tasks.evaluate import evaluate_task
+from ladle.tasks.inputs import inputs_task
 from ladle.tasks.merge import merge_task
 from ladle.tasks.plan import plan_task
 from ladle.tasks.prepare import prepare_cached, publish_report
@@ -45,33 +45,29 @@ class Stopwatch:
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 
-def data_unchanged(config: LadleConfig) -> tuple[str, promote.Version | None, str]:
-    """``(the run's fingerprint, the champion when it was trained from exactly that, why: what is unchanged or
-    what changed since the champion)``.
+def data_unchanged(inputs: RunInputs) -> tuple[promote.Version | None, str]:
+    """``(the champion when it was trained from exactly these inputs, why: what is unchanged or what changed
+    since the champion)``.
 
-    The fingerprint (``ladle.lifecycle.lineage``) covers the data files' contents (ETags on object stores), the tokenizer
-    and every data option, the base's weights and the training settings that decide what is learned; it is
-    computed without preparing anything. A champion registered without one is never "the same".
+    The run's fingerprint (``ladle.lifecycle.lineage``) covers the data files' contents (ETags on object stores),
+    the tokenizer and every data option, the base's weights and the training settings that decide what is
+    learned; it is computed without preparing anything. A champion registered without one is never "the same".
     """
-    base = resolve_base(config.base, config.training.dtype)
-    now = lineage.parts(config, fingerprint(config.data, base), base)
-    fp = lineage.fingerprint_of(now)
-    uri, _ = tracking.tracking_uri(config)
-    current = promote.champion(uri, config.tracking.registered_model or config.name)
+    fp = inputs.fingerprint
+    current = promote.champion(inputs.tracking_uri, inputs.registered_model)
     if current is None:
-        return fp, None, "no champion yet"
+        return None, "no champion yet"
     if current.tags.get(lineage.TAG) == fp:
-        return fp, current, f"data, base and training unchanged since version {current.version}"
+        return current, f"data, base and training unchanged since version {current.version}"
     recorded = current.tags.get(lineage.PARTS_TAG)
-    changed = lineage.what_changed(json.loads(recorded) if recorded else None, now)
-    return fp, None, f"changed since champion v{current.version}: " + "; ".join(changed)
+    changed = lineage.what_changed(json.loads(recorded) if recorded else None, inputs.lineage)
+    return None, f"changed since champion v{current.version}: " + "; ".join(changed)
 
 
-def record_check(config: LadleConfig, flow_run_id: str, decision: str, reason: str, fp: str) -> None:
+def record_check(inputs: RunInputs, flow_run_id: str, decision: str, reason: str) -> None:
     """The scheduled run's decision on the registered model (``ladle model list`` shows it)."""
-    uri, _ = tracking.tracking_uri(config)
-    entry = {"decision": decision, "reason": reason, "fingerprint": fp, "flow_run_id": flow_run_id}
-    promote.record_retraining_check(uri, config.tracking.registered_model or config.name, entry)
+    entry = {"decision": decision, "reason": reason, "fingerprint": inputs.fingerprint, "flow_run_id": flow_run_id}
+    promote.record_retraining_check(inputs.tracking_uri, inputs.registered_model, entry)
 
 
 @flow(name="finetune", description="Fine-tune a base model on a dataset, gate it, and serve it.")
@@ -96,41 +92,49 @@ def finetune(
             f"run_id = {run_id!r}: use 1-100 letters, digits, '.', '_' or '-', starting with one of the first two."
         )
     flow_run_id = str(runtime.flow_run.id or uuid.uuid4())
+    inputs = inputs_task(config)  # resolved once: every stage below takes what it needs from here
     if skip_if_data_unchanged:
-        fp, same, why = data_unchanged(config)
+        fp = inputs.fingerprint
+        same, why = data_unchanged(inputs)
         if same is not None:
             reason = f"skipped: {why} (fingerprint {fp})"
             get_run_logger().info(reason)
-            record_check(config, flow_run_id, "skipped", why, fp)
+            record_check(inputs, flow_run_id, "skipped", why)
             summary = {"status": "skipped", "reason": reason, "champion_version": same.version}
             return Completed(message=reason, data={**summary, "dataset_fingerprint": fp, "flow_run_id": flow_run_id})
         get_run_logger().info("retraining: %s (fingerprint %s)", why, fp)
-        record_check(config, flow_run_id, "trained", why, fp)
+        record_check(inputs, flow_run_id, "trained", why)
     run_name = run_id or f"{config.name}-{flow_run_id[:8]}"
-    run_url = storage.join(storage.normalise(config.output), "runs", run_name)
+    run_url = storage.join(inputs.output, "runs", run_name)
     parent = runtime.flow_run.parent_flow_run_id
-    track = tracking.start_run(config, flow_run_id, run_name, parent_flow_run_id=str(parent) if parent else None)
+    track = tracking.start_run(
+        config,
+        flow_run_id,
+        run_name,
+        parent_flow_run_id=str(parent) if parent else None,
+        where=(inputs.tracking_uri, inputs.artifact_location),
+    )
     create_link_artifact(key="mlflow-run", link=track.ui_link, description=f"MLflow run {track.run_id} ({track.uri})")
     clock = Stopwatch()
     ok = False
     try:
         topo = probe_task(config)
         clock.lap("probe")
-        plan = plan_task(config, topo, track, config_ref)
+        plan = plan_task(config, topo, inputs.base_config, track, config_ref)
         clock.lap("plan")
-        prepared = prepare_cached(config)
+        prepared = prepare_cached(config.data, inputs)
         publish_report(prepared, track)
         clock.lap("prepare")
-        result = train_task(config, plan, prepared, run_url, track)
+        result = train_task(config, plan, prepared, inputs.base_dir, run_url, track)
         clock.lap("train")
-        merged = merge_task(config, result, run_url)
+        merged = merge_task(inputs.base_dir, result, run_url)
         clock.lap("merge")
-        scores = evaluate_task(config, merged, prepared, track)
+        scores = evaluate_task(config.eval, inputs.base_dir, merged, prepared, track)
         clock.lap("evaluate")
-        endpoint = deploy_task(config, merged, prepared)
+        endpoint = deploy_task(config.serving(), config.name, merged, prepared)
         clock.lap("deploy")
         decision = (
-            promote_task(config, merged, prepared, scores, endpoint, result, plan, track, flow_run_id)
+            promote_task(config, inputs, merged, prepared, scores, endpoint, result, plan, track, flow_run_id)
             if config.promote.enabled
             else None
         )
@@ -144,7 +148,7 @@ def finetune(
         "promoted": decision.promoted if decision else None,
         "canary": decision.canary if decision else None,
         "promotion": decision.reason if decision else "promotion off (promote.enabled=false): nothing registered",
-        "registered_model": config.tracking.registered_model or config.name,
+        "registered_model": inputs.registered_model,
         "endpoint": endpoint.url,
         "endpoint_running": endpoint.running,
         "server_pid": endpoint.pid,

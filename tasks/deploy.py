@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact
 
-from ladle.config import LadleConfig
+from ladle.config import ServeConfig
 from ladle.data.prepare import PreparedDataset
 from ladle.fleet.deploy import Endpoint, deploy
 from ladle.lifecycle.evaluate import load_samples
@@ -14,8 +14,8 @@ from ladle.tasks.policy import retry_unless_user_error
 
 
 @task(name="deploy-server", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
-def deploy_task(cfg: LadleConfig, merged: MergedModel, prepared: PreparedDataset) -> Endpoint:
-    endpoint = deploy(merged, cfg.serving(), cfg.name, held_out=load_samples(prepared, 1))
+def deploy_task(serving: ServeConfig, name: str, merged: MergedModel, prepared: PreparedDataset) -> Endpoint:
+    endpoint = deploy(merged, serving, name, held_out=load_samples(prepared, 1))
     logger = get_run_logger()
     verdict = (
         ""

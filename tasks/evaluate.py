@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
-from ladle.assets import resolve_base
-from ladle.config import LadleConfig
+from ladle.config import EvalConfig
 from ladle.data.prepare import PreparedDataset
 from ladle.fleet.deploy import local_model_dir
 from ladle.lifecycle.evaluate import Evaluation, evaluate
@@ -16,8 +17,10 @@ from ladle.tasks.policy import retry_unless_user_error
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
-def evaluate_task(cfg: LadleConfig, merged: MergedModel, prepared: PreparedDataset, tracking: Tracking) -> Evaluation:
-    result = evaluate(resolve_base(cfg.base, cfg.training.dtype), local_model_dir(merged), prepared, cfg.eval)
+def evaluate_task(
+    eval_cfg: EvalConfig, base_dir: str, merged: MergedModel, prepared: PreparedDataset, tracking: Tracking
+) -> Evaluation:
+    result = evaluate(Path(base_dir), local_model_dir(merged), prepared, eval_cfg)
     logger = get_run_logger()
     if result.note:
         logger.info(result.note)
@@ -25,7 +28,7 @@ def evaluate_task(cfg: LadleConfig, merged: MergedModel, prepared: PreparedDatas
         logger.info(
             "%s on %s: %.4g before (base%s) -> %.4g after",
             name,
-            f"the probe ({cfg.eval.probe}, {result.probe_questions} questions)"
+            f"the probe ({eval_cfg.probe}, {result.probe_questions} questions)"
             if name == "probe"
             else f"the held-out split ({result.examples} conversations, {result.eval_rows} eval rows)",
             result.base.get(name, float("nan")),

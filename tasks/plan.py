@@ -8,13 +8,12 @@ from prefect.artifacts import create_markdown_artifact
 from ladle.config import LadleConfig, flatten
 from ladle.lifecycle.tracking import Tracking, log_json, log_params
 from ladle.machine.topology import Topology
-from ladle.plan.inputs import check_inputs
 from ladle.plan.planner import Plan, make_plan
 
 
 @task(name="validate-and-plan", timeout_seconds=600)
-def plan_task(cfg: LadleConfig, topo: Topology, tracking: Tracking, config_ref: str) -> Plan:
-    plan = make_plan(cfg, topo, config_ref, model=check_inputs(cfg))
+def plan_task(cfg: LadleConfig, topo: Topology, base_config: dict, tracking: Tracking, config_ref: str) -> Plan:
+    plan = make_plan(cfg, topo, config_ref, model=base_config)
     logger = get_run_logger()
     for line in plan.reasons + plan.overrides:
         logger.info("plan: %s", line)

@@ -7,33 +7,29 @@ from datetime import timedelta
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
-from ladle.assets import resolve_base
-from ladle.config import LadleConfig
-from ladle.data.prepare import PreparedDataset, fingerprint, prepare
+from ladle.config import DataConfig
+from ladle.data.prepare import PreparedDataset, prepare
 from ladle.lifecycle.tracking import Tracking, log_bytes, log_json
+from ladle.plan.inputs import RunInputs
 from ladle.platform import storage
 from ladle.tasks.policy import retry_unless_user_error
 
 
 def prepare_cache_key(context, parameters) -> str:
     """Same data bytes, tokenizer, options and output store -> same prepared dataset."""
-    cfg: LadleConfig = parameters["cfg"]
-    return (
-        f"prepare-{fingerprint(cfg.data, resolve_base(cfg.base, cfg.training.dtype))}-{storage.normalise(cfg.output)}"
-    )
+    inputs: RunInputs = parameters["inputs"]
+    return f"prepare-{inputs.data_fingerprint}-{inputs.output}"
 
 
-def prepare_cached(cfg: LadleConfig, **call):
+def prepare_cached(data: DataConfig, inputs: RunInputs, **call):
     """``prepare_task``, refreshing its cache record when the dataset it would point at is gone.
 
     A dataset deleted since it was cached (``make clean``, a wiped bucket) is prepared again and the record
     rewritten, instead of the cache handing back a folder that no longer exists.
     """
-    url = storage.join(
-        storage.normalise(cfg.output), "datasets", fingerprint(cfg.data, resolve_base(cfg.base, cfg.training.dtype))
-    )
-    task_ = prepare_task if storage.is_complete(url) else prepare_task.with_options(refresh_cache=True)
-    return task_(cfg, **call)
+    fresh = storage.is_complete(inputs.dataset_url)
+    task_ = prepare_task if fresh else prepare_task.with_options(refresh_cache=True)
+    return task_(data, inputs, **call)
 
 
 @task(
@@ -45,8 +41,8 @@ def prepare_cached(cfg: LadleConfig, **call):
     retry_delay_seconds=2,
     retry_condition_fn=retry_unless_user_error,
 )
-def prepare_task(cfg: LadleConfig) -> PreparedDataset:
-    prepared = prepare(cfg.data, resolve_base(cfg.base, cfg.training.dtype), storage.normalise(cfg.output))
+def prepare_task(data: DataConfig, inputs: RunInputs) -> PreparedDataset:
+    prepared = prepare(data, inputs.base, inputs.output, data_fingerprint=inputs.data_fingerprint)
     report = prepared.report
     get_run_logger().info(
         "prepared %d examples into %d train / %d eval rows of %d tokens (packing efficiency %.1f%%, %d dropped)",

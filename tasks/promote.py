@@ -7,7 +7,6 @@ import json
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
 from ladle.fleet.champion import model_dir_of
@@ -17,6 +16,7 @@ from ladle.lifecycle.evaluate import Evaluation, score
 from ladle.lifecycle.events import CANARY, emit_canary, emit_promoted
 from ladle.lifecycle.merge import MergedModel
 from ladle.lifecycle.tracking import Tracking, client, metric_key
+from ladle.plan.inputs import RunInputs
 from ladle.plan.planner import Plan
 from ladle.tasks.policy import retry_unless_user_error
 from ladle.train.spec import TrainResult
@@ -35,21 +35,20 @@ def reference_scores(
 
 def lineage_tags(
     cfg: LadleConfig,
+    inputs: RunInputs,
     merged: MergedModel,
-    prepared: PreparedDataset,
     evaluation: Evaluation,
     result: TrainResult,
     plan: Plan,
     flow_run_id: str,
 ) -> dict[str, str]:
     """What produced this version: the flow run, the data, the plan, the scores."""
-    inputs = lineage.parts(cfg, prepared.fingerprint, resolve_base(cfg.base, cfg.training.dtype))
     tags = {
         "ladle.flow_run_id": flow_run_id,
         "ladle.config_name": cfg.name,
-        "ladle.data_fingerprint": prepared.fingerprint,
-        lineage.TAG: lineage.fingerprint_of(inputs),
-        lineage.PARTS_TAG: json.dumps(inputs),
+        "ladle.data_fingerprint": inputs.data_fingerprint,
+        lineage.TAG: inputs.fingerprint,
+        lineage.PARTS_TAG: json.dumps(inputs.lineage),
         "ladle.data_path": cfg.data.path,
         "ladle.model_sha256": merged.sha256,
         "ladle.base": cfg.base,
@@ -69,6 +68,7 @@ def lineage_tags(
 @task(name="promote", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
 def promote_task(
     cfg: LadleConfig,
+    inputs: RunInputs,
     merged: MergedModel,
     prepared: PreparedDataset,
     evaluation: Evaluation,
@@ -80,23 +80,26 @@ def promote_task(
 ) -> promote.Decision:
     """Register (alias ``challenger``), compare with the champion on the same data, promote or not."""
     logger = get_run_logger()
-    name = cfg.tracking.registered_model or cfg.name
-    tags = lineage_tags(cfg, merged, prepared, evaluation, result, plan, flow_run_id)
+    name = inputs.registered_model
+    tags = lineage_tags(cfg, inputs, merged, evaluation, result, plan, flow_run_id)
     tags["ladle.smoke_answer_correct"] = str(endpoint.answer_correct)
     metric = cfg.gate_metric()
+    rule = promote.Rule(
+        metric=metric,
+        greater_is_better=cfg.eval.higher_wins() if metric == cfg.eval.metric else False,
+        min_improvement=cfg.promote.min_improvement,
+        max_probe_drop=cfg.promote.max_probe_drop,
+        canary=canary_plan(cfg),
+    )
     version, decision, current = promote.gate_and_promote(
         tracking.uri,
         name,
         merged.url,
-        tracking.run_id,
-        tags,
         evaluation.model,
         lambda champ: reference_scores(cfg, prepared, evaluation, champ),
-        metric,
-        cfg.eval.higher_wins() if metric == cfg.eval.metric else False,
-        cfg.promote.min_improvement,
-        cfg.promote.max_probe_drop,
-        canary_plan(cfg),
+        rule,
+        run_id=tracking.run_id,
+        tags=tags,
     )
     with promote.registry(tracking.uri, f"tagging MLflow run {tracking.run_id} with the decision"):
         mlflow = client(tracking.uri)

@@ -8,7 +8,6 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from ladle import compute
-from ladle.assets import resolve_base
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
 from ladle.lifecycle.tracking import Tracking, log_loss_curve
@@ -54,14 +53,14 @@ def progress_relay(logger, min_interval_s: float = 2.0):
 # A retry resumes from the last complete checkpoint of the same run folder.
 @task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
 def train_task(
-    cfg: LadleConfig, plan: Plan, prepared: PreparedDataset, run_url: str, tracking: Tracking
+    cfg: LadleConfig, plan: Plan, prepared: PreparedDataset, base_dir: str, run_url: str, tracking: Tracking
 ) -> TrainResult:
     logger = get_run_logger()
     spec = TrainSpec(
         config=cfg,
         plan=plan,
         dataset=prepared,
-        base_dir=str(resolve_base(cfg.base, cfg.training.dtype)),
+        base_dir=base_dir,
         run_url=run_url,
         tracking_uri=tracking.uri,
         mlflow_run_id=tracking.run_id,

@@ -13,7 +13,7 @@ from ladle.serve import backends
 def serve(
     model: str = typer.Argument(..., help="Merged model folder (local path or fsspec URL)."),
     backend: str = typer.Option(
-        next(iter(backends.REGISTRY)), "--backend", help=" | ".join(backends.REGISTRY) + ": the inference backend."
+        backends.REGISTRY.first().name, "--backend", help=" | ".join(backends.REGISTRY) + ": the inference backend."
     ),
     option: list[str] = typer.Option([], "--option", help="A backend option, NAME=VALUE (e.g. tensor_parallel=2)."),
     host: str = typer.Option("127.0.0.1", "--host"),

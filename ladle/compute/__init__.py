@@ -11,14 +11,16 @@ from __future__ import annotations
 from ladle.compute.base import ComputeTarget
 from ladle.compute.kubernetes import KubernetesTarget
 from ladle.compute.local import LocalTarget
+from ladle.compute.registry import TARGETS
 from ladle.compute.slurm import SlurmTarget
 
-TARGETS: dict[str, type[ComputeTarget]] = {t.name: t for t in (LocalTarget, SlurmTarget, KubernetesTarget)}
+for _target in (LocalTarget, SlurmTarget, KubernetesTarget):
+    TARGETS.register(_target)
 
 
 def get(cfg) -> ComputeTarget:
     """The target ``cfg.compute.target`` names, set up with its options."""
-    return TARGETS[cfg.compute.target](cfg)
+    return TARGETS.get(cfg.compute.target)(cfg)
 
 
 __all__ = ["TARGETS", "ComputeTarget", "get"]

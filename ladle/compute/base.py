@@ -23,6 +23,8 @@ class ComputeTarget(ABC):
     """
 
     name: ClassVar[str]
+    summary: ClassVar[str]
+    """One line for the docs and ``compute.target``'s schema."""
 
     def __init__(self, cfg: LadleConfig) -> None:
         self.cfg = cfg

@@ -74,6 +74,7 @@ def launch_args(spec_url: str, address_var: str, port_var: str) -> list[str]:
 
 class KubernetesTarget(ComputeTarget):
     name = "kubernetes"
+    summary = "a Kubeflow Trainer TrainJob (or a PyTorchJob), submitted and followed with kubectl (`ladle k8s render`)"
 
     def resources(self, plan) -> dict[str, dict[str, str]] | None:
         """One pod's requests and limits (GPUs, CPU, memory); None when nothing is asked."""

@@ -7,6 +7,7 @@ from ladle.compute.base import ComputeTarget
 
 class LocalTarget(ComputeTarget):
     name = "local"
+    summary = "this machine (plus machines that join by hand with `ladle launch` when parallelism.nodes > 1)"
 
     def run(self, spec, on_progress=None, on_line=None, on_command=None):
         from ladle.train.run import launch

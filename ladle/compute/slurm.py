@@ -116,6 +116,7 @@ class LogFollower:
 
 class SlurmTarget(ComputeTarget):
     name = "slurm"
+    summary = "one `sbatch` job over parallelism.nodes nodes, followed until it ends"
 
     def python(self) -> str:
         return self.opts.python or sys.executable

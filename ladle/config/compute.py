@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from ladle.compute.registry import TARGETS
 from ladle.section import Section
 
 SLURM_TIME = re.compile(r"^(UNLIMITED|INFINITE|\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(:\d{1,2}(:\d{1,2})?)?)$")
@@ -148,12 +149,16 @@ class KubernetesConfig(KubernetesPods):
     )
 
 
+TARGET_PREAMBLE = "Where training runs. "
+
+
 class ComputeConfig(Section):
-    target: Literal["local", "slurm", "kubernetes"] = Field(
+    target: str = Field(
         "local",
-        description="Where training runs. local: this machine (plus machines that join by hand when "
-        "parallelism.nodes > 1). slurm: one `sbatch` job over parallelism.nodes nodes, followed until it ends. "
-        "kubernetes: a Kubeflow Trainer TrainJob (or a PyTorchJob), submitted and followed with kubectl (`ladle k8s render`).",
+        description=TARGET_PREAMBLE + "Any registered compute target (`ladle schema --markdown` lists them).",
+        json_schema_extra=TARGETS.schema(TARGET_PREAMBLE),
     )
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Options of target slurm.")
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description="Options of target kubernetes.")
+
+    _known_target = field_validator("target", mode="before")(TARGETS.validator())

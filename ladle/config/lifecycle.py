@@ -4,12 +4,12 @@ promotion gate and its canary, and tracking."""
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from ladle.config.compute import KubernetesPods
-from ladle.section import Section, choice_error, registry_choices
+from ladle.section import Section
 from ladle.serve import backends
 from ladle.serve.limits import ServeLimits
 
@@ -59,9 +59,9 @@ BACKEND_PREAMBLE = "Inference backend. "
 
 class ServeConfig(Section):
     backend: str = Field(
-        default_factory=lambda: next(iter(backends.REGISTRY)),  # the first registered: runs anywhere
+        default_factory=lambda: backends.REGISTRY.first().name,  # the first registered: runs anywhere
         description=BACKEND_PREAMBLE + "Any registered backend (`ladle schema --markdown` lists them).",
-        json_schema_extra=registry_choices(backends.REGISTRY, BACKEND_PREAMBLE),
+        json_schema_extra=backends.REGISTRY.schema(BACKEND_PREAMBLE),
     )
     host: str = Field("127.0.0.1", description="Address the server binds.")
     port: int = Field(0, ge=0, le=65535, description="Port. 0: pick a free one.")
@@ -145,12 +145,7 @@ class ServeConfig(Section):
         "max_tokens, and its place and wait in the queue.",
     )
 
-    @field_validator("backend", mode="before")
-    @classmethod
-    def _known_backend(cls, value: Any) -> Any:
-        if not isinstance(value, str) or value not in backends.REGISTRY:
-            raise choice_error(value, list(backends.REGISTRY))
-        return value
+    _known_backend = field_validator("backend", mode="before")(backends.REGISTRY.validator())
 
     @model_validator(mode="after")
     def _kubernetes_key_is_set(self) -> ServeConfig:

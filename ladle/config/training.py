@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, create_model, field_validator
 
 from ladle import strategies
-from ladle.section import Section, choice_error, registry_choices
+from ladle.section import Section
 
 MAX_GPU_COUNT = 128
 
@@ -226,7 +226,7 @@ class ParallelismBase(Section):
     strategy: str = Field(
         "auto",
         description=STRATEGY_PREAMBLE + "Any registered strategy (`ladle schema --markdown` lists them).",
-        json_schema_extra=registry_choices(strategies.REGISTRY, STRATEGY_PREAMBLE, ("auto",)),
+        json_schema_extra=strategies.REGISTRY.schema(STRATEGY_PREAMBLE, ("auto",)),
     )
     cpu_processes: int = Field(
         2, ge=1, le=64, description="Processes per machine for a CPU (gloo) run, used when no GPU is present."
@@ -245,13 +245,7 @@ class ParallelismBase(Section):
         0, ge=0, le=65535, description="Rendezvous port on the main machine. 0: a free port (single machine only)."
     )
 
-    @field_validator("strategy", mode="before")
-    @classmethod
-    def _known_strategy(cls, value: Any) -> Any:
-        name = strategies.resolve(value) if isinstance(value, str) else None
-        if name is None and value != "auto":
-            raise choice_error(value, ["auto", *strategies.REGISTRY])
-        return name or value
+    _known_strategy = field_validator("strategy", mode="before")(strategies.REGISTRY.validator("auto"))
 
     @field_validator("gpus", mode="before")
     @classmethod

@@ -265,17 +265,23 @@ def consume(collector: Collector, tokenizer, files: list[str], fmt: str, eval_si
 
 
 def prepare(
-    cfg: DataConfig, tokenizer_dir: Path, output_url: str, on_progress: Callable[[int], None] | None = None
+    cfg: DataConfig,
+    tokenizer_dir: Path,
+    output_url: str,
+    on_progress: Callable[[int], None] | None = None,
+    data_fingerprint: str | None = None,
 ) -> PreparedDataset:
     """Prepare (or find already prepared) the dataset for ``cfg``.
 
     Args:
         on_progress: called with the number of records read so far, once per batch.
+        data_fingerprint: ``fingerprint(cfg, tokenizer_dir)`` when the caller has it (a run's ``RunInputs``):
+            the data is then not read twice, and the set prepared is the one the run's lineage names.
 
     Raises:
         LadleError: a source is missing or unreadable, too many rows are bad, or nothing is usable.
     """
-    fp = fingerprint(cfg, tokenizer_dir)
+    fp = data_fingerprint or fingerprint(cfg, tokenizer_dir)
     url = storage.join(output_url, "datasets", fp)
     if storage.is_complete(url):
         return PreparedDataset.model_validate(storage.read_json(storage.join(url, "manifest.json")))

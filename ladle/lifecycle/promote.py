@@ -231,23 +231,35 @@ def promote(uri: str, name: str, version: str, reason: str) -> None:
     set_champion(uri, name, version, reason, past if past[-1:] == [version] else [*past, version])
 
 
+class Rule(BaseModel):
+    """What a new version must do to replace the champion (``eval.metric``, ``promote.*``)."""
+
+    model_config = {"frozen": True}
+
+    metric: str
+    greater_is_better: bool
+    min_improvement: float = 0.0
+    max_probe_drop: float | None = None
+    """The general-ability probe may fall by at most this much (None: not guarded)."""
+    canary: str | None = None
+    """How the canary runs, in words (None: no canary, the gate promotes)."""
+
+
 def gate_and_promote(
     uri: str,
     name: str,
     source: str,
-    run_id: str | None,
-    tags: dict[str, str],
-    candidate: dict[str, float],
+    scores: dict[str, float],
     reference_of: Callable[[Version | None], tuple[dict[str, float], str]],
-    metric: str,
-    greater_is_better: bool,
-    min_improvement: float,
-    max_probe_drop: float | None = None,
-    canary: str | None = None,
+    rule: Rule,
+    *,
+    run_id: str | None = None,
+    tags: dict[str, str] | None = None,
 ) -> tuple[Version, Decision, Version | None]:
-    """Register ``source`` (alias ``challenger``), gate its scores against the champion's (``reference_of``
-    gives them, or the base's when there is none) and, when it wins, make it ``champion`` (with ``canary``, how
-    its canary runs: tag it as waiting for its canary instead, ``champion`` unchanged).
+    """Register ``source`` (alias ``challenger``, from MLflow run ``run_id``, tagged ``tags``), gate its
+    ``scores`` against the champion's (``reference_of`` gives them, or the base's when there is none) by
+    ``rule`` and, when it wins, make it ``champion`` (with ``rule.canary``: tag it as waiting for its canary
+    instead, ``champion`` unchanged).
 
     Safe to run again after any failure, with the same result as one clean run: registration finds the version
     a first try made; a first try that failed after the alias flip left this version champion, so its history
@@ -258,17 +270,18 @@ def gate_and_promote(
     Returns:
         ``(the version, the decision, the champion it was compared with or None)``.
     """
-    version = register(uri, name, source, run_id, tags)
+    version = register(uri, name, source, run_id, tags or {})
+    metric = rule.metric
     for _ in range(GATE_TRIES):
         observed = champion(uri, name)
         current = gate_reference(uri, name, observed, version)
         reference, against = reference_of(current)
         decision = decide(
-            metric, greater_is_better, candidate.get(metric), reference.get(metric), against, min_improvement
+            metric, rule.greater_is_better, scores.get(metric), reference.get(metric), against, rule.min_improvement
         )
-        decision = guard_probe(decision, candidate.get("probe"), reference.get("probe"), max_probe_drop)
-        if canary is not None:
-            decision = to_canary(decision, canary)
+        decision = guard_probe(decision, scores.get("probe"), reference.get("probe"), rule.max_probe_drop)
+        if rule.canary is not None:
+            decision = to_canary(decision, rule.canary)
         with champion_lock(uri, name, f"the gate of v{version.version}"):
             now = champion(uri, name)
             if (now and now.version) != (observed and observed.version):

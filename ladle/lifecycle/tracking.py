@@ -78,10 +78,19 @@ client = mlflow_registry.client  # one MLflow client, with request deadlines, fo
 
 
 def start_run(
-    cfg: LadleConfig, flow_run_id: str | None, run_name: str, parent_flow_run_id: str | None = None
+    cfg: LadleConfig,
+    flow_run_id: str | None,
+    run_name: str,
+    parent_flow_run_id: str | None = None,
+    where: tuple[str, str | None] | None = None,
 ) -> Tracking:
-    """Create the MLflow run, tagged with the Prefect flow-run id(s), with the config as params."""
-    uri, artifacts = tracking_uri(cfg)
+    """Create the MLflow run, tagged with the Prefect flow-run id(s), with the config as params.
+
+    Args:
+        where: ``(tracking URI, artifact location)`` when the caller resolved them (a run's ``RunInputs``);
+            else ``tracking_uri(cfg)``.
+    """
+    uri, artifacts = where or tracking_uri(cfg)
     mlflow = client(uri)
     experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
     exp_id = (

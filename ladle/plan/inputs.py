@@ -1,14 +1,80 @@
-"""What planning reads from a config's inputs before anything runs: the base's ``config.json``, and
-whether the base and the data hold anything at all."""
+"""A run's inputs, resolved once: the base as a local folder and its ``config.json``, whether the data holds
+anything, the data's and the run's fingerprints, the output store and the tracking server (``RunInputs``); and
+what planning alone reads (``check_inputs``, ``local_model_config``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from ladle.assets import ASSET_VERSION, BUILTIN_SCHEME, MODEL_CONFIGS, ladle_home, resolve_base, resolve_builtin
 from ladle.assets.gguf import cached, is_gguf
 from ladle.config import LadleConfig
 from ladle.platform import storage
+
+
+class RunInputs(BaseModel):
+    """What a run reads of the world outside its config, resolved once by the flow (``resolve_inputs``) and
+    handed to each stage: no stage resolves the base, fingerprints the data or finds the tracking server again,
+    so every stage sees the same base folder and the same data, even when the files change during the run."""
+
+    model_config = ConfigDict(frozen=True)
+
+    base_dir: str
+    """The base model as a local folder (a GGUF file converted, a remote folder copied into the cache)."""
+    base_config: dict
+    """The base's ``config.json``: what the planner sizes."""
+    output: str
+    """``output``, normalised: the artifact store's URL."""
+    data_fingerprint: str
+    """The data's contents, tokenizer and options (``ladle.data.prepare.fingerprint``): names the prepared set."""
+    lineage: dict
+    """What the run's fingerprint is made of (``ladle.lifecycle.lineage.parts``)."""
+    fingerprint: str
+    """The run's fingerprint: data, base and training settings (nightly runs skip when it is the champion's)."""
+    tracking_uri: str
+    """The MLflow server (credentials moved to the environment)."""
+    artifact_location: str | None
+    """Where a new experiment keeps its artifacts (None: the server decides)."""
+    registered_model: str
+    """The registry's name for this config's model."""
+
+    @property
+    def base(self) -> Path:
+        return Path(self.base_dir)
+
+    @property
+    def dataset_url(self) -> str:
+        """Where the prepared dataset for these inputs is (or will be)."""
+        return storage.join(self.output, "datasets", self.data_fingerprint)
+
+
+def resolve_inputs(cfg: LadleConfig) -> RunInputs:
+    """Resolve a run's inputs once (``RunInputs``).
+
+    Raises:
+        LadleError: the base holds no model or the data no record, naming the field, the value and the fix.
+    """
+    from ladle.data.prepare import fingerprint
+    from ladle.lifecycle import lineage, tracking
+
+    base_config = check_inputs(cfg)
+    base = resolve_base(cfg.base, cfg.training.dtype)
+    data_fp = fingerprint(cfg.data, base)
+    parts = lineage.parts(cfg, data_fp, base)
+    uri, artifacts = tracking.tracking_uri(cfg)
+    return RunInputs(
+        base_dir=str(base),
+        base_config=base_config,
+        output=storage.normalise(cfg.output),
+        data_fingerprint=data_fp,
+        lineage=parts,
+        fingerprint=lineage.fingerprint_of(parts),
+        tracking_uri=uri,
+        artifact_location=artifacts,
+        registered_model=cfg.tracking.registered_model or cfg.name,
+    )
 
 
 def check_inputs(cfg: LadleConfig) -> dict:

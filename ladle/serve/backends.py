@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ladle.errors import LadleError
+from ladle.registry import Registry
 
 
 class Backend(ABC):
@@ -406,30 +407,9 @@ def serve_deployment(model_dir: str, tensor_parallel: int, replica_num: int, por
         loop.close()
 
 
-REGISTRY: dict[str, type[Backend]] = {}
-
-
-def register(backend: type[Backend]) -> type[Backend]:
-    """Add ``backend`` under its name.
-
-    Raises:
-        ValueError: the name is taken.
-    """
-    if backend.name in REGISTRY:
-        raise ValueError(f"serving backend {backend.name!r} is already registered")
-    REGISTRY[backend.name] = backend
-    return backend
-
-
-def get(name: str) -> type[Backend]:
-    """The backend called ``name``.
-
-    Raises:
-        LadleError: no such backend, with the choices.
-    """
-    if name not in REGISTRY:
-        raise LadleError(f"backend = {name!r}: unknown serving backend. Use one of: {', '.join(REGISTRY)}.")
-    return REGISTRY[name]
+REGISTRY: Registry[type[Backend]] = Registry("serving backend", "serve.backend")
+register = REGISTRY.register
+get = REGISTRY.get
 
 
 register(TransformersBackend)

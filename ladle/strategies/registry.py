@@ -1,48 +1,25 @@
-"""The registry: the only place strategy names map to strategy objects."""
+"""The strategies' registry: the only place strategy names map to strategy objects (``ladle.registry``'s shape,
+shared with the serving backends and the compute targets)."""
 
 from __future__ import annotations
 
+from ladle.registry import Registry
 from ladle.strategies.base import Strategy
 
-REGISTRY: dict[str, Strategy] = {}
 
-
-def register(strategy: Strategy) -> Strategy:
-    """Add ``strategy`` under its name and aliases.
-
-    Raises:
-        ValueError: the name or an alias is taken, or its options section is taken by an unrelated model.
-    """
-    taken = {n for s in REGISTRY.values() for n in (s.name, *s.aliases)}
-    clash = sorted(taken & {strategy.name, *strategy.aliases})
-    if clash:
-        raise ValueError(f"strategy {strategy.name!r}: the name(s) {clash} are already registered")
+def one_owner_per_section(registry: Registry[Strategy], strategy: Strategy) -> None:
+    """An options section (``parallelism.deepspeed``) belongs to one options model."""
     section = strategy.options_section
-    owner = next((s for s in REGISTRY.values() if s.options_section == section and section), None)
+    owner = next((s for s in registry.values() if s.options_section == section and section), None)
     if owner is not None and owner.options_model is not strategy.options_model:
         raise ValueError(f"strategy {strategy.name!r}: options section {section!r} belongs to {owner.name}")
-    REGISTRY[strategy.name] = strategy
-    return strategy
 
 
-def unregister(name: str) -> None:
-    """Remove a registered strategy (tests that register their own)."""
-    REGISTRY.pop(name, None)
-
-
-def resolve(name: str) -> str | None:
-    """The registered name that ``name`` (a name or an alias, any case) stands for; None if none does."""
-    wanted = name.strip().lower()
-    return next((s.name for s in REGISTRY.values() if wanted in (s.name, *s.aliases)), None)
-
-
-def get(name: str) -> Strategy:
-    """The registered strategy called ``name``.
-
-    Raises:
-        KeyError: no such strategy (the config validates names before this).
-    """
-    return REGISTRY[name]
+REGISTRY: Registry[Strategy] = Registry("strategy", "parallelism.strategy", check=one_owner_per_section)
+register = REGISTRY.register
+unregister = REGISTRY.unregister
+resolve = REGISTRY.resolve
+get = REGISTRY.get
 
 
 def default() -> Strategy:

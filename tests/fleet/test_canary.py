@@ -200,8 +200,9 @@ NAME = "canary-demo"
 
 def gate(uri: str, source: str, sha: str) -> promote.Version:
     version, decision, _ = promote.gate_and_promote(
-        uri, NAME, source, None, {"ladle.model_sha256": sha}, {"loss": 1.0}, lambda _: ({"loss": 2.0}, "x"),
-        "loss", False, 0.0, canary="it takes half the traffic",
+        uri, NAME, source, {"loss": 1.0}, lambda _: ({"loss": 2.0}, "x"),
+        promote.Rule(metric="loss", greater_is_better=False, canary="it takes half the traffic"),
+        tags={"ladle.model_sha256": sha},
     )  # fmt: skip
     assert decision.canary and not decision.promoted and decision.reason.startswith("canary next: passed the gate")
     return version

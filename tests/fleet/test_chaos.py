@@ -39,7 +39,13 @@ def gate(uri: str, source: str, n: int, score: float, canary: str | None = None)
 
     tags = {"ladle.model_sha256": f"{n:x}" * 64, "ladle.metric.exact_match": repr(score)}
     version, decision, _ = promote.gate_and_promote(
-        uri, NAME, source, None, tags, {"exact_match": score}, reference, "exact_match", True, 0.0, canary=canary
+        uri,
+        NAME,
+        source,
+        {"exact_match": score},
+        reference,
+        promote.Rule(metric="exact_match", greater_is_better=True, canary=canary),
+        tags=tags,
     )
     return version.version, decision.promoted
 

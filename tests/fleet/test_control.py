@@ -142,13 +142,10 @@ def race(uri: str, name: str, n: int, score: float, start: float) -> str:
         uri,
         name,
         f"/models/{name}/{n}",
-        None,
-        {"ladle.metric.exact_match": repr(score)},
         {"exact_match": score},
         reference,
-        "exact_match",
-        True,
-        0.0,
+        promote.Rule(metric="exact_match", greater_is_better=True),
+        tags={"ladle.metric.exact_match": repr(score)},
     )
     return f"{version.version}:{decision.promoted}"
 

@@ -39,8 +39,8 @@ def test_the_scheduled_run_says_what_changed_since_the_champion_and_model_list_s
     import json
 
     from flows.finetune import data_unchanged, record_check
-    from ladle.data.prepare import fingerprint
     from ladle.lifecycle import lineage, promote
+    from ladle.plan.inputs import resolve_inputs
     from tests.helpers import run_cli
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -48,26 +48,27 @@ def test_the_scheduled_run_says_what_changed_since_the_champion_and_model_list_s
     shutil.copytree(tiny_model, base)
     settings = {"base": str(base), "data": {"path": "ladle://demo-alpaca"}, "name": "nightly"}
     cfg = build_config(settings, [f"tracking.uri={uri}"])
-    inputs = lineage.parts(cfg, fingerprint(cfg.data, base), base)
-    tags = {lineage.TAG: lineage.fingerprint_of(inputs), lineage.PARTS_TAG: json.dumps(inputs)}
+    first = resolve_inputs(cfg)
+    tags = {lineage.TAG: first.fingerprint, lineage.PARTS_TAG: json.dumps(first.lineage)}
     v1 = promote.register(uri, "nightly", str(tiny_model), None, tags)
-    assert data_unchanged(cfg)[2] == "no champion yet"
+    assert data_unchanged(first)[1] == "no champion yet"
     promote.promote(uri, "nightly", v1.version, "first")
 
-    fp, same, why = data_unchanged(cfg)
+    same, why = data_unchanged(resolve_inputs(cfg))
     assert same.version == "1" and why == "data, base and training unchanged since version 1"
-    assert fp == tags[lineage.TAG]
-    _, same, why = data_unchanged(build_config(settings, [f"tracking.uri={uri}", "training.lr=1e-3"]))
+    same, why = data_unchanged(resolve_inputs(build_config(settings, [f"tracking.uri={uri}", "training.lr=1e-3"])))
     assert same is None and why == "changed since champion v1: training.lr 0.0002 -> 0.001"
 
     weights = next(base.glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
-    fp2, same, why = data_unchanged(cfg)
+    now = resolve_inputs(cfg)
+    same, why = data_unchanged(now)
     assert same is None and why == "changed since champion v1: base weights"
+    assert now.fingerprint != first.fingerprint and now.data_fingerprint == first.data_fingerprint
 
-    record_check(cfg, "run-42", "trained", why, fp2)
+    record_check(now, "run-42", "trained", why)
     listed = run_cli("model", "list", "nightly", "--tracking-uri", uri, "--json")
     check = json.loads(listed.stdout.splitlines()[-1])["last_retraining_check"]
     assert (check["decision"], check["reason"], check["flow_run_id"]) == ("trained", why, "run-42")

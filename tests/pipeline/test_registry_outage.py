@@ -21,6 +21,8 @@ from ladle.lifecycle import promote
 from ladle.platform.processes import free_port, stop_process
 from tests.helpers import start_service
 
+LOSS = promote.Rule(metric="loss", greater_is_better=False)
+
 pytestmark = pytest.mark.pipeline
 
 
@@ -49,8 +51,7 @@ def test_a_registry_stopped_during_promote_fails_once_and_the_rerun_promotes_one
     try:
         first_run, second_run = runs(url, 2)
         v1, d1, _ = promote.gate_and_promote(
-            url, "m", "s3://ladle/models/one", first_run, {}, {"loss": 1.0}, lambda c: ({"loss": 2.0}, "base model"), "loss",
-            False, 0.0,
+            url, "m", "s3://ladle/models/one", {"loss": 1.0}, lambda c: ({"loss": 2.0}, "base model"), LOSS, run_id=first_run
         )  # fmt: skip
         assert v1.version == "1" and d1.promoted
 
@@ -61,8 +62,8 @@ def test_a_registry_stopped_during_promote_fails_once_and_the_rerun_promotes_one
 
         with pytest.raises(LadleError) as err:
             promote.gate_and_promote(
-                url, "m", "s3://ladle/models/two", second_run, {}, {"loss": 0.5}, stop_registry_while_scoring_the_champion,
-                "loss", False, 0.0,
+                url, "m", "s3://ladle/models/two", {"loss": 0.5}, stop_registry_while_scoring_the_champion, LOSS,
+                run_id=second_run,
             )  # fmt: skip
         message = str(err.value)
         # The first registry call after the scoring: taking the champion lock, before anything is written.
@@ -78,8 +79,8 @@ def test_a_registry_stopped_during_promote_fails_once_and_the_rerun_promotes_one
         assert by_version == {"2": ["challenger"], "1": ["champion"]}
 
         v2, d2, against = promote.gate_and_promote(
-            url, "m", "s3://ladle/models/two", second_run, {}, {"loss": 0.5}, lambda c: ({"loss": 1.0}, f"champion v{c.version}"),
-            "loss", False, 0.0,
+            url, "m", "s3://ladle/models/two", {"loss": 0.5}, lambda c: ({"loss": 1.0}, f"champion v{c.version}"), LOSS,
+            run_id=second_run,
         )  # fmt: skip
         assert v2.version == "2" and d2.promoted and against.version == "1"
         assert d2.reason.startswith("promoted: loss 0.5 vs champion v1 1")
@@ -103,8 +104,7 @@ def test_a_promotion_that_died_after_the_alias_flip_is_finished_by_its_rerun(tmp
     url = f"sqlite:///{tmp_path / 'mlflow.db'}"
     first_run, second_run = runs(url, 2)
     promote.gate_and_promote(
-        url, "m", "s3://ladle/models/one", first_run, {}, {"loss": 1.0}, lambda c: ({"loss": 2.0}, "base model"), "loss", False,
-        0.0,
+        url, "m", "s3://ladle/models/one", {"loss": 1.0}, lambda c: ({"loss": 2.0}, "base model"), LOSS, run_id=first_run
     )  # fmt: skip
     v2 = promote.register(url, "m", "s3://ladle/models/two", second_run, {})
     MlflowClient(url).set_registered_model_alias("m", promote.CHAMPION, v2.version)  # the flip, then the crash
@@ -116,7 +116,7 @@ def test_a_promotion_that_died_after_the_alias_flip_is_finished_by_its_rerun(tmp
         return {"loss": 1.0}, f"champion v{current.version}"
 
     again, decision, against = promote.gate_and_promote(
-        url, "m", "s3://ladle/models/two", second_run, {}, {"loss": 0.5}, reference, "loss", False, 0.0
+        url, "m", "s3://ladle/models/two", {"loss": 0.5}, reference, LOSS, run_id=second_run
     )
     assert again.version == "2" and decision.promoted and seen == ["1"] and against.version == "1"
     assert promote.history(url, "m") == ["1", "2"] and promote.champion(url, "m").version == "2"

@@ -167,7 +167,7 @@ def test_a_new_backend_is_accepted_and_checked_by_the_one_host_check():
         assert "Use serve.backend=transformers" in str(deployed.value)
         assert "gpu-only" in json_schema()["$defs"]["ServeConfig"]["properties"]["backend"]["enum"]
     finally:
-        backends.REGISTRY.pop("gpu-only")
+        backends.REGISTRY.unregister("gpu-only")
 
 
 def test_backend_options_are_typed_and_checked():
@@ -285,3 +285,32 @@ def test_no_import_cycles():
     for name in sorted(graph):
         visit(name, [])
     assert not cycles, cycles[:5]
+
+
+def test_one_registry_shape_for_strategies_backends_and_compute_targets():
+    """The three registries are one ``Registry``: a compute target defined here is accepted (any case), offered
+    in the schema and the reference, found by ``compute.get``, and refused by name once gone."""
+    from ladle import compute
+    from ladle.compute.local import LocalTarget
+    from ladle.registry import Registry
+
+    assert all(isinstance(r, Registry) for r in (strategies.REGISTRY, backends.REGISTRY, compute.TARGETS))
+
+    class Elsewhere(LocalTarget):
+        name = "elsewhere"
+        summary = "a test target that runs like local"
+
+    compute.TARGETS.register(Elsewhere)
+    try:
+        with pytest.raises(ValueError, match="compute target 'elsewhere': the name"):
+            compute.TARGETS.register(Elsewhere)
+        cfg = build_config(MINIMAL, ["compute.target=ElseWhere"])
+        assert cfg.compute.target == "elsewhere" and isinstance(compute.get(cfg), Elsewhere)
+        assert "elsewhere" in json_schema()["$defs"]["ComputeConfig"]["properties"]["target"]["enum"]
+        assert "elsewhere: a test target that runs like local" in markdown_reference()
+    finally:
+        compute.TARGETS.unregister("elsewhere")
+    with pytest.raises(ConfigError, match=r"compute.target = \"elsewhere\": Input should be 'local', 'slurm' or"):
+        build_config(MINIMAL, ["compute.target=elsewhere"])
+    with pytest.raises(Exception, match=r"serve.backend = 'vllm': unknown serving backend. Use one of: transformers"):
+        backends.get("vllm")

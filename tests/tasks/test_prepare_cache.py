@@ -3,13 +3,14 @@ import json
 from prefect import flow
 
 from ladle.config import build_config
+from ladle.plan.inputs import resolve_inputs
 from ladle.tasks.prepare import prepare_cached
 
 
 @flow
 def prepare_twice(first, second):
-    a = prepare_cached(first, return_state=True)
-    b = prepare_cached(second, return_state=True)
+    a = prepare_cached(first.data, resolve_inputs(first), return_state=True)
+    b = prepare_cached(second.data, resolve_inputs(second), return_state=True)
     return a.name, b.name, a.result().fingerprint, b.result().fingerprint
 
 

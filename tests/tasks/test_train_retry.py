@@ -28,8 +28,8 @@ pytestmark = pytest.mark.pipeline
 
 
 @flow
-def train_only(cfg, plan, dataset, run_url, track):
-    return train_task(cfg, plan, dataset, run_url, track)
+def train_only(cfg, plan, dataset, base_dir, run_url, track):
+    return train_task(cfg, plan, dataset, base_dir, run_url, track)
 
 
 def is_worker(proc: psutil.Process) -> bool:
@@ -91,14 +91,14 @@ def test_killed_rank_retries_then_a_second_flow_run_resumes_exactly(prefect_harn
     killed: list = []
     killer = threading.Thread(target=kill_a_rank_after_checkpoints, args=(run_url, [4, 12], killed), daemon=True)
     killer.start()
-    first = train_only(cfg, plan, dataset, run_url, track, return_state=True)
+    first = train_only(cfg, plan, dataset, spec.base_dir, run_url, track, return_state=True)
     killer.join(timeout=5)
     assert len(killed) == 2, f"killed {killed}"
     assert first.is_failed()
     assert max(complete_steps(storage.join(run_url, "checkpoints"))) >= 12  # the retry got past its resume point
 
     # Flow run 2, same run folder: resumes from the newest complete checkpoint.
-    second = train_only(cfg, plan, dataset, run_url, track)
+    second = train_only(cfg, plan, dataset, spec.base_dir, run_url, track)
     assert second.resumed_from_step >= 12
 
     # The uninterrupted reference, after an interrupted launch that must leave no rank behind.
