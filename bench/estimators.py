@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
 
-from ladle import memory  # noqa: E402
+from ladle.sizing import memory  # noqa: E402
 from ladle.sizing.params import count_params, read_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ SIZES_MIB = (1, 6, 24, 96)
 
 
 def rank_main(rank: int, world: int, port: int, queue) -> None:
-    from ladle.strategies.runtime.gloo_gather import InPlaceAllGather
+    from ladle.train.runtime.gloo_gather import InPlaceAllGather
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

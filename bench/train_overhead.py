@@ -26,9 +26,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from prefect import flow  # noqa: E402
 
-from ladle import storage, tracking  # noqa: E402
 from ladle.config import build_config  # noqa: E402
+from ladle.lifecycle import tracking  # noqa: E402
 from ladle.machine.topology import probe  # noqa: E402
+from ladle.platform import storage  # noqa: E402
 from ladle.tasks.train import train_task  # noqa: E402
 from ladle.train.run import free_port, worker_env  # noqa: E402
 from ladle.train.spec import TrainResult, TrainSpec  # noqa: E402

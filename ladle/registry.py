@@ -8,6 +8,7 @@ choices are all read from: registering a new one is the only step that offers it
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -24,23 +25,38 @@ class Registry(Mapping[str, T], Generic[T]):
         kind: what is registered, in words ("strategy", "serving backend").
         field: the config field that names one ("parallelism.strategy").
         check: more conditions on a new entry (raises ``ValueError``), e.g. an options section owned once.
+        shipped: the module that registers the shipped entries, imported on first use where the registry's
+            owner cannot import it (the compute targets import the config that reads their names).
     """
 
-    def __init__(self, kind: str, field: str, check: Callable[[Registry[T], T], None] | None = None) -> None:
-        self.kind, self.field, self._check = kind, field, check
+    def __init__(
+        self,
+        kind: str,
+        field: str,
+        check: Callable[[Registry[T], T], None] | None = None,
+        shipped: str | None = None,
+    ) -> None:
+        self.kind, self.field, self._check, self._shipped = kind, field, check, shipped
         self._items: dict[str, T] = {}
 
+    @property
+    def _entries(self) -> dict[str, T]:
+        if self._shipped is not None:
+            module, self._shipped = self._shipped, None
+            importlib.import_module(module)
+        return self._items
+
     def __getitem__(self, name: str) -> T:
-        return self._items[name]
+        return self._entries[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
+        return iter(self._entries)
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._entries)
 
     def __repr__(self) -> str:
-        return f"Registry({self.kind}: {', '.join(self._items)})"
+        return f"Registry({self.kind}: {', '.join(self._entries)})"
 
     def register(self, item: T) -> T:
         """Add ``item`` under its name and aliases; returns it (usable as a class decorator).
@@ -48,7 +64,7 @@ class Registry(Mapping[str, T], Generic[T]):
         Raises:
             ValueError: the name or an alias is taken, or ``check`` refuses it.
         """
-        taken = {n for other in self._items.values() for n in names_of(other)}
+        taken = {n for other in self._entries.values() for n in names_of(other)}
         clash = sorted(taken & set(names_of(item)))
         if clash:
             raise ValueError(f"{self.kind} {item.name!r}: the name(s) {clash} are already registered")
@@ -64,7 +80,7 @@ class Registry(Mapping[str, T], Generic[T]):
     def resolve(self, name: str) -> str | None:
         """The registered name that ``name`` (a name or an alias, any case) stands for; None if none does."""
         wanted = name.strip().lower()
-        return next((item.name for item in self._items.values() if wanted in names_of(item)), None)
+        return next((item.name for item in self._entries.values() if wanted in names_of(item)), None)
 
     def get(self, name: str, default: Any = None) -> T:  # type: ignore[override]
         """The entry called ``name`` (or an alias of it).
@@ -75,11 +91,11 @@ class Registry(Mapping[str, T], Generic[T]):
         found = self.resolve(name) if isinstance(name, str) else None
         if found is None:
             raise LadleError(f"{self.field} = {name!r}: unknown {self.kind}. Use one of: {', '.join(self)}.")
-        return self._items[found]
+        return self._entries[found]
 
     def first(self) -> T:
         """The first registered: the default where one runs anywhere."""
-        return next(iter(self._items.values()))
+        return next(iter(self._entries.values()))
 
     def validator(self, *extra: str) -> Callable[[Any], Any]:
         """A pydantic ``mode="before"`` check for the config field: a registered name (or an alias, given as

@@ -350,7 +350,7 @@ def run_ranks(target, world: int, *args) -> list:
     ctx = mp.get_context("forkserver")
     # The fork server imports torch once (in a process that has run no torch op, so no OpenMP pool is forked);
     # each rank forks from it instead of importing torch again: ~2.2 s of CPU per rank under spawn.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "ladle.strategies.runtime"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "ladle.train.runtime"])
     queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=target, args=(rank, world, port, queue, *args)) for rank in range(world)]
     for p in procs:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from ladle.compute.base import ComputeTarget
 from ladle.compute.kubernetes import KubernetesTarget
 from ladle.compute.local import LocalTarget
-from ladle.compute.registry import TARGETS
 from ladle.compute.slurm import SlurmTarget
+from ladle.config.compute import TARGETS
 
 for _target in (LocalTarget, SlurmTarget, KubernetesTarget):
     TARGETS.register(_target)

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from ladle.compute.registry import TARGETS
+from ladle.registry import Registry
 from ladle.section import Section
 
 SLURM_TIME = re.compile(r"^(UNLIMITED|INFINITE|\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(:\d{1,2}(:\d{1,2})?)?)$")
@@ -148,6 +148,11 @@ class KubernetesConfig(KubernetesPods):
         "a queue) before it is deleted and the train stage fails naming the pods' reason.",
     )
 
+
+TARGETS: Registry = Registry("compute target", "compute.target", shipped="ladle.compute")
+"""The compute targets by name (``ladle.registry``'s shape, shared with the strategies and the serving backends):
+``ComputeTarget`` subclasses, registered by ``ladle.compute`` when it is imported. It lives with the config
+because the targets run what the config plans (they import it); the config only reads their names."""
 
 TARGET_PREAMBLE = "Where training runs. "
 

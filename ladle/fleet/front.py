@@ -131,6 +131,87 @@ class Relayed(StreamingResponse):
             await self.release()
 
 
+class Front:
+    """One front's live state and what its routes and loops share: the server behind it (``state``), the
+    requests in flight per server, its supervisor, the canary and the run record it keeps current."""
+
+    def __init__(
+        self,
+        name: str,
+        token: str,
+        record: dict,
+        record_file: Path | None,
+        supervision: dict | None = None,
+    ) -> None:
+        self.name, self.token, self.record, self.record_file = name, token, record, record_file
+        self.client = httpx.AsyncClient(timeout=FRONT_TIMEOUT, limits=httpx.Limits(max_connections=1000))
+        self.state: dict = {"upstream": record.get("upstream"), "broken": None}
+        self.in_flight: collections.Counter[str] = collections.Counter()
+        self.supervisor = Supervisor(name, self.state, lambda up: self.persist(), **(supervision or {}))
+        if record.get("canary"):
+            self.state["canary"] = Canary.restore(record["canary"])
+        self.canary_requests = Counter(
+            "ladle_front_canary_requests",
+            "Requests during a canary, by arm (champion, challenger) and outcome (ok, error).",
+            ["arm", "outcome"],
+            registry=self.supervisor.registry,
+        )
+
+    def persist(self) -> None:
+        """The run record says what is served and what canary runs, so a front started after this one died
+        adopts both."""
+        if self.record_file is not None:
+            canary = self.state.get("canary")
+            snapshot = canary.snapshot() if canary is not None else None
+            write_record(self.record_file, {**self.record, "upstream": self.state["upstream"], "canary": snapshot})
+
+    def switch(self, new: dict) -> None:
+        """Point new requests at ``new``. A running canary measured against another server is over: whatever
+        switched the front (a swap, a rollback) was decided after it and wins."""
+        self.state["upstream"] = new
+        self.supervisor.watch(new)
+        canary = self.state.get("canary")
+        if canary is not None and canary.status == "running" and canary.challenger["url"] != new["url"]:
+            canary.end("rolled_back", f"superseded: the front was switched to v{new['version']} during the canary")
+        self.persist()
+
+    async def judge_canary(self) -> None:
+        """The canary's clock: a verdict is reached here even when nobody asks for one. A canary passes only
+        while the front still serves the champion it was measured against."""
+        while True:
+            await asyncio.sleep(0.25)
+            canary = self.state.get("canary")
+            if canary is None or canary.status != "running":
+                continue
+            upstream = self.state["upstream"] or {}
+            if upstream.get("url") != canary.champion["url"]:
+                canary.end("rolled_back", f"superseded: the front serves v{upstream.get('version')} now")
+                self.persist()
+            elif canary.judge(challenger_alive(canary)) == "passed":
+                self.switch(canary.challenger)  # all new requests to the challenger's warm server; the old one drains
+            elif canary.status != "running":
+                self.persist()
+
+    async def guarded(self, task: str, loop) -> None:
+        """A background loop that dies says so: logged, and the front's readiness and liveness turn red with the
+        reason (a front that no longer supervises or judges must be replaced, not trusted)."""
+        try:
+            await loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any crash of the loop is the front's to report
+            self.state["broken"] = (
+                f"{self.name}: the front's {task} loop crashed ({type(exc).__name__}: {exc}); restart the front"
+            )
+            logging.getLogger("ladle.front").exception(self.state["broken"])
+
+    def admin(self, request: Request) -> bool:
+        host = request.client.host if request.client else ""
+        return host in ("127.0.0.1", "::1") and secrets.compare_digest(
+            request.headers.get(ADMIN_HEADER, ""), self.token
+        )
+
+
 def create_app(
     name: str,
     token: str,
@@ -142,117 +223,62 @@ def create_app(
     """The front's app. ``record``: its run record (``upstream`` and ``canary`` adopted from a front that died);
     ``supervision``: ``Supervisor`` settings (tests shorten its clocks); ``max_body_bytes``: the largest body it
     reads to proxy (``serve.limits.max_body_bytes``: the server's own bound, so the front never holds more)."""
-    client = httpx.AsyncClient(timeout=FRONT_TIMEOUT, limits=httpx.Limits(max_connections=1000))
-
-    state: dict = {"upstream": record.get("upstream"), "broken": None}
-    in_flight: collections.Counter[str] = collections.Counter()
-
-    def persist() -> None:
-        """The run record says what is served and what canary runs, so a front started after this one died
-        adopts both."""
-        if record_file is not None:
-            canary = state.get("canary")
-            snapshot = canary.snapshot() if canary is not None else None
-            write_record(record_file, {**record, "upstream": state["upstream"], "canary": snapshot})
-
-    supervisor = Supervisor(name, state, lambda up: persist(), **(supervision or {}))
-    if record.get("canary"):
-        state["canary"] = Canary.restore(record["canary"])
-
-    canary_requests = Counter(
-        "ladle_front_canary_requests",
-        "Requests during a canary, by arm (champion, challenger) and outcome (ok, error).",
-        ["arm", "outcome"],
-        registry=supervisor.registry,
-    )
-
-    def switch(new: dict) -> None:
-        """Point new requests at ``new``. A running canary measured against another server is over: whatever
-        switched the front (a swap, a rollback) was decided after it and wins."""
-        state["upstream"] = new
-        supervisor.watch(new)
-        canary = state.get("canary")
-        if canary is not None and canary.status == "running" and canary.challenger["url"] != new["url"]:
-            canary.end("rolled_back", f"superseded: the front was switched to v{new['version']} during the canary")
-        persist()
-
-    async def judge_canary() -> None:
-        """The canary's clock: a verdict is reached here even when nobody asks for one. A canary passes only
-        while the front still serves the champion it was measured against."""
-        while True:
-            await asyncio.sleep(0.25)
-            canary = state.get("canary")
-            if canary is None or canary.status != "running":
-                continue
-            upstream = state["upstream"] or {}
-            if upstream.get("url") != canary.champion["url"]:
-                canary.end("rolled_back", f"superseded: the front serves v{upstream.get('version')} now")
-                persist()
-            elif canary.judge(challenger_alive(canary)) == "passed":
-                switch(canary.challenger)  # all new requests to the challenger's warm server; the old one drains
-            elif canary.status != "running":
-                persist()
-
-    async def guarded(task: str, loop) -> None:
-        """A background loop that dies says so: logged, and the front's readiness and liveness turn red with the
-        reason (a front that no longer supervises or judges must be replaced, not trusted)."""
-        try:
-            await loop()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any crash of the loop is the front's to report
-            state["broken"] = (
-                f"{name}: the front's {task} loop crashed ({type(exc).__name__}: {exc}); restart the front"
-            )
-            logging.getLogger("ladle.front").exception(state["broken"])
+    front = Front(name, token, record, record_file, supervision)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         tasks = [
-            asyncio.create_task(guarded("supervision", supervisor.run)),
-            asyncio.create_task(guarded("canary", judge_canary)),
+            asyncio.create_task(front.guarded("supervision", front.supervisor.run)),
+            asyncio.create_task(front.guarded("canary", front.judge_canary)),
         ]
         yield
         for task in tasks:
             task.cancel()
-        await client.aclose()
+        await front.client.aclose()
 
     app = FastAPI(title=f"ladle front: {name}", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_middleware(Guard, max_body_bytes=max_body_bytes)  # the front never holds an oversized body either
-    app.state.supervisor = supervisor
-    app.state.front = state
+    app.state.supervisor = front.supervisor
+    app.state.front = front.state
+    add_probe_routes(app, front)
+    add_upstream_routes(app, front)
+    add_canary_routes(app, front)
+    add_proxy_route(app, front)
+    return app
 
-    def admin(request: Request) -> bool:
-        host = request.client.host if request.client else ""
-        return host in ("127.0.0.1", "::1") and secrets.compare_digest(request.headers.get(ADMIN_HEADER, ""), token)
+
+def add_probe_routes(app: FastAPI, front: Front) -> None:
+    """``/health``, ``/ready`` and the front's own metrics."""
 
     @app.get("/health")
     async def health():
         """Liveness of the front itself, and the version behind it; 503 when one of its loops crashed."""
-        if state["broken"]:
-            return error(503, state["broken"], "server_error", "front_broken")
-        return {"status": "ok", "model": name, "version": (state["upstream"] or {}).get("version")}
+        if front.state["broken"]:
+            return error(503, front.state["broken"], "server_error", "front_broken")
+        return {"status": "ok", "model": front.name, "version": (front.state["upstream"] or {}).get("version")}
 
     @app.get("/ladle/metrics")
     def front_metrics() -> Response:
         """The front's Prometheus metrics (restarts, canary counts); the server's own are at ``/metrics``."""
-        return Response(generate_latest(supervisor.registry), media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(front.supervisor.registry), media_type="text/plain; version=0.0.4")
 
     @app.get("/ready")
     async def ready():
         """The server's readiness, with its status code: 503 with the reason when it is not ready, when nothing is
         served yet, when the front gave up restarting it, or when a loop of the front crashed."""
-        if state["broken"]:
-            return error(503, state["broken"], "server_error", "front_broken")
-        if supervisor.failed:
-            return error(503, supervisor.failed, "server_error", "upstream_failed")
-        upstream = state["upstream"]
+        if front.state["broken"]:
+            return error(503, front.state["broken"], "server_error", "front_broken")
+        if front.supervisor.failed:
+            return error(503, front.supervisor.failed, "server_error", "upstream_failed")
+        upstream = front.state["upstream"]
         if upstream is None:
-            return error(503, f"{name}: no version is being served yet", "server_error", "not_ready")
+            return error(503, f"{front.name}: no version is being served yet", "server_error", "not_ready")
         try:
-            answer = await client.get(upstream["url"] + "/ready", timeout=2.0)
+            answer = await front.client.get(upstream["url"] + "/ready", timeout=2.0)
         except httpx.HTTPError as exc:
-            return error(503, f"{name} v{upstream['version']}: {exc.__class__.__name__}", "server_error", "not_ready")
+            return error(
+                503, f"{front.name} v{upstream['version']}: {exc.__class__.__name__}", "server_error", "not_ready"
+            )
         if answer.status_code == 200:
             return {"status": "ready", "version": upstream["version"]}
         # The upstream's own status, not a 200 carrying its error: a probe reads the code, not the body.
@@ -262,14 +288,18 @@ def create_app(
             else None
         )
         detail = reason or f"its /ready answered HTTP {answer.status_code}"
-        return error(503, f"{name} v{upstream['version']}: {detail}", "server_error", "not_ready")
+        return error(503, f"{front.name} v{upstream['version']}: {detail}", "server_error", "not_ready")
+
+
+def add_upstream_routes(app: FastAPI, front: Front) -> None:
+    """Admin: which server is behind the front, and swapping it."""
 
     @app.get("/ladle/upstream")
     def get_upstream(request: Request):
         """Admin: the server behind the front and the requests in flight per server."""
-        if not admin(request):
+        if not front.admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
-        return {"upstream": state["upstream"], "in_flight": dict(in_flight)}
+        return {"upstream": front.state["upstream"], "front.in_flight": dict(front.in_flight)}
 
     @app.put("/ladle/upstream")
     async def put_upstream(request: Request):
@@ -277,33 +307,37 @@ def create_app(
         restart it); answers once the old one has no request in flight or ``drain_timeout_s`` passed. With
         ``expect_url``, compare-and-set: 409 (and no swap) unless the front still serves that URL. A running
         canary ends, superseded."""
-        if not admin(request):
+        if not front.admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         body = await request.json()
-        old = state["upstream"]
+        old = front.state["upstream"]
         if "expect_url" in body and (old or {}).get("url") != body["expect_url"]:
             return error(
                 409,
-                f"{name}: the front serves {(old or {}).get('url')} (v{(old or {}).get('version')}), not "
+                f"{front.name}: the front serves {(old or {}).get('url')} (v{(old or {}).get('version')}), not "
                 f"{body['expect_url']}: another swap came first",
                 "invalid_request_error",
                 "conflict",
             )
         new = {k: body[k] for k in ("url", "version", "pid", "model_dir")}
         new.update({k: body[k] for k in ("argv", "log") if k in body})
-        switch(new)
+        front.switch(new)
         deadline = time.monotonic() + float(body.get("drain_timeout_s", 30.0))
-        while old and old["url"] != new["url"] and in_flight[old["url"]] > 0 and time.monotonic() < deadline:
+        while old and old["url"] != new["url"] and front.in_flight[old["url"]] > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        left = in_flight[old["url"]] if old and old["url"] != new["url"] else 0
-        return {"previous": old, "current": new, "drained": left == 0, "in_flight": left}
+        left = front.in_flight[old["url"]] if old and old["url"] != new["url"] else 0
+        return {"previous": old, "current": new, "drained": left == 0, "front.in_flight": left}
+
+
+def add_canary_routes(app: FastAPI, front: Front) -> None:
+    """Admin: start, read, roll back and forget a canary."""
 
     @app.get("/ladle/canary")
     def get_canary(request: Request):
         """Admin: the canary's state: status, reason, limits and each arm's requests, errors and p95."""
-        if not admin(request):
+        if not front.admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
-        canary = state.get("canary")
+        canary = front.state.get("canary")
         return {"canary": canary.summary() if canary else None}
 
     @app.put("/ladle/canary")
@@ -311,51 +345,57 @@ def create_app(
         """Admin: start a canary of the server in the body (as for a swap, plus ``limits``: promote.canary's
         fields) against the current one; the same version again answers its state, another while one is not
         finished 409."""
-        if not admin(request):
+        if not front.admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         body = await request.json()
-        canary = state.get("canary")
+        canary = front.state.get("canary")
         if canary is not None:
             if canary.version == str(body.get("version")):
                 return {"canary": canary.summary()}
             return error(
-                409, f"{name}: the canary of v{canary.version} is not finished", "invalid_request_error", "busy"
+                409, f"{front.name}: the canary of v{canary.version} is not finished", "invalid_request_error", "busy"
             )
-        if state["upstream"] is None:
-            return error(409, f"{name}: no champion is served to compare with", "invalid_request_error", "not_ready")
+        if front.state["upstream"] is None:
+            return error(
+                409, f"{front.name}: no champion is served to compare with", "invalid_request_error", "not_ready"
+            )
         try:
             limits = CanaryConfig.model_validate(body.get("limits") or {})
             challenger = {k: body[k] for k in ("url", "version", "pid", "model_dir")}
         except (ValidationError, KeyError) as exc:
             return error(422, f"bad canary: {exc}", "invalid_request_error", "invalid")
         challenger.update({k: body[k] for k in ("argv", "log") if k in body})
-        state["canary"] = Canary(challenger, dict(state["upstream"]), limits)
-        persist()
-        return {"canary": state["canary"].summary()}
+        front.state["canary"] = Canary(challenger, dict(front.state["upstream"]), limits)
+        front.persist()
+        return {"canary": front.state["canary"].summary()}
 
     @app.patch("/ladle/canary")
     def end_canary(request: Request, reason: str = "stopped by the operator"):
         """Admin: roll back a running canary with ``?reason=`` and keep its verdict for whoever follows it (an
         operator's rollback); its state."""
-        if not admin(request):
+        if not front.admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
-        canary = state.get("canary")
+        canary = front.state.get("canary")
         if canary is not None and canary.status == "running":
             canary.end("rolled_back", reason)
-            persist()
+            front.persist()
         return {"canary": canary.summary() if canary else None}
 
     @app.delete("/ladle/canary")
     def delete_canary(request: Request, reason: str = "stopped by the operator"):
         """Admin: end the canary (one still running is rolled back with ``?reason=``) and forget it; its final
         state."""
-        if not admin(request):
+        if not front.admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
-        canary = state.pop("canary", None)
+        canary = front.state.pop("canary", None)
         if canary is not None and canary.status == "running":
             canary.end("rolled_back", reason)
-        persist()
+        front.persist()
         return {"canary": canary.summary() if canary else None}
+
+
+def add_proxy_route(app: FastAPI, front: Front) -> None:
+    """Everything else: proxied to the server (or, during a canary, its share to the challenger)."""
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def proxy(path: str, request: Request):
@@ -365,47 +405,47 @@ def create_app(
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {ADMIN_HEADER}}
         skip_canary = False
         for _ in range(3):
-            upstream = state["upstream"]
-            canary = state.get("canary")
+            upstream = front.state["upstream"]
+            canary = front.state.get("canary")
             arm = "challenger" if canary is not None and not skip_canary and canary.pick() else "champion"
             if arm == "challenger":
                 upstream = canary.challenger
-            elif supervisor.failed:
-                return error(503, supervisor.failed, "server_error", "upstream_failed")
+            elif front.supervisor.failed:
+                return error(503, front.supervisor.failed, "server_error", "upstream_failed")
             if upstream is None:
-                return error(503, f"{name}: no version is being served yet", "server_error", "not_ready")
-            in_flight[upstream["url"]] += 1
-            outgoing = client.build_request(
+                return error(503, f"{front.name}: no version is being served yet", "server_error", "not_ready")
+            front.in_flight[upstream["url"]] += 1
+            outgoing = front.client.build_request(
                 request.method, f"{upstream['url']}/{path}", params=request.query_params, content=body, headers=headers
             )
             sent = time.monotonic()
             try:
-                answer = await until_gone(request, client.send(outgoing, stream=True))
+                answer = await until_gone(request, front.client.send(outgoing, stream=True))
             except ClientGone:  # the client hung up before the server answered: its upstream request was closed
-                in_flight[upstream["url"]] -= 1
+                front.in_flight[upstream["url"]] -= 1
                 return Response(status_code=499)
             except httpx.TransportError as exc:
-                in_flight[upstream["url"]] -= 1
+                front.in_flight[upstream["url"]] -= 1
                 if arm == "challenger":
                     # Counted against it; no answer came back (refused, or dropped before its headers), so the
                     # champion takes the request: a completion has no side effect to repeat.
                     canary.record(arm, False, None)
-                    canary_requests.labels(arm, "error").inc()
+                    front.canary_requests.labels(arm, "error").inc()
                     skip_canary = True
                     continue
                 if not isinstance(exc, httpx.ConnectError):
                     raise
-                if state["upstream"] is not upstream:
+                if front.state["upstream"] is not upstream:
                     continue  # swapped out before it was reached: the current server takes it
-                if await supervisor.recovered(upstream):
+                if await front.supervisor.recovered(upstream):
                     continue  # it died and was restarted meanwhile: the restarted one takes it
-                if supervisor.failed:
-                    return error(503, supervisor.failed, "server_error", "upstream_failed")
+                if front.supervisor.failed:
+                    return error(503, front.supervisor.failed, "server_error", "upstream_failed")
                 return error(
-                    502, f"{name} v{upstream['version']} refused the connection", "server_error", "bad_gateway"
+                    502, f"{front.name} v{upstream['version']} refused the connection", "server_error", "bad_gateway"
                 )
             except BaseException:
-                in_flight[upstream["url"]] -= 1
+                front.in_flight[upstream["url"]] -= 1
                 raise
             # ok: None until the answer was relayed whole (a client that left is no evidence either way).
             outcome: dict = {"ok": None, "released": False}
@@ -426,18 +466,16 @@ def create_app(
                 if outcome["released"]:
                     return
                 outcome["released"] = True
-                in_flight[url] -= 1
+                front.in_flight[url] -= 1
                 await answer.aclose()  # a client that left closes the upstream request: it cancels there too
                 if outcome["ok"] is not None and canary is not None:
                     canary.record(arm, outcome["ok"], time.monotonic() - sent)
-                    canary_requests.labels(arm, "ok" if outcome["ok"] else "error").inc()
+                    front.canary_requests.labels(arm, "ok" if outcome["ok"] else "error").inc()
 
             out_headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP | {"date", "server"}}
             out_headers[VERSION_HEADER] = str(upstream["version"])
             return Relayed(relay(), release, status_code=answer.status_code, headers=out_headers)
-        return error(503, f"{name}: upstream changed repeatedly; retry", "server_error", "not_ready")
-
-    return app
+        return error(503, f"{front.name}: upstream changed repeatedly; retry", "server_error", "not_ready")
 
 
 def adopted(name: str) -> dict:

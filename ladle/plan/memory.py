@@ -12,10 +12,10 @@ from ladle import sizing, strategies
 from ladle.config import LadleConfig
 from ladle.errors import LadleError
 from ladle.machine.topology import Topology
+from ladle.plan import kernels
 from ladle.plan.model import Decision, Plan
 from ladle.serve import backends
 from ladle.strategies import Candidate, Strategy, Target
-from ladle.train import kernels
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from ladle.config import LadleConfig
 from ladle.errors import ConfigError, LadleError
 from ladle.machine import cuda_arch
 from ladle.machine.topology import Topology
+from ladle.plan import kernels
 from ladle.plan.memory import (
     check_memory,
     choose_checkpointing,
@@ -29,7 +30,6 @@ from ladle.plan.model import DEFAULT_PORT, Decision, Plan
 from ladle.serve import backends
 from ladle.serve.backends import Backend
 from ladle.strategies import Strategy, Target
-from ladle.train import kernels
 
 __all__ = ["DEFAULT_PORT", "Decision", "Plan", "make_plan", "plan_estimate", "sizing_job"]
 

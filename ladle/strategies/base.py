@@ -1,32 +1,30 @@
-"""The strategy interface: everything one strategy knows, from sizing to saving its state.
+"""The strategy interface, deciding side: everything the planner knows about one strategy.
 
-A strategy is one small class. Its planner side (no torch import, no process
-or GPU touched) names it, validates it against the machine, sizes its per-rank
-memory, ranks it for an interconnect and node count, and renders its launcher
-config; its worker side wraps the model inside each training process, checks
-that what runs is what was planned, and saves and loads its state. Adding a
-strategy is adding a class and registering it in ``ladle.strategies``: the
-config's strategy type, the CLI's choices and the docs come from the registry.
+A strategy is one small class (no torch import, no process or GPU touched): it
+names itself, validates itself against the machine, sizes its per-rank memory,
+ranks itself for an interconnect and node count, says which fast paths it allows
+(traits: ``compiles_blocks``, ``whole_forward``, ``plain_head`` ...) and renders
+its launcher config. Its applying side, what a training process does with the
+model (wrap, step, gather, save and load), is a ``Runtime`` in
+``ladle.train.runtime`` that the class names in ``runtime``; only the worker
+imports it. Adding a strategy is adding the two classes and registering the
+first in ``ladle.strategies``: the config's strategy type, the CLI's choices
+and the docs come from the registry.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ladle import sizing
-from ladle.platform import storage
 from ladle.sizing import memory
 from ladle.strategies.mesh import Dims
-from ladle.train.kernels import COMPILE_STRATEGIES, FUSED_LOSS_STRATEGIES, LIGER_LOSS_STRATEGIES
 
 if TYPE_CHECKING:
     from ladle.machine.topology import Topology
     from ladle.section import Section
-    from ladle.train.loading import Pending
 
 # A strategy reads the run's config and plan, yet neither module is imported here, not even for type checking:
 # both are built from the strategies (the config's parallelism sections and strategy choices, the plan's strategy
@@ -70,6 +68,8 @@ class Candidate:
 
 
 class Strategy(ABC):
+    runtime = "ladle.train.runtime.base:Runtime"
+    """Where its worker side is (``ladle.train.runtime``): imported by the worker only."""
     name: str
     summary: str
     aliases: tuple[str, ...] = ()
@@ -87,6 +87,20 @@ class Strategy(ABC):
     """Why ``torch.compile`` cannot run with this strategy (None: the generic reason)."""
     fallback: bool = False
     """The strategy used when the job cannot be sized (exactly one registered strategy sets it)."""
+    compiles_blocks: bool = False
+    """Per-block ``torch.compile`` runs with it (ZeRO-3's parameter hooks and pipeline or tensor-parallel stages
+    break under compiled graphs or have not been checked with them)."""
+    compiles_in_wrap: bool = False
+    """It compiles the blocks itself while wrapping (FSDP2, before sharding), not the worker."""
+    whole_forward: bool = False
+    """Its step calls the model's own forward with the head inside it, so the fused loss (replacing the head's
+    forward), padding-free rows and attention example by example apply; pipeline stages compute the loss on the
+    last stage, tensor-parallel heads redistribute their output in hooks."""
+    plain_head: bool = False
+    """The head stays a plain ``nn.Linear`` (Liger's fused loss takes its weight; FSDP2's units change its class)."""
+    autocast: bool = False
+    """It runs under accelerate's autocast with float32 adapters (the others compute in the run's dtype already:
+    FSDP2's param_dtype, DeepSpeed's 16-bit module)."""
     loads_lazily: bool = True
     """The worker builds an empty model (``empty_context``) and ``wrap`` fills in only what this rank holds
     (``ladle.train.loading``). False: ``from_pretrained`` with ``load_kwargs`` loads it."""
@@ -181,13 +195,13 @@ class Strategy(ABC):
         sharded, the vocabulary-parallel loss's chunks over this rank's rows."""
         tokens = job.micro_batch * job.seq_len
         if self.ends_gathered(job, options):
-            fused = self.name in FUSED_LOSS_STRATEGIES
+            fused = self.whole_forward
             return sizing.logits_bytes(
                 job.shape,
                 tokens,
                 job.dtype_bytes,
                 job.loss_chunk_bytes if fused else 0,
-                liger=self.name in LIGER_LOSS_STRATEGIES and job.liger_loss and job.loss_chunk_bytes > 0,
+                liger=self.plain_head and job.liger_loss and job.loss_chunk_bytes > 0,
             )
         return sizing.vocab_parallel_logits_bytes(job.shape, tokens, job.dtype_bytes, job.world)
 
@@ -231,7 +245,7 @@ class Strategy(ABC):
         acts, note = self.activations(job, options)
         if not job.cuda:
             acts = int(acts * sizing.CPU_RESIDENT_ACTIVATIONS["lora" if job.lora else "full"])
-        elif job.compiled and self.name in COMPILE_STRATEGIES:
+        elif job.compiled and self.compiles_blocks:
             acts = int(acts * sizing.COMPILED_ACTIVATIONS)
         logits = self.logits_bytes(job, options)
         load = self.load_bytes(job, options, states)
@@ -284,166 +298,11 @@ class Strategy(ABC):
         # the worker selects gloo with cpu=True. Every strategy is applied by ladle in the worker.
         return ["--multi_gpu"]
 
-    def accelerator_kwargs(self, plan: Plan) -> dict[str, Any]:
-        """Keyword arguments for ``accelerate.Accelerator`` in the worker."""
-        return {}
-
-    def empty_context(self, plan: Plan, dtype):
-        """The context the worker builds the empty model in: parameters on the meta device by default."""
-        from ladle.train.loading import meta_context
-
-        return meta_context()
-
-    @abstractmethod
-    def wrap(self, accelerator, model, make_optimizer: Callable, plan: Plan, pending: Pending | None = None):
-        """Distribute ``model``, load what ``pending`` says it still lacks (only this rank's part), then build
-        its optimizer with ``make_optimizer(model)`` (after sharding, so the optimizer holds shards); returns
-        the model and the optimizer."""
-
-    @abstractmethod
-    def check_applied(self, accelerator, model, plan: Plan) -> dict:
-        """Raise if what runs is not what was planned (no silent fallback); return what was verified."""
-
-    def no_sync(self, accelerator, model):
-        """Context that skips gradient synchronisation on accumulation micro-steps."""
-        return accelerator.no_sync(model)
-
-    def backward(self, accelerator, model, loss, boundary: bool) -> None:
-        """Backward of one micro-batch; ``boundary`` marks the last one before the optimizer step."""
-        accelerator.backward(loss)
-
-    def optimizer_step(self, accelerator, model, optimizer, max_grad_norm: float) -> None:
-        """Clip (when ``max_grad_norm`` > 0), step and zero the gradients."""
-        if max_grad_norm > 0:
-            # The optimizer's parameters are the trained ones: listing them skips a walk over every module
-            # (3 ms of a 120 ms step on the tiny model).
-            accelerator.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
-        """The unsharded state dict, gathered collectively (every rank calls this); complete on rank 0."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(model, options=state_options(trainable_only=trainable_only))
-
-    def full_model_parts(self, accelerator, model, max_bytes: int) -> Iterator[dict | None]:
-        """The full model's weights in parts of at most ``max_bytes`` (a larger tensor alone), gathered one part
-        at a time, one tensor after another (collective: every rank iterates): whole CPU tensors on rank 0, None
-        elsewhere. Rank 0 never holds more than the part and the tensor being gathered (``ladle.train.saving``)."""
-        from ladle.train import saving
-
-        yield from saving.gather_parts(
-            self.unwrap(accelerator, model), self.whole, accelerator.is_main_process, max_bytes
-        )
-
-    @contextmanager
-    def whole(self, tensor):
-        """``tensor`` whole while the context lasts (a DTensor's ``full_tensor``, a collective over its mesh)."""
-        from torch.distributed.tensor import DTensor
-
-        yield tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
     native_checkpoint = False
     """True: checkpoints are the engine's own per-rank files, resumable only by the same strategy and world
     size. False: a torch distributed checkpoint (DCP) of the trainable state: each rank writes the shards it
     holds, nothing is gathered on one rank, and any strategy of this kind resumes from it at any world size
     (DCP reads whatever region each rank now holds)."""
-
-    def save_state(self, model, optimizer, folder: str, tag: str) -> dict:
-        """Checkpoint the model and optimizer (collective): every rank writes its files under ``folder/tag``;
-        returns what ``state.pt`` should carry besides (nothing here)."""
-        dcp_save(model, optimizer, folder, tag)
-        return {}
-
-    def load_state(self, model, optimizer, payload: dict, url: str, tag: str) -> None:
-        """Restore what ``save_state`` wrote: ``payload`` is ``state.pt``; ``url`` is the checkpoint's folder
-        in the artifact store (local or remote), read in place: each rank reads only what it needs."""
-        dcp_load(model, optimizer, url, tag)
-
-    def forward_backward(
-        self, accelerator, model, data, batch: list[int], plan: Plan, denominator: int, loss_fn
-    ) -> float:
-        """Forward and backward of this rank's share of the global ``batch`` (row indices).
-
-        ``loss_fn(model, data, rows, device)`` returns the summed token loss of ``rows`` and their
-        token count. Returns this rank's summed (unscaled) loss, for logging.
-        """
-        from contextlib import nullcontext
-
-        from ladle.train import schedule
-
-        loss_fn = vocab_parallel_loss(model, loss_fn)
-        rank, replicas = self.data_parallel(accelerator)
-        micros = schedule.micro_batches(batch, rank, replicas, plan.micro_batch_size)
-        local_sum = 0.0
-        for m, rows in enumerate(micros):
-            sync = m == len(micros) - 1
-            with self.no_sync(accelerator, model) if not sync else nullcontext():
-                loss, _ = loss_fn(model, data, rows, accelerator.device)
-                # Data-parallel reductions average gradients over replicas; scale so the result is the global token mean.
-                self.backward(accelerator, model, loss * replicas / denominator, boundary=sync)
-            local_sum += loss.item()
-        # Ranks of one replica computed the same loss: count it once in the all-rank sum.
-        return local_sum * replicas / accelerator.num_processes
-
-    def evaluate(self, accelerator, model, data, micro: int, loss_fn) -> float:
-        """Token-weighted loss over all rows of ``data``, the same on every rank.
-
-        Every rank runs the same number of forward passes: a sharded model's
-        forward is a collective (FSDP2 and ZeRO-3 gather each layer), so a rank
-        with one row fewer would leave the others waiting forever. A rank out of
-        rows runs its last batch again and does not count it.
-        """
-        import torch
-
-        loss_fn = vocab_parallel_loss(model, loss_fn)
-        rank, replicas = self.data_parallel(accelerator)
-        rows = len(data["input_ids"])
-        mine = list(range(rank, rows, replicas))
-        most = -(-rows // replicas)  # rows of the fullest rank
-        total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-        with torch.no_grad():
-            for start in range(0, most, micro):
-                chunk = mine[start : start + micro]
-                loss, count = loss_fn(model, data, chunk or mine[-micro:] or [0], accelerator.device)
-                if chunk:
-                    total += torch.tensor([loss.item(), count], dtype=torch.float64, device=accelerator.device)
-        total = accelerator.reduce(total, reduction="sum")  # every rank of a replica adds the same totals
-        return float(total[0] / max(total[1], 1))
-
-    def data_parallel(self, accelerator) -> tuple[int, int]:
-        """This rank's data-parallel index and the number of replicas (ranks reading different rows)."""
-        return accelerator.process_index, accelerator.num_processes
-
-    def load_kwargs(self, accelerator, plan: Plan) -> dict[str, Any]:
-        """Extra ``from_pretrained`` arguments (e.g. a tensor-parallel plan and mesh)."""
-        return {}
-
-    def hf_model(self, accelerator, model):
-        """The Hugging Face (or peft) model object whose ``save_pretrained`` writes the output."""
-        return self.unwrap(accelerator, model)
-
-    def unwrap(self, accelerator, model):
-        """The module under the data-parallel wrapper ``accelerator.prepare`` put around it (DDP's, if any).
-
-        Not ``accelerator.unwrap_model``: to test for DeepSpeed's engine it imports DeepSpeed whenever DeepSpeed
-        is installed, 0.9 s of CPU in each process of a DDP or FSDP2 run (measured on the tiny model's save).
-        The strategies that wrap in DeepSpeed's engine use it (``ZeRO.unwrap``).
-        """
-        from torch.nn import DataParallel
-        from torch.nn.parallel import DistributedDataParallel
-
-        while isinstance(model, DistributedDataParallel | DataParallel):
-            model = model.module
-        return model
-
-
-def vocab_parallel_loss(model, loss_fn):
-    """The loss to run: the vocabulary-parallel one (``runtime.vocab_parallel.ShardedVocab``) where the wrapped
-    model keeps an end sharded (FSDP2, ZeRO-3's frozen ends), else ``loss_fn``."""
-    vocab = getattr(model, "ladle_vocab", None)
-    return vocab.token_loss if vocab is not None else loss_fn
 
 
 def output_bytes(job: sizing.Job) -> int:
@@ -471,63 +330,3 @@ def stepped_elements(job: sizing.Job, states: memory.ModelStates) -> int:
     """The parameters this rank's torch optimizer steps, read off its optimizer state (AdamW's two float32
     moments in a float32 run; the mixed-precision layout's 16 bytes otherwise)."""
     return states.optimizer // (8 if job.dtype_bytes == 4 else memory.FP32_STATES)
-
-
-def state_options(trainable_only: bool = True, **extra):
-    """Full (unsharded) state, gathered to CPU on rank 0: the same checkpoint layout
-    whatever the strategy (DDP replica or FSDP2 shards)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only, **extra)
-
-
-def dcp_save(module, optimizer, folder: str, tag: str) -> None:
-    """The trainable state of ``module`` and its optimizer as a torch distributed checkpoint under
-    ``folder/tag``: each rank writes the shards it holds (a replicated tensor is written by one rank)."""
-    from pathlib import Path
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    options = StateDictOptions(ignore_frozen_params=True)
-    model_state, optim_state = get_state_dict(module, inner(optimizer), options=options)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=Path(folder) / tag)
-
-
-def dcp_load(module, optimizer, url: str, tag: str) -> None:
-    """Load ``dcp_save``'s checkpoint at ``url/tag`` into ``module`` and its optimizer, whatever the sharding
-    it was written with: each rank reads the regions it now holds (``dcp_reader``)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-    options = StateDictOptions(ignore_frozen_params=True)
-    model_state, optim_state = get_state_dict(module, inner(optimizer), options=options)
-    state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, storage_reader=dcp_reader(storage.join(url, tag)))
-    set_state_dict(
-        module,
-        inner(optimizer),
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-        options=StateDictOptions(ignore_frozen_params=True, strict=False),
-    )
-
-
-def dcp_reader(url: str):
-    """A DCP reader of the checkpoint at ``url``, read in place: a rank opens only the files that hold the
-    regions it loads and reads only those regions (byte ranges, on an object store). Never a download of the
-    whole checkpoint to every rank: at 70B with optimizer states that is ~1 TB per rank."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if storage.is_local(url):
-        return FileSystemReader(storage.local_path(url))
-    # fsspec's reader (torch ships it, not exported from torch.distributed.checkpoint): the same URL and the
-    # same credentials (the environment's) as the rest of the artifact store.
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(url)
-
-
-def inner(optimizer):
-    """The torch optimizer under accelerate's wrapper."""
-    return getattr(optimizer, "optimizer", optimizer)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from pydantic import Field
 
@@ -57,10 +56,13 @@ def broadcast_bytes(job) -> int:
 
 
 class DDP(Strategy):
+    runtime = "ladle.train.runtime.ddp:DDPRuntime"
+    """Where its worker side is (``ladle.train.runtime``): imported by the worker only."""
     name = "ddp"
     summary = "data parallel, full replica per rank, gradients all-reduced"
     options_model = DDPOptions
     options_section = "ddp"
+    compiles_blocks = whole_forward = plain_head = autocast = True
     fallback = True  # the least communication, when nothing can be sized
 
     def validate(self, cfg, topo, target) -> list[str]:
@@ -109,37 +111,6 @@ class DDP(Strategy):
         (``broadcast_bytes``): the larger of the two transients, beside the weights."""
         read = job.shape.largest_tensor * job.dtype_bytes
         return super().load_bytes(job, options, states) - read + max(read, broadcast_bytes(job))
-
-    def accelerator_kwargs(self, plan) -> dict[str, Any]:
-        from accelerate.utils import DistributedDataParallelKwargs
-
-        opts = plan.strategy_options
-        ddp = DistributedDataParallelKwargs(
-            bucket_cap_mb=opts.get("bucket_cap_mb", 25),
-            find_unused_parameters=opts.get("find_unused_parameters", False),
-            gradient_as_bucket_view=opts.get("gradient_as_bucket_view", True),
-        )
-        return {"kwargs_handlers": [ddp]}
-
-    def wrap(self, accelerator, model, make_optimizer, plan, pending=None):
-        if pending is not None:
-            pending.fill(model, accelerator.device)  # a full replica on every rank
-        return accelerator.prepare(model, make_optimizer(model))
-
-    def check_applied(self, accelerator, model, plan) -> dict:
-        from torch.nn.parallel import DistributedDataParallel
-
-        if plan.world_size > 1 and not isinstance(model, DistributedDataParallel):
-            raise RuntimeError(
-                f"strategy ddp planned for {plan.world_size} ranks but the model is {type(model).__name__}"
-            )
-        report = {"wrapper": type(model).__name__, "parameter_share": 1.0}
-        if isinstance(model, DistributedDataParallel):
-            wanted = plan.strategy_options.get("gradient_as_bucket_view", True)
-            if model.gradient_as_bucket_view != wanted:
-                raise RuntimeError(f"ddp: gradient_as_bucket_view={wanted} planned, the wrapper has the opposite")
-            report["gradients"] = "views into the all-reduce buckets" if wanted else "a copy beside the buckets"
-        return report
 
 
 register(DDP())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ladle.strategies.runtime.zero import import_deepspeed
+from ladle.strategies.deepspeed_import import import_deepspeed
 
 NO_PRINT = 10**9
 

@@ -13,9 +13,6 @@ local, sharded output. Attention and KV heads must divide by the degree.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any
-
 from ladle.sizing import memory
 from ladle.strategies.base import Strategy
 from ladle.strategies.mesh import Dims
@@ -23,6 +20,8 @@ from ladle.strategies.registry import register
 
 
 class TensorParallel(Strategy):
+    runtime = "ladle.train.runtime.tensor:TensorParallelRuntime"
+    """Where its worker side is (``ladle.train.runtime``): imported by the worker only."""
     name = "tp"
     loads_lazily = False  # transformers' tp_plan loading reads each rank's slices itself
     summary = "tensor parallel (transformers tp_plan on a DTensor mesh): every layer's weights split across ranks"
@@ -68,44 +67,6 @@ class TensorParallel(Strategy):
                     f"divide by {world_size}. Use a tensor-parallel degree that divides it (--gpus N) or fsdp2."
                 )
         return problems
-
-    def load_kwargs(self, accelerator, plan) -> dict[str, Any]:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,), mesh_dim_names=("tp",))
-        return {"tp_plan": "auto", "device_mesh": mesh}
-
-    def wrap(self, accelerator, model, make_optimizer, plan, pending=None):
-        # loads_lazily is False: from_pretrained's tp_plan already gave each rank only its slices.
-        model.to(accelerator.device)
-        return model, make_optimizer(model)
-
-    def check_applied(self, accelerator, model, plan) -> dict:
-        from torch.distributed.tensor import DTensor, Shard
-
-        params = list(model.parameters())
-        sharded = [p for p in params if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)]
-        if accelerator.num_processes > 1 and not sharded:
-            raise RuntimeError("tp planned but no parameter is a sharded DTensor (the model has no tp_plan?)")
-        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
-        total = sum(p.numel() for p in params)
-        return {
-            "wrapper": "tp_plan",
-            "tp_degree": accelerator.num_processes,
-            "sharded_parameters": len(sharded),
-            "parameter_share": local / total,
-        }
-
-    def hf_model(self, accelerator, model):
-        from ladle.strategies.runtime.skeleton import meta_skeleton
-
-        return meta_skeleton(model.config)
-
-    def data_parallel(self, accelerator) -> tuple[int, int]:
-        return 0, 1  # one replica: every rank reads the same rows
-
-    def no_sync(self, accelerator, model):
-        return nullcontext()
 
 
 register(TensorParallel())

@@ -5,13 +5,13 @@ store's ``_COMPLETE`` marker, written last. ``state.pt`` holds the scheduler
 state, every rank's RNG state, the loss history and the strategy's ``format``;
 the data position is the step number itself (see ``ladle.train.schedule``).
 Where the weights and optimizer state go is the strategy's choice
-(``Strategy.save_state``), and no strategy gathers them on one rank: strategy-neutral
+(``Runtime.save_state``), and no strategy gathers them on one rank: strategy-neutral
 ones (DDP, FSDP2, tensor parallel) write a torch distributed checkpoint of the
 trainable state under ``engine/``, each rank its own shards, which any such
 strategy resumes from at any world size; native ones (DeepSpeed's per-rank engine
 files, one file per pipeline stage, N-D's stage modules) write their own files
 there too, so they resume only with the same strategy and world size. The caller
-passes the plan's strategy object.
+passes the plan's strategy runtime (``ladle.train.runtime``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses, eval_before, plan, strategy) -> None:
+def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses, eval_before, plan, runtime) -> None:
     """Gather every rank's RNG and the training state (collectives), then mark the step complete.
 
     Every rank writes and uploads its own files (a DCP checkpoint, or the strategy's native ones) before
@@ -82,13 +82,13 @@ def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses,
         "eval_before": eval_before,
         "strategy": plan.strategy,
         "world_size": plan.world_size,
-        "format": checkpoint_format(strategy),
+        "format": checkpoint_format(runtime),
     }
     if accelerator.is_main_process:
         storage.remove(target)  # a partial folder from a crashed attempt
     accelerator.wait_for_everyone()
     with tempfile.TemporaryDirectory(prefix="ladle-ckpt-") as tmp:
-        payload.update(strategy.save_state(model, optimizer, tmp, NATIVE_TAG))
+        payload.update(runtime.save_state(model, optimizer, tmp, NATIVE_TAG))
         storage.upload_dir(tmp, target, complete=False)  # each rank its own files
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -101,15 +101,15 @@ def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses,
     accelerator.wait_for_everyone()
 
 
-def checkpoint_format(strategy) -> str:
+def checkpoint_format(runtime) -> str:
     """``native``: the strategy's own files (same strategy and world size to resume); ``dcp``: a strategy-neutral
     torch distributed checkpoint."""
-    return "native" if strategy.native_checkpoint else "dcp"
+    return "native" if runtime.strategy.native_checkpoint else "dcp"
 
 
-def load_latest(accelerator, root: str, model, optimizer, scheduler, plan, strategy) -> ResumeState | None:
+def load_latest(accelerator, root: str, model, optimizer, scheduler, plan, runtime) -> ResumeState | None:
     """Restore the newest complete checkpoint into the wrapped model, optimizer and scheduler (all ranks);
-    ``strategy`` is the plan's, which reads its own files.
+    ``runtime`` is the plan's strategy's, which reads its own files.
 
     Raises:
         RuntimeError: the checkpoint was written in a native format by another strategy or world size.
@@ -126,7 +126,7 @@ def load_latest(accelerator, root: str, model, optimizer, scheduler, plan, strat
             f"checkpoint {target} holds the gathered full state of an earlier ladle version, which this version "
             "no longer reads (it writes per-rank shards). Start a new run (another output folder or run name)."
         )
-    wanted = checkpoint_format(strategy)
+    wanted = checkpoint_format(runtime)
     same_run_shape = payload.get("strategy") == plan.strategy and payload.get("world_size") == plan.world_size
     if fmt != wanted or (fmt == "native" and not same_run_shape):
         raise RuntimeError(
@@ -134,7 +134,7 @@ def load_latest(accelerator, root: str, model, optimizer, scheduler, plan, strat
             f"({fmt} format); this run is {plan.strategy} on {plan.world_size}. Resume with the same strategy and "
             "world size, or start a new run (another output folder or run name)."
         )
-    strategy.load_state(model, optimizer, payload, target, NATIVE_TAG)  # it reads what it needs from there
+    runtime.load_state(model, optimizer, payload, target, NATIVE_TAG)  # it reads what it needs from there
     scheduler.load_state_dict(payload["scheduler"])
     rngs = payload["rng"]  # one per rank that wrote it; a DCP checkpoint may resume on more ranks
     set_rng_state(rngs[accelerator.process_index % len(rngs)])

@@ -17,24 +17,17 @@
 - **Attention example by example** in packed rows (``ladle.train.packed_attention``): causal SDPA over each
   example instead of masked SDPA over the whole row.
 
-The plan resolves what it can from the config and the device (``decide``, no torch import); the worker
-resolves the rest on the training host (``apply``) and reports what ran in the result.
+The plan resolves what it can from the config, the strategy's traits and the device (``ladle.plan.kernels``);
+the worker resolves the rest on the training host (here) and reports what ran in the result.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Strategies whose blocks may be compiled: ZeRO-3's parameter hooks and pipeline/tensor-parallel stages
-# break under compiled graphs or have not been checked with them.
-COMPILE_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp2")
-# Strategies whose step calls the model's own forward with the head inside it (the fused head replaces the
-# head's forward); pipeline stages compute the loss on the last stage, tensor-parallel heads redistribute
-# their output in hooks.
-FUSED_LOSS_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero++", "fsdp2")
-# Strategies that leave the head a plain ``nn.Linear`` (Liger's kernel takes its weight; FSDP2's units change the
-# module's class, so its gathered head runs the chunked loss).
-LIGER_LOSS_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero++")
+from ladle import strategies
+from ladle.plan.kernels import liger_importable
+
 # Model types whose causal-LM forward returns the head's output unchanged (no soft-capping or logit scale).
 PLAIN_HEAD_TYPES = (
     "llama",
@@ -46,162 +39,9 @@ PLAIN_HEAD_TYPES = (
     "olmo2",
     "gemma",
 )
-# The DDP strategy runs under accelerate's autocast with float32 adapters; the others compute adapters in
-# the run's dtype already (FSDP2's param_dtype, DeepSpeed's 16-bit module).
-AUTOCAST_STRATEGIES = ("ddp",)
-
-
-def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool = False) -> tuple[dict, list[str]]:
-    """The plan's fast paths for ``strategy`` on ``device``: a dict the worker reads, and one reason each."""
-    cuda = device == "cuda"
-    if kernels.compile == "auto":
-        compile_on = cuda and strategy in COMPILE_STRATEGIES
-        why = (
-            "on: CUDA and a strategy whose blocks compile"
-            if compile_on
-            else ("off: CPU, where compiling costs more than short runs gain" if not cuda else f"off: {strategy}")
-        )
-    else:
-        compile_on = bool(kernels.compile)
-        why = "on (training.kernels.compile = true)" if compile_on else "off (training.kernels.compile = false)"
-    if fsdp2_compile and strategy == "fsdp2" and not compile_on:
-        compile_on, why = True, "on (parallelism.fsdp2.compile = true)"
-    if kernels.fused_loss == "off" or strategy not in FUSED_LOSS_STRATEGIES:
-        loss = "off"
-        loss_why = (
-            "off (training.kernels.fused_loss = off)"
-            if kernels.fused_loss == "off"
-            else f"off: {strategy} computes its loss in its own stages"
-        )
-    elif kernels.fused_loss == "auto":
-        loss = "auto" if cuda else "chunked"
-        loss_why = (
-            "Liger's fused linear cross-entropy where liger-kernel is installed on the training host, else chunked"
-            if cuda
-            else "chunked (Liger needs CUDA)"
-        )
-    else:
-        loss, loss_why = kernels.fused_loss, f"{kernels.fused_loss} (training.kernels.fused_loss)"
-    if kernels.liger == "auto":
-        liger = "auto" if cuda and not compile_on else "off"
-        liger_why = (
-            "where liger-kernel is installed on the training host"
-            if liger == "auto"
-            else ("off: the blocks are compiled (inductor fuses the same)" if cuda else "off: CPU")
-        )
-    else:
-        liger = "on" if kernels.liger else "off"
-        liger_why = f"{liger} (training.kernels.liger)"
-    if kernels.padding_free == "auto":
-        joined = strategy in FUSED_LOSS_STRATEGIES
-        joined_why = (
-            "per micro-batch, where one row of its real tokens computes less than its padded rows"
-            if joined
-            else f"off: {strategy} keeps fixed row shapes"
-        )
-    else:
-        joined = bool(kernels.padding_free)
-        joined_why = f"{'on' if joined else 'off'} (training.kernels.padding_free)"
-    if kernels.packed_attention == "auto":
-        by_example = "auto" if not cuda and strategy in FUSED_LOSS_STRATEGIES else "off"
-        by_example_why = (
-            "on where the model's attention is plain causal attention"
-            if by_example == "auto"
-            else (f"off: {strategy} keeps its own attention masks" if not cuda else "off: not measured on CUDA")
-        )
-    else:
-        by_example = "on" if kernels.packed_attention else "off"
-        by_example_why = f"{by_example} (training.kernels.packed_attention)"
-    lora_compute = kernels.lora_compute
-    sixteen = dtype != "float32"
-    decided = {
-        "compile": compile_on,
-        "fused_loss": loss,
-        "loss_chunk_mib": kernels.loss_chunk_mib,
-        "liger": liger,
-        "lora_compute": lora_compute if sixteen else "float32",
-        "padding_free": joined,
-        "packed_attention": by_example,
-    }
-    reasons = [
-        f"kernels: per-block compile {why}; fused loss {loss_why}; Liger RMSNorm/SwiGLU/RoPE {liger_why}; "
-        + (
-            f"LoRA adapters compute in {dtype} from float32 master weights"
-            if sixteen and lora_compute == "run_dtype"
-            else "LoRA adapters compute in float32"
-        )
-        + f"; padding-free micro-batches {joined_why}; attention example by example {by_example_why}"
-    ]
-    return decided, reasons
-
-
-def problems(kernels, strategy: str, device: str) -> list[str]:
-    """Settings that cannot run: named field, value, why, and the fix."""
-    found = []
-    if kernels.compile is True and strategy not in COMPILE_STRATEGIES:
-        found.append(
-            f"training.kernels.compile = true with parallelism.strategy = {strategy}: per-block compile runs "
-            f"with {', '.join(COMPILE_STRATEGIES)} only. Set training.kernels.compile=auto or false."
-        )
-    if kernels.compile is True and device == "cpu":
-        import shutil
-
-        if not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
-            found.append(
-                "training.kernels.compile = true on a CPU: inductor compiles C++ and this host has no C++ "
-                "compiler (g++, c++ or clang++ on PATH). Install one or set training.kernels.compile=false."
-            )
-    if kernels.liger is True and device != "cuda":
-        found.append(
-            "training.kernels.liger = true: Liger's kernels are Triton kernels for CUDA and this run is on the CPU. "
-            "Set training.kernels.liger=auto or false."
-        )
-    if kernels.padding_free is True and strategy not in FUSED_LOSS_STRATEGIES:
-        found.append(
-            f"training.kernels.padding_free = true with parallelism.strategy = {strategy}: {strategy}'s stages "
-            f"need rows of one fixed shape; padding-free micro-batches run with {', '.join(FUSED_LOSS_STRATEGIES)}. "
-            "Set training.kernels.padding_free=auto or false."
-        )
-    if kernels.packed_attention is True and strategy not in FUSED_LOSS_STRATEGIES:
-        found.append(
-            f"training.kernels.packed_attention = true with parallelism.strategy = {strategy}: {strategy}'s stages "
-            f"build their own attention masks; attention example by example runs with "
-            f"{', '.join(FUSED_LOSS_STRATEGIES)}. Set training.kernels.packed_attention=auto or false."
-        )
-    if kernels.fused_loss == "liger" and strategy not in LIGER_LOSS_STRATEGIES:
-        found.append(
-            f"training.kernels.fused_loss = liger with parallelism.strategy = {strategy}: Liger's kernel needs the "
-            f"head as a plain linear layer, which {strategy} does not keep. Set training.kernels.fused_loss=chunked "
-            "or auto."
-        )
-    if kernels.fused_loss == "liger" and device != "cuda":
-        found.append(
-            "training.kernels.fused_loss = liger: Liger's fused linear cross-entropy needs CUDA and this run is on "
-            "the CPU. Set training.kernels.fused_loss=chunked (the same loss on any device) or auto."
-        )
-    return found
-
-
-def liger_loss_expected(kernels, device: str) -> bool:
-    """Whether the memory model should expect Liger's fused loss: asked for, or auto with liger-kernel installed
-    where the plan is made (the training host for local runs)."""
-    if device != "cuda" or kernels.fused_loss in ("off", "chunked"):
-        return False
-    return kernels.fused_loss == "liger" or liger_importable()
-
-
-def compile_expected(kernels, device: str) -> bool:
-    """Whether blocks are compiled where the strategy compiles them (the memory model's activation factor)."""
-    return device == "cuda" and (kernels.compile is True or kernels.compile == "auto")
 
 
 # -- worker side ---------------------------------------------------------------------------------------------
-
-
-def liger_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("liger_kernel") is not None
 
 
 def apply_liger(model, decided: dict, device: str) -> str:
@@ -236,7 +76,7 @@ def lora_in_run_dtype(model, decided: dict, strategy: str, device: str) -> str:
     """Stop peft casting adapted inputs to float32 where autocast computes the adapters in 16-bit anyway."""
     if decided.get("lora_compute") != "run_dtype" or device != "cuda":
         return "float32" if device == "cuda" else "float32 (CPU run)"
-    if strategy not in AUTOCAST_STRATEGIES:
+    if not strategies.get(strategy).autocast:
         return "run dtype (the strategy keeps adapters in it)"
     layers = [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")]
     for layer in layers:
@@ -254,7 +94,7 @@ def compile_blocks(model, decided: dict, strategy: str) -> str:
     if not decided.get("compile"):
         return "off"
     layers = decoder_layers(model)
-    if strategy != "fsdp2":
+    if not strategies.get(strategy).compiles_in_wrap:
         for layer in layers:
             layer.compile()
     return f"on: {len(layers)} blocks"

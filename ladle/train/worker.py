@@ -25,12 +25,11 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from ladle import strategies
 from ladle.data.packing import IGNORE, read_rows
 from ladle.platform import storage
-from ladle.strategies.base import inner
 from ladle.train import checkpoint, kernels, loading, packed_attention, padding_free, saving, schedule
 from ladle.train.loss import token_loss
+from ladle.train.runtime.base import inner, runtime_for
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
 
@@ -62,21 +61,21 @@ def load_model(spec: TrainSpec, accelerator: Accelerator):
     from transformers import AutoModelForCausalLM
 
     cfg, plan = spec.config, spec.plan
-    strategy = strategies.get(plan.strategy)
+    runtime = runtime_for(plan.strategy)
     dtype = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
     quantized = cfg.training.quantization.mode == "nf4"
     pending = None
-    if strategy.loads_lazily and not quantized:
-        model = loading.build_empty(spec.base_dir, dtype, lambda: strategy.empty_context(plan, dtype))
+    if runtime.strategy.loads_lazily and not quantized:
+        model = loading.build_empty(spec.base_dir, dtype, lambda: runtime.empty_context(plan, dtype))
         pending = loading.Pending(loading.Checkpoint(spec.base_dir))
     else:
-        kwargs = {"dtype": dtype, **strategy.load_kwargs(accelerator, plan)}
+        kwargs = {"dtype": dtype, **runtime.load_kwargs(accelerator, plan)}
         if quantized:
             from transformers import BitsAndBytesConfig
 
             storage_dtype = cfg.training.quantization.storage_dtype
             if storage_dtype == "auto":  # sharded tensors must be floats; otherwise bitsandbytes' packed uint8
-                storage_dtype = plan.dtype if strategy.shards_tensors else "uint8"
+                storage_dtype = plan.dtype if runtime.strategy.shards_tensors else "uint8"
             kwargs["quantization_config"] = BitsAndBytesConfig(
                 load_in_4bit=True,
                 bnb_4bit_quant_type="nf4",
@@ -130,7 +129,7 @@ def evaluate(accelerator: Accelerator, model, data: dict[str, torch.Tensor], spe
     """Token-weighted eval loss over all eval rows, the same on every rank."""
     model.eval()
     micro = spec.plan.eval_micro_batch_size or spec.plan.micro_batch_size
-    loss = strategies.get(spec.plan.strategy).evaluate(accelerator, model, data, micro, token_loss)
+    loss = runtime_for(spec.plan.strategy).evaluate(accelerator, model, data, micro, token_loss)
     model.train()
     return loss
 
@@ -154,9 +153,9 @@ def train_step(accelerator, model, optimizer, scheduler, data, step: int, spec: 
     rows = len(data["input_ids"])
     batch = schedule.global_batch_rows(step, rows, plan.global_batch_size, cfg.training.seed)
     denominator = max(trained_tokens(data, batch), 1)
-    strategy = strategies.get(plan.strategy)
-    local_sum = strategy.forward_backward(accelerator, model, data, batch, plan, denominator, token_loss)
-    strategy.optimizer_step(accelerator, model, optimizer, cfg.training.max_grad_norm)
+    runtime = runtime_for(plan.strategy)
+    local_sum = runtime.forward_backward(accelerator, model, data, batch, plan, denominator, token_loss)
+    runtime.optimizer_step(accelerator, model, optimizer, cfg.training.max_grad_norm)
     scheduler.step()
     total = accelerator.reduce(torch.tensor([local_sum], dtype=torch.float64, device=accelerator.device), "sum")
     return float(total[0]) / denominator
@@ -182,20 +181,20 @@ def save_outputs(accelerator, model, spec: TrainSpec) -> tuple[str | None, str |
     """Rank 0 writes the adapter (LoRA) or the full model, with the tokenizer, then marks it complete."""
     from transformers import AutoTokenizer
 
-    strategy = strategies.get(spec.plan.strategy)
-    unwrapped = strategy.hf_model(accelerator, model)
+    runtime = runtime_for(spec.plan.strategy)
+    unwrapped = runtime.hf_model(accelerator, model)
     kind = "adapter" if spec.config.training.lora.enabled else "model"
     url = storage.join(spec.run_url, kind)
     main = accelerator.is_main_process
     # Collective: every rank takes part in gathering sharded parameters; rank 0 receives the full tensors.
     with tempfile.TemporaryDirectory() as tmp:
         if kind == "adapter":
-            full = strategy.full_state_dict(accelerator, model, trainable_only=True)
+            full = runtime.full_state_dict(accelerator, model, trainable_only=True)
             if main:
                 unwrapped.save_pretrained(tmp, state_dict=full, safe_serialization=True)
         else:  # a part at a time: rank 0 never holds the whole model beside its states
             shard_bytes = spec.config.training.save_shard_mib * 2**20
-            parts = strategy.full_model_parts(accelerator, model, shard_bytes)
+            parts = runtime.full_model_parts(accelerator, model, shard_bytes)
             saving.write_model_files(unwrapped, parts, Path(tmp), shard_bytes, main)
         if main:
             AutoTokenizer.from_pretrained(spec.base_dir).save_pretrained(tmp)
@@ -254,14 +253,14 @@ def setup(spec: TrainSpec) -> Session:
     """Accelerator -> data -> model (+LoRA) -> strategy wrap (+optimizer) -> check applied -> scheduler ->
     resume -> first eval (skipped on resume: the checkpoint carries it)."""
     plan, cfg = spec.plan, spec.config
-    strategy = strategies.get(plan.strategy)
+    runtime = runtime_for(plan.strategy)
     one_process_group(plan)
-    accelerator = Accelerator(cpu=plan.device == "cpu", **strategy.accelerator_kwargs(plan))
+    accelerator = Accelerator(cpu=plan.device == "cpu", **runtime.accelerator_kwargs(plan))
     if accelerator.num_processes != plan.world_size:
         raise RuntimeError(
             f"planned world size {plan.world_size} but the launcher started {accelerator.num_processes} process(es)"
         )
-    warm_imports(strategy)
+    warm_imports(runtime)
     torch.manual_seed(cfg.training.seed)
     train, evals = load_split(spec, "train"), load_split(spec, "eval")
     # The process before any weight: interpreter, libraries, the process group, the packed data (and the
@@ -272,8 +271,8 @@ def setup(spec: TrainSpec) -> Session:
         raise RuntimeError(f"{rows} packed training rows cannot fill one global batch of {plan.global_batch_size}")
     steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
     model, pending, ran = load_model(spec, accelerator)
-    model, optimizer = strategy.wrap(accelerator, model, lambda m: build_optimizer(m, cfg), plan, pending)
-    hf_model = strategy.hf_model(accelerator, model)
+    model, optimizer = runtime.wrap(accelerator, model, lambda m: build_optimizer(m, cfg), plan, pending)
+    hf_model = runtime.hf_model(accelerator, model)
     if getattr(model, "ladle_vocab", None) is not None:
         ran["fused_loss"] = "vocabulary-parallel (the ends stay sharded)"
     else:
@@ -283,12 +282,12 @@ def setup(spec: TrainSpec) -> Session:
     ran["padding_free"] = padding_free.install(hf_model.config, plan.kernels, by_example)
     if leftover := loading.meta_parameters(model):
         raise RuntimeError(f"{plan.strategy}: {len(leftover)} parameter(s) were never loaded, e.g. {leftover[0]}")
-    sharding = strategy.check_applied(accelerator, model, plan)
+    sharding = runtime.check_applied(accelerator, model, plan)
     release_freed_memory(accelerator)
     load_peak = peak_memory_mib(accelerator)  # loading and wrapping done: the load's share of the peak
     scheduler = build_scheduler(optimizer, cfg, steps)
     state = checkpoint.load_latest(
-        accelerator, storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan, strategy
+        accelerator, storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan, runtime
     )
     log = mlflow_logger(spec, accelerator)
     if state:
@@ -374,18 +373,18 @@ def train_loop(s: Session) -> tuple[int, float]:
                 s.losses,
                 s.eval_before,
                 plan,
-                strategies.get(plan.strategy),
+                runtime_for(plan.strategy),
             )
     return tokens, seconds
 
 
-def warm_imports(strategy) -> None:
+def warm_imports(runtime) -> None:
     """Import what loading and wrapping will, so the baseline measured next includes the libraries."""
     import peft  # noqa: F401
     import transformers.models.auto.modeling_auto  # noqa: F401
 
-    if strategy.engine == "deepspeed":
-        from ladle.strategies.runtime.zero import import_deepspeed
+    if runtime.strategy.engine == "deepspeed":
+        from ladle.strategies.deepspeed_import import import_deepspeed
 
         import_deepspeed()
 

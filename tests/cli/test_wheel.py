@@ -40,7 +40,7 @@ def installed(tmp_path_factory) -> Path:
         "ladle/flows/finetune.py",
         "ladle/tasks/train.py",
         "ladle/strategies/fsdp2.py",
-        "ladle/strategies/runtime/pipeline_stage.py",
+        "ladle/train/runtime/pipeline_stage.py",
     ):
         assert expected in names, sorted(names)[:40]
     venv = root / "venv"

@@ -226,7 +226,7 @@ def test_pipeline_states_are_the_fullest_stages(model_name, stages):
 
     from ladle.assets import recipes_dir
     from ladle.plan.planner import plan_estimate
-    from ladle.strategies.runtime.pipeline_stage import StageModule
+    from ladle.train.runtime.pipeline_stage import StageModule
 
     model = json.loads((recipes_dir() / "models" / model_name / "config.json").read_text())
     held = []

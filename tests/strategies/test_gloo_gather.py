@@ -11,7 +11,7 @@ from tests.helpers import run_ranks
 def rank_main(rank: int, world: int, port: int, queue) -> None:
     import torch.distributed as dist
 
-    from ladle.strategies.runtime.gloo_gather import InPlaceAllGather
+    from ladle.train.runtime.gloo_gather import InPlaceAllGather
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

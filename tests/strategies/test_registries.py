@@ -314,3 +314,25 @@ def test_one_registry_shape_for_strategies_backends_and_compute_targets():
         build_config(MINIMAL, ["compute.target=elsewhere"])
     with pytest.raises(Exception, match=r"serve.backend = 'vllm': unknown serving backend. Use one of: transformers"):
         backends.get("vllm")
+
+
+def package_of(module: str) -> str:
+    """``ladle.plan.memory`` -> ``ladle.plan``; a root module (``ladle.errors``) is its own."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or (ROOT / "ladle" / parts[-1]).is_dir() else module
+
+
+def test_no_two_packages_import_each_other():
+    """Deciding apart from applying, at the scale of packages: the planner, the strategies, the config and the
+    compute targets sit below ``ladle.train`` and never import it (its runtime side imports them), and so on
+    for every pair (functions and ``TYPE_CHECKING`` blocks included)."""
+    known = {name: path for name, path in module_files().items() if name.startswith("ladle.")}
+    edges: dict[str, set[str]] = {}
+    for name, path in known.items():
+        for target in imported(name, path, known):
+            a, b = package_of(name), package_of(target)
+            if a != b:
+                edges.setdefault(a, set()).add(b)
+    both = sorted({tuple(sorted((a, b))) for a in edges for b in edges[a] if a in edges.get(b, set())})
+    assert not both, both
+    assert "ladle.train" not in edges.get("ladle.strategies", set()) | edges.get("ladle.plan", set())

@@ -23,7 +23,7 @@ def rank_main(rank: int, world: int, port: int, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from ladle.strategies.runtime.pipeline_stage import gather_parts_to_rank0, gather_to_rank0
+    from ladle.train.runtime.pipeline_stage import gather_parts_to_rank0, gather_to_rank0
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

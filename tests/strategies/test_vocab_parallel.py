@@ -68,7 +68,7 @@ def reference(world: int):
 def rank_main(rank: int, world: int, port: int, queue, budget: int) -> None:
     import torch.distributed as dist
 
-    from ladle.strategies.runtime.vocab_parallel import VocabParallelEmbedding, VocabParallelLoss
+    from ladle.train.runtime.vocab_parallel import VocabParallelEmbedding, VocabParallelLoss
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -113,7 +113,7 @@ def chunk_peak_main(rank: int, world: int, port: int, queue) -> None:
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from ladle.strategies.runtime.vocab_parallel import VocabParallelLoss
+    from ladle.train.runtime.vocab_parallel import VocabParallelLoss
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

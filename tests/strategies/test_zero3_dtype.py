@@ -8,7 +8,7 @@ import torch
 def test_zero3_gives_its_extra_trainables_the_run_dtype():
     """ZeRO-3 packs a group's partitions into one buffer of one dtype; peft's float32 adapters beside a bf16
     ``modules_to_save`` head broke that on a GPU. Only trainable parameters ZeRO-3 did not create change."""
-    from ladle.strategies.runtime.zero import one_dtype
+    from ladle.train.runtime.zero import one_dtype
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     model[1].to(torch.bfloat16)

@@ -8,6 +8,7 @@ import torch
 
 from ladle.config import build_config
 from ladle.data.packing import IGNORE
+from ladle.plan import kernels as plan_kernels
 from ladle.train import kernels
 from ladle.train.kernels import FusedHead
 from ladle.train.loss import token_cross_entropy
@@ -151,7 +152,7 @@ def cfg_with(*overrides: str):
 
 
 def test_plan_decides_each_fast_path_with_its_reason():
-    on_gpu, why = kernels.decide(cfg_with().training.kernels, "ddp", "cuda", "bfloat16")
+    on_gpu, why = plan_kernels.decide(cfg_with().training.kernels, "ddp", "cuda", "bfloat16")
     assert on_gpu == {
         "compile": True,
         "fused_loss": "auto",
@@ -162,19 +163,21 @@ def test_plan_decides_each_fast_path_with_its_reason():
         "packed_attention": "off",  # not measured on CUDA
     }
     assert "per-block compile on" in why[0] and "LoRA adapters compute in bfloat16" in why[0]
-    on_cpu, why = kernels.decide(cfg_with().training.kernels, "ddp", "cpu", "float32")
+    on_cpu, why = plan_kernels.decide(cfg_with().training.kernels, "ddp", "cpu", "float32")
     assert (on_cpu["compile"], on_cpu["fused_loss"], on_cpu["liger"], on_cpu["lora_compute"]) == (
         False,
         "chunked",
         "off",
         "float32",
     )
-    eager, _ = kernels.decide(cfg_with("training.kernels.compile=false").training.kernels, "ddp", "cuda", "bfloat16")
+    eager, _ = plan_kernels.decide(
+        cfg_with("training.kernels.compile=false").training.kernels, "ddp", "cuda", "bfloat16"
+    )
     assert (eager["compile"], eager["liger"]) == (False, "auto")
-    staged, why = kernels.decide(cfg_with().training.kernels, "pipeline", "cuda", "bfloat16")
+    staged, why = plan_kernels.decide(cfg_with().training.kernels, "pipeline", "cuda", "bfloat16")
     assert staged["fused_loss"] == "off" and "pipeline computes its loss in its own stages" in why[0]
     assert staged["compile"] is False
-    legacy, _ = kernels.decide(
+    legacy, _ = plan_kernels.decide(
         cfg_with("training.kernels.compile=false").training.kernels, "fsdp2", "cuda", "bfloat16", fsdp2_compile=True
     )
     assert legacy["compile"] is True
@@ -182,15 +185,15 @@ def test_plan_decides_each_fast_path_with_its_reason():
 
 def test_plan_refuses_what_cannot_run():
     k = cfg_with("training.kernels.compile=true").training.kernels
-    assert "runs with ddp, zero1, zero2, fsdp2 only" in kernels.problems(k, "zero3", "cuda")[0]
+    assert "runs with ddp, zero1, zero2, fsdp2 only" in plan_kernels.problems(k, "zero3", "cuda")[0]
     k = cfg_with("training.kernels.liger=true", "training.kernels.fused_loss=liger").training.kernels
-    found = kernels.problems(k, "ddp", "cpu")
+    found = plan_kernels.problems(k, "ddp", "cpu")
     assert len(found) == 2
     assert found[0].startswith("training.kernels.liger = true: Liger's kernels are Triton kernels for CUDA")
     assert "Set training.kernels.fused_loss=chunked" in found[1]
     k = cfg_with("training.kernels.fused_loss=liger").training.kernels
-    assert kernels.problems(k, "ddp", "cuda") == []
-    assert "which fsdp2 does not keep" in kernels.problems(k, "fsdp2", "cuda")[0]
+    assert plan_kernels.problems(k, "ddp", "cuda") == []
+    assert "which fsdp2 does not keep" in plan_kernels.problems(k, "fsdp2", "cuda")[0]
 
 
 def test_the_memory_model_counts_one_chunk_of_logits():

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ladle.train import kernels, packed_attention
+from ladle.plan import kernels as plan_kernels
+from ladle.train import packed_attention
 from ladle.train.packed_attention import Layout
 from ladle.train.padding_free import JoinRows
 from tests.train.test_kernels import cfg_with, close, tiny
@@ -88,16 +89,16 @@ def test_models_whose_attention_is_not_plain_are_said_and_refused_when_asked_for
 
 def test_plan_decides_attention_by_example_and_joining_follows_it():
     auto = cfg_with().training.kernels
-    decided, why = kernels.decide(auto, "ddp", "cpu", "float32")
+    decided, why = plan_kernels.decide(auto, "ddp", "cpu", "float32")
     assert decided["packed_attention"] == "auto"
     assert "attention example by example on where the model's attention is plain causal attention" in why[0]
-    decided, why = kernels.decide(auto, "ddp", "cuda", "bfloat16")
+    decided, why = plan_kernels.decide(auto, "ddp", "cuda", "bfloat16")
     assert decided["packed_attention"] == "off" and "not measured on CUDA" in why[0]
-    decided, why = kernels.decide(auto, "pipeline", "cpu", "float32")
+    decided, why = plan_kernels.decide(auto, "pipeline", "cpu", "float32")
     assert decided["packed_attention"] == "off" and "pipeline keeps its own attention masks" in why[0]
     forced = cfg_with("training.kernels.packed_attention=true").training.kernels
-    assert kernels.decide(forced, "ddp", "cuda", "bfloat16")[0]["packed_attention"] == "on"
-    assert "packed_attention = true with parallelism.strategy = tp" in kernels.problems(forced, "tp", "cpu")[0]
+    assert plan_kernels.decide(forced, "ddp", "cuda", "bfloat16")[0]["packed_attention"] == "on"
+    assert "packed_attention = true with parallelism.strategy = tp" in plan_kernels.problems(forced, "tp", "cpu")[0]
     # Attention per example: joining adds no pair, so any padding is worth dropping; masked SDPA: priced.
     shape = decoder(hidden=128, heads=4, kv_heads=2, inner=352)
     nearly_full = [250, 244, 251, 240]

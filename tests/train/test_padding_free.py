@@ -8,7 +8,7 @@ import torch
 
 from ladle.data.packing import IGNORE, pack_examples
 from ladle.data.tokenize import Example
-from ladle.train import kernels
+from ladle.plan import kernels as plan_kernels
 from ladle.train.loss import token_loss
 from ladle.train.padding_free import JoinRows, install
 from tests.train.test_kernels import cfg_with, close, tiny
@@ -119,16 +119,16 @@ def test_rows_are_joined_only_where_that_computes_less():
 def test_plan_decides_padding_free_per_strategy_and_refuses_it_where_rows_keep_one_shape():
     auto = cfg_with().training.kernels
     for strategy in ("ddp", "zero3", "fsdp2"):
-        decided, why = kernels.decide(auto, strategy, "cpu", "float32")
+        decided, why = plan_kernels.decide(auto, strategy, "cpu", "float32")
         assert decided["padding_free"] is True
         assert "padding-free micro-batches per micro-batch, where one row of its real tokens computes less" in why[0]
-    decided, why = kernels.decide(auto, "pipeline", "cuda", "bfloat16")
+    decided, why = plan_kernels.decide(auto, "pipeline", "cuda", "bfloat16")
     assert decided["padding_free"] is False and "padding-free micro-batches off: pipeline keeps fixed row" in why[0]
     off = cfg_with("training.kernels.padding_free=false").training.kernels
-    assert kernels.decide(off, "ddp", "cpu", "float32")[0]["padding_free"] is False
+    assert plan_kernels.decide(off, "ddp", "cpu", "float32")[0]["padding_free"] is False
     forced = cfg_with("training.kernels.padding_free=true").training.kernels
-    assert kernels.problems(forced, "ddp", "cpu") == []
-    found = kernels.problems(forced, "tp", "cuda")
+    assert plan_kernels.problems(forced, "ddp", "cpu") == []
+    found = plan_kernels.problems(forced, "tp", "cuda")
     assert found == [
         "training.kernels.padding_free = true with parallelism.strategy = tp: tp's stages need rows of one fixed "
         "shape; padding-free micro-batches run with ddp, zero1, zero2, zero3, zero++, fsdp2. Set "

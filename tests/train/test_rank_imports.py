@@ -17,7 +17,7 @@ def run_python(code: str, *args: str, env: dict) -> subprocess.CompletedProcess:
 
 CHECK = """
 import sys
-from ladle.strategies.runtime.zero import import_deepspeed
+from ladle.strategies.deepspeed_import import import_deepspeed
 
 deepspeed = import_deepspeed()
 assert callable(deepspeed.initialize) and callable(deepspeed.zero.Init)
@@ -41,7 +41,7 @@ import os, sys
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 import torch
 import torch.distributed as dist
-from ladle.strategies.runtime.zero import import_deepspeed
+from ladle.strategies.deepspeed_import import import_deepspeed
 
 deepspeed = import_deepspeed()
 import deepspeed.ops
@@ -81,7 +81,7 @@ def test_zero_ranks_never_import_muons_compiled_kernels():
 
 
 LOG_CHECK = """
-from ladle.strategies.runtime.zero import import_deepspeed
+from ladle.strategies.deepspeed_import import import_deepspeed
 
 import_deepspeed()
 from deepspeed.accelerator import get_accelerator

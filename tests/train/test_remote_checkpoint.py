@@ -21,7 +21,7 @@ def save_then_load(rank: int, world: int, port: int, queue, url: str, env: dict)
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from ladle.platform import storage
-    from ladle.strategies.base import dcp_reader
+    from ladle.train.runtime.base import dcp_reader
 
     os.environ.update(env)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -139,7 +139,7 @@ class PipelineModel(nn.Module):
     def skeleton(self):
         """The whole model on the meta device: no rank holds every module, but saving needs the full
         module tree to map the gathered state dict onto (peft saves module by module)."""
-        from ladle.strategies.runtime.skeleton import meta_skeleton
+        from ladle.train.runtime.skeleton import meta_skeleton
 
         return meta_skeleton(self.hf_config, self.peft_config)
 

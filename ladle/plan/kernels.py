@@ -1,0 +1,167 @@
+"""The fast paths of a training step (``training.kernels``), as the plan decides them: ``decide`` from the config,
+the strategy's traits and the device (no torch import), ``problems`` for settings that cannot run, and what the
+memory model should expect. What each path is and how the worker applies it: ``ladle.train.kernels``."""
+
+from __future__ import annotations
+
+from ladle import strategies
+
+
+def with_trait(trait: str) -> list[str]:
+    """The registered strategies that have ``trait`` (``Strategy.compiles_blocks`` ...), in registry order."""
+    return [s.name for s in strategies.REGISTRY.values() if getattr(s, trait)]
+
+
+def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool = False) -> tuple[dict, list[str]]:
+    """The plan's fast paths for ``strategy`` (its name) on ``device``: a dict the worker reads, and one reason
+    each."""
+    cuda = device == "cuda"
+    traits = strategies.get(strategy)
+    if kernels.compile == "auto":
+        compile_on = cuda and traits.compiles_blocks
+        why = (
+            "on: CUDA and a strategy whose blocks compile"
+            if compile_on
+            else ("off: CPU, where compiling costs more than short runs gain" if not cuda else f"off: {strategy}")
+        )
+    else:
+        compile_on = bool(kernels.compile)
+        why = "on (training.kernels.compile = true)" if compile_on else "off (training.kernels.compile = false)"
+    if fsdp2_compile and strategy == "fsdp2" and not compile_on:
+        compile_on, why = True, "on (parallelism.fsdp2.compile = true)"
+    if kernels.fused_loss == "off" or not traits.whole_forward:
+        loss = "off"
+        loss_why = (
+            "off (training.kernels.fused_loss = off)"
+            if kernels.fused_loss == "off"
+            else f"off: {strategy} computes its loss in its own stages"
+        )
+    elif kernels.fused_loss == "auto":
+        loss = "auto" if cuda else "chunked"
+        loss_why = (
+            "Liger's fused linear cross-entropy where liger-kernel is installed on the training host, else chunked"
+            if cuda
+            else "chunked (Liger needs CUDA)"
+        )
+    else:
+        loss, loss_why = kernels.fused_loss, f"{kernels.fused_loss} (training.kernels.fused_loss)"
+    if kernels.liger == "auto":
+        liger = "auto" if cuda and not compile_on else "off"
+        liger_why = (
+            "where liger-kernel is installed on the training host"
+            if liger == "auto"
+            else ("off: the blocks are compiled (inductor fuses the same)" if cuda else "off: CPU")
+        )
+    else:
+        liger = "on" if kernels.liger else "off"
+        liger_why = f"{liger} (training.kernels.liger)"
+    if kernels.padding_free == "auto":
+        joined = traits.whole_forward
+        joined_why = (
+            "per micro-batch, where one row of its real tokens computes less than its padded rows"
+            if joined
+            else f"off: {strategy} keeps fixed row shapes"
+        )
+    else:
+        joined = bool(kernels.padding_free)
+        joined_why = f"{'on' if joined else 'off'} (training.kernels.padding_free)"
+    if kernels.packed_attention == "auto":
+        by_example = "auto" if not cuda and traits.whole_forward else "off"
+        by_example_why = (
+            "on where the model's attention is plain causal attention"
+            if by_example == "auto"
+            else (f"off: {strategy} keeps its own attention masks" if not cuda else "off: not measured on CUDA")
+        )
+    else:
+        by_example = "on" if kernels.packed_attention else "off"
+        by_example_why = f"{by_example} (training.kernels.packed_attention)"
+    lora_compute = kernels.lora_compute
+    sixteen = dtype != "float32"
+    decided = {
+        "compile": compile_on,
+        "fused_loss": loss,
+        "loss_chunk_mib": kernels.loss_chunk_mib,
+        "liger": liger,
+        "lora_compute": lora_compute if sixteen else "float32",
+        "padding_free": joined,
+        "packed_attention": by_example,
+    }
+    reasons = [
+        f"kernels: per-block compile {why}; fused loss {loss_why}; Liger RMSNorm/SwiGLU/RoPE {liger_why}; "
+        + (
+            f"LoRA adapters compute in {dtype} from float32 master weights"
+            if sixteen and lora_compute == "run_dtype"
+            else "LoRA adapters compute in float32"
+        )
+        + f"; padding-free micro-batches {joined_why}; attention example by example {by_example_why}"
+    ]
+    return decided, reasons
+
+
+def problems(kernels, strategy: str, device: str) -> list[str]:
+    """Settings that cannot run: named field, value, why, and the fix."""
+    traits = strategies.get(strategy)
+    compiling = ", ".join(with_trait("compiles_blocks"))
+    whole = ", ".join(with_trait("whole_forward"))
+    found = []
+    if kernels.compile is True and not traits.compiles_blocks:
+        found.append(
+            f"training.kernels.compile = true with parallelism.strategy = {strategy}: per-block compile runs "
+            f"with {compiling} only. Set training.kernels.compile=auto or false."
+        )
+    if kernels.compile is True and device == "cpu":
+        import shutil
+
+        if not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+            found.append(
+                "training.kernels.compile = true on a CPU: inductor compiles C++ and this host has no C++ "
+                "compiler (g++, c++ or clang++ on PATH). Install one or set training.kernels.compile=false."
+            )
+    if kernels.liger is True and device != "cuda":
+        found.append(
+            "training.kernels.liger = true: Liger's kernels are Triton kernels for CUDA and this run is on the CPU. "
+            "Set training.kernels.liger=auto or false."
+        )
+    if kernels.padding_free is True and not traits.whole_forward:
+        found.append(
+            f"training.kernels.padding_free = true with parallelism.strategy = {strategy}: {strategy}'s stages "
+            f"need rows of one fixed shape; padding-free micro-batches run with {whole}. "
+            "Set training.kernels.padding_free=auto or false."
+        )
+    if kernels.packed_attention is True and not traits.whole_forward:
+        found.append(
+            f"training.kernels.packed_attention = true with parallelism.strategy = {strategy}: {strategy}'s stages "
+            f"build their own attention masks; attention example by example runs with "
+            f"{whole}. Set training.kernels.packed_attention=auto or false."
+        )
+    if kernels.fused_loss == "liger" and not traits.plain_head:
+        found.append(
+            f"training.kernels.fused_loss = liger with parallelism.strategy = {strategy}: Liger's kernel needs the "
+            f"head as a plain linear layer, which {strategy} does not keep. Set training.kernels.fused_loss=chunked "
+            "or auto."
+        )
+    if kernels.fused_loss == "liger" and device != "cuda":
+        found.append(
+            "training.kernels.fused_loss = liger: Liger's fused linear cross-entropy needs CUDA and this run is on "
+            "the CPU. Set training.kernels.fused_loss=chunked (the same loss on any device) or auto."
+        )
+    return found
+
+
+def liger_loss_expected(kernels, device: str) -> bool:
+    """Whether the memory model should expect Liger's fused loss: asked for, or auto with liger-kernel installed
+    where the plan is made (the training host for local runs)."""
+    if device != "cuda" or kernels.fused_loss in ("off", "chunked"):
+        return False
+    return kernels.fused_loss == "liger" or liger_importable()
+
+
+def compile_expected(kernels, device: str) -> bool:
+    """Whether blocks are compiled where the strategy compiles them (the memory model's activation factor)."""
+    return device == "cuda" and (kernels.compile is True or kernels.compile == "auto")
+
+
+def liger_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
