@@ -14,7 +14,7 @@ from prefect.states import Completed
 
 from ladle.config import LadleConfig
 from ladle.errors import LadleError, find_ladle_error
-from ladle.lifecycle import lineage, promote, tracking
+from ladle.lifecycle import lineage, promote, retraining, tracking
 from ladle.plan.inputs import RunInputs
 from ladle.platform import storage
 from ladle.platform.secrets import install_log_redaction, redact_url
@@ -67,7 +67,7 @@ def data_unchanged(inputs: RunInputs) -> tuple[promote.Version | None, str]:
 def record_check(inputs: RunInputs, flow_run_id: str, decision: str, reason: str) -> None:
     """The scheduled run's decision on the registered model (``ladle model list`` shows it)."""
     entry = {"decision": decision, "reason": reason, "fingerprint": inputs.fingerprint, "flow_run_id": flow_run_id}
-    promote.record_retraining_check(inputs.tracking_uri, inputs.registered_model, entry)
+    retraining.record_retraining_check(inputs.tracking_uri, inputs.registered_model, entry)
 
 
 @flow(name="finetune", description="Fine-tune a base model on a dataset, gate it, and serve it.")

@@ -11,7 +11,7 @@ from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
 from ladle.fleet.champion import model_dir_of
 from ladle.fleet.deploy import Endpoint
-from ladle.lifecycle import lineage, promote
+from ladle.lifecycle import gate, lineage, promote
 from ladle.lifecycle.evaluate import Evaluation, score
 from ladle.lifecycle.events import CANARY, emit_canary, emit_promoted
 from ladle.lifecycle.merge import MergedModel
@@ -77,21 +77,21 @@ def promote_task(
     plan: Plan,
     tracking: Tracking,
     flow_run_id: str,
-) -> promote.Decision:
+) -> gate.Decision:
     """Register (alias ``challenger``), compare with the champion on the same data, promote or not."""
     logger = get_run_logger()
     name = inputs.registered_model
     tags = lineage_tags(cfg, inputs, merged, evaluation, result, plan, flow_run_id)
     tags["ladle.smoke_answer_correct"] = str(endpoint.answer_correct)
     metric = cfg.gate_metric()
-    rule = promote.Rule(
+    rule = gate.Rule(
         metric=metric,
         greater_is_better=cfg.eval.higher_wins() if metric == cfg.eval.metric else False,
         min_improvement=cfg.promote.min_improvement,
         max_probe_drop=cfg.promote.max_probe_drop,
         canary=canary_plan(cfg),
     )
-    version, decision, current = promote.gate_and_promote(
+    version, decision, current = gate.gate_and_promote(
         tracking.uri,
         name,
         merged.url,
@@ -125,7 +125,7 @@ def canary_plan(cfg: LadleConfig) -> str | None:
     )
 
 
-def decision_markdown(name: str, version: str, decision: promote.Decision) -> str:
+def decision_markdown(name: str, version: str, decision: gate.Decision) -> str:
     def fmt(value):
         return "-" if value is None else f"{value:.6g}"
 

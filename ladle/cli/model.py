@@ -46,7 +46,7 @@ def tracking_uri(uri: str | None, config: str | None) -> str:
 def list_(name: str = NAME, uri: str | None = URI, config: str | None = CONFIG_OPT, as_json: bool = JSON) -> None:
     """Every version, newest first: aliases, the gate metric, the decision, the data it was trained on; and the
     last scheduled run's decision (trained or skipped, and why)."""
-    from ladle.lifecycle import promote
+    from ladle.lifecycle import promote, retraining
 
     store = tracking_uri(uri, config)
     found = promote.versions(store, name)
@@ -66,7 +66,7 @@ def list_(name: str = NAME, uri: str | None = URI, config: str | None = CONFIG_O
         }
         for v in found
     ]
-    check = promote.retraining_check(store, name)
+    check = retraining.retraining_check(store, name)
     if as_json:
         print_json(
             {

@@ -299,7 +299,7 @@ def add_upstream_routes(app: FastAPI, front: Front) -> None:
         """Admin: the server behind the front and the requests in flight per server."""
         if not front.admin(request):
             return error(403, "admin routes need the router's token", "permission_error", "forbidden")
-        return {"upstream": front.state["upstream"], "front.in_flight": dict(front.in_flight)}
+        return {"upstream": front.state["upstream"], "in_flight": dict(front.in_flight)}
 
     @app.put("/ladle/upstream")
     async def put_upstream(request: Request):
@@ -326,7 +326,7 @@ def add_upstream_routes(app: FastAPI, front: Front) -> None:
         while old and old["url"] != new["url"] and front.in_flight[old["url"]] > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         left = front.in_flight[old["url"]] if old and old["url"] != new["url"] else 0
-        return {"previous": old, "current": new, "drained": left == 0, "front.in_flight": left}
+        return {"previous": old, "current": new, "drained": left == 0, "in_flight": left}
 
 
 def add_canary_routes(app: FastAPI, front: Front) -> None:

@@ -1,17 +1,17 @@
-"""The model registry's lifecycle: register, gate, promote, roll back; MLflow aliases, not stages.
+"""The champion in the model registry: register, promote, roll back, canary marks; MLflow aliases, not stages.
 
 A merged model is registered only after it was evaluated and answered its smoke request, with alias
-``challenger``. It becomes ``champion`` only when it beats the current champion (or, with none, the base
-model) on the same held-out set by more than ``promote.min_improvement`` on the gate metric. Every decision,
-its numbers and its reason are tags on the version. The registered model keeps the order in which versions
-were champion (tag ``ladle.champion_history``), so a rollback knows "the previous champion".
+``challenger``. It becomes ``champion`` only when the gate (``ladle.lifecycle.gate``) says it beats the current
+champion (or, with none, the base model) on the same held-out set. Every decision, its numbers and its reason
+are tags on the version. The registered model keeps the order in which versions were champion (tag
+``ladle.champion_history``), so a rollback knows "the previous champion". What scheduled runs decided is kept
+by ``ladle.lifecycle.retraining``.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 
 from pydantic import BaseModel, Field
 
@@ -40,98 +40,6 @@ class Version(BaseModel):
         return {
             k.removeprefix("ladle.metric."): float(v) for k, v in self.tags.items() if k.startswith("ladle.metric.")
         }
-
-
-class Decision(BaseModel):
-    promoted: bool
-    metric: str
-    greater_is_better: bool
-    candidate: float | None = Field(description="The new model's score.")
-    reference: float | None = Field(description="The score it had to beat.")
-    against: str = Field(description="What it was compared with: `champion vN` or `base model`.")
-    min_improvement: float
-    improvement: float | None = Field(description="How much better the new model is (positive: better).")
-    reason: str
-    probe: float | None = Field(None, description="The new model's general-ability probe score (eval.probe).")
-    probe_reference: float | None = Field(None, description="The probe score of what it was compared with.")
-    max_probe_drop: float | None = Field(None, description="promote.max_probe_drop: how far the probe may fall.")
-    canary: bool = Field(
-        False, description="It passed the gate and waits for its canary (promote.canary); `champion` unchanged."
-    )
-
-
-def to_canary(decision: Decision, plan: str) -> Decision:
-    """A passed gate's ``decision`` when a canary decides instead (``plan`` says how it runs)."""
-    if not decision.promoted:
-        return decision
-    numbers = decision.reason.removeprefix("promoted: ")
-    reason = f"canary next: passed the gate ({numbers}); {plan} before it becomes champion"
-    return decision.model_copy(update={"promoted": False, "canary": True, "reason": reason})
-
-
-def decide(
-    metric: str,
-    greater_is_better: bool,
-    candidate: float | None,
-    reference: float | None,
-    against: str,
-    min_improvement: float,
-) -> Decision:
-    """Promote when ``candidate`` beats ``reference`` by more than ``min_improvement`` in the metric's direction."""
-    fields = {
-        "metric": metric,
-        "greater_is_better": greater_is_better,
-        "candidate": candidate,
-        "reference": reference,
-        "against": against,
-        "min_improvement": min_improvement,
-    }
-    if candidate is None or reference is None:
-        missing = "the new model" if candidate is None else against
-        reason = (
-            f"not promoted: {metric} was not measured for {missing} (no held-out conversations or eval rows); "
-            "give the data an eval split, or gate on another metric (promote.metric)"
-        )
-        return Decision(promoted=False, improvement=None, reason=reason, **fields)
-    improvement = candidate - reference if greater_is_better else reference - candidate
-    better = "higher" if greater_is_better else "lower"
-    numbers = f"{metric} {candidate:.4g} vs {against} {reference:.4g} ({better} is better; change {improvement:+.4g}"
-    if improvement > min_improvement:
-        return Decision(
-            promoted=True,
-            improvement=improvement,
-            reason=f"promoted: {numbers}, needed > {min_improvement:g})",
-            **fields,
-        )
-    return Decision(
-        promoted=False,
-        improvement=improvement,
-        reason=f"not promoted: {numbers}, needed > {min_improvement:g})",
-        **fields,
-    )
-
-
-def guard_probe(
-    decision: Decision, candidate: float | None, reference: float | None, max_drop: float | None
-) -> Decision:
-    """The task gate's ``decision``, held back when the new model's general-ability probe fell by more than
-    ``max_drop`` below the reference's (the champion's, or the base's); None: the probe is not gated."""
-    fields = {"probe": candidate, "probe_reference": reference, "max_probe_drop": max_drop}
-    if max_drop is None or not decision.promoted:
-        return decision.model_copy(update=fields)
-    if candidate is None or reference is None:
-        missing = "the new model" if candidate is None else decision.against
-        reason = f"not promoted: the probe was not scored for {missing}; the task gate alone said: {decision.reason}"
-        return decision.model_copy(update={**fields, "promoted": False, "reason": reason})
-    drop = reference - candidate
-    numbers = f"probe {candidate:.4g} vs {decision.against} {reference:.4g}"
-    if drop > max_drop:
-        reason = (
-            f"not promoted: {numbers} fell by {drop:.4g}, more than promote.max_probe_drop {max_drop:g} (general "
-            f"ability lost); the task gate alone said: {decision.reason}"
-        )
-        return decision.model_copy(update={**fields, "promoted": False, "reason": reason})
-    return decision.model_copy(update={**fields, "reason": f"{decision.reason}; {numbers} (may fall by {max_drop:g})"})
 
 
 def as_version(mv) -> Version:
@@ -229,126 +137,6 @@ def promote(uri: str, name: str, version: str, reason: str) -> None:
     already does not append it again)."""
     past = history(uri, name)
     set_champion(uri, name, version, reason, past if past[-1:] == [version] else [*past, version])
-
-
-class Rule(BaseModel):
-    """What a new version must do to replace the champion (``eval.metric``, ``promote.*``)."""
-
-    model_config = {"frozen": True}
-
-    metric: str
-    greater_is_better: bool
-    min_improvement: float = 0.0
-    max_probe_drop: float | None = None
-    """The general-ability probe may fall by at most this much (None: not guarded)."""
-    canary: str | None = None
-    """How the canary runs, in words (None: no canary, the gate promotes)."""
-
-
-def gate_and_promote(
-    uri: str,
-    name: str,
-    source: str,
-    scores: dict[str, float],
-    reference_of: Callable[[Version | None], tuple[dict[str, float], str]],
-    rule: Rule,
-    *,
-    run_id: str | None = None,
-    tags: dict[str, str] | None = None,
-) -> tuple[Version, Decision, Version | None]:
-    """Register ``source`` (alias ``challenger``, from MLflow run ``run_id``, tagged ``tags``), gate its
-    ``scores`` against the champion's (``reference_of`` gives them, or the base's when there is none) by
-    ``rule`` and, when it wins, make it ``champion`` (with ``rule.canary``: tag it as waiting for its canary
-    instead, ``champion`` unchanged).
-
-    Safe to run again after any failure, with the same result as one clean run: registration finds the version
-    a first try made; a first try that failed after the alias flip left this version champion, so its history
-    names the champion it was compared with, and the gate runs against that one again. The alias is the one
-    write that changes what is served, and the history is appended once. A registry that fails is one
-    ``unreachable`` error naming what was being done, never a half-decided "no champion".
-
-    Returns:
-        ``(the version, the decision, the champion it was compared with or None)``.
-    """
-    version = register(uri, name, source, run_id, tags or {})
-    metric = rule.metric
-    for _ in range(GATE_TRIES):
-        observed = champion(uri, name)
-        current = gate_reference(uri, name, observed, version)
-        reference, against = reference_of(current)
-        decision = decide(
-            metric, rule.greater_is_better, scores.get(metric), reference.get(metric), against, rule.min_improvement
-        )
-        decision = guard_probe(decision, scores.get("probe"), reference.get("probe"), rule.max_probe_drop)
-        if rule.canary is not None:
-            decision = to_canary(decision, rule.canary)
-        with champion_lock(uri, name, f"the gate of v{version.version}"):
-            now = champion(uri, name)
-            if (now and now.version) != (observed and observed.version):
-                continue  # promoted or rolled back while this one was compared: compare with the one in service now
-            with registry(uri, f"recording the decision on {name} v{version.version}"):
-                tag_decision(uri, name, version.version, decision)
-                if decision.promoted:
-                    promote(uri, name, version.version, decision.reason)
-            return version, decision, current
-    raise LadleError(
-        f"{name} v{version.version}: the champion changed {GATE_TRIES} times while this version was compared with "
-        "it; nothing was decided. Run the promotion again.",
-        exit_code=1,
-    )
-
-
-GATE_TRIES = 5
-"""Comparisons a gate makes when other writers keep changing the champion under it."""
-
-
-def gate_reference(uri: str, name: str, observed: Version | None, version: Version) -> Version | None:
-    """The champion ``version`` is compared with: ``observed``, unless it is ``version`` itself (a first try
-    that failed after the alias flip), then the champion before it."""
-    if observed is None or observed.version != version.version:
-        return observed
-    with registry(uri, f"reading {name}'s champion history"):
-        past = [v for v in history(uri, name) if v != version.version]
-    return get_version(uri, name, past[-1]) if past else None
-
-
-def tag_decision(uri: str, name: str, version: str, decision: Decision) -> None:
-    mlflow = client(uri)
-    tags = {
-        "ladle.promotion": "promoted" if decision.promoted else CANARY_PENDING if decision.canary else "not promoted",
-        "ladle.promotion.reason": decision.reason,
-        "ladle.promotion.against": decision.against,
-        "ladle.promotion.metric": decision.metric,
-        "ladle.promotion.reference": "" if decision.reference is None else repr(decision.reference),
-        "ladle.promotion.min_improvement": repr(decision.min_improvement),
-    }
-    for key, value in tags.items():
-        mlflow.set_model_version_tag(name, version, key, value[:4000])
-
-
-RETRAINING_TAG = "ladle.retraining.last"
-
-
-def record_retraining_check(uri: str, name: str, entry: dict) -> bool:
-    """Keep a scheduled run's decision (``entry``: decision, reason, fingerprint, flow run) on the registered
-    model, stamped with the time; False when there is no registered model yet to keep it on."""
-    with registry(uri, f"recording the retraining check on {name}"):
-        try:
-            client(uri).set_registered_model_tag(
-                name, RETRAINING_TAG, json.dumps({**entry, "at": int(time.time())})[:8000]
-            )
-        except Exception as exc:  # noqa: BLE001 - MLflow raises its own error for a missing model
-            if absent(exc):
-                return False
-            raise
-    return True
-
-
-def retraining_check(uri: str, name: str) -> dict | None:
-    """The last scheduled run's decision kept by ``record_retraining_check``, or None."""
-    with registry(uri, f"reading {name}'s retraining check"):
-        tags = client(uri).get_registered_model(name).tags or {}
-    return json.loads(tags[RETRAINING_TAG]) if RETRAINING_TAG in tags else None
 
 
 def mark_canary(uri: str, name: str, version: str) -> Version:

@@ -97,7 +97,7 @@ spec = train_spec(cfg, root, "cancelled")
 
 @flow
 def train_only():
-    return train_task(cfg, spec.plan, spec.dataset, spec.run_url, start_run(cfg, None, "cancel-test"))
+    return train_task(cfg, spec.plan, spec.dataset, spec.base_dir, spec.run_url, start_run(cfg, None, "cancel-test"))
 
 train_only()
 """

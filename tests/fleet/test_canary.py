@@ -30,6 +30,7 @@ from ladle.errors import LadleError
 from ladle.fleet import champion
 from ladle.fleet import front as router
 from ladle.fleet.canary import Canary, pending
+from ladle.lifecycle import gate as gates
 from ladle.lifecycle import promote
 from ladle.platform.processes import exited, free_port
 from ladle.serve import records
@@ -199,9 +200,9 @@ NAME = "canary-demo"
 
 
 def gate(uri: str, source: str, sha: str) -> promote.Version:
-    version, decision, _ = promote.gate_and_promote(
+    version, decision, _ = gates.gate_and_promote(
         uri, NAME, source, {"loss": 1.0}, lambda _: ({"loss": 2.0}, "x"),
-        promote.Rule(metric="loss", greater_is_better=False, canary="it takes half the traffic"),
+        gates.Rule(metric="loss", greater_is_better=False, canary="it takes half the traffic"),
         tags={"ladle.model_sha256": sha},
     )  # fmt: skip
     assert decision.canary and not decision.promoted and decision.reason.startswith("canary next: passed the gate")

@@ -18,6 +18,7 @@ import psutil
 from ladle.config import CanaryConfig, ServeConfig
 from ladle.fleet import champion
 from ladle.fleet import front as router
+from ladle.lifecycle import gate as gates
 from ladle.lifecycle import promote
 from ladle.platform.processes import free_port
 from ladle.serve import records
@@ -38,13 +39,13 @@ def gate(uri: str, source: str, n: int, score: float, canary: str | None = None)
         return ({"exact_match": float(champ.tags["ladle.metric.exact_match"]) if champ else 0.0}, "champion")
 
     tags = {"ladle.model_sha256": f"{n:x}" * 64, "ladle.metric.exact_match": repr(score)}
-    version, decision, _ = promote.gate_and_promote(
+    version, decision, _ = gates.gate_and_promote(
         uri,
         NAME,
         source,
         {"exact_match": score},
         reference,
-        promote.Rule(metric="exact_match", greater_is_better=True, canary=canary),
+        gates.Rule(metric="exact_match", greater_is_better=True, canary=canary),
         tags=tags,
     )
     return version.version, decision.promoted

@@ -21,8 +21,8 @@ import pytest
 from ladle.fleet import canary as canaries
 from ladle.fleet import front as router
 from ladle.fleet.deploy import wait_healthy
+from ladle.lifecycle import gate, promote
 from ladle.lifecycle import lock as registry_lock
-from ladle.lifecycle import promote
 from ladle.platform.processes import free_port, stop_pid
 from tests.fleet.test_front_supervision import wait_for
 from tests.serve.running import Running
@@ -138,13 +138,13 @@ def race(uri: str, name: str, n: int, score: float, start: float) -> str:
         time.sleep(1.0)
         return ({"exact_match": float(champ.tags["ladle.metric.exact_match"]) if champ else 0.0}, "champion")
 
-    version, decision, _ = promote.gate_and_promote(
+    version, decision, _ = gate.gate_and_promote(
         uri,
         name,
         f"/models/{name}/{n}",
         {"exact_match": score},
         reference,
-        promote.Rule(metric="exact_match", greater_is_better=True),
+        gate.Rule(metric="exact_match", greater_is_better=True),
         tags={"ladle.metric.exact_match": repr(score)},
     )
     return f"{version.version}:{decision.promoted}"

@@ -9,7 +9,7 @@ import pytest
 
 from ladle.config import load_config
 from ladle.errors import ConfigError, LadleError
-from ladle.lifecycle import promote
+from ladle.lifecycle import gate, promote
 from ladle.platform import secrets
 from tests.helpers import ROOT
 
@@ -28,7 +28,7 @@ RECIPE = str(ROOT / "recipes" / "tiny-cpu.yaml")
     ],
 )
 def test_gate_compares_in_the_metric_direction(higher, candidate, reference, min_improvement, promoted):
-    decision = promote.decide("m", higher, candidate, reference, "champion v1", min_improvement)
+    decision = gate.decide("m", higher, candidate, reference, "champion v1", min_improvement)
     assert decision.promoted is promoted
     assert decision.improvement == pytest.approx(candidate - reference if higher else reference - candidate)
     assert decision.reason.startswith("promoted: m" if promoted else "not promoted: m")
@@ -36,7 +36,7 @@ def test_gate_compares_in_the_metric_direction(higher, candidate, reference, min
 
 
 def test_an_unmeasured_metric_is_never_promoted():
-    decision = promote.decide("exact_match", True, None, 0.5, "champion v2", 0.0)
+    decision = gate.decide("exact_match", True, None, 0.5, "champion v2", 0.0)
     assert not decision.promoted and "was not measured for the new model" in decision.reason
     assert "promote.metric" in decision.reason
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from ladle.errors import LadleError
-from ladle.lifecycle import promote
+from ladle.lifecycle import gate, promote
 from ladle.platform.processes import free_port, stop_process
 from tests.helpers import start_service
 
-LOSS = promote.Rule(metric="loss", greater_is_better=False)
+LOSS = gate.Rule(metric="loss", greater_is_better=False)
 
 pytestmark = pytest.mark.pipeline
 
@@ -50,7 +50,7 @@ def test_a_registry_stopped_during_promote_fails_once_and_the_rerun_promotes_one
     server = start_mlflow(tmp_path, port)
     try:
         first_run, second_run = runs(url, 2)
-        v1, d1, _ = promote.gate_and_promote(
+        v1, d1, _ = gate.gate_and_promote(
             url, "m", "s3://ladle/models/one", {"loss": 1.0}, lambda c: ({"loss": 2.0}, "base model"), LOSS, run_id=first_run
         )  # fmt: skip
         assert v1.version == "1" and d1.promoted
@@ -61,7 +61,7 @@ def test_a_registry_stopped_during_promote_fails_once_and_the_rerun_promotes_one
             return {"loss": 1.0}, f"champion v{current.version}"
 
         with pytest.raises(LadleError) as err:
-            promote.gate_and_promote(
+            gate.gate_and_promote(
                 url, "m", "s3://ladle/models/two", {"loss": 0.5}, stop_registry_while_scoring_the_champion, LOSS,
                 run_id=second_run,
             )  # fmt: skip
@@ -78,7 +78,7 @@ def test_a_registry_stopped_during_promote_fails_once_and_the_rerun_promotes_one
         by_version = {v.version: v.aliases for v in promote.versions(url, "m")}
         assert by_version == {"2": ["challenger"], "1": ["champion"]}
 
-        v2, d2, against = promote.gate_and_promote(
+        v2, d2, against = gate.gate_and_promote(
             url, "m", "s3://ladle/models/two", {"loss": 0.5}, lambda c: ({"loss": 1.0}, f"champion v{c.version}"), LOSS,
             run_id=second_run,
         )  # fmt: skip
@@ -103,7 +103,7 @@ def test_a_promotion_that_died_after_the_alias_flip_is_finished_by_its_rerun(tmp
 
     url = f"sqlite:///{tmp_path / 'mlflow.db'}"
     first_run, second_run = runs(url, 2)
-    promote.gate_and_promote(
+    gate.gate_and_promote(
         url, "m", "s3://ladle/models/one", {"loss": 1.0}, lambda c: ({"loss": 2.0}, "base model"), LOSS, run_id=first_run
     )  # fmt: skip
     v2 = promote.register(url, "m", "s3://ladle/models/two", second_run, {})
@@ -115,7 +115,7 @@ def test_a_promotion_that_died_after_the_alias_flip_is_finished_by_its_rerun(tmp
         seen.append(current.version if current else None)
         return {"loss": 1.0}, f"champion v{current.version}"
 
-    again, decision, against = promote.gate_and_promote(
+    again, decision, against = gate.gate_and_promote(
         url, "m", "s3://ladle/models/two", {"loss": 0.5}, reference, LOSS, run_id=second_run
     )
     assert again.version == "2" and decision.promoted and seen == ["1"] and against.version == "1"

@@ -69,7 +69,7 @@ def test_two_first_copies_at_once_never_share_a_folder(tmp_path):
     (source / "weights.bin").write_bytes(b"w" * 2_000_000)
     target = tmp_path / "served" / "0123456789abcdef"
     code = (
-        "import sys; from pathlib import Path; from ladle import storage; "
+        "import sys; from pathlib import Path; from ladle.platform import storage; "
         "storage.cached_copy(sys.argv[1], Path(sys.argv[2]))"
     )
     runs = [

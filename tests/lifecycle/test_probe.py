@@ -69,13 +69,13 @@ def test_an_answer_is_right_when_it_holds_an_accepted_word(answer, accepted, rig
 
 
 def decision(promoted: bool = True):
-    from ladle.lifecycle.promote import decide
+    from ladle.lifecycle.gate import decide
 
     return decide("exact_match", True, 0.4 if promoted else 0.0, 0.0, "base model", 0.0)
 
 
 def test_the_probe_guard_holds_back_a_model_that_lost_general_ability():
-    from ladle.lifecycle.promote import guard_probe
+    from ladle.lifecycle.gate import guard_probe
 
     held = guard_probe(decision(), 0.31, 0.69, 0.1)
     assert not held.promoted
@@ -89,7 +89,7 @@ def test_the_probe_guard_holds_back_a_model_that_lost_general_ability():
 
 
 def test_the_probe_guard_without_a_limit_or_a_score():
-    from ladle.lifecycle.promote import guard_probe
+    from ladle.lifecycle.gate import guard_probe
 
     reported = guard_probe(decision(), 0.1, 0.9, None)
     assert reported.promoted and reported.probe == 0.1  # reported, not gated
