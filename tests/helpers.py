@@ -178,22 +178,12 @@ def assert_clean_error(done, *fragments: str) -> str:
 
 
 def offline_greedy(model_dir, messages, max_new_tokens):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The greedy answer ladle's own evaluation gets for ``messages`` (``greedy_answers``: transformers'
+    ``generate`` through the chat template, one prompt, no padding): what a server must answer too. One
+    generation path for evaluation and the tests that compare a server with it."""
+    from ladle.lifecycle.evaluate import greedy_answers
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
-    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return greedy_answers(Path(model_dir), [messages], 1, lambda tokenizer, rows: max_new_tokens)[0]
 
 
 def train_spec(cfg, root: Path, run: str = "run", topo=None):
