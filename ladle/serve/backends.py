@@ -34,6 +34,9 @@ class Backend(ABC):
     """Extra options its server accepts (``--option NAME=VALUE``), with their types."""
     supports_seed: ClassVar[bool] = True
     """It honours a request's ``seed`` (a seeded request to one that cannot is refused, not silently unseeded)."""
+    adjusts_logits: ClassVar[bool] = True
+    """It honours ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` and ``logit_bias`` per
+    request (a request that sets one to a backend that cannot is refused naming the field)."""
     shards_model: ClassVar[bool] = False
     """It splits one replica over ``serve.tensor_parallel`` GPUs (the planner sizes it per device)."""
 
@@ -102,6 +105,8 @@ class Backend(ABC):
 
     context_length: int
     """Tokens the model attends over: a prompt plus its completion must fit."""
+    vocab_size: int | None = None
+    """Token ids the model scores (``logit_bias`` keys must be below it); None: not known."""
     max_batch: int = 1
     """Requests generated together."""
     kv_tokens: int | None = None
@@ -157,6 +162,7 @@ class TransformersBackend(Backend):
         # transformers' own config: its attribute map reads every architecture's names (GPT-2's n_layer, ...).
         config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 2048)
+        self.vocab_size = int(config.vocab_size)
         self.max_batch = max_batch
         # 0: every row may reach the model's context (the bound a standalone server has without a plan).
         self.kv_tokens = kv_tokens or max_batch * self.context_length
@@ -216,6 +222,7 @@ class MiiBackend(Backend):
     summary = "a persistent DeepSpeed-MII (FastGen) deployment, tensor parallel (needs CUDA GPUs)"
     requires_cuda = True
     supports_seed = False
+    adjusts_logits = False  # FastGen's sampling takes temperature, top-p and top-k only
     package = "mii"
     requirement = "deepspeed-mii"
     options = {"tensor_parallel": int, "replica_num": int, "start_timeout_s": float, "max_batch": int}

@@ -60,6 +60,10 @@ class Job:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     emit: Callable[[str, dict], None] = lambda kind, data: None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
@@ -71,6 +75,13 @@ class Job:
     read_at: int = 0  # ... and ended (tokens past it are not in ``text`` yet)
     finish: str | None = None
     generator: torch.Generator | None = None
+
+    @property
+    def adjusts(self) -> bool:
+        """Its logits are changed before choosing (penalties or a logit bias)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
     @property
     def tokens_needed(self) -> int:
@@ -85,6 +96,26 @@ class Job:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(self.seed if self.seed is not None else random.SystemRandom().getrandbits(63))
         return self.generator
+
+
+def adjusted(job: Job, logits: torch.Tensor) -> torch.Tensor:
+    """A row's logits (float32) as its request changes them, in this order: the repetition penalty over its prompt
+    and generated tokens (Hugging Face's: a seen token's positive logit divided by it, a negative one multiplied),
+    OpenAI's presence and frequency penalties over the tokens it generated (``logit - count x frequency_penalty -
+    presence_penalty`` for each generated token), then its ``logit_bias`` added. Only this row is touched, so
+    rows with other settings share the batch."""
+    row = logits.float().clone()
+    if job.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*job.ids, *job.tokens}), dtype=torch.long, device=row.device)
+        picked = row[seen]
+        row[seen] = torch.where(picked > 0, picked / job.repetition_penalty, picked * job.repetition_penalty)
+    if (job.presence_penalty or job.frequency_penalty) and job.tokens:
+        ids, counts = torch.tensor(job.tokens, dtype=torch.long, device=row.device).unique(return_counts=True)
+        row[ids] -= counts.to(row.dtype) * job.frequency_penalty + job.presence_penalty
+    if job.logit_bias:
+        ids = torch.tensor(list(job.logit_bias), dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor(list(job.logit_bias.values()), dtype=row.dtype, device=row.device)
+    return row
 
 
 def sample(job: Job, logits: torch.Tensor) -> int:
@@ -450,7 +481,11 @@ class Batch:
             if job.finish is not None:
                 continue
             try:
-                token = sample(job, logits[row]) if job.temperature > 0 else int(tokens[row])
+                scores = adjusted(job, logits[row]) if job.adjusts else logits[row]
+                if job.temperature > 0:
+                    token = sample(job, scores)
+                else:
+                    token = int(scores.argmax()) if job.adjusts else int(tokens[row])
             except Exception as exc:
                 job.finish = "error"
                 job.emit("error", {"message": f"sampling failed: {type(exc).__name__}: {exc}"})

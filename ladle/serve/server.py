@@ -35,14 +35,11 @@ from ladle.serve.limits import ServeLimits
 UNSUPPORTED = (
     "logprobs",
     "top_logprobs",
-    "logit_bias",
     "tools",
     "tool_choice",
     "functions",
     "function_call",
     "response_format",
-    "presence_penalty",
-    "frequency_penalty",
     "best_of",
     "echo",
     "suffix",
@@ -99,6 +96,13 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+MAX_LOGIT_BIAS = 1024
+"""Tokens one request may bias."""
+
+ADJUSTMENTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None}
+"""The request fields that change a row's logits before it is sampled, and the value that leaves them alone."""
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -116,10 +120,30 @@ class Sampling(BaseModel):
     stop: str | list[str] | None = None
     # What a random generator takes (torch's manual_seed: a signed or unsigned 64-bit integer).
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # Not in OpenAI's API; vLLM's and Hugging Face's (a seen token's logit divided by it where positive). At least
+    # 0.01: a smaller one multiplies a logit past float32's range (a denormal one did, found by fuzzing).
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
+    logit_bias: dict[str, float] | None = None
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value):
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:
+                raise ValueError(f"keys are token ids (integers as strings), got {key[:20]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases are -100..100, got {bias} for token {key}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -476,6 +500,23 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
         )
     if req.n != 1:
         raise ApiError(400, f"n = {req.n}: only n=1 is supported; send n requests instead.", param="n")
+    for name, neutral in ADJUSTMENTS.items():
+        if getattr(req, name) not in (neutral, {}) and not backend.adjusts_logits:
+            raise ApiError(
+                400,
+                f"{name} is not supported by the {backend.name} backend (serve.backend={backend.name} samples by "
+                "temperature and top_p only). Leave it out, or serve with serve.backend=transformers.",
+                param=name,
+                code="unsupported_parameter",
+            )
+    bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+    outside = sorted(k for k in bias if backend.vocab_size is not None and k >= backend.vocab_size)
+    if outside:
+        raise ApiError(
+            400,
+            f"logit_bias names token {outside[0]}, outside this model's vocabulary of {backend.vocab_size} tokens.",
+            param="logit_bias",
+        )
     limits = settings.limits
     asked = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     limit = req.max_completion_tokens or req.max_tokens or settings.max_new_tokens
@@ -521,6 +562,10 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
         top_p=req.top_p,
         seed=req.seed,
         stop=list(req.stop or []),
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=bias,
     )
 
 

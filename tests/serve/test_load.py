@@ -42,6 +42,10 @@ KEYS = st.sampled_from(
         "stream",
         "stream_options",
         "user",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
         "logprobs",
         "x",
     ]
