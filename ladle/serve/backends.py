@@ -34,6 +34,8 @@ class Backend(ABC):
     """Extra options its server accepts (``--option NAME=VALUE``), with their types."""
     supports_seed: ClassVar[bool] = True
     """It honours a request's ``seed`` (a seeded request to one that cannot is refused, not silently unseeded)."""
+    supports_logprobs: ClassVar[bool] = True
+    """It returns each generated token's log-probability (``logprobs``, ``top_logprobs``)."""
     adjusts_logits: ClassVar[bool] = True
     """It honours ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` and ``logit_bias`` per
     request (a request that sets one to a backend that cannot is refused naming the field)."""
@@ -223,6 +225,7 @@ class MiiBackend(Backend):
     requires_cuda = True
     supports_seed = False
     adjusts_logits = False  # FastGen's sampling takes temperature, top-p and top-k only
+    supports_logprobs = False  # MII returns text, not per-token log-probabilities
     package = "mii"
     requirement = "deepspeed-mii"
     options = {"tensor_parallel": int, "replica_num": int, "start_timeout_s": float, "max_batch": int}

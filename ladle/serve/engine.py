@@ -64,6 +64,9 @@ class Job:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest alternatives
+    token_logprobs: list[dict] = field(default_factory=list)  # one per token in ``tokens``
+    logprobs_sent: int = 0
     emit: Callable[[str, dict], None] = lambda kind, data: None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
@@ -118,6 +121,52 @@ def adjusted(job: Job, logits: torch.Tensor) -> torch.Tensor:
     return row
 
 
+def token_entry(tokenizer, token: int, logprob: float) -> dict:
+    """A token as OpenAI's ``logprobs`` name it: its text, its log-probability and its bytes (the token's own
+    bytes, so a character split over several tokens is whole again when a client joins them)."""
+    return {"token": tokenizer.decode([token]), "logprob": logprob, "bytes": token_bytes(tokenizer, token)}
+
+
+def token_bytes(tokenizer, token: int) -> list[int]:
+    """The bytes a token stands for: a byte-level BPE piece mapped back through GPT-2's byte alphabet, a
+    SentencePiece byte-fallback piece (``<0xE2>``) as its byte, anything else as its decoded text in UTF-8."""
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return [int(piece[3:5], 16)]
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if isinstance(piece, str) and type(decoder).__name__ == "ByteLevel" and all(c in BYTE_OF for c in piece):
+        return [BYTE_OF[c] for c in piece]
+    return list(tokenizer.decode([token]).encode("utf-8"))
+
+
+def byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character to byte: printable bytes stand for themselves, the others for
+    the characters from U+0100 on, in order (what every byte-level tokenizer's vocabulary is written in)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+BYTE_OF = byte_alphabet()
+
+
+def logprob_entry(tokenizer, job: Job, logits: torch.Tensor, token: int) -> dict:
+    """The chosen token's log-probability under the model's own distribution (the raw logits, before penalties,
+    bias and temperature, as a forward pass gives it) and the ``job.logprobs`` likeliest alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    entry = token_entry(tokenizer, token, float(logprobs[token]))
+    top = torch.topk(logprobs, job.logprobs) if job.logprobs else None
+    pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True) if top is not None else ()
+    entry["top_logprobs"] = [token_entry(tokenizer, alt, value) for alt, value in pairs]
+    return entry
+
+
 def sample(job: Job, logits: torch.Tensor) -> int:
     """One token from a row's logits by its request's temperature and top-p, drawn with its own generator."""
     probs = torch.softmax(logits.float() / job.temperature, dim=-1)
@@ -143,7 +192,7 @@ class RowStop(StoppingCriteria):
             done.append(job.finish is not None)
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
-    def advance(self, job: Job, token: int) -> None:
+    def advance(self, job: Job, token: int, logprobs: dict | None = None) -> None:
         if job.cancelled.is_set():
             job.finish = "cancelled"
             return
@@ -152,6 +201,8 @@ class RowStop(StoppingCriteria):
             self.end(job)
             return
         job.tokens.append(token)
+        if logprobs is not None:
+            job.token_logprobs.append(logprobs)
         scanned = len(job.text)
         job.text += decode_next(self.tokenizer, job)
         cut = find_stop(job.text, job.stop, scanned)
@@ -206,12 +257,24 @@ def held_back(text: str, stops: list[str]) -> int:
 
 def flush(job: Job, upto: int, final: bool = False) -> None:
     """Emit ``job.text[job.sent:upto]``. Until ``final``, text past a held-back stop prefix waits for the next
-    token, and so does a trailing replacement character (a multi-byte character half decoded)."""
+    token, and so does a trailing replacement character (a multi-byte character half decoded). With the text go
+    the log-probabilities of the tokens decoded into it so far (``unsent_logprobs``)."""
     while not final and upto > job.sent and job.text[upto - 1] == "\ufffd":
         upto -= 1
     if upto > job.sent:
-        job.emit("text", {"text": job.text[job.sent : upto]})
+        data = {"text": job.text[job.sent : upto]}
+        if job.logprobs is not None:
+            data["logprobs"] = unsent_logprobs(job, job.read_at)
+        job.emit("text", data)
         job.sent = upto
+
+
+def unsent_logprobs(job: Job, upto: int) -> list[dict]:
+    """The log-probability entries of tokens ``[job.logprobs_sent, upto)``, marked sent."""
+    upto = min(upto, len(job.token_logprobs))
+    entries = job.token_logprobs[job.logprobs_sent : upto]
+    job.logprobs_sent = max(job.logprobs_sent, upto)
+    return entries
 
 
 class Engine:
@@ -490,7 +553,8 @@ class Batch:
                 job.finish = "error"
                 job.emit("error", {"message": f"sampling failed: {type(exc).__name__}: {exc}"})
                 continue
-            stopper.advance(job, token)
+            entry = logprob_entry(self.engine.tokenizer, job, logits[row], token) if job.logprobs is not None else None
+            stopper.advance(job, token, entry)
             if job.finish is not None:
                 finish(job)
 
@@ -526,6 +590,7 @@ def pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
 def finish(job: Job) -> None:
     """Tell the request it ended (a cancelled one has nobody left to tell)."""
     if job.finish != "cancelled":
-        job.emit(
-            "done", {"finish_reason": job.finish, "prompt_tokens": len(job.ids), "completion_tokens": len(job.tokens)}
-        )
+        done = {"finish_reason": job.finish, "prompt_tokens": len(job.ids), "completion_tokens": len(job.tokens)}
+        if job.logprobs is not None:
+            done["logprobs"] = unsent_logprobs(job, len(job.tokens))  # those of tokens still held back
+        job.emit("done", done)

@@ -33,8 +33,6 @@ from ladle.serve.guard import Guard
 from ladle.serve.limits import ServeLimits
 
 UNSUPPORTED = (
-    "logprobs",
-    "top_logprobs",
     "tools",
     "tool_choice",
     "functions",
@@ -96,6 +94,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+MAX_TOP_LOGPROBS = 20
+"""Alternatives one token's log-probability may come with."""
+
 MAX_LOGIT_BIAS = 1024
 """Tokens one request may bias."""
 
@@ -156,10 +157,22 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: str
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def alternatives(self) -> int | None:
+        """How many likeliest alternatives each token's log-probability comes with (None: no log-probabilities)."""
+        return self.logprobs
 
 
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class Metrics:
@@ -348,11 +361,11 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
                 return StreamingResponse(
                     stream(first, events, job, reply, include_usage, started, route), media_type="text/event-stream"
                 )
-            text, done = await collect(first, events, job)
+            text, done, logprobs = await collect(first, events, job)
         finally:
             watcher.cancel()
         finished(done, started, route)
-        return reply.whole(text, done)
+        return reply.whole(text, done, logprobs)
 
     async def watch_disconnect(request: Request, job: Job, events: asyncio.Queue) -> None:
         """Cancel ``job`` when its client hangs up before the answer is sent (uvicorn keeps the handler running,
@@ -381,28 +394,35 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
             raise ApiError(status, message, code=data.get("code"), kind="server_error", headers=headers)
         return event, data
 
-    async def collect(first: tuple[str, dict], events: asyncio.Queue, job: Job) -> tuple[str, dict]:
-        pieces, (event, data) = [], first
+    async def collect(first: tuple[str, dict], events: asyncio.Queue, job: Job) -> tuple[str, dict, list | None]:
+        pieces, logprobs, (event, data) = [], [], first
         try:
             while event == "text":
                 pieces.append(data["text"])
+                logprobs += data.get("logprobs", [])
                 event, data = await next_event(events)
-            return "".join(pieces), data
+            logprobs += data.get("logprobs", [])
+            return "".join(pieces), data, logprobs if job.logprobs is not None else None
         except asyncio.CancelledError:  # the server is going away under this request: stop generating for it
             job.cancelled.set()
             metrics.cancelled.inc()
             raise
 
     async def stream(first, events, job: Job, reply: Reply, include_usage: bool, started: float, route: str):
-        ended, (event, data) = False, first
+        ended, (event, data), offset = False, first, 0
+        wanted = job.logprobs is not None
         try:
             yield sse(reply.chunk({"role": "assistant", "content": ""} if reply.chat else ""))
             while True:
+                logprobs = data.get("logprobs", []) if wanted else None
                 if event == "text":
-                    yield sse(reply.chunk({"content": data["text"]} if reply.chat else data["text"]))
+                    yield sse(
+                        reply.chunk({"content": data["text"]} if reply.chat else data["text"], None, logprobs, offset)
+                    )
+                    offset += sum(len(e["token"]) for e in logprobs or [])
                 else:
                     ended = True
-                    yield sse(reply.chunk({} if reply.chat else "", data["finish_reason"]))
+                    yield sse(reply.chunk({} if reply.chat else "", data["finish_reason"], logprobs, offset))
                     if include_usage:
                         yield sse({**reply.head(), "choices": [], "usage": usage(data)})
                     finished(data, started, route)
@@ -454,17 +474,36 @@ class Reply:
         kind = self.kind + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "system_fingerprint": None}
 
-    def chunk(self, delta: Any, finish: str | None = None) -> dict:
+    def chunk(self, delta: Any, finish: str | None = None, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
         key = "delta" if self.chat else "text"
-        return {**self.head(), "choices": [{"index": 0, key: delta, "logprobs": None, "finish_reason": finish}]}
+        choice = {"index": 0, key: delta, "logprobs": self.logprobs(logprobs, offset), "finish_reason": finish}
+        return {**self.head(), "choices": [choice]}
 
-    def whole(self, text: str, done: dict) -> dict:
+    def whole(self, text: str, done: dict, logprobs: list[dict] | None = None) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
         else:
             choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=done["finish_reason"])
+        choice.update(logprobs=self.logprobs(logprobs), finish_reason=done["finish_reason"])
         return {**self.head(chunk=False), "choices": [choice], "usage": usage(done)}
+
+    def logprobs(self, entries: list[dict] | None, offset: int = 0) -> dict | None:
+        """OpenAI's ``logprobs`` object: chat's ``content`` list, or the completions API's parallel lists
+        (``text_offset``: where each token's text starts in the completion, from ``offset``)."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        offsets = []
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(entry["token"])
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{alt["token"]: alt["logprob"] for alt in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets,
+        }
 
 
 def usage(done: dict) -> dict:
@@ -500,6 +539,16 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
         )
     if req.n != 1:
         raise ApiError(400, f"n = {req.n}: only n=1 is supported; send n requests instead.", param="n")
+    if getattr(req, "top_logprobs", None) is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
+    if req.alternatives is not None and not backend.supports_logprobs:
+        raise ApiError(
+            400,
+            f"logprobs is not supported by the {backend.name} backend (serve.backend={backend.name} returns text, "
+            "not per-token log-probabilities). Leave it out, or serve with serve.backend=transformers.",
+            param="logprobs",
+            code="unsupported_parameter",
+        )
     for name, neutral in ADJUSTMENTS.items():
         if getattr(req, name) not in (neutral, {}) and not backend.adjusts_logits:
             raise ApiError(
@@ -566,6 +615,7 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
         logit_bias=bias,
+        logprobs=req.alternatives,
     )
 
 

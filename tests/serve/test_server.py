@@ -136,7 +136,7 @@ def test_batched_greedy_equals_unbatched_and_offline(backend, server, tiny_model
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "lots"}, 400, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400, "temperature"),
-        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo"),
         ({"messages": [{"role": "user", "content": "x"}], "colour": "red"}, 400, "colour"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4000}, 400, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100_000}, 400, "max_tokens"),
