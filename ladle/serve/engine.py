@@ -67,6 +67,8 @@ class Job:
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest alternatives
     token_logprobs: list[dict] = field(default_factory=list)  # one per token in ``tokens``
     logprobs_sent: int = 0
+    echo: bool = False  # with ``logprobs``: the prompt's tokens' log-probabilities too (``prompt_logprobs``)
+    prompt_logprobs: list[dict] | None = None
     emit: Callable[[str, dict], None] = lambda kind, data: None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
@@ -121,7 +123,7 @@ def adjusted(job: Job, logits: torch.Tensor) -> torch.Tensor:
     return row
 
 
-def token_entry(tokenizer, token: int, logprob: float) -> dict:
+def token_entry(tokenizer, token: int, logprob: float | None) -> dict:
     """A token as OpenAI's ``logprobs`` name it: its text, its log-probability and its bytes (the token's own
     bytes, so a character split over several tokens is whole again when a client joins them)."""
     return {"token": tokenizer.decode([token]), "logprob": logprob, "bytes": token_bytes(tokenizer, token)}
@@ -462,6 +464,9 @@ class Batch:
         from transformers import DynamicCache
 
         model, device = self.engine.model, self.engine.device
+        for job in jobs:
+            if job.echo and job.logprobs is not None and job.prompt_logprobs is None:
+                job.prompt_logprobs = self.prompt_logprobs(job)
         width = max(len(job.ids) for job in jobs)
         ids = torch.full((len(jobs), width), self.engine.pad, dtype=torch.long)
         mask = torch.zeros((len(jobs), width), dtype=torch.long)
@@ -486,6 +491,18 @@ class Batch:
         if len(going) < len(jobs):
             cache.batch_select_indices(torch.tensor(going, device=device))
         self.join([jobs[row] for row in going], cache, mask[going])
+
+    def prompt_logprobs(self, job: Job) -> list[dict]:
+        """Each prompt token's log-probability given the tokens before it (the first has none) and its
+        ``job.logprobs`` likeliest alternatives: one forward over the prompt alone, every position's logits
+        (the server bounded their size: ``echo_logits_bytes``)."""
+        tokenizer = self.engine.tokenizer
+        with torch.no_grad():
+            logits = self.engine.model(input_ids=torch.tensor([job.ids], device=self.engine.device)).logits[0]
+        entries = [{**token_entry(tokenizer, job.ids[0], None), "top_logprobs": None}]
+        for position, token in enumerate(job.ids[1:]):
+            entries.append(logprob_entry(tokenizer, job, logits[position], token))
+        return entries
 
     def join(self, jobs: list[Job], cache, mask: torch.Tensor) -> None:
         """Add prefilled rows (their cache and mask) to the batch, left-padding either side to one width."""

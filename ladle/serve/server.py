@@ -39,7 +39,7 @@ UNSUPPORTED = (
     "function_call",
     "response_format",
     "best_of",
-    "echo",
+    "echo",  # chat has none; completions take it
     "suffix",
 )
 
@@ -96,6 +96,9 @@ class ChatMessage(BaseModel):
 
 MAX_TOP_LOGPROBS = 20
 """Alternatives one token's log-probability may come with."""
+
+ECHO_LOGITS_BYTES = 512 * 2**20
+"""The float32 logits one ``echo`` with ``logprobs`` may take: the prompt's tokens x the vocabulary."""
 
 MAX_LOGIT_BIAS = 1024
 """Tokens one request may bias."""
@@ -158,6 +161,7 @@ class Sampling(BaseModel):
 class CompletionRequest(Sampling):
     prompt: str
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
 
     @property
     def alternatives(self) -> int | None:
@@ -358,13 +362,18 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 watcher.cancel()  # from here the streaming response hears the hang-up
+                echo = req.prompt if job.echo else None
                 return StreamingResponse(
-                    stream(first, events, job, reply, include_usage, started, route), media_type="text/event-stream"
+                    stream(first, events, job, reply, include_usage, started, route, echo),
+                    media_type="text/event-stream",
                 )
             text, done, logprobs = await collect(first, events, job)
         finally:
             watcher.cancel()
         finished(done, started, route)
+        if job.echo:  # the prompt as sent, then the answer; the prompt's tokens first in the log-probabilities
+            text = req.prompt + text
+            logprobs = None if logprobs is None else [*(job.prompt_logprobs or []), *logprobs]
         return reply.whole(text, done, logprobs)
 
     async def watch_disconnect(request: Request, job: Job, events: asyncio.Queue) -> None:
@@ -408,11 +417,18 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
             metrics.cancelled.inc()
             raise
 
-    async def stream(first, events, job: Job, reply: Reply, include_usage: bool, started: float, route: str):
+    async def stream(
+        first, events, job: Job, reply: Reply, include_usage: bool, started: float, route: str, echo: str | None
+    ):
         ended, (event, data), offset = False, first, 0
         wanted = job.logprobs is not None
         try:
-            yield sse(reply.chunk({"role": "assistant", "content": ""} if reply.chat else ""))
+            if echo is None:
+                yield sse(reply.chunk({"role": "assistant", "content": ""} if reply.chat else ""))
+            else:  # completions' echo: the prompt first, with its tokens' log-probabilities when asked
+                prompt = job.prompt_logprobs if wanted else None
+                yield sse(reply.chunk(echo, None, prompt))
+                offset = sum(len(e["token"]) for e in prompt or [])
             while True:
                 logprobs = data.get("logprobs", []) if wanted else None
                 if event == "text":
@@ -501,7 +517,10 @@ class Reply:
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{alt["token"]: alt["logprob"] for alt in e["top_logprobs"]} for e in entries],
+            "top_logprobs": [
+                None if e["top_logprobs"] is None else {alt["token"]: alt["logprob"] for alt in e["top_logprobs"]}
+                for e in entries
+            ],
             "text_offset": offsets,
         }
 
@@ -549,6 +568,17 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
             param="logprobs",
             code="unsupported_parameter",
         )
+    if getattr(req, "echo", False) and req.alternatives is not None and backend.vocab_size is not None:
+        size = len(ids) * backend.vocab_size * 4
+        if size > ECHO_LOGITS_BYTES:
+            longest = ECHO_LOGITS_BYTES // (backend.vocab_size * 4)
+            raise ApiError(
+                400,
+                f"echo with logprobs scores every prompt token: this prompt's {len(ids)} tokens need "
+                f"{size / 2**20:.0f} MiB of logits; this server scores prompts of up to {longest} tokens. Shorten "
+                "the prompt or leave out echo.",
+                param="echo",
+            )
     for name, neutral in ADJUSTMENTS.items():
         if getattr(req, name) not in (neutral, {}) and not backend.adjusts_logits:
             raise ApiError(
@@ -616,6 +646,7 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
         repetition_penalty=req.repetition_penalty,
         logit_bias=bias,
         logprobs=req.alternatives,
+        echo=bool(getattr(req, "echo", False)),
     )
 
 

@@ -24,10 +24,15 @@ def backend(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def client(backend):
+def server(backend):
     running = Running(create_app(backend, Settings("tiny", max_new_tokens=16)))
-    yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+    yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 def forward_logprobs(model_dir, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
@@ -156,3 +161,71 @@ def test_a_backend_without_logprobs_refuses_them_by_name():
             make_job(req, [1, 2, 3], TextOnly(), Settings("tiny"))
         assert err.value.status == 400 and err.value.param == "logprobs"
         assert "serve.backend=mii" in str(err.value) and "serve.backend=transformers" in str(err.value)
+
+
+def test_echo_returns_the_prompt_and_its_tokens_logprobs(client, backend, tiny_model):
+    """lm-evaluation-harness's ``local-completions`` scores a continuation this way: ``echo`` with ``logprobs``
+    and the prompt's tokens' values, each given the tokens before it (the first has none)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = "blue red green"
+    ids = backend.encode(prompt)
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    lp = reply.choices[0].logprobs
+    assert reply.choices[0].text.startswith(prompt)
+    assert lp.tokens[: len(ids)] == [backend.tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+    assert len(lp.tokens) == len(ids) + reply.usage.completion_tokens
+
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reply.choices[0].text
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text == reply.choices[0].text and plain.choices[0].logprobs is None
+
+
+def test_echo_of_a_prompt_whose_logits_would_not_fit_is_refused_naming_it():
+    class HugeVocab:
+        name, supports_logprobs, adjusts_logits, supports_seed = "transformers", True, True, True
+        context_length, kv_tokens, vocab_size = 10**6, None, 10**6
+
+    req = CompletionRequest(prompt="x", logprobs=1, echo=True, max_tokens=1)
+    with pytest.raises(ApiError) as err:
+        make_job(req, list(range(200)), HugeVocab(), Settings("tiny"))
+    assert err.value.param == "echo" and "763 MiB of logits" in str(err.value)
+    assert make_job(req.model_copy(update={"logprobs": None}), list(range(200)), HugeVocab(), Settings("tiny")).echo
+
+
+def test_the_front_relays_logprobs_and_penalties_unchanged(server, client):
+    """What clients reach is the front: the same answers and values through it, whole and streamed."""
+    from ladle.fleet import front as fronts
+
+    upstream = {"url": server.url, "version": "1", "pid": None, "model_dir": "x"}
+    front = Running(fronts.create_app("tiny", "t", {"upstream": upstream}, None))
+    try:
+        via = openai.OpenAI(base_url=f"{front.url}/v1", api_key="unused", max_retries=0)
+        ask = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "logprobs": True}
+        extra = {"frequency_penalty": 1.0, "logit_bias": {"9": 3.0}}
+        direct = client.chat.completions.create(**ask, top_logprobs=2, extra_body=extra)
+        relayed = via.chat.completions.create(**ask, top_logprobs=2, extra_body=extra)
+        assert relayed.choices[0].message.content == direct.choices[0].message.content
+        assert [e.logprob for e in relayed.choices[0].logprobs.content] == [
+            e.logprob for e in direct.choices[0].logprobs.content
+        ]
+        chunks = list(via.chat.completions.create(**ask, stream=True, extra_body=extra))
+        streamed = [
+            e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+        ]
+        assert streamed == [e.logprob for e in direct.choices[0].logprobs.content]
+    finally:
+        front.stop()
