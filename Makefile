@@ -79,6 +79,7 @@ bench: setup
 	$(BIN)/python bench/demo_stages.py
 	$(BIN)/python bench/demo_under_load.py
 	$(BIN)/python bench/serve_load.py
+	$(BIN)/python bench/serve_features.py
 	$(BIN)/python bench/train_vs_trl.py
 	$(BIN)/python bench/train_overhead.py
 	$(BIN)/python bench/prepare_vs_trl.py
