@@ -19,8 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_load  # noqa: E402
 from common import save  # noqa: E402
@@ -59,32 +57,18 @@ def main() -> None:
     argv = [sys.executable, "-m", "ladle.serve", "--model", str(model), "--name", "m", "--port", str(port)]
     with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
         proc = subprocess.Popen([*argv, "--option", "max_batch=32"], stdout=log, stderr=subprocess.STDOUT)
-    url, rows, original = f"http://127.0.0.1:{port}", [], serve_load.one_request
+    url, rows = f"http://127.0.0.1:{port}", []
     try:
         serve_load.wait_up(url, proc, Path(log.name))
         for name, extra in SETTINGS.items():
             bias = {**extra.get("logit_bias", {}), str(tokenizer.eos_token_id): -100.0}
-
-            def one_request(http: httpx.Client, url: str, model: str, prompt: str, extra=extra, bias=bias):
-                body = {
-                    "model": model,
-                    "messages": [{"role": "user", "content": prompt}],
-                    "max_tokens": 32,
-                    "temperature": 0,
-                    "stream": True,
-                    **extra,
-                    "logit_bias": bias,
-                }
-                return stream(http, url, body)
-
-            serve_load.one_request = one_request
-            serve_load.load(url, "m", 2, 2.0, count)  # warm up
+            body = {**extra, "logit_bias": bias}
+            serve_load.load(url, "m", 2, 2.0, count, body)  # warm up
             for clients in [int(x) for x in args.levels.split(",")]:
-                row = {"setting": name, **serve_load.load(url, "m", clients, args.seconds, count)}
+                row = {"setting": name, **serve_load.load(url, "m", clients, args.seconds, count, body)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
-        serve_load.one_request = original
         stop_process(proc, grace_s=10)
     plain = {r["clients"]: r["tokens_per_s"] for r in rows if r["setting"] == "plain"}
     for row in rows:
@@ -92,23 +76,6 @@ def main() -> None:
     print(f"results: {save('serve_features', {'model': str(model), 'rows': rows})}")
     for row in rows:
         print(f"{row['setting']:46s} {row['clients']:3d} clients  {row['tokens_per_s']:8.1f} tok/s  x{row['vs_plain']}")
-
-
-def stream(http: httpx.Client, url: str, body: dict) -> tuple[float, float, str]:
-    import time
-
-    began, first, pieces = time.monotonic(), None, []
-    with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
-                first = first or time.monotonic()
-                pieces.append(data["choices"][0]["delta"]["content"])
-    end = time.monotonic()
-    return end - began, (first or end) - began, "".join(pieces)
 
 
 if __name__ == "__main__":

@@ -71,8 +71,11 @@ def wait_up(url: str, proc: subprocess.Popen, log: Path) -> None:
     raise RuntimeError("server did not start")
 
 
-def one_request(http: httpx.Client, url: str, model: str, prompt: str) -> tuple[float, float, str]:
-    """Latency, time to first token, and the text of one streaming greedy chat request."""
+def one_request(
+    http: httpx.Client, url: str, model: str, prompt: str, extra: dict | None = None
+) -> tuple[float, float, str]:
+    """Latency, time to first token, and the text of one streaming greedy chat request (``extra``: more body
+    fields)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -80,6 +83,7 @@ def one_request(http: httpx.Client, url: str, model: str, prompt: str) -> tuple[
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     began, first, pieces = time.monotonic(), None, []
     with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
@@ -95,7 +99,7 @@ def one_request(http: httpx.Client, url: str, model: str, prompt: str) -> tuple[
     return end - began, (first or end) - began, "".join(pieces)
 
 
-def load(url: str, model: str, clients: int, seconds: float, count) -> dict:
+def load(url: str, model: str, clients: int, seconds: float, count, extra: dict | None = None) -> dict:
     """``clients`` threads sending requests for ``seconds``; output tokens counted by ``count(text)``, the same
     tokenizer for every server (servers count their usage differently, e.g. with or without EOS)."""
     results, errors, lock = [], [], threading.Lock()
@@ -105,7 +109,7 @@ def load(url: str, model: str, clients: int, seconds: float, count) -> dict:
             until, n = time.monotonic() + seconds, 0
             while time.monotonic() < until:
                 try:
-                    got = one_request(http, url, model, PROMPTS[(i + n) % len(PROMPTS)])
+                    got = one_request(http, url, model, PROMPTS[(i + n) % len(PROMPTS)], extra)
                 except Exception as exc:
                     with lock:
                         errors.append(repr(exc))

@@ -82,8 +82,9 @@ class Registry(Mapping[str, T], Generic[T]):
         wanted = name.strip().lower()
         return next((item.name for item in self._entries.values() if wanted in names_of(item)), None)
 
-    def get(self, name: str, default: Any = None) -> T:  # type: ignore[override]
-        """The entry called ``name`` (or an alias of it).
+    def get(self, name: str) -> T:  # type: ignore[override]
+        """The entry called ``name`` (or an alias of it). Unlike a dict's ``get``, never a default: a name the
+        config let through is registered, and any other is the user's to fix.
 
         Raises:
             LadleError: no such entry, naming the field, the value and the choices.

@@ -534,6 +534,17 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+def not_on_backend(field: str, backend: Backend, why: str) -> ApiError:
+    """The 400 for a request field ``backend`` cannot honour: the field, the backend, why, and the fix."""
+    return ApiError(
+        400,
+        f"{field} is not supported by the {backend.name} backend (serve.backend={backend.name} {why}). Leave it "
+        "out, or serve with serve.backend=transformers.",
+        param=field,
+        code="unsupported_parameter",
+    )
+
+
 def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings) -> Job:
     """The engine's job for a validated request.
 
@@ -549,25 +560,13 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
             kind="not_found_error",
         )
     if req.seed is not None and not backend.supports_seed:
-        raise ApiError(
-            400,
-            f"seed is not supported by the {backend.name} backend (it samples without per-request seeds). "
-            "Leave it out, or serve with serve.backend=transformers.",
-            param="seed",
-            code="unsupported_parameter",
-        )
+        raise not_on_backend("seed", backend, "samples without per-request seeds")
     if req.n != 1:
         raise ApiError(400, f"n = {req.n}: only n=1 is supported; send n requests instead.", param="n")
     if getattr(req, "top_logprobs", None) is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
     if req.alternatives is not None and not backend.supports_logprobs:
-        raise ApiError(
-            400,
-            f"logprobs is not supported by the {backend.name} backend (serve.backend={backend.name} returns text, "
-            "not per-token log-probabilities). Leave it out, or serve with serve.backend=transformers.",
-            param="logprobs",
-            code="unsupported_parameter",
-        )
+        raise not_on_backend("logprobs", backend, "returns text, not per-token log-probabilities")
     if getattr(req, "echo", False) and req.alternatives is not None and backend.vocab_size is not None:
         size = len(ids) * backend.vocab_size * 4
         if size > ECHO_LOGITS_BYTES:
@@ -581,13 +580,7 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
             )
     for name, neutral in ADJUSTMENTS.items():
         if getattr(req, name) not in (neutral, {}) and not backend.adjusts_logits:
-            raise ApiError(
-                400,
-                f"{name} is not supported by the {backend.name} backend (serve.backend={backend.name} samples by "
-                "temperature and top_p only). Leave it out, or serve with serve.backend=transformers.",
-                param=name,
-                code="unsupported_parameter",
-            )
+            raise not_on_backend(name, backend, "samples by temperature and top_p only")
     bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
     outside = sorted(k for k in bias if backend.vocab_size is not None and k >= backend.vocab_size)
     if outside:

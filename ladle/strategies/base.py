@@ -68,8 +68,9 @@ class Candidate:
 
 
 class Strategy(ABC):
-    runtime = "ladle.train.runtime.base:Runtime"
-    """Where its worker side is (``ladle.train.runtime``): imported by the worker only."""
+    runtime: str = ""
+    """Its worker side, ``"module:Class"`` of a ``ladle.train.runtime.base.Runtime`` subclass: only the worker
+    imports it (``runtime_for``). Empty: the strategy can be planned but not run."""
     name: str
     summary: str
     aliases: tuple[str, ...] = ()

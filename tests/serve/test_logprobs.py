@@ -11,28 +11,10 @@ import openai
 import pytest
 import torch
 
-from ladle.serve.backends import TransformersBackend
-from ladle.serve.server import ApiError, ChatRequest, CompletionRequest, Settings, create_app, make_job
+from ladle.serve.server import ApiError, ChatRequest, CompletionRequest, Settings, make_job
 from tests.serve.running import Running
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model):
-    return TransformersBackend(str(tiny_model), max_batch=8)
-
-
-@pytest.fixture(scope="module")
-def server(backend):
-    running = Running(create_app(backend, Settings("tiny", max_new_tokens=16)))
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 def forward_logprobs(model_dir, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:

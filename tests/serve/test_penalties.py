@@ -11,23 +11,9 @@ import openai
 import pytest
 import torch
 
-from ladle.serve.backends import TransformersBackend
-from ladle.serve.server import ApiError, ChatRequest, Settings, create_app, make_job
-from tests.serve.running import Running
+from ladle.serve.server import ApiError, ChatRequest, Settings, make_job
 
 MESSAGES = [{"role": "user", "content": "Count to five please, slowly."}]
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model):
-    return TransformersBackend(str(tiny_model), max_batch=8)
-
-
-@pytest.fixture(scope="module")
-def client(backend):
-    running = Running(create_app(backend, Settings("tiny", max_new_tokens=16)))
-    yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
-    running.stop()
 
 
 class OpenAIPenalties:

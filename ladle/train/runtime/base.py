@@ -26,6 +26,8 @@ def runtime_for(strategy) -> Runtime:
         from ladle import strategies
 
         strategy = strategies.get(strategy)
+    if not strategy.runtime:
+        raise RuntimeError(f"strategy {strategy.name!r} names no runtime (Strategy.runtime): it cannot run")
     if strategy.name not in MADE or MADE[strategy.name].strategy is not strategy:
         module, _, name = strategy.runtime.partition(":")
         MADE[strategy.name] = getattr(importlib.import_module(module), name)(strategy)
@@ -38,7 +40,8 @@ MADE: dict[str, Runtime] = {}
 class Runtime(ABC):
     """A strategy's worker side: how a rank wraps the model, steps, gathers and saves it. The planning side (the
     strategy in ``ladle.strategies``) names its runtime (``Strategy.runtime``); the worker makes one per run
-    (``runtime_for``). The defaults here are plain data parallel under accelerate."""
+    (``runtime_for``). The defaults here are plain data parallel under accelerate; ``wrap`` and
+    ``check_applied`` have none."""
 
     def __init__(self, strategy) -> None:
         self.strategy = strategy
