@@ -54,7 +54,8 @@ def with_training(cfg: LadleConfig, **updates: Any) -> LadleConfig:
 def choose_checkpointing(cfg: LadleConfig, topo: Topology, target: Target, model: dict | None) -> Decision[bool]:
     """``training.gradient_checkpointing``, or for ``auto``: off when some strategy (the named one, if named)
     fits the device without it; on when only recomputing activations makes one fit, and when nothing fits
-    either way (the strategy step then says what else to change)."""
+    either way (the strategy step then says what else to change). Layouts that split sequences across ranks
+    (``Candidate.splits_sequence``) are weighed after recomputation: on when only they fit."""
     asked = cfg.training.gradient_checkpointing
     if asked != "auto":
         return Decision(bool(asked))
@@ -72,7 +73,9 @@ def choose_checkpointing(cfg: LadleConfig, topo: Topology, target: Target, model
                 strategy = strategies.get(explicit)
                 est = strategy.estimate(job, strategy.options(cfg))
                 sized = [Sized(Candidate(strategy, -1, "explicit"), est, est.fits(capacity))]
-            fitting[recompute] = next((s for s in sized if s.fits), None), min(sized, key=lambda s: s.estimate.total)
+            whole = [s for s in sized if not s.candidate.splits_sequence] or sized
+            fitting[recompute] = next((s for s in whole if s.fits), None), min(whole, key=lambda s: s.estimate.total)
+            split = next((s for s in sized if s.fits and s.candidate.splits_sequence), None)
     except LadleError:
         return Decision(False, ("activation checkpointing off (auto): the memory was not sized",))
     (plain, smallest), (recomputed, _) = fitting[False], fitting[True]
@@ -88,6 +91,16 @@ def choose_checkpointing(cfg: LadleConfig, topo: Topology, target: Target, model
                 f"activation checkpointing on (auto): nothing fits with every activation kept (the smallest, "
                 f"{smallest.estimate.strategy}, needs {sizing.gib(smallest.estimate.total)}); recomputing each "
                 f"layer's in backward, {recomputed.estimate.strategy} needs {recomputed.estimate.summary()}",
+            ),
+        )
+    if split is not None:  # the last pass (with recomputation) found a layout that splits sequences
+        return Decision(
+            True,
+            (
+                f"activation checkpointing on (auto): no layout that keeps whole sequences on a rank fits, even "
+                f"recomputing activations (the smallest, {smallest.estimate.strategy}, needs "
+                f"{sizing.gib(smallest.estimate.total)} without recomputation); sequences are split across ranks, "
+                "with recomputation",
             ),
         )
     # Nothing fits either way: recompute (the closer to fitting), so the strategy step sizes and reports that.
@@ -219,6 +232,7 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         LadleError: the model's config.json lacks what sizing needs.
     """
     from ladle.sizing import params
+    from ladle.strategies.attention import unsupported
 
     lora = cfg.training.lora
     saved, kernels_cfg = lora.modules_to_save, cfg.training.kernels
@@ -241,6 +255,7 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         loss_chunk_bytes=0 if kernels_cfg.fused_loss == "off" else kernels_cfg.loss_chunk_mib * 2**20,
         liger_loss=kernels.liger_loss_expected(kernels_cfg, target.device),
         compiled=kernels.compile_expected(kernels_cfg, target.device),
+        attention=unsupported(model),
     )
 
 
@@ -302,6 +317,13 @@ def choose_strategy(cfg: LadleConfig, topo: Topology, target: Target, model: dic
     est, candidate = first.estimate, first.candidate
     reasons = (f"strategy {est.strategy}: {candidate.why}; needs {est.summary()}, within {limit}{skipped}",)
     reasons += (candidate.reason,) if candidate.reason else ()
+    whole = [s for s in sized if not s.candidate.splits_sequence]
+    if candidate.splits_sequence and whole:
+        least = min(whole, key=lambda s: s.estimate.total)
+        reasons += (
+            f"sequence parallelism: with whole sequences on each rank the smallest layout, {least.estimate.strategy}, "
+            f"needs {least.estimate.summary()}, more than {limit}",
+        )
     warnings = (candidate.warning,) if candidate.warning else ()
     return Decision(Chosen(candidate.strategy, candidate.options, rows), reasons, warnings)
 

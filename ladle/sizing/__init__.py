@@ -142,6 +142,14 @@ def activation_bytes(shape: ModelShape, tokens: int, layers: int, dtype_bytes: i
     return layers * full
 
 
+def all_to_all_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
+    """Ulysses' transient buffers in one attention layer of a rank holding ``tokens`` tokens: q, k and v made
+    contiguous for the all-to-all and its output (twice q + k + v), then the attention output and its exchange
+    (twice q); gathered position ids and the per-example regrouping of q, k, v (once more q + k + v)."""
+    qkv = (2 * shape.hidden + 2 * shape.kv_dim) * tokens * dtype_bytes  # q and o are hidden wide, k and v kv_dim
+    return 3 * qkv
+
+
 def logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, chunk_bytes: int = 0, liger: bool = False) -> int:
     """The loss's logits: all ``tokens`` at once, or with a fused loss (``chunk_bytes`` of float32 logits at a
     time, recomputed in backward) one chunk's: its model-dtype logits, their float32 copy and the float32
@@ -290,6 +298,7 @@ class Job:
     loss_chunk_bytes: int = 0  # training.kernels.fused_loss: float32 logits of one chunk (0: the plain loss)
     liger_loss: bool = False  # Liger's fused linear cross-entropy runs (CUDA, installed where the plan is made)
     compiled: bool = False  # training.kernels.compile: blocks compiled where the strategy compiles them
+    attention: str | None = None  # why ladle's attention layers cannot run this model's (None: they can)
 
     @property
     def world(self) -> int:

@@ -65,6 +65,9 @@ class Candidate:
     needs_cuda: bool = False
     reason: str | None = None
     warning: str | None = None
+    splits_sequence: bool = False
+    """It splits each sequence across ranks (sequence parallelism): weighed only after recomputing activations
+    is (``ladle.plan.memory.choose_checkpointing``)."""
 
 
 class Strategy(ABC):

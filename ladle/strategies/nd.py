@@ -1,4 +1,4 @@
-"""N-D parallelism: ``pp × dp_replicate × dp_shard × cp × tp`` composed on one device mesh.
+"""N-D parallelism: ``pp × dp_replicate × dp_shard × cp × sp × tp`` composed on one device mesh.
 
 The degrees come from ``parallelism.dims`` (or from the planner, which sizes
 N-D candidates like any other). The worker builds one ``DeviceMesh`` from them
@@ -20,6 +20,15 @@ in torchtitan's fixed order:
    embedding and head as units of their own, then the root, on the
    ``(dp_replicate, dp_shard)`` sub-mesh (HSDP when both are above 1). Weights
    already split by tp are sharded again on dim 0 (DTensor ``_StridedShard``).
+   With ``sp`` the shard dimension is ``dp_shard × sp`` (ZeRO-3's layout: the
+   ranks that split a sequence also split the weights).
+5. **sp** — Ulysses sequence parallelism (``ladle.train.sequence_parallel``):
+   each rank of an sp group holds ``seq_len / sp`` tokens of every row, labels
+   shifted before the split; per attention layer one all-to-all trades the
+   sequence split for a head split, attention runs over whole sequences (packed
+   rows kept apart by their position ids) on ``heads / sp`` heads, and a second
+   all-to-all trades back. sp composes with dp_replicate and dp_shard; with pp,
+   tp and cp it is refused (not wired).
 
 Each rank then reads only its region of every tensor from the safetensors
 (``ladle.train.loading``), and ``check_applied`` verifies the placement of every
@@ -27,8 +36,8 @@ parameter on every mesh dimension.
 
 Not composed here, each refused with its reason by the planner: LoRA with tp > 1
 (peft's adapter adds a full-width product to a projection's local, sharded
-output), cp > 1 (context parallelism: torch's ring attention dispatches CUDA kernels only, so on CPU it cannot
-run; on GPUs it needs unpacked rows and pre-shifted labels, not wired yet), QLoRA (bitsandbytes' 4-bit
+output), cp > 1 (ring context parallelism: torch's ring attention dispatches CUDA kernels only, so on CPU it cannot
+run; on GPUs it needs unpacked rows and pre-shifted labels, not wired yet: Ulysses ``sp`` is what runs), QLoRA (bitsandbytes' 4-bit
 weights are not DTensors) and per-block compile.
 """
 
@@ -53,13 +62,33 @@ MIN_SLICE = 1024  # columns of a projection each tp rank keeps, at least (hidden
 CP_ON_CPU = (
     "parallelism.dims.cp = {cp}: context parallelism runs ring attention through torch's context_parallel, whose "
     "attention kernels are CUDA's only (flash, memory-efficient, cuDNN SDPA); this host has no GPU. Set "
-    "parallelism.dims.cp=1."
+    "parallelism.dims.cp=1; to split long sequences across ranks here, set parallelism.dims.sp (Ulysses: "
+    "all-to-all, which gloo runs)."
 )
 CP_NOT_WIRED = (
     "parallelism.dims.cp = {cp}: context parallelism is not wired in this version: ring attention needs "
     "unpacked rows with pre-shifted labels and FSDP over dp_shard × cp, and no multi-GPU machine has verified "
-    "it. Set parallelism.dims.cp=1; for long sequences use training.gradient_checkpointing=true and a larger tp."
+    "it. Set parallelism.dims.cp=1; to split long sequences across ranks, set parallelism.dims.sp (Ulysses "
+    "sequence parallelism, which runs)."
 )
+
+
+SP_ALONE = {
+    "pp": "the pipeline's stages exchange whole rows of activations between ranks",
+    "tp": "tensor parallelism splits the heads the all-to-all exchanges a second time",
+    "cp": "ring attention splits the same sequence another way",
+}
+"""The degrees sp does not compose with in this version, and why."""
+
+
+def sp_composition_problems(asked: Dims) -> list[str]:
+    """sp composes with dp_replicate and dp_shard; every other degree above 1 is refused with its reason."""
+    return [
+        f"parallelism.dims.sp = {asked.sp} with {name} = {getattr(asked, name)}: not composed in this version "
+        f"({why}). Set parallelism.dims.{name}=1, or sp=1."
+        for name, why in SP_ALONE.items()
+        if getattr(asked, name) > 1
+    ]
 
 
 class DimsOptions(Section):
@@ -72,7 +101,17 @@ class DimsOptions(Section):
     dp_shard: Degree = Field(
         "auto", description="FSDP degree: parameters, gradients and optimizer state sharded. auto: the ranks left."
     )
-    cp: Degree = Field("auto", description="Context parallel degree (each sequence split across ranks). auto: 1.")
+    cp: Degree = Field(
+        "auto",
+        description="Ring context parallel degree (torch's context_parallel; CUDA only, not wired in this version: "
+        "use sp). auto: 1.",
+    )
+    sp: Degree = Field(
+        "auto",
+        description="Ulysses sequence parallel degree: each row split into sp slices across ranks, attention heads "
+        "exchanged by all-to-all. It must divide the attention heads and data.seq_len; composes with dp_replicate "
+        "and dp_shard (FSDP shards over dp_shard × sp). auto: 1.",
+    )
     tp: Degree = Field(
         "auto",
         description="Tensor parallel degree (innermost: consecutive ranks, one machine's fast links). It must "
@@ -146,6 +185,8 @@ class ND(Strategy):
         asked = asked_dims(options)
         if asked.cp > 1:
             problems.append((CP_ON_CPU if topo.gpu_count == 0 else CP_NOT_WIRED).format(cp=asked.cp))
+        if asked.sp > 1:
+            problems += sp_composition_problems(asked)
         if asked.tp > 1 and cfg.training.lora.enabled:
             problems.append(
                 f"parallelism.dims.tp = {asked.tp} with training.lora.enabled = true: peft's LoRA layer adds its "
@@ -197,10 +238,11 @@ class ND(Strategy):
         ``pp`` = machines × tp inside is offered too, for when a machine cannot hold its share even so.
         """
         s = job.shape
+        split = self.sp_candidates(job)
         if not job.cuda or job.lora or job.world < 4 or job.gpus_per_node < 2 or interconnect not in FAST_LINKS:
-            return []
-        kv_heads = s.kv_dim // max(1, s.hidden // s.heads)
+            return split
         out = []
+        kv_heads = s.kv_dim // max(1, s.hidden // s.heads)
         degrees = [tp for tp in tp_degrees(s.heads, kv_heads, job.gpus_per_node) if s.hidden // tp >= MIN_SLICE]
         for tp in degrees if job.nodes > 1 else degrees[:1]:  # one machine: only the most memory it can free
             dp_shard = job.world // tp
@@ -224,6 +266,29 @@ class ND(Strategy):
                 f"dp_shard={job.gpus_per_node // tp} inside each machine"
             )
             out.append(Candidate(self, 40, why, Dims(pp=job.nodes, tp=tp, dp_shard=job.gpus_per_node // tp).degrees()))
+        return out + split
+
+    def sp_candidates(self, job) -> list[Candidate]:
+        """Ulysses sequence parallelism inside one machine, for when a sequence's activations do not fit one
+        rank: sp = 2, 4, ... (dividing the heads, the row length and the machine's ranks), each with FSDP over
+        every rank (dp_shard × sp). Ranked after every other layout: splitting a sequence costs two all-to-alls
+        per attention layer, so the planner turns activation checkpointing on first (``choose_checkpointing``
+        tries the others with recomputation before these), and takes the smallest sp that fits."""
+        from ladle.strategies.mesh import sequence_parallel_problems
+
+        out = []
+        for sp in (2, 4, 8, 16, 32):
+            if sp > job.gpus_per_node or job.gpus_per_node % sp or job.world % sp:
+                break
+            if sequence_parallel_problems(sp, job.shape.heads, job.seq_len, job.attention):
+                continue
+            tokens = job.micro_batch * job.seq_len
+            why = (
+                f"sp={sp} (Ulysses) × dp_shard={job.world // sp}: each rank holds {tokens // sp} of a micro-batch's "
+                f"{tokens} tokens; two all-to-alls per attention layer inside the machine"
+            )
+            options = Dims(dp_shard=job.world // sp, sp=sp).degrees()
+            out.append(Candidate(self, 80 + sp, why, options, splits_sequence=True))
         return out
 
     def model_states(self, job, options) -> memory.ModelStates:
@@ -235,16 +300,17 @@ class ND(Strategy):
         reduce buffer: the largest unit's weight and gradient once more (bench/nd.py's pp=2 x dp_replicate=2 was
         117 MiB above the prediction without it, two float32 copies of its 16.4M-element head)."""
         dims, s = degrees(options, job.world), job.shape
+        shard = dims.fsdp_shard  # dp_shard × sp
         layers = s.layer_params * s.layers // dims.pp  # a stage's decoder weights
         root = s.embedding_params // (2 if dims.pp > 1 else 1)  # the embedding or the head on an end stage
-        held = layers // (dims.tp * dims.dp_shard) + root // dims.dp_shard  # this rank's parameters
+        held = layers // (dims.tp * shard) + root // shard  # this rank's parameters
         largest = max(s.layer_params // dims.tp, s.embedding_params // 2)
-        sharded, wrapped = dims.dp_shard > 1, dims.dp > 1  # FSDP2 wraps the units over the data-parallel mesh
+        sharded, wrapped = shard > 1, dims.dp * dims.sp > 1  # FSDP2 wraps the units over the data-parallel mesh
         if job.dtype_bytes == 4:  # float32 (CPU): 4-byte weights and gradients, AdamW's two moments
             states = memory.fp32(held)
             extra = 8 * largest * wrapped + 4 * root * sharded
             return memory.ModelStates(states.weights, states.gradients, states.optimizer, extra)
-        states = memory.zero3(held * dims.dp_shard, largest, dims.dp_shard, 1)
+        states = memory.zero3(held * shard, largest, shard, 1)
         extra = states.gathered * wrapped + memory.WEIGHT_16 * root * sharded
         return memory.ModelStates(states.weights, states.gradients, states.optimizer, extra)
 
@@ -260,23 +326,40 @@ class ND(Strategy):
         )
         layers = -(-s.layers // dims.pp)
         in_flight = min(job.microbatches, dims.pp) if dims.pp > 1 else 1
-        tokens = job.micro_batch * job.seq_len // dims.cp
+        tokens = job.micro_batch * job.seq_len // (dims.cp * dims.sp)
         acts = in_flight * sizing.activation_bytes(split, tokens, layers, job.dtype_bytes, job.checkpointing)
-        return acts, f"mesh {dims.describe()}: {layers} layers per stage, {in_flight} microbatch(es) in flight"
+        note = f"mesh {dims.describe()}: {layers} layers per stage, {in_flight} microbatch(es) in flight"
+        if dims.sp > 1:
+            acts += sizing.all_to_all_bytes(s, tokens, job.dtype_bytes)
+            note += f"; sp={dims.sp}: {tokens} tokens per rank, one layer's all-to-all buffers"
+        return acts, note
+
+    def logits_bytes(self, job, options) -> int:
+        """A rank's logits are its slice's: ``seq_len / sp`` tokens of each row."""
+        sp = degrees(options, job.world).sp
+        return super().logits_bytes(dataclasses.replace(job, seq_len=job.seq_len // sp), options)
 
     def configure(self, cfg, plan) -> tuple[dict, list[str]]:
         dims = Dims.of(plan.mesh)
         config = {
             "mesh": dims.degrees(),
             "order": "pp stages split -> tp (colwise q/k/v/gate/up, rowwise o/down) -> activation checkpointing "
-            "-> FSDP2 on (dp_replicate, dp_shard)",
+            "-> FSDP2 on (dp_replicate, dp_shard × sp)"
+            + (" -> Ulysses all-to-all attention on sp" if dims.sp > 1 else ""),
             "schedule": plan.strategy_options["schedule"] if dims.pp > 1 else None,
-            "fsdp_mesh": [dims.dp_replicate, dims.dp_shard] if dims.dp > 1 else None,
+            "fsdp_mesh": [dims.dp_replicate, dims.fsdp_shard] if dims.dp * dims.sp > 1 else None,
         }
         reasons = [
             f"mesh {dims.describe()}: {dims.dp} data-parallel replica(s) read different rows; each holds "
             f"1/{dims.shards} of the weights"
         ]
+        if dims.sp > 1:
+            reasons.append(
+                f"sp={dims.sp}: every row split into {dims.sp} slices of {cfg.data.seq_len // dims.sp} tokens "
+                "(labels shifted before the split); per attention layer an all-to-all gives each rank the whole "
+                f"sequence over 1/{dims.sp} of the heads, and another gives back its slice (Ulysses; ring context "
+                "parallelism is not what runs)"
+            )
         return config, reasons
 
     # -- worker side ---------------------------------------------------------

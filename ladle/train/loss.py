@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from ladle.data.packing import IGNORE
 from ladle.train.kernels import FusedHead
 from ladle.train.padding_free import JoinRows
+from ladle.train.sequence_parallel import Ulysses
 
 
 def token_loss(model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, int]:
@@ -30,20 +31,29 @@ def token_loss(model, data: dict[str, torch.Tensor], rows: list[int], device) ->
 
 def batch_rows(data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, ...]:
     """The input ids, labels and position ids of ``rows``, on ``device``: one row of their real tokens where the
-    run joins micro-batches (``training.kernels.padding_free``) and that computes less."""
+    run joins micro-batches (``training.kernels.padding_free``) and that computes less; this rank's slice of
+    every row under sequence parallelism (labels shifted before the split: ``Ulysses.split``)."""
     index = torch.tensor(rows, dtype=torch.long)
     ids, labels, positions = (data[key][index] for key in ("input_ids", "labels", "position_ids"))
     joiner = JoinRows.ACTIVE
     if joiner is not None and "real_tokens" in data:
         ids, labels, positions = joiner.join(ids, labels, positions, data["real_tokens"][index])
+    ulysses = Ulysses.ACTIVE
+    if ulysses is not None:
+        ids, labels, positions = ulysses.split(ids, labels, positions)
     return ids.to(device), labels.to(device), positions.to(device)
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy of ``logits`` against ``labels`` (batch x seq), and the trained count."""
+    """Summed next-token cross-entropy of ``logits`` against ``labels`` (batch x seq), and the trained count:
+    ``labels[:, 1:]`` are the targets of the first positions (all of them for a sequence-parallel slice, whose
+    labels carry one leading column; all but the last otherwise)."""
     targets = labels[:, 1:]
     # Upcast: the loss over the vocabulary is computed in float32 whatever the model dtype.
     loss = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+        logits[:, : targets.size(1)].float().reshape(-1, logits.size(-1)),
+        targets.reshape(-1),
+        ignore_index=IGNORE,
+        reduction="sum",
     )
     return loss, int((targets != IGNORE).sum())

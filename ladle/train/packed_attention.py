@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ladle.strategies.attention import unsupported
+
 NAME = "ladle_packed"
-# Model types whose self-attention is plain causal attention over the rows it is given.
-PLAIN_ATTENTION_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "gemma")
 
 
 class Layout:
@@ -101,18 +101,6 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         enable_gqa=key.shape[1] != heads,
     )
     return layout.restore(out, rows, length), None
-
-
-def unsupported(config) -> str | None:
-    """Why this model's attention is not plain causal attention (None when it is)."""
-    model_type = getattr(config, "model_type", "")
-    if model_type not in PLAIN_ATTENTION_TYPES:
-        return f"{model_type or 'this model'}'s attention has not been checked with it"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return f"{model_type} uses sliding-window attention"
-    if getattr(config, "attn_logit_softcapping", None):
-        return f"{model_type} soft-caps its attention logits"
-    return None
 
 
 def install(model, decided: dict) -> str:

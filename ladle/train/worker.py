@@ -27,7 +27,16 @@ from accelerate import Accelerator
 
 from ladle.data.packing import IGNORE, read_rows
 from ladle.platform import storage
-from ladle.train import checkpoint, kernels, loading, packed_attention, padding_free, saving, schedule
+from ladle.train import (
+    checkpoint,
+    kernels,
+    loading,
+    packed_attention,
+    padding_free,
+    saving,
+    schedule,
+    sequence_parallel,
+)
 from ladle.train.loss import token_loss
 from ladle.train.runtime.base import inner, runtime_for
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
@@ -271,13 +280,18 @@ def setup(spec: TrainSpec) -> Session:
         raise RuntimeError(f"{rows} packed training rows cannot fill one global batch of {plan.global_batch_size}")
     steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
     model, pending, ran = load_model(spec, accelerator)
+    sequence_parallel.Ulysses.ACTIVE = None  # the runtime's wrap installs it where the plan splits sequences
     model, optimizer = runtime.wrap(accelerator, model, lambda m: build_optimizer(m, cfg), plan, pending)
     hf_model = runtime.hf_model(accelerator, model)
     if getattr(model, "ladle_vocab", None) is not None:
         ran["fused_loss"] = "vocabulary-parallel (the ends stay sharded)"
     else:
         ran["fused_loss"] = kernels.fused_head(hf_model, plan.kernels, plan.device)
-    ran["packed_attention"] = packed_attention.install(hf_model, plan.kernels)
+    if sequence_parallel.Ulysses.ACTIVE is not None:
+        ran["sequence_parallel"] = "on"
+        ran["packed_attention"] = "on: inside sequence-parallel attention, over the gathered sequence"
+    else:
+        ran["packed_attention"] = packed_attention.install(hf_model, plan.kernels)
     by_example = ran["packed_attention"].startswith("on")
     ran["padding_free"] = padding_free.install(hf_model.config, plan.kernels, by_example)
     if leftover := loading.meta_parameters(model):
@@ -442,6 +456,7 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
     s.log({"eval_loss": eval_after}, s.steps)
     adapter_url, model_url = save_outputs(acc, s.model, s.spec)
     padding_free.report(s.kernels)
+    sequence_parallel.report(s.kernels)
     losses = s.losses
     result = TrainResult(
         strategy=s.spec.plan.strategy,

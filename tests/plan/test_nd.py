@@ -127,7 +127,7 @@ def test_a_product_that_is_not_the_world_names_each_degree():
         *(f"parallelism.dims.{d}=1" for d in ("pp", "dp_replicate", "cp", "tp")), "parallelism.dims.dp_shard=2"
     )
     assert (
-        "parallelism.dims = pp=1 × dp_replicate=1 × dp_shard=2 × cp=1 × tp=1: the product 2 must equal the world size 4"
+        "parallelism.dims = pp=1 × dp_replicate=1 × dp_shard=2 × cp=1 × sp=1 × tp=1: the product 2 must equal the world size 4"
         in text
     )
 
@@ -189,14 +189,18 @@ def test_small_models_get_no_tp_that_would_starve_the_gemms(machines):
     ("overrides", "machine"),
     [(["training.lora.enabled=true"], "nvswitch"), (["training.lora.enabled=false"], "pcie")],
 )
-def test_no_nd_candidates_for_lora_or_slow_links(machines, overrides, machine):
+def test_no_tp_candidates_for_lora_or_slow_links(machines, overrides, machine):
     made = gpu_plan(machines, "llama-3.1-70b", *overrides, nodes=2, machine=machine)
-    assert not [c for c in made.candidates if c["strategy"].startswith("nd")]
+    nd = [c["strategy"] for c in made.candidates if c["strategy"].startswith("nd")]
+    assert nd and all("sp=" in name and "tp=" not in name for name in nd)  # only sequence parallelism, last
 
 
-def test_no_nd_candidates_on_cpu():
+def test_no_tp_candidates_on_cpu_and_sequence_parallelism_only_last():
     made = cpu_plan("training.lora.enabled=false")
-    assert made.strategy != "nd" and not [c for c in made.candidates if c["strategy"].startswith("nd")]
+    names = [c["strategy"] for c in made.candidates]
+    nd = [name for name in names if name.startswith("nd")]
+    assert made.strategy != "nd" and nd == ["nd(dp_shard=2 × sp=2)", "nd(sp=4)"]  # the tiny model's 4 heads
+    assert names[-2:] == nd
 
 
 def test_one_machine_prefers_fsdp2_and_offers_tp_after_it(machines):

@@ -131,17 +131,20 @@ class Runtime(ABC):
 
         loss_fn = vocab_parallel_loss(model, loss_fn)
         rank, replicas = self.data_parallel(accelerator)
+        # Gradients are averaged over the replicas and the ranks that split their sequences (each computes the
+        # gradient of its slice's summed loss): scale so their mean is the global token mean.
+        averaged = replicas * self.sequence_split()
         micros = schedule.micro_batches(batch, rank, replicas, plan.micro_batch_size)
         local_sum = 0.0
         for m, rows in enumerate(micros):
             sync = m == len(micros) - 1
             with self.no_sync(accelerator, model) if not sync else nullcontext():
                 loss, _ = loss_fn(model, data, rows, accelerator.device)
-                # Data-parallel reductions average gradients over replicas; scale so the result is the global token mean.
-                self.backward(accelerator, model, loss * replicas / denominator, boundary=sync)
+                self.backward(accelerator, model, loss * averaged / denominator, boundary=sync)
             local_sum += loss.item()
-        # Ranks of one replica computed the same loss: count it once in the all-rank sum.
-        return local_sum * replicas / accelerator.num_processes
+        # Ranks of one replica computed the same loss (a slice each with sequence parallelism): count it once in
+        # the all-rank sum.
+        return local_sum * averaged / accelerator.num_processes
 
     def evaluate(self, accelerator, model, data, micro: int, loss_fn) -> float:
         """Token-weighted loss over all rows of ``data``, the same on every rank.
@@ -171,6 +174,10 @@ class Runtime(ABC):
     def data_parallel(self, accelerator) -> tuple[int, int]:
         """This rank's data-parallel index and the number of replicas (ranks reading different rows)."""
         return accelerator.process_index, accelerator.num_processes
+
+    def sequence_split(self) -> int:
+        """Ranks each row is split across (sequence parallelism's degree; 1: every rank holds whole rows)."""
+        return 1
 
     def load_kwargs(self, accelerator, plan: Plan) -> dict[str, Any]:
         """Extra ``from_pretrained`` arguments (e.g. a tensor-parallel plan and mesh)."""

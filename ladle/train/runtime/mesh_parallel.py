@@ -68,8 +68,9 @@ def misplaced(name: str, found: dict, dims: Dims) -> str | None:
         tp = found.get("tp")
         if not (isinstance(tp, Shard) and tp.dim == want):
             return f"{name}: tp placement {tp!r}, planned Shard(dim={want})"
-    if dims.dp_shard > 1 and not dim0(found.get("dp_shard")):
-        return f"{name}: dp_shard placement {found.get('dp_shard')!r}, planned a dim-0 shard"
+    shard = "dp_shard_sp" if dims.sp > 1 else "dp_shard"  # FSDP shards over dp_shard × sp (``Dims.fsdp_shard``)
+    if dims.fsdp_shard > 1 and not dim0(found.get(shard)):
+        return f"{name}: {shard} placement {found.get(shard)!r}, planned a dim-0 shard"
     if dims.dp_replicate > 1 and not isinstance(found.get("dp_replicate"), Replicate):
         return f"{name}: dp_replicate placement {found.get('dp_replicate')!r}, planned Replicate()"
     return None

@@ -35,11 +35,16 @@ class NDRuntime(Runtime):
             refuse_trained_tied_embeddings(lm, "keep them frozen (LoRA) or use parallelism.dims.pp=1")
             part = StageModule(model, stage, dims.pp)
         layers = decoder_layers(part)
+        if dims.sp > 1:
+            from ladle.train import sequence_parallel
+
+            sequence_parallel.install(model, mesh["sp"].get_group())
         if dims.tp > 1:
             mp.apply_tensor_parallel(layers, mesh["tp"])
-        if dims.dp > 1:
+        if dims.dp * dims.sp > 1:
             compute = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
-            dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+            shard = "dp_shard_sp" if dims.sp > 1 else "dp_shard"  # the sp ranks shard and reduce with dp_shard's
+            dp_mesh = mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
             options = {
                 "mesh": dp_mesh,
                 "mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
@@ -71,6 +76,7 @@ class NDRuntime(Runtime):
 
         from ladle.train.kernels import decoder_layers
         from ladle.train.runtime import mesh_parallel as mp
+        from ladle.train.runtime.pipeline_stage import causal_lm
 
         dims = Dims.of(plan.mesh)
         part = mp.module_of(model)
@@ -97,7 +103,7 @@ class NDRuntime(Runtime):
             "placements": placements,
             "parameter_share": local / total,
             "decoder_layers": len(decoder_layers(part)),
-            "fsdp": dims.dp > 1 and all(isinstance(p, DTensor) for p in part.parameters()),
+            "fsdp": dims.dp * dims.sp > 1 and all(isinstance(p, DTensor) for p in part.parameters()),
             "tp_sharded_projections": sum(
                 1
                 for n, p in part.named_parameters()
@@ -106,12 +112,22 @@ class NDRuntime(Runtime):
             "replicated_over_dp_replicate": dims.dp_replicate > 1
             and all(isinstance(p.placements[0], Replicate) for p in part.parameters() if isinstance(p, DTensor)),
         }
+        if dims.sp > 1:
+            implementation = getattr(causal_lm(model).config, "_attn_implementation", None)
+            from ladle.train.sequence_parallel import NAME
+
+            if implementation != NAME:
+                raise RuntimeError(f"nd planned sp={dims.sp} but the model's attention is {implementation!r}")
+            checked["sequence_parallel"] = {"sp": dims.sp, "attention": implementation, "fsdp_over": "dp_shard × sp"}
         if dims.pp > 1:
             checked.update({"stage": model.stage, "stages": dims.pp, "layers": part.layer_ids, "schedule": model.kind})
         return checked
 
     def data_parallel(self, accelerator) -> tuple[int, int]:
         return self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
+
+    def sequence_split(self) -> int:
+        return self.mesh["sp"].size()
 
     def no_sync(self, accelerator, model):
         from ladle.train.runtime import mesh_parallel as mp
