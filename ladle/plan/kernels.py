@@ -12,11 +12,15 @@ def with_trait(trait: str) -> list[str]:
     return [s.name for s in strategies.REGISTRY.values() if getattr(s, trait)]
 
 
-def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool = False) -> tuple[dict, list[str]]:
+def decide(
+    kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool = False, whole_forward: bool | None = None
+) -> tuple[dict, list[str]]:
     """The plan's fast paths for ``strategy`` (its name) on ``device``: a dict the worker reads, and one reason
-    each."""
+    each. ``whole_forward``: whether each rank runs the whole forward with the strategy's options (its trait when
+    not given)."""
     cuda = device == "cuda"
     traits = strategies.get(strategy)
+    whole = traits.whole_forward if whole_forward is None else whole_forward
     if kernels.compile == "auto":
         compile_on = cuda and traits.compiles_blocks
         why = (
@@ -29,7 +33,7 @@ def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool 
         why = "on (training.kernels.compile = true)" if compile_on else "off (training.kernels.compile = false)"
     if fsdp2_compile and strategy == "fsdp2" and not compile_on:
         compile_on, why = True, "on (parallelism.fsdp2.compile = true)"
-    if kernels.fused_loss == "off" or not traits.whole_forward:
+    if kernels.fused_loss == "off" or not whole:
         loss = "off"
         loss_why = (
             "off (training.kernels.fused_loss = off)"
@@ -56,7 +60,7 @@ def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool 
         liger = "on" if kernels.liger else "off"
         liger_why = f"{liger} (training.kernels.liger)"
     if kernels.padding_free == "auto":
-        joined = traits.whole_forward
+        joined = whole
         joined_why = (
             "per micro-batch, where one row of its real tokens computes less than its padded rows"
             if joined
@@ -66,7 +70,7 @@ def decide(kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool 
         joined = bool(kernels.padding_free)
         joined_why = f"{'on' if joined else 'off'} (training.kernels.padding_free)"
     if kernels.packed_attention == "auto":
-        by_example = "auto" if not cuda and traits.whole_forward else "off"
+        by_example = "auto" if not cuda and whole else "off"
         by_example_why = (
             "on where the model's attention is plain causal attention"
             if by_example == "auto"

@@ -162,6 +162,7 @@ def build_plan(
         device,
         target.dtype,
         fsdp2_compile=cfg.parallelism.fsdp2.compile,
+        whole_forward=strategy.runs_whole_forward(options),
     )
     plan.reasons += why
     plan.launcher_config, resolved = strategy.configure(cfg, plan)

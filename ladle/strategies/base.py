@@ -194,12 +194,17 @@ class Strategy(ABC):
         """Ranks the frozen base of a LoRA run is divided over (1: each rank holds all of it)."""
         return 1
 
+    def runs_whole_forward(self, options: Section | None) -> bool:
+        """Whether each rank runs the model's whole forward, embedding to head, as one call (``whole_forward``
+        for the strategy's options): the fused loss, padding-free micro-batches and packed attention need it."""
+        return self.whole_forward
+
     def logits_bytes(self, job: sizing.Job, options: Section | None) -> int:
         """The logits of one micro-batch and their float32 softmax (tokens x vocabulary); with the ends kept
         sharded, the vocabulary-parallel loss's chunks over this rank's rows."""
         tokens = job.micro_batch * job.seq_len
         if self.ends_gathered(job, options):
-            fused = self.whole_forward
+            fused = self.runs_whole_forward(options)
             return sizing.logits_bytes(
                 job.shape,
                 tokens,

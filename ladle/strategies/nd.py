@@ -334,6 +334,11 @@ class ND(Strategy):
             note += f"; sp={dims.sp}: {tokens} tokens per rank, one layer's all-to-all buffers"
         return acts, note
 
+    def runs_whole_forward(self, options) -> bool:
+        """With sp (which runs alone with data parallelism) each rank runs the whole model on its slices; with pp
+        a rank runs a stage, and tp is not checked with the fused loss."""
+        return options.sp not in ("auto", 1)
+
     def logits_bytes(self, job, options) -> int:
         """A rank's logits are its slice's: ``seq_len / sp`` tokens of each row."""
         sp = degrees(options, job.world).sp

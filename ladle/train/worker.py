@@ -282,18 +282,18 @@ def setup(spec: TrainSpec) -> Session:
     model, pending, ran = load_model(spec, accelerator)
     sequence_parallel.Ulysses.ACTIVE = None  # the runtime's wrap installs it where the plan splits sequences
     model, optimizer = runtime.wrap(accelerator, model, lambda m: build_optimizer(m, cfg), plan, pending)
-    hf_model = runtime.hf_model(accelerator, model)
+    live = runtime.forward_model(accelerator, model)
     if getattr(model, "ladle_vocab", None) is not None:
         ran["fused_loss"] = "vocabulary-parallel (the ends stay sharded)"
     else:
-        ran["fused_loss"] = kernels.fused_head(hf_model, plan.kernels, plan.device)
+        ran["fused_loss"] = kernels.fused_head(live, plan.kernels, plan.device)
     if sequence_parallel.Ulysses.ACTIVE is not None:
         ran["sequence_parallel"] = "on"
         ran["packed_attention"] = "on: inside sequence-parallel attention, over the gathered sequence"
     else:
-        ran["packed_attention"] = packed_attention.install(hf_model, plan.kernels)
+        ran["packed_attention"] = packed_attention.install(live, plan.kernels)
     by_example = ran["packed_attention"].startswith("on")
-    ran["padding_free"] = padding_free.install(hf_model.config, plan.kernels, by_example)
+    ran["padding_free"] = padding_free.install(live.config, plan.kernels, by_example)
     if leftover := loading.meta_parameters(model):
         raise RuntimeError(f"{plan.strategy}: {len(leftover)} parameter(s) were never loaded, e.g. {leftover[0]}")
     sharding = runtime.check_applied(accelerator, model, plan)

@@ -11,6 +11,7 @@ from tests.helpers import NVSWITCH_8, assert_clean_error, run_cli
 
 SHIPPED = [
     "deepseek-v3-pipeline",
+    "llama3-70b-64k-sp",
     "llama3-70b-fsdp2",
     "llama3-70b-nd",
     "llama3-8b-lora",

@@ -165,6 +165,7 @@ def test_unknown_model_size_says_so(machines):
     [
         "llama3-70b-fsdp2",
         "llama3-70b-nd",
+        "llama3-70b-64k-sp",
         "qwen3-32b-zeropp",
         "deepseek-v3-pipeline",
         "llama3-8b-lora",
@@ -189,7 +190,9 @@ def test_every_recipe_plans_on_recorded_8_gpu_machines(machines, recipe, gib, tm
         return
     made = make_plan(cfg, topo, model=model)
     explicit = cfg.parallelism.strategy
-    chosen_by_planner = {"llama3-70b-nd": "nd"}  # its full fine-tune: tp inside the nodes, FSDP across them
+    # 70b-nd's full fine-tune: tp inside the nodes, FSDP across them. 64k-sp's 64k-token rows: split over ranks
+    # (sp) on 80 GiB GPUs; on 141 GiB ones FSDP2 holds whole rows (~107 GiB of 127 usable), and sp ranks last.
+    chosen_by_planner = {"llama3-70b-nd": "nd", "llama3-70b-64k-sp": "nd" if gib == 80 else "fsdp2"}
     assert made.strategy == (explicit if explicit != "auto" else chosen_by_planner.get(recipe, "ddp"))
     assert set(made.memory) == {"load", "train", "merge", "evaluate", "serve"}
     if recipe == "deepseek-v3-pipeline":  # 1.3 TB of merged bf16 weights: 168 GiB per GPU even over 8

@@ -76,6 +76,7 @@ def test_fsdp_x_tp_places_every_parameter_on_every_dimension(runs, tiny_model, n
         "dp_replicate": replicas,
         "dp_shard": 2,
         "cp": 1,
+        "sp": 1,
         "tp": 2,
     }
     placements = {role: entry["placements"] for role, entry in sharding["placements"].items()}
@@ -100,7 +101,7 @@ def test_fsdp_x_tp_places_every_parameter_on_every_dimension(runs, tiny_model, n
 
 def test_pipeline_x_fsdp_holds_half_a_stage(runs):
     sharding = runs["pp_dp"][0].sharding
-    assert sharding["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
+    assert sharding["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "sp": 1, "tp": 1}
     assert (sharding["stage"], sharding["stages"], sharding["layers"], sharding["schedule"]) == (0, 2, [0, 1], "1f1b")
     assert sharding["placements"]["self_attn.q_proj"]["placements"] == {"dp_shard": "Shard(dim=0)"}
     assert sharding["placements"]["embed_tokens"]["placements"] == {"dp_shard": "Shard(dim=0)"}

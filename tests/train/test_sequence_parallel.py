@@ -187,3 +187,66 @@ def test_worker_losses_match_one_process(runs, name, reference, world):
     assert run.kernels["sequence_parallel"].startswith("on: Ulysses sp=2")
     assert run.train_losses == pytest.approx(ref.train_losses, rel=1e-5)
     assert run.eval_loss_after == pytest.approx(ref.eval_loss_after, rel=1e-5)
+    # FSDP shards every parameter over dp_shard × sp (the flattened dimension), the embedding and head included
+    placements = {role: entry["placements"] for role, entry in run.sharding["placements"].items()}
+    assert placements["embed_tokens"] == placements["self_attn.q_proj"] == {"dp_shard_sp": "Shard(dim=0)"}
+    assert run.sharding["fsdp"] is True
+
+
+def test_trained_weights_and_adapters_equal_one_process(runs):
+    from safetensors.torch import load_file
+
+    def tensors(folder: str) -> dict:
+        return {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    # Adam divides each update by sqrt(v), so a near-zero gradient whose last digits differ (reduction order)
+    # moves its weight by a visible share of lr = 3e-3: the full run is held to 5e-5 as tests/train/test_nd.py
+    # holds FSDP x TP, the adapters to 1e-5.
+    for name, reference, url, atol in (
+        ("sp2_dp2_full", "one_full", "model_url", 5e-5),
+        ("sp2_lora", "one_lora", "adapter_url", 1e-5),
+    ):
+        mine, theirs = tensors(getattr(runs[name][0], url)), tensors(getattr(runs[reference][0], url))
+        assert mine.keys() == theirs.keys() and mine
+        for key, value in theirs.items():
+            torch.testing.assert_close(mine[key], value, rtol=0, atol=atol, msg=f"{name}: {key}")
+
+
+def fake_group_rank(rank: int, size: int):
+    """A ``Ulysses`` for one rank of ``size`` without a process group: ``split`` needs only the two numbers."""
+    from ladle.train.sequence_parallel import Ulysses
+
+    ulysses = object.__new__(Ulysses)
+    ulysses.size, ulysses.rank, ulysses.rows, ulysses.padded, ulysses.exchanges = size, rank, 0, 0, 0
+    return ulysses
+
+
+def test_split_shifts_labels_before_slicing_and_pads_only_to_divide():
+    from ladle.data.packing import IGNORE
+
+    ids = torch.arange(10, 17)[None]  # 7 tokens over 2 ranks: one padding token
+    labels = torch.tensor([[IGNORE, IGNORE, 12, 13, 14, 15, 16]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    first, second = fake_group_rank(0, 2), fake_group_rank(1, 2)
+    ids0, labels0, pos0 = first.split(ids, labels, positions)
+    ids1, labels1, pos1 = second.split(ids, labels, positions)
+    assert ids0.tolist() == [[10, 11, 12, 13]] and ids1.tolist() == [[14, 15, 16, 16]]
+    # the last token of slice 0 (13) is trained to predict the first of slice 1 (14); a leading unused column
+    assert labels0.tolist() == [[IGNORE, IGNORE, 12, 13, 14]]
+    assert labels1.tolist() == [[IGNORE, 15, 16, IGNORE, IGNORE]]  # the row's last token and the padding: none
+    assert pos0.tolist() == [[0, 1, 2, 0]] and pos1.tolist() == [[1, 2, 3, 4]]  # padding goes on counting
+    assert (first.padded, second.padded) == (1, 1)
+    # every trained target of the whole row, once
+    assert int((labels0[:, 1:] != IGNORE).sum() + (labels1[:, 1:] != IGNORE).sum()) == int(
+        (labels[:, 1:] != IGNORE).sum()
+    )
+    assert fake_group_rank(0, 2).split(ids[:, :6], labels[:, :6], positions[:, :6])[0].shape[1] == 3  # no padding
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv", "sp", "repeats"), [(4, 4, 2, 1), (4, 2, 2, 1), (4, 2, 4, 2), (8, 1, 4, 4), (32, 8, 16, 2)]
+)
+def test_kv_heads_are_repeated_only_as_much_as_sp_needs(heads, kv, sp, repeats):
+    from ladle.train.sequence_parallel import kv_repeats
+
+    assert kv_repeats(heads, kv, sp) == repeats

@@ -187,6 +187,11 @@ class Runtime(ABC):
         """The Hugging Face (or peft) model object whose ``save_pretrained`` writes the output."""
         return self.unwrap(accelerator, model)
 
+    def forward_model(self, accelerator, model):
+        """The model whose forward the loss calls, where the per-forward kernels install (the fused loss's head,
+        attention example by example): the Hugging Face model unless the runtime keeps a stand-in for saving."""
+        return self.hf_model(accelerator, model)
+
     def unwrap(self, accelerator, model):
         """The module under the data-parallel wrapper ``accelerator.prepare`` put around it (DDP's, if any).
 

@@ -205,6 +205,11 @@ class NDRuntime(Runtime):
         named = mp.module_of(model).named_parameters()
         return {n.removeprefix("wrapped."): p for n, p in named if p.requires_grad or not trainable_only}
 
+    def forward_model(self, accelerator, model):
+        """The wrapped model itself (``hf_model`` is a meta skeleton for saving); a pipeline's stages compute
+        their own loss."""
+        return self.hf_model(accelerator, model) if hasattr(model, "schedule") else model
+
     def hf_model(self, accelerator, model):
         from ladle.train.runtime.pipeline_stage import causal_lm
         from ladle.train.runtime.skeleton import meta_skeleton
