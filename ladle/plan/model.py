@@ -76,7 +76,7 @@ class Plan(BaseModel):
     )
     mesh: dict[str, int] = Field(
         default_factory=dict,
-        description="Parallelism degrees on the device mesh (pp, dp_replicate, dp_shard, cp, tp): their product is "
+        description="Parallelism degrees on the device mesh (pp, dp_replicate, dp_shard, cp, sp, tp): their product is "
         "the world size. Named strategies are presets (ddp: dp_replicate = world; fsdp2: dp_shard = world; ...).",
     )
     model_shape: dict[str, int] | None = Field(
