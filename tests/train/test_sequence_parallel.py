@@ -12,13 +12,12 @@ trained on the same global batches as one process: losses, eval and the trained 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import launch_all, strategy_spec
+from tests.helpers import launch_all, run_ranks, strategy_spec
 
 ROWS, LENGTH = 2, 24
 
@@ -80,7 +79,7 @@ CASES = {  # name: (ranks, KV heads of the 4 attention heads, LoRA)
 }
 
 
-def rank_main(rank: int, world: int, port: int, out: str) -> None:
+def rank_main(rank: int, world: int, port: int, queue) -> None:
     """Every case of this world size in one process group (one process start per rank for all of them)."""
     import torch.distributed as dist
 
@@ -88,8 +87,7 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results = {name: one_case(rank, kv, lora) for name, (ranks, kv, lora) in CASES.items() if ranks == world}
-        if rank == 0:
-            torch.save(results, out)
+        queue.put(results if rank == 0 else None)
     finally:
         dist.destroy_process_group()
 
@@ -131,21 +129,11 @@ def one_case(rank: int, kv_heads: int, lora: bool) -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def layer_results(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    root, results = tmp_path_factory.mktemp("ulysses"), {}
+def layer_results():
+    results = {}
     for world in (2, 4):
-        out = root / f"{world}.pt"
-        mp.start_processes(rank_main, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
-        results.update(torch.load(out))
+        results.update(next(got for got in run_ranks(rank_main, world) if got is not None))
     return results
 
 
