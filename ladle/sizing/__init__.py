@@ -143,11 +143,14 @@ def activation_bytes(shape: ModelShape, tokens: int, layers: int, dtype_bytes: i
 
 
 def all_to_all_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
-    """Ulysses' transient buffers in one attention layer of a rank holding ``tokens`` tokens: q, k and v made
-    contiguous for the all-to-all and its output (twice q + k + v), then the attention output and its exchange
-    (twice q); gathered position ids and the per-example regrouping of q, k, v (once more q + k + v)."""
-    qkv = (2 * shape.hidden + 2 * shape.kv_dim) * tokens * dtype_bytes  # q and o are hidden wide, k and v kv_dim
-    return 3 * qkv
+    """Ulysses' buffers beyond the activations a layer saves, on a rank holding ``tokens`` tokens: at the peak (the
+    start of the backward) the last layer's exchange of the output gradient and of q, k and v's gradients back,
+    one send and one receive copy each side of the attention: q + k + v + o once. What attention saves (q, k, v
+    over the whole sequence and ``heads / sp`` heads) is the same size as without sp, and is in the per-token
+    coefficients. On CPU processes (glibc, large blocks as their own mappings) the measured peak per rank at sp=2
+    was the whole-row peak at half the row to 1 % (``bench/sequence_parallel.py``): the buffers of earlier
+    layers are freed before the peak."""
+    return (2 * shape.hidden + 2 * shape.kv_dim) * tokens * dtype_bytes  # q and o are hidden wide, k and v kv_dim
 
 
 def logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, chunk_bytes: int = 0, liger: bool = False) -> int:

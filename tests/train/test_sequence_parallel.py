@@ -5,8 +5,9 @@ ranks) must equal one process's over whole rows, float32 to 1e-5 relative, for m
 (KV heads fewer than the ranks: repeated), on packed rows (several examples per row, positions restarting) with
 LoRA adapters and with every weight trained.
 
-The run: ``ladle train``'s worker with ``nd`` at sp=2 (FSDP over the 2 ranks) and sp=2 × dp_shard=2 (4 ranks),
-trained on the same global batches as one process: losses, eval and the trained weights or adapters agree.
+The run: ``ladle train``'s worker with ``nd`` at sp=2 (FSDP over the 2 ranks), sp=2 × dp_shard=2 and
+dp_replicate=2 × sp=2 (HSDP; 4 ranks), trained on the same global batches as one process: losses, eval and the
+trained weights or adapters agree.
 """
 
 from __future__ import annotations
@@ -162,12 +163,24 @@ def runs(tmp_path_factory, tiny_model):
         "sp2_dp2_full": strategy_spec(
             "nd", root, "parallelism.cpu_processes=4", FULL, "parallelism.dims.sp=2", steps=STEPS
         ),
+        # HSDP: 2 replica groups, each sharded over its 2 sp ranks
+        "sp2_hsdp_lora": strategy_spec(
+            "nd",
+            root,
+            "parallelism.cpu_processes=4",
+            "parallelism.dims.sp=2",
+            "parallelism.dims.dp_replicate=2",
+            steps=STEPS,
+        ),
     }
     results = launch_all(specs, parallel=1)
     return {name: (results[name], specs[name]) for name in specs}
 
 
-@pytest.mark.parametrize(("name", "reference", "world"), [("sp2_lora", "one_lora", 2), ("sp2_dp2_full", "one_full", 4)])
+@pytest.mark.parametrize(
+    ("name", "reference", "world"),
+    [("sp2_lora", "one_lora", 2), ("sp2_dp2_full", "one_full", 4), ("sp2_hsdp_lora", "one_lora", 4)],
+)
 def test_worker_losses_match_one_process(runs, name, reference, world):
     ref, run = runs[reference][0], runs[name][0]
     assert (run.strategy, run.world_size, run.backend) == ("nd", world, "gloo")
@@ -175,9 +188,11 @@ def test_worker_losses_match_one_process(runs, name, reference, world):
     assert run.kernels["sequence_parallel"].startswith("on: Ulysses sp=2")
     assert run.train_losses == pytest.approx(ref.train_losses, rel=1e-5)
     assert run.eval_loss_after == pytest.approx(ref.eval_loss_after, rel=1e-5)
-    # FSDP shards every parameter over dp_shard × sp (the flattened dimension), the embedding and head included
+    # FSDP shards every parameter over dp_shard × sp (the flattened dimension), the embedding and head included;
+    # HSDP's replica groups each hold the same shards
     placements = {role: entry["placements"] for role, entry in run.sharding["placements"].items()}
-    assert placements["embed_tokens"] == placements["self_attn.q_proj"] == {"dp_shard_sp": "Shard(dim=0)"}
+    whole = {"dp_replicate": "Replicate()"} if "hsdp" in name else {}
+    assert placements["embed_tokens"] == placements["self_attn.q_proj"] == {**whole, "dp_shard_sp": "Shard(dim=0)"}
     assert run.sharding["fsdp"] is True
 
 
@@ -193,6 +208,7 @@ def test_trained_weights_and_adapters_equal_one_process(runs):
     for name, reference, url, atol in (
         ("sp2_dp2_full", "one_full", "model_url", 5e-5),
         ("sp2_lora", "one_lora", "adapter_url", 1e-5),
+        ("sp2_hsdp_lora", "one_lora", "adapter_url", 1e-5),
     ):
         mine, theirs = tensors(getattr(runs[name][0], url)), tensors(getattr(runs[reference][0], url))
         assert mine.keys() == theirs.keys() and mine
