@@ -77,6 +77,10 @@ def acquire(mlflow, name: str, token: str, doing: str) -> dict:
         mlflow.create_registered_model(lock_name(name), tags=tags, description=f"ladle: {name}'s champion lock")
         return {}
     except Exception as exc:  # noqa: BLE001 - MLflow's "already exists" is an MlflowException
+        if absent(exc):
+            # MLflow's SQL store answers a refused create by reading the model that exists (prompt or model?):
+            # released between its insert and that read, the create says "not found". It was held; it is free now.
+            return {"ladle.lock.owner": "(just released)"}
         if getattr(exc, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
             raise
     try:

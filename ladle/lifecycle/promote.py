@@ -79,6 +79,10 @@ def register(uri: str, name: str, source: str, run_id: str | None, tags: dict[st
         if mv is None:
             tags = {k: str(v) for k, v in tags.items()}
             mv = mlflow.create_model_version(name, source=source, run_id=run_id, tags=tags)
+    # An alias is a read-then-insert in MLflow's SQL store: two registrations setting `challenger` at once both
+    # insert it, and one fails on the store's unique key. Alias writes go through the model's lock.
+    lock = champion_lock(uri, name, f"marking v{mv.version} {CHALLENGER}")
+    with lock, registry(uri, f"marking {name} v{mv.version} {CHALLENGER}"):
         mlflow.set_registered_model_alias(name, CHALLENGER, str(mv.version))
         return as_version(mlflow.get_model_version(name, str(mv.version)))
 

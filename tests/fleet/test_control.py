@@ -185,6 +185,28 @@ def test_a_dead_holders_lock_is_taken_over(uri, monkeypatch):
         pass
 
 
+def test_a_lock_released_while_the_store_refuses_the_create_is_taken_next(uri, monkeypatch):
+    """MLflow's SQL store answers a refused create by reading the existing model: released in between, the
+    create raises "not found". That is a lock just freed, not a failed registry: the writer tries again."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+    from mlflow.tracking import MlflowClient
+
+    real, calls = MlflowClient.create_registered_model, []
+
+    def released_in_between(self, name, *args, **kwargs):
+        calls.append(name)
+        if len(calls) == 1:
+            raise MlflowException(f"Registered Model with name={name} not found", RESOURCE_DOES_NOT_EXIST)
+        return real(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "create_registered_model", released_in_between)
+    with registry_lock.champion_lock(uri, "freed", "a test", wait_s=10):
+        held = promote.client(uri).get_registered_model(registry_lock.lock_name("freed")).tags
+        assert held["ladle.lock.doing"] == "a test"
+    assert calls == [registry_lock.lock_name("freed")] * 2
+
+
 def front_process(name: str, port: int, log: Path) -> subprocess.Popen:
     argv = [sys.executable, "-m", "ladle.fleet.front", "--name", name, "--port", str(port)]
     return subprocess.Popen(argv, stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True)

@@ -101,7 +101,10 @@ CASES = [
         "llama-3.1-70b",
         "full",
         "zero3",
-        ["zero3+offload: last resort", "faster ddp, fsdp2, zero1, nd(tp=8), zero2, zero3, pipeline do not fit"],
+        [
+            "zero3+offload: last resort",
+            "faster ddp, fsdp2, zero1, nd(tp=8), zero2, zero3, pipeline, nd(dp_shard=4 × sp=2), nd(dp_shard=2 × sp=4), nd(sp=8) do not fit",
+        ],
     ),
     ("8x80 nvswitch", "llama-3.1-70b", "lora", "fsdp2", ["frozen base does not fit whole", "faster ddp do not fit"]),
     ("8x80 nvswitch", "llama-3.1-70b", "qlora", "ddp", ["adapter gradients are tiny"]),
