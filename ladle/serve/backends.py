@@ -39,6 +39,9 @@ class Backend(ABC):
     adjusts_logits: ClassVar[bool] = True
     """It honours ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` and ``logit_bias`` per
     request (a request that sets one to a backend that cannot is refused naming the field)."""
+    constrains_output: ClassVar[bool] = False
+    """It follows a request's ``response_format`` (JSON object or schema) by masking each token; such a backend
+    has ``grammars()`` (``ladle.serve.structured.Grammars``)."""
     shards_model: ClassVar[bool] = False
     """It splits one replica over ``serve.tensor_parallel`` GPUs (the planner sizes it per device)."""
 
@@ -150,6 +153,7 @@ class TransformersBackend(Backend):
     title = "transformers"
     summary = "Hugging Face generate on CPU or GPU, concurrent requests batched"
     options = {"max_batch": int, "kv_tokens": int}
+    constrains_output = True
 
     def __init__(self, model_dir: str, max_batch: int = 32, kv_tokens: int = 0):
         from transformers import AutoConfig
@@ -179,6 +183,14 @@ class TransformersBackend(Backend):
     def encode_chat(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.encode(text)
+
+    def grammars(self):
+        """The grammar side of structured outputs (``ladle.serve.structured``), made on first use."""
+        if getattr(self, "_grammars", None) is None:
+            from ladle.serve.structured import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.engine.eos)
+        return self._grammars
 
     def submit(self, job) -> None:
         self.engine.submit(job)
@@ -226,6 +238,7 @@ class MiiBackend(Backend):
     supports_seed = False
     adjusts_logits = False  # FastGen's sampling takes temperature, top-p and top-k only
     supports_logprobs = False  # MII returns text, not per-token log-probabilities
+    constrains_output = False  # FastGen samples without per-request token masks
     package = "mii"
     requirement = "deepspeed-mii"
     options = {"tensor_parallel": int, "replica_num": int, "start_timeout_s": float, "max_batch": int}

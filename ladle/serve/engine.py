@@ -36,6 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import StoppingCriteria
@@ -68,6 +69,7 @@ class Job:
     token_logprobs: list[dict] = field(default_factory=list)  # one per token in ``tokens``
     logprobs_sent: int = 0
     echo: bool = False  # with ``logprobs``: the prompt's tokens' log-probabilities too (``prompt_logprobs``)
+    constraint: Any = None  # ``ladle.serve.structured.Constraint``: the grammar its tokens must follow
     prompt_logprobs: list[dict] | None = None
     emit: Callable[[str, dict], None] = lambda kind, data: None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -562,16 +564,22 @@ class Batch:
                 continue
             try:
                 scores = adjusted(job, logits[row]) if job.adjusts else logits[row]
+                if job.constraint is not None:
+                    scores = job.constraint.masked(scores)
                 if job.temperature > 0:
                     token = sample(job, scores)
                 else:
-                    token = int(scores.argmax()) if job.adjusts else int(tokens[row])
+                    token = int(scores.argmax()) if job.adjusts or job.constraint else int(tokens[row])
+                complete = job.constraint is not None and job.constraint.accept(token)
             except Exception as exc:
                 job.finish = "error"
                 job.emit("error", {"message": f"sampling failed: {type(exc).__name__}: {exc}"})
                 continue
             entry = logprob_entry(self.engine.tokenizer, job, logits[row], token) if job.logprobs is not None else None
             stopper.advance(job, token, entry)
+            if complete and job.finish is None:  # the grammar is complete: nothing may follow
+                job.finish = "stop"
+                stopper.end(job)
             if job.finish is not None:
                 finish(job)
 

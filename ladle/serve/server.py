@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
 from ladle.serve.backends import Backend
@@ -37,7 +37,6 @@ UNSUPPORTED = (
     "tool_choice",
     "functions",
     "function_call",
-    "response_format",
     "best_of",
     "echo",  # chat has none; completions take it
     "suffix",
@@ -112,6 +111,35 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema`` as the OpenAI API names it (the SDK's ``parse`` sends ``strict: true``;
+    ladle enforces every schema it accepts, strict or not)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema: {name, schema}")
+        return self
+
+    def for_grammar(self) -> dict:
+        """The OpenAI shape ``ladle.serve.structured.grammar_of`` reads."""
+        spec = self.json_schema
+        schema = {"name": spec.name, "schema": spec.json_schema} if spec is not None else None
+        return {"type": self.type, "json_schema": schema}
+
+
 class Sampling(BaseModel):
     """The sampling fields both endpoints share, as the OpenAI API names them."""
 
@@ -130,6 +158,7 @@ class Sampling(BaseModel):
     # 0.01: a smaller one multiplies a logit past float32's range (a denormal one did, found by fuzzing).
     repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -338,6 +367,7 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
 
     async def serve(request: Request, req: Sampling, ids: list[int], kind: str, prefix: str):
         job = make_job(req, ids, backend, settings)
+        job.constraint = await asyncio.to_thread(constraint_of, req, backend)
         if backend.queue_depth() >= limits.max_queue:
             raise ApiError(
                 429,
@@ -641,6 +671,28 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
         logprobs=req.alternatives,
         echo=bool(getattr(req, "echo", False)),
     )
+
+
+def constraint_of(req: Sampling, backend: Backend):
+    """The grammar ``req.response_format`` asks for, as a matcher for its row (None: free text).
+
+    Raises:
+        ApiError: the backend cannot mask tokens, or the schema cannot be enforced (naming the part).
+    """
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if not backend.constrains_output:
+        raise not_on_backend("response_format", backend, "samples without per-request token masks")
+    from ladle.serve.structured import GrammarError, grammar_of
+
+    try:
+        grammar = grammar_of(fmt.for_grammar())
+        return backend.grammars().constraint(grammar) if grammar is not None else None
+    except GrammarError as exc:
+        raise ApiError(
+            400, f"Invalid response_format: {exc}.", param=exc.param, code="invalid_response_format"
+        ) from None
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
