@@ -123,8 +123,9 @@ class Backend(ABC):
         """Token ids of raw ``prompt`` text."""
 
     @abstractmethod
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation through the model's chat template, ready for the assistant's turn."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation (and the tools it may call) through the model's chat template, ready for
+        the assistant's turn."""
 
     @abstractmethod
     def submit(self, job) -> None:
@@ -180,8 +181,8 @@ class TransformersBackend(Backend):
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=False).input_ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return self.encode(text)
 
     def grammars(self):
@@ -305,8 +306,8 @@ class MiiBackend(Backend):
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=False).input_ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return self.encode(text)
 
     def submit(self, job) -> None:

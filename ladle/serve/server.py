@@ -27,14 +27,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
+from ladle.serve import tools as tools_api
 from ladle.serve.backends import Backend
 from ladle.serve.engine import Job
 from ladle.serve.guard import Guard
 from ladle.serve.limits import ServeLimits
 
 UNSUPPORTED = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "best_of",
@@ -88,9 +87,17 @@ class ClientGone(Exception):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | None = None
     name: str | None = None
+    tool_calls: list[tools_api.ToolCall] | None = Field(None, max_length=128)
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's tool calls may stand alone)")
+        return self
 
 
 MAX_TOP_LOGPROBS = 20
@@ -202,6 +209,9 @@ class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[tools_api.Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | tools_api.NamedChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def alternatives(self) -> int | None:
@@ -350,11 +360,13 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
                 param="messages",
                 code="too_many_messages",
             )
-        check_prompt_chars(sum(len(m.content) for m in req.messages), prompt_chars, "messages")
+        check_prompt_chars(sum(len(m.content or "") for m in req.messages), prompt_chars, "messages")
         # OpenAI's `developer` is the newer name of `system`, which chat templates know.
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in req.messages]
+        messages = tools_api.template_messages(req.messages)
+        tooling = tools_of(req, backend)
+        listed = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            ids = await asyncio.to_thread(backend.encode_chat, messages)
+            ids = await asyncio.to_thread(backend.encode_chat, messages, listed)
         except TemplateError as exc:  # the template refuses these turns (an order or role it does not take)
             raise ApiError(
                 400,
@@ -363,11 +375,13 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
                 param="messages",
                 code="invalid_messages",
             ) from None
-        return await serve(request, req, ids, "chat.completion", "chatcmpl")
+        return await serve(request, req, ids, "chat.completion", "chatcmpl", tooling)
 
-    async def serve(request: Request, req: Sampling, ids: list[int], kind: str, prefix: str):
+    async def serve(
+        request: Request, req: Sampling, ids: list[int], kind: str, prefix: str, tooling: Tooling | None = None
+    ):
         job = make_job(req, ids, backend, settings)
-        job.constraint = await asyncio.to_thread(constraint_of, req, backend)
+        job.constraint = await asyncio.to_thread(constraint_of, req, backend, tooling)
         if backend.queue_depth() >= limits.max_queue:
             raise ApiError(
                 429,
@@ -393,14 +407,20 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 watcher.cancel()  # from here the streaming response hears the hang-up
                 echo = req.prompt if job.echo else None
-                return StreamingResponse(
-                    stream(first, events, job, reply, include_usage, started, route, echo),
-                    media_type="text/event-stream",
+                chunks = (
+                    stream_calls(first, events, job, reply, include_usage, started, route, tooling)
+                    if tooling is not None and tooling.parses
+                    else stream(first, events, job, reply, include_usage, started, route, echo)
                 )
+                return StreamingResponse(chunks, media_type="text/event-stream")
             text, done, logprobs = await collect(first, events, job)
         finally:
             watcher.cancel()
         finished(done, started, route)
+        if tooling is not None and tooling.parses:
+            content, calls = tooling.format.parse(raw_text(backend, job, text))
+            if calls:
+                return reply.whole(content, {**done, "finish_reason": "tool_calls"}, logprobs, calls)
         if job.echo:  # the prompt as sent, then the answer; the prompt's tokens first in the log-probabilities
             text = req.prompt + text
             logprobs = None if logprobs is None else [*(job.prompt_logprobs or []), *logprobs]
@@ -446,6 +466,37 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
             job.cancelled.set()
             metrics.cancelled.inc()
             raise
+
+    async def stream_calls(
+        first, events, job: Job, reply: Reply, include_usage: bool, started: float, route: str, tooling: Tooling
+    ):
+        """A streamed answer that may be tool calls: it is collected whole and parsed, then sent as OpenAI
+        streams it (the role, the content, each call with its id, name and arguments, the finish reason)."""
+        ended = False
+        try:
+            try:
+                text, done, logprobs = await collect(first, events, job)
+            except ApiError as exc:
+                ended = True
+                yield sse(reply.chunk({"role": "assistant", "content": ""}))
+                yield sse({"error": {"message": exc.message, "type": exc.kind, "param": None, "code": exc.code}})
+                yield "data: [DONE]\n\n"
+                return
+            ended = True
+            content, calls = tooling.format.parse(raw_text(backend, job, text))
+            content = content if calls else text
+            yield sse(reply.chunk({"role": "assistant", "content": content or ""}, None, logprobs))
+            for index, call in enumerate(tools_api.openai_calls(calls)):
+                yield sse(reply.chunk({"tool_calls": [{"index": index, **call}]}))
+            yield sse(reply.chunk({}, "tool_calls" if calls else done["finish_reason"]))
+            if include_usage:
+                yield sse({**reply.head(), "choices": [], "usage": usage(done)})
+            finished(done, started, route)
+            yield "data: [DONE]\n\n"
+        finally:
+            if not ended:  # the client went away while the answer was collected
+                job.cancelled.set()
+                metrics.cancelled.inc()
 
     async def stream(
         first, events, job: Job, reply: Reply, include_usage: bool, started: float, route: str, echo: str | None
@@ -525,9 +576,11 @@ class Reply:
         choice = {"index": 0, key: delta, "logprobs": self.logprobs(logprobs, offset), "finish_reason": finish}
         return {**self.head(), "choices": [choice]}
 
-    def whole(self, text: str, done: dict, logprobs: list[dict] | None = None) -> dict:
+    def whole(self, text: str | None, done: dict, logprobs: list[dict] | None = None, calls: list | None = None):
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
+            if calls:
+                choice["message"]["tool_calls"] = tools_api.openai_calls(calls)
         else:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=self.logprobs(logprobs), finish_reason=done["finish_reason"])
@@ -673,26 +726,77 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
     )
 
 
-def constraint_of(req: Sampling, backend: Backend):
-    """The grammar ``req.response_format`` asks for, as a matcher for its row (None: free text).
+@dataclass(frozen=True)
+class Tooling:
+    """A chat request's tools as served: the model's call format, and the tools one call must come from (None:
+    the model decides; empty: ``tool_choice: none``)."""
+
+    format: tools_api.Format
+    forced: list | None
+
+    @property
+    def parses(self) -> bool:
+        """The answer is read for calls (every choice but ``none``)."""
+        return self.forced is None or bool(self.forced)
+
+
+def tools_of(req: ChatRequest, backend: Backend) -> Tooling | None:
+    """How ``req``'s tools are served (None: it has none).
+
+    Raises:
+        ApiError: the model's template cannot render them, ``tool_choice`` names an unknown function or comes
+            without tools.
+    """
+    if not req.tools:
+        if req.tool_choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice needs tools: list the functions it may call.", param="tool_choice")
+        return None
+    try:
+        fmt = tools_api.format_of(getattr(getattr(backend, "tokenizer", None), "chat_template", None))
+        return Tooling(fmt, tools_api.chosen(req.tools, req.tool_choice))
+    except tools_api.ToolError as exc:
+        raise ApiError(400, f"{exc}.", param=exc.param, code="unsupported_tools") from None
+
+
+def raw_text(backend: Backend, job: Job, text: str) -> str:
+    """The answer with its special tokens (a tool-call tag may be one), where the backend has its tokens."""
+    tokenizer = getattr(backend, "tokenizer", None)
+    if tokenizer is None or not job.tokens:
+        return text
+    return tokenizer.decode(job.tokens, skip_special_tokens=False)
+
+
+def constraint_of(req: Sampling, backend: Backend, tooling: Tooling | None = None):
+    """The grammar ``req.response_format`` or a forced tool call asks for, as a matcher for its row (None: free
+    text).
 
     Raises:
         ApiError: the backend cannot mask tokens, or the schema cannot be enforced (naming the part).
     """
     fmt = req.response_format
-    if fmt is None or fmt.type == "text":
+    wants_format = fmt is not None and fmt.type != "text"
+    forced = tooling.forced if tooling is not None else None
+    if not wants_format and not forced:
         return None
+    field = "response_format" if wants_format else "tool_choice"
+    if wants_format and forced:
+        raise ApiError(
+            400, "response_format with a required or named tool_choice: an answer is one or the other.", param=field
+        )
     if not backend.constrains_output:
-        raise not_on_backend("response_format", backend, "samples without per-request token masks")
-    from ladle.serve.structured import GrammarError, grammar_of
+        raise not_on_backend(field, backend, "samples without per-request token masks")
+    from ladle.serve.structured import GrammarError, grammar_of, lark_grammar
 
     try:
-        grammar = grammar_of(fmt.for_grammar())
+        if forced:
+            special = set(getattr(backend.tokenizer, "all_special_tokens", []))
+            grammar = lark_grammar(tooling.format.grammar(forced, special), "tools")
+        else:
+            grammar = grammar_of(fmt.for_grammar())
         return backend.grammars().constraint(grammar) if grammar is not None else None
     except GrammarError as exc:
-        raise ApiError(
-            400, f"Invalid response_format: {exc}.", param=exc.param, code="invalid_response_format"
-        ) from None
+        param = exc.param if wants_format else "tools"
+        raise ApiError(400, f"Invalid {field}: {exc}.", param=param, code=f"invalid_{field}") from None
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:

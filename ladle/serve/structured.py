@@ -65,6 +65,21 @@ def grammar_of(response_format: dict) -> str | None:
     return grammar
 
 
+def lark_grammar(text: str, param: str) -> str:
+    """llguidance's grammar from a Lark grammar (JSON schemas inside as ``%json {...}``), checked.
+
+    Raises:
+        GrammarError: it does not compile (the message says where).
+    """
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_lark(text)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        raise GrammarError(f"it cannot be enforced: {'; '.join(messages) or 'it does not compile'}", param)
+    return grammar
+
+
 class Grammars:
     """The server's grammar side: llguidance's view of the tokenizer, built once on first use (a fraction of a
     second for a 50k vocabulary), and a matcher per constrained request."""

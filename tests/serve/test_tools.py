@@ -1,0 +1,224 @@
+"""Tool calls through the OpenAI SDK against the tiny model given two tool-calling chat templates: Hermes's
+``<tool_call>`` JSON and Llama 3's JSON. The template renders the tools and the conversation's calls and results;
+``required`` and a named function make the answer one valid call (its arguments by the function's schema, at
+temperature 1 too), streamed as OpenAI streams calls; ``auto`` parses what the model wrote; a template without
+tools is refused with the reason; a backend without token masks refuses a forced call by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+
+from ladle.serve import tools as tools_api
+from ladle.serve.backends import TransformersBackend
+from ladle.serve.server import ApiError, ChatRequest, Settings, constraint_of, create_app, tools_of
+from tests.serve.running import Running
+
+HERMES_TEMPLATE = (
+    "{{ bos_token }}{%- if tools %}<|system|>\nYou may call these functions:\n{% for t in tools %}{{ t | tojson }}\n"
+    '{% endfor %}Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|end|>\n{% endif %}'
+    "{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}<|assistant|>\n"
+    "{% for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "</tool_call>{% endfor %}<|end|>\n{% elif m.role == 'tool' %}<|user|>\n<tool_response>{{ m.content }}"
+    "</tool_response><|end|>\n{% else %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if tools %}<|system|>\nAnswer a function call as "
+    '{"name": function name, "parameters": its arguments}. Functions:\n{% for t in tools %}{{ t | tojson }}\n'
+    "{% endfor %}<|end|>\n{% endif %}{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}"
+    "<|assistant|>\n{% for c in m.tool_calls %}{{ {'name': c.function.name, 'parameters': c.function.arguments} "
+    "| tojson }}{% endfor %}<|end|>\n{% elif m.role == 'tool' %}<|ipython|>\n{{ m.content }}<|end|>\n{% else %}"
+    "<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Lima"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+def with_template(tiny_model, folder, template: str):
+    shutil.copytree(tiny_model, folder)
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["hermes", "llama3_json"])
+def served(request, tiny_model, tmp_path_factory):
+    template = HERMES_TEMPLATE if request.param == "hermes" else LLAMA3_TEMPLATE
+    folder = with_template(tiny_model, tmp_path_factory.mktemp("tools") / request.param, template)
+    backend = TransformersBackend(str(folder), max_batch=8)
+    running = Running(create_app(backend, Settings("tiny", max_new_tokens=16)))
+    client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+    yield request.param, backend, client
+    running.stop()
+
+
+def arguments_of(call, tool: dict) -> dict:
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    return args
+
+
+def test_the_template_renders_the_tools_and_the_conversations_calls(served):
+    name, backend, _ = served
+    assert tools_api.format_of(backend.tokenizer.chat_template).name == name
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+    ]
+    req = ChatRequest(messages=history, tools=[WEATHER])
+    text = backend.tokenizer.decode(backend.encode_chat(tools_api.template_messages(req.messages), [WEATHER]))
+    assert '"name": "get_weather"' in text and "The weather in a city." in text  # the tool list
+    assert '{"name": "get_weather", "' in text.split("weather in Paris?")[1]  # the earlier call
+    assert "sunny, 21 C" in text  # its result
+
+
+def test_required_makes_one_valid_call_at_temperature_one(served):
+    _, _, client = served
+
+    def ask(seed: int):
+        return client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        ).choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    for answer in answers:
+        assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
+        call = answer.message.tool_calls[0]
+        assert call.id.startswith("call_") and call.type == "function"
+        arguments_of(call, WEATHER if call.function.name == "get_weather" else TIME)
+
+
+def test_a_named_function_is_the_one_called_and_streams_as_openai_streams_calls(served):
+    _, _, client = served
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    reply = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=200, temperature=0
+    )
+    call = reply.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_time" and arguments_of(call, TIME)
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice=choice,
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = [t for d in deltas if d.tool_calls for t in d.tool_calls]
+    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == [
+        (0, "get_time", call.function.arguments)
+    ]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_auto_parses_what_the_model_wrote_and_none_parses_nothing(served):
+    name, _, client = served
+    fmt = tools_api.HERMES if name == "hermes" else tools_api.LLAMA3_JSON
+    written = (
+        'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}</tool_call>'
+        if name == "hermes"
+        else '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima", "days": 2}}'
+    )
+    content, calls = fmt.parse(written)
+    assert calls == [{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}]
+    assert content == ("Let me look." if name == "hermes" else None)
+    assert fmt.parse("just words") == ("just words", [])
+    reply = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=6, temperature=0)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content  # the tiny model's words
+    none = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=6, temperature=0
+    )
+    assert none.choices[0].message.content == reply.choices[0].message.content
+
+
+def test_a_template_without_tools_is_refused_with_the_reason(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=4)
+    error = err.value.response.json()["error"]
+    assert error["param"] == "tools" and "does not render tools" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "'nope', which is not among the tools (get_weather)",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name", ""),
+    ],
+)
+def test_bad_tool_requests_are_a_400_naming_the_field(served, body, param, words):
+    _, _, client = served
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, extra_body=body)
+    error = err.value.response.json()["error"]
+    assert error["param"] == param and words in error["message"]
+
+
+def test_a_backend_without_token_masks_refuses_a_forced_call_by_name():
+    class TextOnly:
+        name, constrains_output = "mii", False
+
+        class tokenizer:  # noqa: N801 - the attribute a backend has
+            chat_template = HERMES_TEMPLATE
+
+    req = ChatRequest(messages=ASK, tools=[WEATHER], tool_choice="required")
+    with pytest.raises(ApiError) as err:
+        constraint_of(req, TextOnly(), tools_of(req, TextOnly()))
+    assert err.value.param == "tool_choice" and "serve.backend=mii" in str(err.value)
+    auto = ChatRequest(messages=ASK, tools=[WEATHER])
+    assert constraint_of(auto, TextOnly(), tools_of(auto, TextOnly())) is None  # auto only parses: MII can
