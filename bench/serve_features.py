@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_load  # noqa: E402
 from common import save  # noqa: E402
 
-from ladle.platform.processes import free_port, stop_process  # noqa: E402
+from ladle.platform.processes import stop_process  # noqa: E402
 
 SETTINGS = {
     "plain": {},
@@ -53,13 +51,9 @@ def main() -> None:
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False).input_ids)
 
-    port = free_port()
-    argv = [sys.executable, "-m", "ladle.serve", "--model", str(model), "--name", "m", "--port", str(port)]
-    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
-        proc = subprocess.Popen([*argv, "--option", "max_batch=32"], stdout=log, stderr=subprocess.STDOUT)
-    url, rows = f"http://127.0.0.1:{port}", []
+    proc, url = serve_load.start_ladle(model, max_batch=32)
+    rows = []
     try:
-        serve_load.wait_up(url, proc, Path(log.name))
         for name, extra in SETTINGS.items():
             bias = {**extra.get("logit_bias", {}), str(tokenizer.eos_token_id): -100.0}
             body = {**extra, "logit_bias": bias}

@@ -71,6 +71,22 @@ def wait_up(url: str, proc: subprocess.Popen, log: Path) -> None:
     raise RuntimeError("server did not start")
 
 
+def start_ladle(model: Path, max_batch: int = 32) -> tuple[subprocess.Popen, str]:
+    """``python -m ladle.serve`` on ``model`` (transformers backend, ``max_batch``), answering: its process and
+    URL (its log in a temporary file)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "ladle.serve", "--model", str(model), "--name", "m", "--port", str(port)]
+    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
+        proc = subprocess.Popen([*argv, "--option", f"max_batch={max_batch}"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_up(url, proc, Path(log.name))
+    except BaseException:
+        stop_process(proc, grace_s=5)
+        raise
+    return proc, url
+
+
 def one_request(
     http: httpx.Client, url: str, model: str, prompt: str, extra: dict | None = None
 ) -> tuple[float, float, str]:

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_load  # noqa: E402
 from common import save  # noqa: E402
 
-from ladle.platform.processes import free_port, stop_process  # noqa: E402
+from ladle.platform.processes import stop_process  # noqa: E402
 
 LONG = {
     "type": "json_schema",
@@ -158,14 +156,10 @@ def main() -> None:
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False).input_ids)
 
-    port = free_port()
-    argv = [sys.executable, "-m", "ladle.serve", "--model", str(model), "--name", "m", "--port", str(port)]
-    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
-        proc = subprocess.Popen([*argv, "--option", "max_batch=32"], stdout=log, stderr=subprocess.STDOUT)
-    url, rows = f"http://127.0.0.1:{port}", []
+    proc, url = serve_load.start_ladle(model, max_batch=32)
+    rows = []
     bias = {str(tokenizer.eos_token_id): -100.0}
     try:
-        serve_load.wait_up(url, proc, Path(log.name))
         serve_load.load(url, "m", 2, 2.0, count, {"logit_bias": bias, "response_format": LONG})  # warm up
         for rep in range(args.reps):  # alternate the order between repetitions
             for setting in ("free", "half constrained") if rep % 2 == 0 else ("half constrained", "free"):
