@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-Messages = list[dict[str, str]]
-KNOWN_ROLES = ("system", "user", "assistant")
+Messages = list[dict]
+KNOWN_ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",
@@ -28,6 +28,8 @@ class RowError(ValueError):
 @dataclass
 class Chat:
     messages: Messages
+    tools: list[dict] | None = None
+    """The functions the conversation may call (OpenAI's ``tools``), rendered by the chat template."""
 
 
 @dataclass
@@ -99,8 +101,64 @@ def _parse_turns(row: dict, key: str, role_key: str, text_key: str, roles: dict[
 
 
 def parse_messages(row: dict) -> Chat:
-    """{"messages": [{role, content}, ...]} with known roles, ending on an assistant turn."""
-    return _parse_turns(row, "messages", "role", "content", {r: r for r in KNOWN_ROLES})
+    """{"messages": [{role, content}, ...]} with known roles, ending on an assistant turn; with tool calls, OpenAI's
+    shape: a ``tools`` list beside the messages, assistant turns with ``tool_calls`` (content may be empty) and
+    ``tool`` turns carrying the results. Calls' arguments (a JSON string or an object) become objects, as chat
+    templates write them."""
+    tools = row.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(_is_tool(t) for t in tools)):
+        raise RowError('tools must be a list of {"type": "function", "function": {"name": ..., "parameters": ...}}')
+    out: Messages = []
+    for i, turn in enumerate(_turns(row, "messages")):
+        if not isinstance(turn, dict):
+            raise RowError(f"messages[{i}] must be an object with role and content")
+        role, text, calls = turn.get("role"), turn.get("content"), turn.get("tool_calls")
+        if role not in KNOWN_ROLES:
+            raise RowError(f"messages[{i}].role = {role!r}: unknown role (known: {', '.join(KNOWN_ROLES)})")
+        if calls is not None:
+            if role != "assistant":
+                raise RowError(f"messages[{i}]: only an assistant turn has tool_calls")
+            message = {"role": role, "content": text or "", "tool_calls": _calls(calls, i)}
+        elif not isinstance(text, str):
+            raise RowError(f"messages[{i}].content must be a string")
+        else:
+            message = {"role": role, "content": text}
+        if role == "tool" and turn.get("tool_call_id") is not None:
+            message["tool_call_id"] = str(turn["tool_call_id"])
+        out.append(message)
+    if any(m.get("tool_calls") for m in out) and not tools:
+        raise RowError("an assistant turn calls tools but the row lists no tools")
+    return Chat(_check_turns(out), tools)
+
+
+def _is_tool(tool) -> bool:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str)
+
+
+def _calls(calls, i: int) -> list[dict]:
+    """A turn's tool calls as chat templates take them (``{"type", "function": {"name", "arguments": {...}}}``)."""
+    import json
+
+    if not isinstance(calls, list) or not calls:
+        raise RowError(f"messages[{i}].tool_calls must be a non-empty list")
+    out = []
+    for call in calls:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", {}) if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise RowError(f"messages[{i}].tool_calls: arguments of {name!r} are not JSON") from None
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            raise RowError(f"messages[{i}].tool_calls: each call needs a function name and object arguments")
+        entry = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        if isinstance(call, dict) and call.get("id") is not None:
+            entry["id"] = str(call["id"])
+        out.append(entry)
+    return out
 
 
 def parse_sharegpt(row: dict) -> Chat:

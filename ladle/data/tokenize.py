@@ -30,15 +30,27 @@ class Example:
         return sum(label != IGNORE for label in self.labels)
 
 
-def chat_text(tokenizer, messages: list[dict], train_on: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans that carry a loss.
+def chat_text(
+    tokenizer, messages: list[dict], train_on: str, tools: list[dict] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation (with the ``tools`` it may call) and the character spans that carry a loss: each
+    assistant turn, its tool calls included, as the template writes them; tool results are context.
 
     Raises:
-        RowError: the template rejects the roles, is not prefix-stable, or does
-            not close an assistant turn with EOS.
+        RowError: the template rejects the roles, renders no tools where the row lists some, is not
+            prefix-stable, or does not close an assistant turn with EOS.
     """
+    if tools and "tools" not in (tokenizer.chat_template or ""):
+        raise RowError(
+            "the row lists tools but the chat template does not render them (it never reads `tools`); train tool "
+            "calls on a base whose template does (Qwen 2.5, Llama 3.1, Hermes, ...)"
+        )
+
+    def render(part: list[dict], prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(part, tools=tools, tokenize=False, add_generation_prompt=prompt)
+
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        text = render(messages)
     except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError, which carries the reason
         raise RowError(f"chat template failed: {exc}") from None
     if train_on == "all":
@@ -48,9 +60,9 @@ def chat_text(tokenizer, messages: list[dict], train_on: str) -> tuple[str, list
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True) if k else ""
+        before = render(messages[:k], prompt=True) if k else ""
         last = k == len(messages) - 1
-        through = text if last else tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+        through = text if last else render(messages[: k + 1])
         if not text.startswith(through) or not through.startswith(before):
             raise RowError("chat template output is not prefix-stable; cannot locate the response")
         cut = through.rfind(eos, len(before)) if eos else -1
@@ -62,7 +74,7 @@ def chat_text(tokenizer, messages: list[dict], train_on: str) -> tuple[str, list
 
 def _text_and_spans(tokenizer, sample: Sample, train_on: str) -> tuple[str, list[tuple[int, int]]]:
     if isinstance(sample, Chat):
-        return chat_text(tokenizer, sample.messages, train_on)
+        return chat_text(tokenizer, sample.messages, train_on, sample.tools)
     text = (tokenizer.bos_token or "") + sample.text + (tokenizer.eos_token or "")
     return text, [(0, len(text))]
 

@@ -149,7 +149,7 @@ def test_bad_records_per_format(tmp_path, tiny_model):
     ).report
     assert [(d["line"], d["reason"]) for d in report.dropped] == [
         (2, "empty conversation"),
-        (3, "messages[0].role = 'robot': unknown role (known: system, user, assistant)"),
+        (3, "messages[0].role = 'robot': unknown role (known: system, user, assistant, tool)"),
         (4, "no assistant turn to train on"),
         (5, "field 'messages' must be a list of turns, got str"),
         (6, "missing field 'messages'"),

@@ -7,7 +7,6 @@ tools is refused with the reason; a backend without token masks refuses a forced
 from __future__ import annotations
 
 import json
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -18,25 +17,8 @@ from ladle.serve import tools as tools_api
 from ladle.serve.backends import TransformersBackend
 from ladle.serve.server import ApiError, ChatRequest, Settings, constraint_of, create_app, tools_of
 from tests.serve.running import Running
+from tests.templates import HERMES_TEMPLATE, TEMPLATES, with_template
 
-HERMES_TEMPLATE = (
-    "{{ bos_token }}{%- if tools %}<|system|>\nYou may call these functions:\n{% for t in tools %}{{ t | tojson }}\n"
-    '{% endfor %}Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|end|>\n{% endif %}'
-    "{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}<|assistant|>\n"
-    "{% for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
-    "</tool_call>{% endfor %}<|end|>\n{% elif m.role == 'tool' %}<|user|>\n<tool_response>{{ m.content }}"
-    "</tool_response><|end|>\n{% else %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-LLAMA3_TEMPLATE = (
-    "{{ bos_token }}{%- if tools %}<|system|>\nAnswer a function call as "
-    '{"name": function name, "parameters": its arguments}. Functions:\n{% for t in tools %}{{ t | tojson }}\n'
-    "{% endfor %}<|end|>\n{% endif %}{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}"
-    "<|assistant|>\n{% for c in m.tool_calls %}{{ {'name': c.function.name, 'parameters': c.function.arguments} "
-    "| tojson }}{% endfor %}<|end|>\n{% elif m.role == 'tool' %}<|ipython|>\n{{ m.content }}<|end|>\n{% else %}"
-    "<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 WEATHER = {
     "type": "function",
     "function": {
@@ -68,16 +50,9 @@ TIME = {
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 
-def with_template(tiny_model, folder, template: str):
-    shutil.copytree(tiny_model, folder)
-    (folder / "chat_template.jinja").write_text(template)
-    return folder
-
-
 @pytest.fixture(scope="module", params=["hermes", "llama3_json"])
 def served(request, tiny_model, tmp_path_factory):
-    template = HERMES_TEMPLATE if request.param == "hermes" else LLAMA3_TEMPLATE
-    folder = with_template(tiny_model, tmp_path_factory.mktemp("tools") / request.param, template)
+    folder = with_template(tiny_model, tmp_path_factory.mktemp("tools") / request.param, TEMPLATES[request.param])
     backend = TransformersBackend(str(folder), max_batch=8)
     running = Running(create_app(backend, Settings("tiny", max_new_tokens=16)))
     client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
