@@ -142,16 +142,33 @@ def test_a_backend_without_token_masks_refuses_it_by_name():
     )
 
 
-def test_the_front_relays_structured_outputs(server):
-    from ladle.fleet import front as fronts
+def test_the_front_and_a_canary_relay_structured_outputs(server, backend):
+    """Through the front, with a canary taking half the traffic: both arms answer a parseable object (the
+    challenger is a second server over the same model)."""
+    import httpx
 
+    from ladle.fleet import front as fronts
+    from ladle.serve.server import Settings, create_app
+
+    challenger = Running(create_app(backend, Settings("tiny", max_new_tokens=16)))
     upstream = {"url": server.url, "version": "1", "pid": None, "model_dir": "x"}
     front = Running(fronts.create_app("tiny", "t", {"upstream": upstream}, None))
+    admin = {fronts.ADMIN_HEADER: "t"}
     try:
+        canary = {"url": challenger.url, "version": "2", "pid": None, "model_dir": "-"}
+        canary["limits"] = {"weight": 0.5, "duration_s": 600, "min_requests": 1000}  # running throughout
+        assert httpx.put(f"{front.url}/ladle/canary", json=canary, headers=admin).status_code == 200
         via = openai.OpenAI(base_url=f"{front.url}/v1", api_key="unused", max_retries=0)
-        reply = via.chat.completions.parse(
-            model="tiny", messages=MESSAGES, response_format=Pick, max_tokens=100, temperature=0
-        )
-        assert isinstance(reply.choices[0].message.parsed, Pick)
+        versions = set()
+        for _ in range(20):  # half to each arm at random: all 20 on one arm is a 2-in-a-million chance
+            reply = via.chat.completions.with_raw_response.parse(
+                model="tiny", messages=MESSAGES, response_format=Pick, max_tokens=100, temperature=0
+            )
+            assert isinstance(reply.parse().choices[0].message.parsed, Pick)
+            versions.add(reply.headers[fronts.VERSION_HEADER])
+        assert versions == {"1", "2"}  # both arms answered
+        arms = httpx.get(f"{front.url}/ladle/canary", headers=admin).json()["canary"]["arms"]
+        assert arms["challenger"]["errors"] == arms["champion"]["errors"] == 0
     finally:
         front.stop()
+        challenger.stop()
