@@ -92,6 +92,12 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[tools_api.ToolCall] | None = Field(None, max_length=128)
     tool_call_id: str | None = None
+    # What an assistant message from an OpenAI response carries besides; clients send the message back as they got
+    # it (the SDK's own objects), so these are taken and not used.
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: None = Field(None, description="OpenAI's deprecated single call: send tool_calls instead.")
 
     @model_validator(mode="after")
     def _content(self):

@@ -137,6 +137,20 @@ def test_a_named_function_is_the_one_called_and_streams_as_openai_streams_calls(
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+def test_the_sdks_own_message_goes_back_with_the_result(served):
+    """An agent loop as the OpenAI docs write it: the reply's message object appended as it is (the SDK sends
+    its ``refusal`` too), then the tool's result."""
+    _, _, client = served
+    messages = list(ASK)
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=0
+    )
+    call = reply.choices[0].message.tool_calls[0]
+    messages += [reply.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "fog, 17 C"}]
+    after = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=4)
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 def test_auto_parses_what_the_model_wrote_and_none_parses_nothing(served):
     name, _, client = served
     fmt = tools_api.HERMES if name == "hermes" else tools_api.LLAMA3_JSON
