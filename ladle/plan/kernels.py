@@ -102,7 +102,7 @@ def decide(
     return decided, reasons
 
 
-def problems(kernels, strategy: str, device: str) -> list[str]:
+def problems(kernels, strategy: str, device: str, whole_forward: bool | None = None) -> list[str]:
     """Settings that cannot run: named field, value, why, and the fix."""
     traits = strategies.get(strategy)
     compiling = ", ".join(with_trait("compiles_blocks"))
@@ -126,13 +126,14 @@ def problems(kernels, strategy: str, device: str) -> list[str]:
             "training.kernels.liger = true: Liger's kernels are Triton kernels for CUDA and this run is on the CPU. "
             "Set training.kernels.liger=auto or false."
         )
-    if kernels.padding_free is True and not traits.whole_forward:
+    runs_whole = traits.whole_forward if whole_forward is None else whole_forward  # nd with sp runs whole forwards
+    if kernels.padding_free is True and not runs_whole:
         found.append(
             f"training.kernels.padding_free = true with parallelism.strategy = {strategy}: {strategy}'s stages "
             f"need rows of one fixed shape; padding-free micro-batches run with {whole}. "
             "Set training.kernels.padding_free=auto or false."
         )
-    if kernels.packed_attention is True and not traits.whole_forward:
+    if kernels.packed_attention is True and not runs_whole:
         found.append(
             f"training.kernels.packed_attention = true with parallelism.strategy = {strategy}: {strategy}'s stages "
             f"build their own attention masks; attention example by example runs with "

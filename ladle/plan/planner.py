@@ -292,7 +292,8 @@ def check_strategy(
     problems += strategy.validate_batch(strategy.options(cfg), micro, accumulation, global_batch)
     for other in strategies.REGISTRY.values():
         problems += other.validate_unused(cfg, strategy)
-    problems += kernels.problems(cfg.training.kernels, strategy.name, target.device)
+    whole = strategy.runs_whole_forward(strategy.options(cfg))
+    problems += kernels.problems(cfg.training.kernels, strategy.name, target.device, whole)
     return problems
 
 

@@ -113,3 +113,12 @@ def test_a_short_context_never_splits_sequences(h100x8):
     cfg = load_config("recipes/llama3-70b-64k-sp.yaml", ["data.seq_len=4096"])
     made = make_plan(cfg, h100x8, "recipe.yaml", model=local_model_config(cfg))
     assert made.strategy == "fsdp2" and made.mesh["sp"] == 1
+
+
+def test_padding_free_and_packed_attention_may_be_asked_with_sp_but_not_with_pipeline_stages(tiny_model):
+    made = cpu_plan(
+        "parallelism.dims.sp=2", "training.kernels.padding_free=true", "training.kernels.packed_attention=true"
+    )
+    assert made.kernels["padding_free"] is True and made.kernels["packed_attention"] == "on"
+    text = problems("parallelism.dims.pp=2", "training.kernels.padding_free=true")
+    assert "training.kernels.padding_free = true with parallelism.strategy = nd" in text
