@@ -485,7 +485,7 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
             except ApiError as exc:
                 ended = True
                 yield sse(reply.chunk({"role": "assistant", "content": ""}))
-                yield sse({"error": {"message": exc.message, "type": exc.kind, "param": None, "code": exc.code}})
+                yield stream_error(exc)
                 yield "data: [DONE]\n\n"
                 return
             ended = True
@@ -534,8 +534,7 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
                     event, data = await next_event(events)
                 except ApiError as exc:  # the status line is sent: the error goes in the stream
                     ended = True
-                    error = {"message": exc.message, "type": exc.kind, "param": None, "code": exc.code}
-                    yield sse({"error": error})
+                    yield stream_error(exc)
                     break
             yield "data: [DONE]\n\n"
         finally:
@@ -621,6 +620,11 @@ def usage(done: dict) -> dict:
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+def stream_error(exc: ApiError) -> str:
+    """An error after the status line was sent: it goes in the stream, as OpenAI's streams carry one."""
+    return sse({"error": {"message": exc.message, "type": exc.kind, "param": None, "code": exc.code}})
 
 
 def not_on_backend(field: str, backend: Backend, why: str) -> ApiError:
