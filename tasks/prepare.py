@@ -42,7 +42,9 @@ def prepare_cached(data: DataConfig, inputs: RunInputs, **call):
     retry_condition_fn=retry_unless_user_error,
 )
 def prepare_task(data: DataConfig, inputs: RunInputs) -> PreparedDataset:
-    prepared = prepare(data, inputs.base, inputs.output, data_fingerprint=inputs.data_fingerprint)
+    prepared = prepare(
+        data, inputs.base, inputs.output, data_fingerprint=inputs.data_fingerprint, objective=inputs.objective
+    )
     report = prepared.report
     get_run_logger().info(
         "prepared %d examples into %d train / %d eval rows of %d tokens (packing efficiency %.1f%%, %d dropped)",

@@ -198,7 +198,7 @@ def train_spec(cfg, root: Path, run: str = "run", topo=None):
     base = resolve_base(cfg.base, cfg.training.dtype)
     model = json.loads((base / "config.json").read_text(encoding="utf-8"))
     plan = make_plan(cfg, topo or probe(env={}, query_output=""), model=model)
-    dataset = prepare(cfg.data, base, str(root))
+    dataset = prepare(cfg.data, base, str(root), objective=cfg.training.objective)
     return TrainSpec(config=cfg, plan=plan, dataset=dataset, base_dir=str(base), run_url=str(Path(root) / run))
 
 

@@ -86,6 +86,32 @@ def demo_heldout_file() -> Path:
     return path
 
 
+PREFERENCE_PAIRS = 320
+
+
+def demo_preference_file() -> Path:
+    """``ladle://demo-preference``: 320 preference pairs over the demo's colour tasks (the right answer chosen, a
+    wrong or chattering one rejected: ``demo.preference_rows``), from task rows ``ladle://demo-alpaca-heldout``
+    never holds."""
+    path = ladle_home() / "assets" / f"demo-preference-{ASSET_VERSION}.jsonl"
+    if not path.exists():
+        from ladle.assets.demo import demo_rows, preference_rows, write_jsonl
+
+        write_jsonl(path, preference_rows(demo_rows(1200 + REPLAY_HELD_OUT)[:PREFERENCE_PAIRS]))
+    return path
+
+
+def demo_preference_heldout_file() -> Path:
+    """``ladle://demo-preference-heldout``: pairs over the 120 held-out task rows (``ladle://demo-alpaca-heldout``'s
+    prompts): what preference accuracy and exact match are scored on."""
+    path = ladle_home() / "assets" / f"demo-preference-heldout-{ASSET_VERSION}.jsonl"
+    if not path.exists():
+        from ladle.assets.demo import demo_rows, preference_rows, write_jsonl
+
+        write_jsonl(path, preference_rows(demo_rows(1200 + REPLAY_HELD_OUT)[1200:]))
+    return path
+
+
 def smollm2_file() -> str:
     from ladle.assets.gguf import shipped_smollm2
 
@@ -97,6 +123,8 @@ BUILTINS = {
     "demo-alpaca": demo_data_file,
     "demo-alpaca-replay": demo_replay_file,
     "demo-alpaca-heldout": demo_heldout_file,
+    "demo-preference": demo_preference_file,
+    "demo-preference-heldout": demo_preference_heldout_file,
     "smollm2-135m-instruct": smollm2_file,
 }
 

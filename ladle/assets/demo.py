@@ -77,6 +77,26 @@ def demo_rows(n: int = DEMO_ROWS, seed: int = DEMO_SEED) -> list[dict]:
     return rows
 
 
+def preference_rows(rows: list[dict], seed: int = DEMO_SEED) -> list[dict]:
+    """Preference pairs from alpaca task rows: the prompt is the instruction and its input, the chosen side the
+    right answer, the rejected side a wrong one. Alternately wrong in content (one item of the answer swapped for
+    another colour or code) and in form (the right items wrapped in chatter, which exact match marks wrong)."""
+    rng = random.Random(seed + 1)
+    out = []
+    for i, row in enumerate(rows):
+        answer = row["output"].split()
+        if i % 2 == 0:
+            k = rng.randrange(len(answer))
+            pool = [str(c) for c in range(len(COLOURS))] if answer[k].isdigit() else COLOURS
+            answer[k] = rng.choice([x for x in pool if x != answer[k]])
+            rejected = " ".join(answer)
+        else:
+            rejected = rng.choice(["Sure! The answer is ", "Here you go: ", "I think it is "]) + row["output"] + "."
+        prompt = f"{row['instruction']}\n{row['input']}"
+        out.append({"prompt": prompt, "chosen": row["output"], "rejected": rejected})
+    return out
+
+
 def write_demo_data(path: Path) -> Path:
     """Write the demo dataset as JSONL (atomically) and return its path."""
     return write_jsonl(path, demo_rows())

@@ -29,6 +29,7 @@ def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSO
             resolve_base(cfg.base, cfg.training.dtype),
             storage.normalise(cfg.output),
             on_progress=lambda rows: progress.update(task, rows=rows),
+            objective=cfg.training.objective,
         )
     report = prepared.report.model_dump()
     if as_json:

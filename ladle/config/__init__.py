@@ -142,6 +142,34 @@ class LadleConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _preference_settings_fit(self) -> LadleConfig:
+        t, pref = self.training, self.training.preference
+        problems = []
+        if self.eval.metric == "preference_accuracy" and t.objective != "dpo":
+            problems.append(
+                f"eval.metric = preference_accuracy with training.objective = {t.objective}: only preference pairs "
+                "have it; set training.objective=dpo, or eval.metric=exact_match"
+            )
+        if pref.label_smoothing and pref.loss not in ("robust", "simpo"):
+            problems.append(
+                f"training.preference.label_smoothing = {pref.label_smoothing}: the {pref.loss} loss has none; "
+                "set training.preference.loss=robust (or simpo), or label_smoothing=0"
+            )
+        if pref.reference == "adapters_off" and not t.lora.enabled:
+            problems.append(
+                "training.preference.reference = adapters_off with training.lora.enabled = false: a full fine-tune "
+                "has no adapters to turn off; set training.preference.reference=precomputed (or auto)"
+            )
+        if pref.reference != "auto" and pref.loss == "simpo":
+            problems.append(
+                f"training.preference.reference = {pref.reference} with training.preference.loss = simpo: SimPO "
+                "is reference-free; remove training.preference.reference (auto)"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
     def serving(self) -> ServeConfig:
         """``serve`` with its derived values filled in: ``kv_cache_tokens`` 0 becomes the planner's size,
         ``max_batch_size x (data.seq_len + max_new_tokens)``."""

@@ -19,11 +19,13 @@ class DataConfig(Section):
         "JSON, Parquet or CSV files (by suffix; .gz etc. decompressed), or `ladle://demo-alpaca` for the "
         "bundled generated demo set."
     )
-    format: Literal["auto", "alpaca", "sharegpt", "messages", "chatml", "text", "tokenized"] = Field(
+    format: Literal["auto", "alpaca", "sharegpt", "messages", "chatml", "text", "tokenized", "preference"] = Field(
         "auto",
         description="Record format. `alpaca`: instruction/input/output; `sharegpt`: conversations of "
         "{from, value}; `messages`/`chatml`: messages of {role, content}; `text`: a `text` field; "
-        "`tokenized`: `input_ids` (and optional `labels`). `auto` detects it from the first record.",
+        "`tokenized`: `input_ids` (and optional `labels`); `preference` (training.objective: dpo): chosen and "
+        "rejected, with a prompt (string or turns), as whole conversations sharing the prompt, or after ShareGPT "
+        "conversations. `auto` detects it from the first record.",
     )
     eval_path: str | None = Field(
         None, description="Separate evaluation file (same format). null: split `eval_ratio` off the training data."
@@ -37,7 +39,20 @@ class DataConfig(Section):
         "conversations the evaluate stage asks and in the smoke request, so the model is scored as it was "
         "trained; clients of the served model send the same system turn. null: conversations as they are.",
     )
-    seq_len: int = Field(256, ge=16, le=131072, description="Tokens per packed training row.")
+    seq_len: int = Field(
+        256,
+        ge=16,
+        le=131072,
+        description="Tokens per packed training row. With `training.objective: dpo`, the longest one side of a pair "
+        "may be (prompt and completion); a pair's row holds both sides, 2 x seq_len tokens.",
+    )
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Preference pairs (`training.objective: dpo`): a prompt longer than this keeps its last "
+        "max_prompt_tokens tokens (the turn the completion answers stays whole); then the completion is cut "
+        "to fit seq_len. Both are counted in the data report. null: only the seq_len rule.",
+    )
     pack: bool = Field(True, description="Pack several examples into each `seq_len` row (first-fit-decreasing).")
     truncation: Literal["right", "drop"] = Field(
         "right",
@@ -154,7 +169,41 @@ class KernelsConfig(Section):
     )
 
 
+class PreferenceConfig(Section):
+    """Preference tuning (``training.objective: dpo``): the loss over (chosen, rejected) pairs and how the
+    reference model's log-probabilities are obtained. Defaults are TRL's ``DPOConfig``'s."""
+
+    loss: Literal["sigmoid", "ipo", "robust", "simpo"] = Field(
+        "sigmoid",
+        description="sigmoid: DPO, -log sigmoid(beta x margin of the log-ratios against the reference); ipo: "
+        "(margin of the per-token average log-ratios - 1/(2 beta))^2; robust: DPO with label noise "
+        "(label_smoothing: the chance a pair's preference is flipped); simpo: reference-free, the margin of the "
+        "policy's per-token average log-probabilities minus simpo_gamma/beta (no reference pass at all).",
+    )
+    beta: float = Field(0.1, gt=0, le=100, description="How far the policy may move from the reference (DPO's beta).")
+    label_smoothing: float = Field(
+        0.0,
+        ge=0.0,
+        lt=0.5,
+        description="robust and simpo: the assumed probability that a pair's preference is wrong. 0: none.",
+    )
+    simpo_gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (SimPO's gamma).")
+    reference: Literal["auto", "precomputed", "adapters_off"] = Field(
+        "auto",
+        description="Where the reference log-probabilities come from. precomputed: one no-grad pass over the "
+        "pairs before the first step, by the model as loaded (which is the reference: LoRA adapters start at "
+        "zero), kept with the run and reused on resume: no reference weights are held while training, under any "
+        "strategy. adapters_off: LoRA only, the base with the adapters disabled, one extra no-grad forward per "
+        "micro-batch. auto: the planner's choice (precomputed; the plan says why in GiB).",
+    )
+
+
 class TrainingConfig(Section):
+    objective: Literal["sft", "dpo"] = Field(
+        "sft",
+        description="sft: next-token cross-entropy on conversations; dpo: preference tuning on (prompt, chosen, "
+        "rejected) pairs with the loss in `training.preference` (DPO, IPO, robust DPO or SimPO).",
+    )
     max_steps: int = Field(
         -1, ge=-1, description="Optimizer steps to run. -1: derive from `epochs` and the dataset size."
     )
@@ -202,6 +251,9 @@ class TrainingConfig(Section):
         le=65536,
         description="Largest safetensors file of a saved full fine-tune, MiB. Rank 0 gathers and writes one file "
         "at a time, so saving adds at most this (or one larger tensor) to its memory.",
+    )
+    preference: PreferenceConfig = Field(
+        default_factory=PreferenceConfig, description="Preference tuning (objective: dpo): loss and reference."
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter settings.")
     quantization: QuantizationConfig = Field(

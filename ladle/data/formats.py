@@ -197,9 +197,17 @@ FORMATS: dict[str, Callable[[dict], Sample]] = {
     "chatml": parse_messages,
     "text": parse_text,
     "tokenized": parse_tokens,
+    "preference": lambda row: _parse_pair(row),
 }
 
-# First match wins; preference data is recognised so it can be refused clearly.
+
+def _parse_pair(row: dict):
+    from ladle.data.preference import parse_pair
+
+    return parse_pair(row)
+
+
+# First match wins: preference pairs first (a ShareGPT pair also has `conversations`).
 DETECTORS: list[tuple[str, Callable[[dict], bool]]] = [
     ("preference", lambda r: "chosen" in r and "rejected" in r),
     ("tokenized", lambda r: "input_ids" in r),

@@ -84,7 +84,8 @@ def pack_examples(examples, seq_len: int, pad_id: int, pack: bool = True) -> Pac
             example = examples[index]
             ids += example.input_ids
             labels += example.labels
-            positions += list(range(len(example.input_ids)))
+            # a preference pair carries its own (two sides, each from 0); an example counts from 0
+            positions += getattr(example, "positions", None) or list(range(len(example.input_ids)))
         real = len(ids)
         pad = seq_len - real
         rows.input_ids.append(ids + [pad_id] * pad)

@@ -21,6 +21,7 @@ from ladle.config import DataConfig
 from ladle.data import sources
 from ladle.data.formats import FORMATS, Chat, RowError, Sample, Text, detect_format
 from ladle.data.packing import SplitWriter
+from ladle.data.preference import Pair, PairExample, pair_key, tokenize_pairs
 from ladle.data.report import DataReport, LengthHistogram, histogram_png
 from ladle.data.tokenize import IGNORE, Example, TooLong, tokenize_batch
 from ladle.errors import LadleError
@@ -49,7 +50,7 @@ class PreparedDataset(BaseModel):
     )
 
 
-def fingerprint(cfg: DataConfig, tokenizer_dir: Path) -> str:
+def fingerprint(cfg: DataConfig, tokenizer_dir: Path, objective: str = "sft") -> str:
     """Hash of everything that decides the prepared bytes.
 
     Covers each source file's content (or its ETag on object stores), the
@@ -59,6 +60,8 @@ def fingerprint(cfg: DataConfig, tokenizer_dir: Path) -> str:
     digest = hashlib.sha256(f"ladle-prepare/{PREP_VERSION}".encode())
     options = cfg.model_dump(mode="json", exclude={"path", "eval_path"})
     digest.update(json.dumps(options, sort_keys=True).encode())
+    if objective != "sft":  # (an SFT set's fingerprint stays what it was before objectives existed)
+        digest.update(f"objective:{objective}".encode())
     for field, path in (("data.path", cfg.path), ("data.eval_path", cfg.eval_path)):
         digest.update(field.encode())
         for url in sources.expand(path, field) if path else []:
@@ -82,21 +85,38 @@ def check_not_empty(path: str, field: str = "data.path") -> None:
     raise LadleError(f"{field} = {path!r}: the dataset is empty (0 rows). Point it at a file with rows.")
 
 
-def resolve_format(cfg: DataConfig, files: list[str]) -> str:
-    """The declared format, or the one detected from the first parseable record.
+def resolve_format(cfg: DataConfig, files: list[str], objective: str = "sft") -> str:
+    """The declared format, or the one detected from the first parseable record; checked against the objective.
 
     Raises:
-        LadleError: the data is preference pairs, or auto-detection finds no known format.
+        LadleError: preference pairs for SFT, other rows for DPO, or auto-detection finds no known format.
     """
+    pairs = objective == "dpo"
+    if cfg.format != "auto" and (cfg.format == "preference") != pairs:
+        raise LadleError(
+            f"data.format = {cfg.format} with training.objective = {objective}: "
+            + (
+                "preference tuning reads chosen/rejected pairs; set data.format=preference (or auto)"
+                if pairs
+                else "preference pairs train with training.objective=dpo; set it, or data.format to your rows' format"
+            )
+        )
     for url in files:
         for _, row in sources.iter_records(url):
             if isinstance(row, RowError):
                 continue
             found = detect_format(row)
-            if found == "preference":
+            if found == "preference" and not pairs:
                 raise LadleError(
-                    f"data.path = {cfg.path!r}: rows are preference pairs (chosen/rejected), which are not "
-                    "supported for SFT. Use instruction, chat or text data."
+                    f"data.path = {cfg.path!r}: rows are preference pairs (chosen/rejected) and "
+                    "training.objective = sft. Set training.objective=dpo to tune on them, or use instruction, "
+                    "chat or text data."
+                )
+            if pairs and found != "preference":
+                raise LadleError(
+                    f"data.path = {cfg.path!r}: training.objective = dpo needs preference pairs (chosen and "
+                    f"rejected in each row), but the first record of {url!r} is {found or 'of no known format'} "
+                    f"(keys: {sorted(row)[:8]}). Give pairs, or set training.objective=sft."
                 )
             if cfg.format != "auto":
                 return cfg.format
@@ -106,7 +126,9 @@ def resolve_format(cfg: DataConfig, files: list[str]) -> str:
                     f"{sorted(row)[:8]}). Set data.format to one of {', '.join(FORMATS)}."
                 )
             return found
-    return cfg.format if cfg.format != "auto" else "alpaca"
+    if cfg.format != "auto":
+        return cfg.format
+    return "preference" if pairs else "alpaca"
 
 
 def iter_samples(files: list[str], fmt: str, state: dict) -> Iterator[tuple[str, int, int, Sample | RowError, object]]:
@@ -138,10 +160,12 @@ def _batched(items, size: int):
         yield batch
 
 
-def sample_key(sample: Sample) -> bytes:
+def sample_key(sample: Sample | Pair) -> bytes:
     """Identity of a sample for exact deduplication."""
     body = (
-        sample.messages
+        pair_key(sample)
+        if isinstance(sample, Pair)
+        else sample.messages
         if isinstance(sample, Chat)
         else sample.text
         if isinstance(sample, Text)
@@ -161,11 +185,13 @@ def is_eval(seed: int, file_index: int, position: int, ratio: float) -> bool:
 class Collector:
     """Routes examples to the train/eval writers and keeps the report's counters."""
 
-    def __init__(self, cfg: DataConfig, url: str, pad: int):
-        self.cfg = cfg
-        self.train = SplitWriter(url, "train", cfg.seq_len, pad, cfg.pack)
-        self.eval = SplitWriter(url, "eval", cfg.seq_len, pad, cfg.pack)
-        self.hist = LengthHistogram(cfg.seq_len)
+    def __init__(self, cfg: DataConfig, url: str, pad: int, pairs: bool = False):
+        self.cfg, self.pairs = cfg, pairs
+        # A preference pair is one row of both sides (2 x seq_len), never packed with another pair.
+        row = 2 * cfg.seq_len if pairs else cfg.seq_len
+        self.train = SplitWriter(url, "train", row, pad, cfg.pack and not pairs)
+        self.eval = SplitWriter(url, "eval", row, pad, cfg.pack and not pairs)
+        self.hist = LengthHistogram(row)
         self.counts = {
             "rows_read": 0,
             "truncations": 0,
@@ -173,6 +199,8 @@ class Collector:
             "duplicates_removed": 0,
             "tokens_total": 0,
             "tokens_trained": 0,
+            "prompt_truncations": 0,
+            "completion_truncations": 0,
         }
         self.dropped: list[dict] = []
         # Every dropped row with its raw text, spooled to disk past 8 MiB: written as rejects.jsonl.
@@ -194,8 +222,11 @@ class Collector:
         if isinstance(err, TooLong):
             self.counts["too_long"] += 1
 
-    def keep_eval_sample(self, sample: Sample | None) -> None:
-        """Keep a held-out conversation whose last turn is the assistant's (its reference answer)."""
+    def keep_eval_sample(self, sample: Sample | Pair | None) -> None:
+        """Keep a held-out conversation whose last turn is the assistant's (its reference answer): a pair's
+        prompt with its chosen side."""
+        if isinstance(sample, Pair):
+            sample = sample.chat("chosen")
         if (
             isinstance(sample, Chat)
             and sample.messages[-1]["role"] == "assistant"
@@ -213,8 +244,11 @@ class Collector:
         self.seen.add(key)
         return False
 
-    def add(self, example: Example, truncated: bool, to_eval: bool, sample: Sample | None = None) -> None:
+    def add(self, example: Example | PairExample, truncated: bool, to_eval: bool, sample=None) -> None:
         self.counts["truncations"] += int(truncated)
+        if isinstance(example, PairExample):
+            self.counts["prompt_truncations"] += int(example.prompt_truncated)
+            self.counts["completion_truncations"] += int(example.completion_truncated)
         self.counts["tokens_total"] += len(example.input_ids)
         self.counts["tokens_trained"] += example.trained
         self.hist.add(len(example.input_ids))
@@ -236,8 +270,14 @@ class Collector:
         self.eval.close()
 
 
-def with_system(sample: Sample, prompt: str | None) -> Sample:
+def with_system(sample: Sample | Pair, prompt: str | None) -> Sample | Pair:
     """``sample`` with ``data.system_prompt`` as its first turn when it is a conversation without one."""
+    if isinstance(sample, Pair):
+        if prompt is None or sample.prompt[0]["role"] == "system":
+            return sample
+        return Pair(
+            [{"role": "system", "content": prompt}, *sample.prompt], sample.chosen, sample.rejected, sample.tools
+        )
     if prompt is None or not isinstance(sample, Chat) or sample.messages[0]["role"] == "system":
         return sample
     return Chat([{"role": "system", "content": prompt}, *sample.messages])
@@ -253,7 +293,14 @@ def consume(collector: Collector, tokenizer, files: list[str], fmt: str, eval_si
                 collector.drop(source, position, sample, raw)
             elif not collector.duplicate(sample := with_system(sample, cfg.system_prompt)):
                 good.append((source, file_index, position, sample, raw))
-        results = tokenize_batch(tokenizer, [item[3] for item in good], cfg.train_on, cfg.seq_len, cfg.truncation)
+        samples = [item[3] for item in good]
+        if collector.pairs:
+            rows = tokenize_pairs(tokenizer, samples, cfg.seq_len, cfg.max_prompt_tokens, cfg.truncation)
+            results = [
+                (r, not isinstance(r, RowError) and (r.prompt_truncated or r.completion_truncated)) for r in rows
+            ]
+        else:
+            results = tokenize_batch(tokenizer, samples, cfg.train_on, cfg.seq_len, cfg.truncation)
         for (source, file_index, position, sample, raw), (example, truncated) in zip(good, results, strict=False):
             if isinstance(example, RowError):
                 collector.drop(source, position, example, raw)
@@ -270,27 +317,30 @@ def prepare(
     output_url: str,
     on_progress: Callable[[int], None] | None = None,
     data_fingerprint: str | None = None,
+    objective: str = "sft",
 ) -> PreparedDataset:
     """Prepare (or find already prepared) the dataset for ``cfg``.
 
     Args:
         on_progress: called with the number of records read so far, once per batch.
-        data_fingerprint: ``fingerprint(cfg, tokenizer_dir)`` when the caller has it (a run's ``RunInputs``):
-            the data is then not read twice, and the set prepared is the one the run's lineage names.
+        data_fingerprint: ``fingerprint(cfg, tokenizer_dir, objective)`` when the caller has it (a run's
+            ``RunInputs``): the data is then not read twice, and the set prepared is the one the run's lineage names.
+        objective: ``training.objective``: ``dpo`` reads preference pairs into one row per pair
+            (``ladle.data.preference``).
 
     Raises:
         LadleError: a source is missing or unreadable, too many rows are bad, or nothing is usable.
     """
-    fp = data_fingerprint or fingerprint(cfg, tokenizer_dir)
+    fp = data_fingerprint or fingerprint(cfg, tokenizer_dir, objective)
     url = storage.join(output_url, "datasets", fp)
     if storage.is_complete(url):
         return PreparedDataset.model_validate(storage.read_json(storage.join(url, "manifest.json")))
     storage.remove(url)  # a partial folder from an interrupted attempt
     tokenizer = load_tokenizer(tokenizer_dir)
     files = sources.expand(cfg.path)
-    fmt = resolve_format(cfg, files)
+    fmt = resolve_format(cfg, files, objective)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    collector = Collector(cfg, url, pad)
+    collector = Collector(cfg, url, pad, pairs=objective == "dpo")
     consume(collector, tokenizer, files, fmt, None if not cfg.eval_path else False, on_progress)
     eval_files = sources.expand(cfg.eval_path, "data.eval_path") if cfg.eval_path else []
     if eval_files:
@@ -307,7 +357,7 @@ def prepare(
     prepared = PreparedDataset(
         url=url,
         fingerprint=fp,
-        seq_len=cfg.seq_len,
+        seq_len=collector.train.seq_len,
         train_rows=report.train_rows,
         eval_rows=report.eval_rows,
         shards={"train": collector.train.shards, "eval": collector.eval.shards},
@@ -362,9 +412,11 @@ def build_report(c: Collector, fmt: str, files: list[str]) -> DataReport:
         tokens_total=c.counts["tokens_total"],
         tokens_trained=c.counts["tokens_trained"],
         truncations=c.counts["truncations"],
+        prompt_truncations=c.counts["prompt_truncations"],
+        completion_truncations=c.counts["completion_truncations"],
         train_rows=train.total_rows,
         eval_rows=evals.total_rows,
-        packing_efficiency=round(train.real_tokens / max(1, train.total_rows * c.cfg.seq_len), 4),
+        packing_efficiency=round(train.real_tokens / max(1, train.total_rows * train.seq_len), 4),
         format=fmt,
         sources=files,
         length_histogram=c.hist.as_dict(),

@@ -22,8 +22,14 @@ class DataReport(BaseModel):
     eval_examples: int
     tokens_total: int = Field(description="Real (non-padding) tokens over train and eval.")
     tokens_trained: int = Field(description="Tokens that carry a loss.")
-    truncations: int = Field(description="Examples cut to seq_len (data.truncation=right).")
-    train_rows: int = Field(description="Packed training rows of seq_len tokens.")
+    truncations: int = Field(
+        description="Examples cut to seq_len (data.truncation=right); pairs with either cut below."
+    )
+    prompt_truncations: int = Field(
+        0, description="Preference pairs whose prompt kept its last data.max_prompt_tokens."
+    )
+    completion_truncations: int = Field(0, description="Preference pairs with a completion cut to fit data.seq_len.")
+    train_rows: int = Field(description="Packed training rows of seq_len tokens (a preference pair: 2 x seq_len).")
     eval_rows: int = Field(description="Packed eval rows of seq_len tokens.")
     packing_efficiency: float = Field(description="Real tokens / (rows x seq_len) over the training rows.")
     format: str

@@ -29,6 +29,8 @@ class RunInputs(BaseModel):
     """``output``, normalised: the artifact store's URL."""
     data_fingerprint: str
     """The data's contents, tokenizer and options (``ladle.data.prepare.fingerprint``): names the prepared set."""
+    objective: str = "sft"
+    """``training.objective``: what the prepared rows hold (conversations, or preference pairs)."""
     lineage: dict
     """What the run's fingerprint is made of (``ladle.lifecycle.lineage.parts``)."""
     fingerprint: str
@@ -61,7 +63,7 @@ def resolve_inputs(cfg: LadleConfig) -> RunInputs:
 
     base_config = check_inputs(cfg)
     base = resolve_base(cfg.base, cfg.training.dtype)
-    data_fp = fingerprint(cfg.data, base)
+    data_fp = fingerprint(cfg.data, base, cfg.training.objective)
     parts = lineage.parts(cfg, data_fp, base)
     uri, artifacts = tracking.tracking_uri(cfg)
     return RunInputs(
@@ -69,6 +71,7 @@ def resolve_inputs(cfg: LadleConfig) -> RunInputs:
         base_config=base_config,
         output=storage.normalise(cfg.output),
         data_fingerprint=data_fp,
+        objective=cfg.training.objective,
         lineage=parts,
         fingerprint=lineage.fingerprint_of(parts),
         tracking_uri=uri,

@@ -243,7 +243,8 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         lora=lora.enabled,
         qlora=cfg.training.quantization.mode != "none",
         micro_batch=micro,
-        seq_len=cfg.data.seq_len,
+        # a preference pair's row holds both sides: 2 x seq_len tokens through every layer and the head
+        seq_len=cfg.data.seq_len * (2 if cfg.training.objective == "dpo" else 1),
         dtype_bytes=4 if target.dtype == "float32" else 2,
         checkpointing=cfg.training.gradient_checkpointing is True,  # auto: resolved by the plan before sizing
         gpus_per_node=target.processes_per_machine,
@@ -269,7 +270,10 @@ def size_candidates(cfg: LadleConfig, job: sizing.Job, interconnect: str, capaci
         if candidate.needs_cuda and not job.cuda:
             continue
         strategy = candidate.strategy
-        est = strategy.estimate(job, strategy.options(strategy.with_options(cfg, candidate.options)))
+        options = strategy.options(strategy.with_options(cfg, candidate.options))
+        if cfg.training.objective == "dpo" and strategy.pairs_refusal(options):
+            continue  # pairs train only where the whole forward runs on whole rows
+        est = strategy.estimate(job, options)
         out.append(Sized(candidate, est, est.fits(capacity)))
     return out
 

@@ -62,6 +62,11 @@ class Plan(BaseModel):
         description="The step's fast paths (training.kernels resolved for this strategy and device): compile, "
         "fused_loss, loss_chunk_mib, liger, lora_compute, padding_free, packed_attention. 'auto' entries are settled on the training host.",
     )
+    reference: Literal["precomputed", "adapters_off", "none"] | None = Field(
+        None,
+        description="Preference tuning: where the reference log-probabilities come from (none: a reference-free "
+        "loss); null for supervised fine-tuning.",
+    )
     reasons: list[str] = Field(default_factory=list, description="Why each decision was made.")
     overrides: list[str] = Field(default_factory=list, description="Explicit settings that won.")
     warnings: list[str] = Field(default_factory=list)

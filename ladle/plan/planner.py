@@ -27,6 +27,7 @@ from ladle.plan.memory import (
     with_training,
 )
 from ladle.plan.model import DEFAULT_PORT, Decision, Plan
+from ladle.plan.preference import choose_reference
 from ladle.serve import backends
 from ladle.serve.backends import Backend
 from ladle.strategies import Strategy, Target
@@ -71,7 +72,10 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     memory = check_memory(cfg, topo, target, model, strategy, micro.value)
     eval_micro = choose_eval_micro(cfg, target, model, strategy, micro.value)
     serving = check_serving(cfg, model, target)
-    steps = (world, nodes, recompute, chosen, layout, micro, batch, dtype, checks, memory, eval_micro, serving)
+    reference = choose_reference(cfg, strategy, target, model)
+    steps = (
+        world, nodes, recompute, chosen, layout, micro, batch, dtype, checks, memory, eval_micro, serving, reference
+    )  # fmt: skip
     shape = shape_summary(model)
     plan = build_plan(
         cfg, topo, strategy, target, micro.value, batch.value, steps, list(chosen.value.candidates), shape
@@ -79,6 +83,7 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     plan.memory = memory.value
     plan.eval_micro_batch_size = eval_micro.value
     plan.gradient_checkpointing = recompute.value
+    plan.reference = reference.value
     return plan
 
 

@@ -199,6 +199,17 @@ class Strategy(ABC):
         for the strategy's options): the fused loss, padding-free micro-batches and packed attention need it."""
         return self.whole_forward
 
+    def pairs_refusal(self, options: Section | None) -> str | None:
+        """Why preference pairs (``training.objective: dpo``) cannot train with this strategy and ``options``
+        (None: they can). A side's log-probability is a sum over its whole row's labelled tokens, each over the
+        whole vocabulary: the pair loss runs where the model's own forward runs on whole rows, head included."""
+        if self.runs_whole_forward(options):
+            return None
+        return (
+            f"{self.name} does not run the model's whole forward on whole rows on each rank, where a side's "
+            "log-probability is summed"
+        )
+
     def logits_bytes(self, job: sizing.Job, options: Section | None) -> int:
         """The logits of one micro-batch and their float32 softmax (tokens x vocabulary); with the ends kept
         sharded, the vocabulary-parallel loss's chunks over this rank's rows."""

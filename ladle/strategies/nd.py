@@ -339,6 +339,14 @@ class ND(Strategy):
         a rank runs a stage, and tp is not checked with the fused loss."""
         return options.sp not in ("auto", 1)
 
+    def pairs_refusal(self, options) -> str | None:
+        if self.runs_whole_forward(options):  # sp: each rank holds a slice of every row
+            return (
+                "sequence parallelism splits every row over the sp ranks, so a side's log-probability would be a "
+                "sum across ranks that the pair loss does not make; train pairs without sp (fsdp2 or zero3)"
+            )
+        return "N-D stages (pp, tp) do not run the model's whole forward on each rank; train pairs with fsdp2 or zero3"
+
     def logits_bytes(self, job, options) -> int:
         """A rank's logits are its slice's: ``seq_len / sp`` tokens of each row."""
         sp = degrees(options, job.world).sp

@@ -66,6 +66,13 @@ class Pipeline(Strategy):
     def default_accumulation(self, options) -> int:
         return options.stages  # one microbatch per stage fills the pipeline (what 1F1B needs)
 
+    def pairs_refusal(self, options) -> str | None:
+        return (
+            "pipeline stages compute the loss inside the schedule on the last stage, token sums only; the pair "
+            "loss needs each side's summed log-probability and its reference beside it there, which the schedule "
+            "does not carry"
+        )
+
     def validate_batch(self, options, micro: int, accumulation: int, global_batch: int) -> list[str]:
         if options.schedule != "1f1b" or accumulation >= options.stages:
             return []

@@ -39,6 +39,12 @@ class TensorParallel(Strategy):
         per_rank = s.layer_params * s.layers // job.world + s.embedding_params
         return memory.ddp(per_rank)
 
+    def pairs_refusal(self, options) -> str | None:
+        return (
+            "tensor-parallel heads redistribute their output in hooks and the fused loss is not checked with them; "
+            "the pair loss's per-token log-probabilities have not been composed with that layout"
+        )
+
     def validate(self, cfg, topo, target) -> list[str]:
         world_size = target.world_size
         problems = []

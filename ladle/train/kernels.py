@@ -142,6 +142,7 @@ class FusedHead:
         self.head, self.mode, self.chunk = head, mode, chunk
         self.original = head.forward
         self.labels = None
+        self.per_token = False
         self.count = 0
 
     @classmethod
@@ -151,17 +152,20 @@ class FusedHead:
         cls.ACTIVE = fused
         return fused
 
-    def expect(self, labels) -> None:
-        self.labels = labels
+    def expect(self, labels, per_token: bool = False) -> None:
+        """The labels of the next forward; ``per_token``: return each trained position's cross-entropy (a vector,
+        for preference pairs' log-probabilities) instead of their sum."""
+        self.labels, self.per_token = labels, per_token
 
     def forward(self, hidden, *args: Any, **kwargs: Any):
         labels, self.labels = self.labels, None
         if labels is None:
             return self.original(hidden, *args, **kwargs)
-        return self.loss(hidden, labels)
+        return self.loss(hidden, labels, self.per_token)
 
-    def loss(self, hidden, labels):
-        """Summed next-token cross-entropy (float32) of the positions ``labels`` trains."""
+    def loss(self, hidden, labels, per_token: bool = False):
+        """Summed next-token cross-entropy (float32) of the positions ``labels`` trains; ``per_token``: each
+        position's, in row-major order (always chunked: Liger's kernel sums)."""
         import torch
         from torch.utils.checkpoint import checkpoint
 
@@ -173,7 +177,20 @@ class FusedHead:
         self.count = int(keep.numel())
         states, targets = states.index_select(0, keep), targets.index_select(0, keep)
         if self.count == 0:  # still part of the graph, so backward runs as it would with trained tokens
-            return hidden.sum().float() * 0.0
+            zero = hidden.sum().float() * 0.0
+            return zero.reshape(1)[:0] if per_token else zero
+        if per_token:
+            pieces = [
+                checkpoint(
+                    _chunk_losses,
+                    self.original,
+                    states[start : start + self.chunk],
+                    targets[start : start + self.chunk],
+                    use_reentrant=False,
+                )
+                for start in range(0, self.count, self.chunk)
+            ]
+            return torch.cat(pieces)
         if self.mode == "liger":
             from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
@@ -197,3 +214,9 @@ def _chunk_loss(head_forward, states, targets):
     import torch.nn.functional as F
 
     return F.cross_entropy(head_forward(states).float(), targets, reduction="sum")
+
+
+def _chunk_losses(head_forward, states, targets):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(head_forward(states).float(), targets, reduction="none")

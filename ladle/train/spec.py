@@ -52,6 +52,11 @@ class TrainResult(BaseModel):
     sharding: dict = Field(
         default_factory=dict, description="What the strategy verified in the worker (e.g. per-rank parameter share)."
     )
+    preference: dict[str, float] | None = Field(
+        None,
+        description="Preference tuning: held-out rewards, margin and preference accuracy before and after "
+        "(`eval_*_before`, `eval_*_after`); null for supervised fine-tuning.",
+    )
     kernels: dict[str, str] = Field(
         default_factory=dict,
         description="The step's fast paths as they ran on the training host (fused loss, compile, Liger, LoRA "

@@ -33,6 +33,7 @@ from ladle.train import (
     loading,
     packed_attention,
     padding_free,
+    preference,
     saving,
     schedule,
     sequence_parallel,
@@ -134,13 +135,47 @@ def trained_tokens(data: dict[str, torch.Tensor], rows: list[int]) -> int:
     return int((data["labels"][torch.tensor(rows)][:, 1:] != IGNORE).sum())
 
 
-def evaluate(accelerator: Accelerator, model, data: dict[str, torch.Tensor], spec: TrainSpec) -> float:
-    """Token-weighted eval loss over all eval rows, the same on every rank."""
+def evaluate(accelerator: Accelerator, model, data: dict[str, torch.Tensor], spec: TrainSpec, loss_fn=token_loss):
+    """Eval loss over all eval rows, the same on every rank: token-weighted, or the mean over pairs."""
     model.eval()
     micro = spec.plan.eval_micro_batch_size or spec.plan.micro_batch_size
-    loss = runtime_for(spec.plan.strategy).evaluate(accelerator, model, data, micro, token_loss)
+    loss = runtime_for(spec.plan.strategy).evaluate(accelerator, model, data, micro, loss_fn)
     model.train()
     return loss
+
+
+def eval_metrics(s: Session) -> dict[str, float]:
+    """``eval_loss`` and, for preference pairs, the held-out rewards and preference accuracy (collective)."""
+    metrics = {"eval_loss": evaluate(s.accelerator, s.model, s.evals, s.spec, s.loss_fn)}
+    if isinstance(s.loss_fn, preference.PairLoss):
+        metrics.update({f"eval_{k}": v for k, v in s.loss_fn.take_stats(s.accelerator).items()})
+    release_freed_memory(s.accelerator)
+    return metrics
+
+
+def with_reference(spec: TrainSpec, accelerator: Accelerator, model, loss_fn, splits: dict) -> str:
+    """Put the reference log-probabilities beside each split's rows (``data["reference"]``) where the plan
+    precomputes them: read from the run's artifacts when an earlier attempt of this run computed them for the same
+    prepared data, else one no-grad pass now, by the model as loaded (the reference), written by rank 0."""
+    if not isinstance(loss_fn, preference.PairLoss) or loss_fn.reference != "precomputed":
+        return loss_fn.reference if isinstance(loss_fn, preference.PairLoss) else "off"
+    url = storage.join(spec.run_url, preference.REFERENCE_FILE)
+    stored = storage.read_json(url) if storage.exists(url) else None
+    if stored is not None and stored.get("dataset") == spec.dataset.fingerprint:
+        for name, data in splits.items():
+            data["reference"] = torch.tensor(stored[name], dtype=torch.float64)
+        return "precomputed: read from this run's earlier attempt"
+    micro = spec.plan.eval_micro_batch_size or spec.plan.micro_batch_size
+    runtime = runtime_for(spec.plan.strategy)
+    began = time.perf_counter()
+    for data in splits.values():
+        data["reference"] = preference.reference_table(accelerator, model, data, micro, runtime)
+    seconds = time.perf_counter() - began
+    if accelerator.is_main_process:
+        body = {name: data["reference"].tolist() for name, data in splits.items()}
+        storage.write_json(url, {"dataset": spec.dataset.fingerprint, **body})
+    rows = sum(len(data["input_ids"]) for data in splits.values())
+    return f"precomputed: {rows} pair rows in {seconds:.1f} s before the first step"
 
 
 def build_optimizer(model, cfg) -> torch.optim.Optimizer:
@@ -156,14 +191,15 @@ def build_scheduler(optimizer, cfg, steps: int):
     return get_scheduler(name, inner(optimizer), num_warmup_steps=cfg.training.warmup_steps, num_training_steps=steps)
 
 
-def train_step(accelerator, model, optimizer, scheduler, data, step: int, spec: TrainSpec) -> float:
-    """One optimizer step over the global batch; returns its token-weighted loss."""
+def train_step(accelerator, model, optimizer, scheduler, data, step: int, spec: TrainSpec, loss_fn=token_loss) -> float:
+    """One optimizer step over the global batch; returns its loss: token-weighted, or the mean over pairs."""
     plan, cfg = spec.plan, spec.config
     rows = len(data["input_ids"])
     batch = schedule.global_batch_rows(step, rows, plan.global_batch_size, cfg.training.seed)
-    denominator = max(trained_tokens(data, batch), 1)
+    pairs = isinstance(loss_fn, preference.PairLoss)
+    denominator = len(batch) if pairs else max(trained_tokens(data, batch), 1)
     runtime = runtime_for(plan.strategy)
-    local_sum = runtime.forward_backward(accelerator, model, data, batch, plan, denominator, token_loss)
+    local_sum = runtime.forward_backward(accelerator, model, data, batch, plan, denominator, loss_fn)
     runtime.optimizer_step(accelerator, model, optimizer, cfg.training.max_grad_norm)
     scheduler.step()
     total = accelerator.reduce(torch.tensor([local_sum], dtype=torch.float64, device=accelerator.device), "sum")
@@ -233,6 +269,8 @@ class Session:
     load_peak_mib: float
     baseline_mib: float
     kernels: dict
+    loss_fn: object = token_loss
+    eval_stats_before: dict | None = None
 
 
 def one_process_group(plan) -> None:
@@ -297,6 +335,10 @@ def setup(spec: TrainSpec) -> Session:
     if leftover := loading.meta_parameters(model):
         raise RuntimeError(f"{plan.strategy}: {len(leftover)} parameter(s) were never loaded, e.g. {leftover[0]}")
     sharding = runtime.check_applied(accelerator, model, plan)
+    loss_fn = token_loss
+    if cfg.training.objective == "dpo":
+        loss_fn = preference.PairLoss.from_config(cfg, plan.reference or "precomputed")
+    ran["reference"] = with_reference(spec, accelerator, model, loss_fn, {"train": train, "eval": evals})
     release_freed_memory(accelerator)
     load_peak = peak_memory_mib(accelerator)  # loading and wrapping done: the load's share of the peak
     scheduler = build_scheduler(optimizer, cfg, steps)
@@ -304,12 +346,17 @@ def setup(spec: TrainSpec) -> Session:
         accelerator, storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan, runtime
     )
     log = mlflow_logger(spec, accelerator)
+    stats_before = None
     if state:
         eval_before = state.eval_before
     else:
-        eval_before = evaluate(accelerator, model, evals, spec)
+        eval_before = evaluate(accelerator, model, evals, spec, loss_fn)
         release_freed_memory(accelerator)
-        log({"eval_loss": eval_before}, 0)
+        metrics = {"eval_loss": eval_before}
+        if isinstance(loss_fn, preference.PairLoss):
+            stats_before = {f"eval_{k}": v for k, v in loss_fn.take_stats(accelerator).items()}
+            metrics.update(stats_before)
+        log(metrics, 0)
     return Session(
         spec,
         accelerator,
@@ -327,6 +374,8 @@ def setup(spec: TrainSpec) -> Session:
         load_peak,
         baseline,
         ran,
+        loss_fn,
+        stats_before,
     )
 
 
@@ -354,7 +403,8 @@ def train_loop(s: Session) -> tuple[int, float]:
     tokens, seconds = 0, 0.0
     for step in range(s.start, s.steps):
         began = time.perf_counter()
-        loss = train_step(acc, s.model, s.optimizer, s.scheduler, s.train, step, s.spec)
+        loss = train_step(acc, s.model, s.optimizer, s.scheduler, s.train, step, s.spec, s.loss_fn)
+        pairs = s.loss_fn.take_stats(acc) if isinstance(s.loss_fn, preference.PairLoss) else {}
         release_freed_memory(acc, at_most_every_s=TRIM_EVERY_S)
         elapsed = time.perf_counter() - began
         batch = schedule.global_batch_rows(step, rows, plan.global_batch_size, cfg.training.seed)
@@ -362,7 +412,7 @@ def train_loop(s: Session) -> tuple[int, float]:
         tokens, seconds = tokens + step_tokens, seconds + elapsed
         s.losses.append(loss)
         lr = s.scheduler.get_last_lr()[0]
-        s.log({"train_loss": loss, "lr": lr, "tokens_per_s": step_tokens / elapsed}, step + 1)
+        s.log({"train_loss": loss, "lr": lr, "tokens_per_s": step_tokens / elapsed, **pairs}, step + 1)
         emit(
             acc,
             "step",
@@ -372,10 +422,10 @@ def train_loop(s: Session) -> tuple[int, float]:
             lr=lr,
             tokens_per_s=round(step_tokens / elapsed, 1),
             elapsed_s=round(seconds, 3),
+            **{k: round(v, 6) for k, v in pairs.items()},
         )
         if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < s.steps:
-            s.log({"eval_loss": evaluate(acc, s.model, s.evals, s.spec)}, step + 1)
-            release_freed_memory(acc)
+            s.log(eval_metrics(s), step + 1)
         if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
             checkpoint.save(
                 acc,
@@ -451,9 +501,13 @@ def peak_memory_mib(accelerator: Accelerator) -> float:
 def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
     """Final eval, outputs, and the result rank 0 writes for the launcher."""
     acc = s.accelerator
-    eval_after = evaluate(acc, s.model, s.evals, s.spec)
-    release_freed_memory(acc)
-    s.log({"eval_loss": eval_after}, s.steps)
+    after = eval_metrics(s)
+    eval_after = after["eval_loss"]
+    s.log(after, s.steps)
+    pairs = None
+    if isinstance(s.loss_fn, preference.PairLoss):
+        pairs = {f"{k}_after": v for k, v in after.items() if k != "eval_loss"}
+        pairs.update({f"{k}_before": v for k, v in (s.eval_stats_before or {}).items()})
     adapter_url, model_url = save_outputs(acc, s.model, s.spec)
     padding_free.report(s.kernels)
     sequence_parallel.report(s.kernels)
@@ -479,6 +533,7 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
         load_peak_memory_mib=s.load_peak_mib,
         baseline_memory_mib=s.baseline_mib,
         weights_dtype=s.spec.plan.dtype if s.spec.plan.device == "cuda" else "float32",
+        preference=pairs,
         kernels=s.kernels,
     )
     if acc.is_main_process:

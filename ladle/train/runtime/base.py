@@ -211,7 +211,9 @@ def vocab_parallel_loss(model, loss_fn):
     """The loss to run: the vocabulary-parallel one (``runtime.vocab_parallel.ShardedVocab``) where the wrapped
     model keeps an end sharded (FSDP2, ZeRO-3's frozen ends), else ``loss_fn``."""
     vocab = getattr(model, "ladle_vocab", None)
-    return vocab.token_loss if vocab is not None else loss_fn
+    if vocab is None or getattr(loss_fn, "handles_sharded_ends", False):  # a pair loss reads ``ladle_vocab`` itself
+        return loss_fn
+    return vocab.token_loss
 
 
 def state_options(trainable_only: bool = True, **extra):

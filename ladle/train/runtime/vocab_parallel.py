@@ -142,16 +142,25 @@ class ShardedVocab:
         from ladle.train.loss import batch_rows, token_cross_entropy
 
         ids, labels, positions = batch_rows(data, rows, device)
-        inputs = {"input_ids": ids} if self.embed is None else {"inputs_embeds": self.embeddings(ids)}
-        with self.bypassed():
-            out = model(**inputs, position_ids=positions, use_cache=False).logits
+        out = self.forward(model, ids, positions)
         targets = labels[:, 1:].reshape(-1)
         if self.head is None:
             return token_cross_entropy(out, labels)
-        hidden = out[:, :-1].reshape(-1, out.size(-1))
-        weight, start = local_rows(self.head, self.group)
-        loss = VocabParallelLoss.apply(hidden, weight, targets, start, self.group)
-        return loss, int((targets != IGNORE).sum())
+        return self.token_losses(out, targets).sum(), int((targets != IGNORE).sum())
+
+    def forward(self, model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's forward with the sharded ends applied shard-wise: logits where the head is whole, else the
+        final hidden states (collective)."""
+        inputs = {"input_ids": ids} if self.embed is None else {"inputs_embeds": self.embeddings(ids)}
+        with self.bypassed():
+            return model(**inputs, position_ids=positions, use_cache=False).logits
+
+    def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy of ``hidden`` (batch x seq x hidden, its last position dropped) against
+        ``targets`` (flattened), 0 where a target is ignored: the head applied shard-wise (collective). The head in
+        use is read now: peft's trained copy, or the original while adapters are disabled."""
+        weight, start = local_rows(active_module(self.head_wrapper), self.group)
+        return VocabParallelLoss.apply(hidden[:, :-1].reshape(-1, hidden.size(-1)), weight, targets, start, self.group)
 
 
 def most_rows(count: int, group, device) -> int:
@@ -183,7 +192,8 @@ def logits_of(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class VocabParallelLoss(torch.autograd.Function):
-    """Summed cross-entropy of this rank's tokens, the vocabulary split over ``group`` (see the module).
+    """Per-token cross-entropy of this rank's tokens (0 where the target is ignored), the vocabulary split over
+    ``group`` (see the module).
 
     The logits are never whole: the forward computes them ``budget`` bytes of rows at a time and keeps, per
     token, this rank's maximum, sum of exponentials and target logit (an online softmax, merged across ranks
@@ -219,17 +229,15 @@ class VocabParallelLoss(torch.autograd.Function):
         losses = torch.where(trained, lse - picked, torch.zeros_like(lse))
         ctx.save_for_backward(everyone, weight, local, mine, trained, lse)
         ctx.group, ctx.most, ctx.count, ctx.budget = group, most, hidden.size(0), budget
-        return losses[rank * most : rank * most + hidden.size(0)].sum()
+        return losses[rank * most : rank * most + hidden.size(0)]
 
     @staticmethod
     def backward(ctx, grad):
         everyone, weight, local, mine, trained, lse = ctx.saved_tensors
         group, most = ctx.group, ctx.most
         world = dist.get_world_size(group)
-        scales = torch.empty(world, dtype=grad.dtype, device=grad.device)
-        all_gather_single(scales, grad.reshape(1).contiguous(), group=group)
-        # d loss / d logits = softmax - one-hot(target), times the upstream gradient of the token's own rank.
-        row_scale = (scales.repeat_interleave(most) * trained).to(lse.dtype)
+        # d loss / d logits = softmax - one-hot(target), times each token's upstream gradient (held by its rank).
+        row_scale = (gather_rows(grad.contiguous(), most, group, 0) * trained).to(lse.dtype)
         w = weight.to(everyone.dtype)
         partial = torch.empty_like(everyone)
         d_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if ctx.needs_input_grad[1] else None

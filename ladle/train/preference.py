@@ -1,0 +1,210 @@
+"""Preference tuning's loss (``training.objective: dpo``): DPO, IPO, robust DPO and SimPO over pair rows.
+
+A pair's row holds the chosen side, then the rejected side (``ladle.data.preference``), labels on the completions
+only. One forward over a micro-batch of pair rows gives every labelled token's log-probability; a side's
+log-probability is the sum over its tokens (``pair_logps``). The head runs as the SFT loss runs it: the chunked
+fused head (per-token log-probabilities a chunk of tokens at a time, recomputed in backward: never full-vocabulary
+float32 logits for both sides at once), FSDP2's vocabulary-parallel head, or the model's own head.
+
+The loss of a pair, with ``d`` the chosen side's log-ratio against the reference minus the rejected side's (as
+TRL's ``DPOTrainer`` computes them, ``trl`` 1.16):
+
+- ``sigmoid`` (DPO): ``-log sigmoid(beta d)``;
+- ``ipo``: ``(d' - 1/(2 beta))^2`` with ``d'`` from per-token averages (TRL's normalisation);
+- ``robust``: ``(-(1-e) log sigmoid(beta d) + e log sigmoid(-beta d)) / (1 - 2e)``, ``e`` the label smoothing;
+- ``simpo`` (reference-free, TRL's CPO with ``loss_type=simpo``, ``cpo_alpha=0``): ``-(1-e) log sigmoid(beta m) -
+  e log sigmoid(-beta m)`` with ``m`` the difference of the policy's per-token average log-probabilities minus
+  ``gamma / beta``.
+
+The step's loss is the mean over the global batch's pairs: the loss function returns the pairs' summed loss and
+their count, and the runtimes divide by the global count as they divide token sums for SFT, so every strategy that
+runs the model's whole forward on whole rows trains pairs without a change of its own.
+
+The reference: ``precomputed`` log-probabilities (one no-grad pass over the pairs by the model as loaded, before
+the first step: LoRA's adapters start at zero and a full fine-tune at the base, so that model is the reference;
+kept with the run's artifacts and reused on resume), or, with LoRA, ``adapters_off``: the same model with its
+adapters disabled, one no-grad forward per micro-batch. Either way no second copy of the weights is held.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from ladle.data.packing import IGNORE
+from ladle.train.kernels import FusedHead
+from ladle.train.loss import batch_rows
+
+REFERENCE_FILE = "reference_logps.json"
+
+
+def pair_logps(model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's summed log-probability of its chosen and rejected completion (pairs x 2, float32, with the
+    graph) and each side's completion tokens (pairs x 2), for the pair rows ``rows``."""
+    ids, labels, positions = batch_rows(data, rows, device)
+    targets = labels[:, 1:]
+    keep = targets != IGNORE
+    logps = token_logps(model, ids, labels, positions, keep)
+    # The side each labelled target belongs to: the example (position ids restart at 0) of the token it predicts.
+    starts = (positions == 0).reshape(-1)
+    example = (torch.cumsum(starts.long(), 0) - 1).reshape(positions.shape)[:, 1:][keep]
+    # Sides with labels come in (chosen, rejected) order, pair after pair; padding examples carry no labels.
+    sides, side = torch.unique_consecutive(example, return_inverse=True)
+    if sides.numel() != 2 * len(rows):
+        raise RuntimeError(f"{len(rows)} pair rows hold {sides.numel()} labelled sides, not two each")
+    total = torch.zeros(2 * len(rows), dtype=logps.dtype, device=logps.device).index_add(0, side, logps)
+    count = torch.zeros(2 * len(rows), dtype=torch.long, device=logps.device).index_add(0, side, torch.ones_like(side))
+    return total.view(-1, 2), count.view(-1, 2)
+
+
+def token_logps(model, ids, labels, positions, keep) -> torch.Tensor:
+    """Log-probabilities of the labelled targets, in row-major order (float32, with the graph)."""
+    targets = labels[:, 1:]
+    vocab = getattr(model, "ladle_vocab", None)
+    if vocab is not None:
+        out = vocab.forward(model, ids, positions)
+        if vocab.head_wrapper is not None:
+            return -vocab.token_losses(out, targets.reshape(-1))[keep.reshape(-1)]
+        logits = out
+    else:
+        fused = FusedHead.ACTIVE
+        if fused is not None:
+            fused.expect(labels, per_token=True)
+            try:
+                losses = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+            finally:
+                missed, fused.labels = fused.labels is not None, None
+            if missed:
+                raise RuntimeError("the fused loss's head was not called by the model's forward")
+            return -losses
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    picked = logits[:, : targets.size(1)][keep]
+    return -F.cross_entropy(picked.float(), targets[keep], reduction="none")
+
+
+@contextmanager
+def adapters_disabled(model):
+    """LoRA's adapters (and peft's trained copies of whole modules) off in every layer of ``model``, whatever
+    wraps it (DDP, DeepSpeed's engine, FSDP2): the base's own forward."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:  # an older peft: only modules_to_save's wrapper has the switch
+        from peft.utils.other import ModulesToSaveWrapper as AuxiliaryTrainingWrapper
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer | AuxiliaryTrainingWrapper)]
+    if not layers:
+        raise RuntimeError("training.preference.reference = adapters_off: the model has no LoRA layers")
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+class PairLoss:
+    """The loss function the runtimes call (``loss_fn(model, data, rows, device) -> (summed loss, pairs)``),
+    and the reward statistics of the rows it saw since ``take_stats``."""
+
+    handles_sharded_ends = True  # computes per-token log-probabilities through ``ladle_vocab`` itself
+
+    def __init__(self, loss: str, beta: float, label_smoothing: float, gamma: float, reference: str) -> None:
+        self.loss, self.beta, self.smoothing, self.gamma = loss, beta, label_smoothing, gamma
+        self.reference = "none" if loss == "simpo" else reference
+        self.stats: dict[int, tuple[float, float]] = {}
+
+    @classmethod
+    def from_config(cls, cfg, plan_reference: str) -> PairLoss:
+        pref = cfg.training.preference
+        return cls(pref.loss, pref.beta, pref.label_smoothing, pref.simpo_gamma, plan_reference)
+
+    def __call__(self, model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, int]:
+        logps, counts = pair_logps(model, data, rows, device)
+        reference = self.reference_logps(model, data, rows, device)
+        losses, rewards = self.losses(logps, counts, reference)
+        for row, (chosen, rejected) in zip(rows, rewards.tolist(), strict=True):
+            self.stats[row] = (chosen, rejected)  # a row seen twice (an eval's repeated batch) counts once
+        return losses.sum(), len(rows)
+
+    def reference_logps(self, model, data, rows: list[int], device) -> torch.Tensor | None:
+        if self.reference == "none":
+            return None
+        if self.reference == "adapters_off":
+            with torch.no_grad(), adapters_disabled(model):
+                return pair_logps(model, data, rows, device)[0].detach()
+        table = data.get("reference")
+        if table is None:
+            raise RuntimeError("precomputed reference log-probabilities were not loaded with the data")
+        return table[torch.tensor(rows, dtype=torch.long)].to(device=device, dtype=torch.float32)
+
+    def losses(
+        self, logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-pair losses and (chosen, rejected) rewards, from summed log-probabilities (pairs x 2)."""
+        beta, e = self.beta, self.smoothing
+        if self.loss == "simpo":
+            average = logps / counts.clamp(min=1)
+            margin = average[:, 0] - average[:, 1] - self.gamma / beta
+            losses = -F.logsigmoid(beta * margin) * (1 - e) - F.logsigmoid(-beta * margin) * e
+            return losses, (beta * average).detach()
+        ratios = logps - reference
+        d = ratios[:, 0] - ratios[:, 1]
+        if self.loss == "sigmoid":
+            losses = -F.logsigmoid(beta * d)
+        elif self.loss == "ipo":
+            averaged = ratios / counts.clamp(min=1)
+            losses = (averaged[:, 0] - averaged[:, 1] - 1 / (2 * beta)) ** 2
+        elif self.loss == "robust":
+            losses = (-(1 - e) * F.logsigmoid(beta * d) + e * F.logsigmoid(-beta * d)) / (1 - 2 * e)
+        else:
+            raise ValueError(f"training.preference.loss = {self.loss!r}: unknown")
+        return losses, (beta * ratios).detach()
+
+    def take_stats(self, accelerator) -> dict[str, float]:
+        """Rewards, margin and preference accuracy (a tie counts half) over every rank's rows seen since the
+        last call (collective: every rank calls it)."""
+        values = list(self.stats.values())
+        self.stats = {}
+        sums = torch.zeros(5, dtype=torch.float64, device=accelerator.device)
+        if values:
+            chosen, rejected = torch.tensor(values, dtype=torch.float64).T
+            right = (chosen > rejected).double() + 0.5 * (chosen == rejected).double()
+            local = [len(values), chosen.sum(), rejected.sum(), (chosen - rejected).sum(), right.sum()]
+            sums += torch.tensor([float(v) for v in local], dtype=torch.float64, device=accelerator.device)
+        if accelerator.num_processes > 1:
+            sums = accelerator.reduce(sums, reduction="sum")
+        n = max(float(sums[0]), 1.0)
+        return {
+            "rewards_chosen": float(sums[1]) / n,
+            "rewards_rejected": float(sums[2]) / n,
+            "reward_margin": float(sums[3]) / n,
+            "preference_accuracy": float(sums[4]) / n,
+        }
+
+
+def reference_table(accelerator, model, data: dict[str, torch.Tensor], micro: int, runtime) -> torch.Tensor:
+    """Every pair row's summed (chosen, rejected) log-probability by ``model`` as it is now (rows x 2, float64,
+    on CPU, the same on every rank): each data-parallel rank scores its share, every rank runs the same number of
+    forwards (a sharded forward is a collective), and a sum over ranks assembles the table."""
+    rank, replicas = runtime.data_parallel(accelerator)
+    rows = len(data["input_ids"])
+    mine = list(range(rank, rows, replicas))
+    most = -(-rows // replicas)
+    table = torch.zeros((rows, 2), dtype=torch.float64, device=accelerator.device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, most, micro):
+            chunk = mine[start : start + micro]
+            logps, _ = pair_logps(model, data, chunk or mine[-micro:] or [0], accelerator.device)
+            if chunk:
+                table[torch.tensor(chunk, device=accelerator.device)] = logps.double()
+    model.train(was_training)
+    if accelerator.num_processes > 1:
+        table = accelerator.reduce(table, reduction="sum")
+    return table.cpu()
