@@ -187,14 +187,18 @@ class PairLoss:
         }
 
 
-def reference_table(accelerator, model, data: dict[str, torch.Tensor], micro: int, runtime) -> torch.Tensor:
-    """Every pair row's summed (chosen, rejected) log-probability by ``model`` as it is now (rows x 2, float64,
-    on CPU, the same on every rank): each data-parallel rank scores its share, every rank runs the same number of
-    forwards (a sharded forward is a collective), and a sum over ranks assembles the table."""
+def reference_table(
+    accelerator, model, data: dict[str, torch.Tensor], micro: int, runtime, needed: list[int] | None = None
+) -> torch.Tensor:
+    """Each pair row's summed (chosen, rejected) log-probability by ``model`` as it is now (rows x 2, float64,
+    on CPU, the same on every rank): the ``needed`` rows (all by default; NaN for the others), each data-parallel
+    rank scoring its share, every rank running the same number of forwards (a sharded forward is a collective), a
+    sum over ranks assembling the table."""
     rank, replicas = runtime.data_parallel(accelerator)
     rows = len(data["input_ids"])
-    mine = list(range(rank, rows, replicas))
-    most = -(-rows // replicas)
+    needed = list(range(rows)) if needed is None else needed
+    mine = needed[rank::replicas]
+    most = -(-len(needed) // replicas)
     table = torch.zeros((rows, 2), dtype=torch.float64, device=accelerator.device)
     was_training = model.training
     model.eval()
@@ -207,4 +211,8 @@ def reference_table(accelerator, model, data: dict[str, torch.Tensor], micro: in
     model.train(was_training)
     if accelerator.num_processes > 1:
         table = accelerator.reduce(table, reduction="sum")
-    return table.cpu()
+    table = table.cpu()
+    unscored = torch.ones(rows, dtype=torch.bool)
+    unscored[needed] = False
+    table[unscored] = float("nan")  # a row no step reads: a NaN loss, never a silent zero, if one ever did
+    return table

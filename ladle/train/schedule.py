@@ -32,6 +32,15 @@ def global_batch_rows(step: int, rows: int, global_batch: int, seed: int) -> lis
     return order[position * global_batch : (position + 1) * global_batch]
 
 
+def rows_visited(steps: int, rows: int, global_batch: int, seed: int) -> list[int]:
+    """Every row index some step in ``range(steps)`` reads, sorted: part of the first epoch when the run ends
+    within it, else all rows (each epoch's tail that fills no batch is read in another epoch's order)."""
+    per_epoch = steps_per_epoch(rows, global_batch)
+    if steps >= per_epoch:
+        return list(range(rows))
+    return sorted(row for step in range(steps) for row in global_batch_rows(step, rows, global_batch, seed))
+
+
 def micro_batches(batch: list[int], rank: int, world: int, micro: int) -> list[list[int]]:
     """This rank's micro-batches of a global batch: micro-step m takes slot (m * world + rank)."""
     accum = len(batch) // (world * micro)

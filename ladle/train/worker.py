@@ -165,17 +165,23 @@ def with_reference(spec: TrainSpec, accelerator: Accelerator, model, loss_fn, sp
         for name, data in splits.items():
             data["reference"] = torch.tensor(stored[name], dtype=torch.float64)
         return "precomputed: read from this run's earlier attempt"
-    micro = spec.plan.eval_micro_batch_size or spec.plan.micro_batch_size
-    runtime = runtime_for(spec.plan.strategy)
+    plan, cfg = spec.plan, spec.config
+    micro = plan.eval_micro_batch_size or plan.micro_batch_size
+    runtime = runtime_for(plan.strategy)
+    train = splits["train"]
+    rows = len(train["input_ids"])
+    steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
+    # A run that ends within its first epoch reads only some rows: only those are scored.
+    needed = {"train": schedule.rows_visited(steps, rows, plan.global_batch_size, cfg.training.seed)}
     began = time.perf_counter()
-    for data in splits.values():
-        data["reference"] = preference.reference_table(accelerator, model, data, micro, runtime)
+    for name, data in splits.items():
+        data["reference"] = preference.reference_table(accelerator, model, data, micro, runtime, needed.get(name))
     seconds = time.perf_counter() - began
     if accelerator.is_main_process:
         body = {name: data["reference"].tolist() for name, data in splits.items()}
         storage.write_json(url, {"dataset": spec.dataset.fingerprint, **body})
-    rows = sum(len(data["input_ids"]) for data in splits.values())
-    return f"precomputed: {rows} pair rows in {seconds:.1f} s before the first step"
+    scored = len(needed["train"]) + len(splits["eval"]["input_ids"])
+    return f"precomputed: {scored} pair rows in {seconds:.1f} s before the first step"
 
 
 def build_optimizer(model, cfg) -> torch.optim.Optimizer:
