@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -23,13 +24,19 @@ from ladle.train.spec import TrainResult
 
 
 def reference_scores(
-    cfg: LadleConfig, prepared: PreparedDataset, evaluation: Evaluation, current: promote.Version | None
+    cfg: LadleConfig,
+    prepared: PreparedDataset,
+    evaluation: Evaluation,
+    current: promote.Version | None,
+    base_dir: str | None = None,
 ) -> tuple[dict[str, float], str]:
     """What the new model must beat, on the same held-out set (and probe): the champion's scores, or the
-    base's."""
+    base's (preference accuracy against the same reference, the base this run tuned)."""
     if current is None:
         return evaluation.base, "base model"
-    scores, _ = score(model_dir_of(current), prepared, cfg.eval)  # cached per (champion files, data)
+    reference = Path(base_dir) if base_dir else None
+    # cached per (champion files, data)
+    scores, _ = score(model_dir_of(current), prepared, cfg.eval, reference=reference)
     return scores.values, f"champion v{current.version}"
 
 
@@ -96,7 +103,7 @@ def promote_task(
         name,
         merged.url,
         evaluation.model,
-        lambda champ: reference_scores(cfg, prepared, evaluation, champ),
+        lambda champ: reference_scores(cfg, prepared, evaluation, champ, inputs.base_dir),
         rule,
         run_id=tracking.run_id,
         tags=tags,

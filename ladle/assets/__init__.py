@@ -87,6 +87,7 @@ def demo_heldout_file() -> Path:
 
 
 PREFERENCE_PAIRS = 320
+PREFERENCE_HELD_OUT = 64
 
 
 def demo_preference_file() -> Path:
@@ -102,13 +103,13 @@ def demo_preference_file() -> Path:
 
 
 def demo_preference_heldout_file() -> Path:
-    """``ladle://demo-preference-heldout``: pairs over the 120 held-out task rows (``ladle://demo-alpaca-heldout``'s
-    prompts): what preference accuracy and exact match are scored on."""
+    """``ladle://demo-preference-heldout``: 64 pairs over held-out task rows (prompts of
+    ``ladle://demo-alpaca-heldout``): what preference accuracy and exact match are scored on."""
     path = ladle_home() / "assets" / f"demo-preference-heldout-{ASSET_VERSION}.jsonl"
     if not path.exists():
         from ladle.assets.demo import demo_rows, preference_rows, write_jsonl
 
-        write_jsonl(path, preference_rows(demo_rows(1200 + REPLAY_HELD_OUT)[1200:]))
+        write_jsonl(path, preference_rows(demo_rows(1200 + REPLAY_HELD_OUT)[1200 : 1200 + PREFERENCE_HELD_OUT]))
     return path
 
 

@@ -188,6 +188,14 @@ class PreferenceConfig(Section):
         description="robust and simpo: the assumed probability that a pair's preference is wrong. 0: none.",
     )
     simpo_gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin (SimPO's gamma).")
+    sft_weight: float = Field(
+        0.0,
+        ge=0.0,
+        le=100.0,
+        description="Adds this times the chosen completion's negative log-likelihood (its per-token mean) to each "
+        "pair's loss, as RPO does and TRL's loss_type [sigmoid, sft] (which averages tokens over its micro-batch "
+        "instead): DPO alone can lower the chosen answers' likelihood along with the rejected ones'. 0: off.",
+    )
     reference: Literal["auto", "precomputed", "adapters_off"] = Field(
         "auto",
         description="Where the reference log-probabilities come from. precomputed: one no-grad pass over the "

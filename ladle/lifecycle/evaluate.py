@@ -35,7 +35,7 @@ from ladle.platform import storage
 from ladle.platform.files import write_atomic
 from ladle.sizing import eval_loss_rows
 
-EVAL_VERSION = "2"  # bump when a score for the same inputs would change
+EVAL_VERSION = "3"  # bump when a score for the same inputs would change (3: preference pairs)
 
 
 class Score(BaseModel):
@@ -236,18 +236,37 @@ def probe_score(model_dir: Path, cfg: EvalConfig) -> tuple[float, list[dict]]:
     return round(sum(marks) / len(marks), 4), detail
 
 
-def eval_loss(model_dir: Path, prepared: PreparedDataset) -> float | None:
-    """Token-weighted next-token loss of the model over every packed eval row; None without eval rows."""
+def is_pairs(prepared: PreparedDataset) -> bool:
+    return prepared.report.format == "preference"
+
+
+def eval_rows(prepared: PreparedDataset) -> dict | None:
+    """The packed eval rows as tensors; None without any."""
     import torch
 
     from ladle.data.packing import read_rows
-    from ladle.train.loss import token_loss
 
     shards = prepared.shards.get("eval", [])
     if not shards:
         return None
     parts = [read_rows(storage.read_bytes(storage.join(prepared.url, shard))) for shard in shards]
-    data = {key: torch.tensor([v for part in parts for v in part[key]], dtype=torch.long) for key in parts[0]}
+    return {key: torch.tensor([v for part in parts for v in part[key]], dtype=torch.long) for key in parts[0]}
+
+
+def eval_loss(model_dir: Path, prepared: PreparedDataset) -> float | None:
+    """Token-weighted next-token loss of the model over every packed eval row (for preference pairs, over the
+    chosen completions only: how likely the model finds the preferred answers); None without eval rows."""
+    import torch
+
+    from ladle.data.packing import IGNORE
+    from ladle.train.loss import token_loss
+
+    data = eval_rows(prepared)
+    if data is None:
+        return None
+    if is_pairs(prepared):  # each row: the chosen side, then the rejected side from position 0 again
+        rejected = torch.cumsum((data["position_ids"] == 0).long(), dim=1) > 1
+        data["labels"] = data["labels"].masked_fill(rejected, IGNORE)
     model, _, device = load_model(model_dir)
     total, tokens = 0.0, 0
     with torch.no_grad():
@@ -257,6 +276,39 @@ def eval_loss(model_dir: Path, prepared: PreparedDataset) -> float | None:
             loss, count = token_loss(model, data, rows, device)
             total, tokens = total + float(loss), tokens + count
     return round(total / max(tokens, 1), 6)
+
+
+def pair_logps(model_dir: Path, prepared: PreparedDataset) -> list[list[float]]:
+    """The model's summed log-probability of each held-out pair's chosen and rejected completion, cached per
+    (model files, data)."""
+    import torch
+
+    from ladle.train import preference
+
+    key = hashlib.sha256(f"ladle-pairs/{EVAL_VERSION}/{prepared.fingerprint}/{files_key(model_dir)}".encode())
+    cache = ladle_home() / "eval-cache" / f"pairs-{key.hexdigest()[:24]}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    data = eval_rows(prepared)
+    model, _, device = load_model(model_dir)
+    table: list[list[float]] = []
+    with torch.no_grad():
+        step = eval_loss_rows(data["input_ids"].shape[1], model.config.get_text_config().vocab_size)
+        for start in range(0, len(data["input_ids"]), step):
+            rows = list(range(start, min(start + step, len(data["input_ids"]))))
+            table += preference.pair_logps(model, data, rows, device)[0].double().tolist()
+    write_atomic(cache, json.dumps(table))
+    return table
+
+
+def preference_accuracy(model: list[list[float]], reference: list[list[float]]) -> float:
+    """Held-out pairs whose implicit reward (the log-ratio against the reference) ranks chosen above rejected,
+    a tie counting half: the reference itself scores 0.5."""
+    right = 0.0
+    for (chosen, rejected), (ref_chosen, ref_rejected) in zip(model, reference, strict=True):
+        margin = (chosen - ref_chosen) - (rejected - ref_rejected)
+        right += 1.0 if margin > 0 else 0.5 if margin == 0 else 0.0
+    return round(right / max(1, len(model)), 4)
 
 
 def user_metric(entry_point: str) -> Callable[[Path, list[list[dict]]], float]:
@@ -282,7 +334,7 @@ def task_score(cfg: EvalConfig, model_dir: Path, samples: list[list[dict]]) -> S
     Raises:
         LadleError: a user metric that does not return a finite number.
     """
-    if cfg.metric == "exact_match":
+    if cfg.metric in ("exact_match", "preference_accuracy"):  # the pairs' task metric, shown beside their accuracy
         return exact_match(model_dir, samples, cfg.batch_size)
     value = user_metric(cfg.metric)(model_dir, samples)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
@@ -290,25 +342,38 @@ def task_score(cfg: EvalConfig, model_dir: Path, samples: list[list[dict]]) -> S
     return Score(values={cfg.metric: float(value)}, total=len(samples))
 
 
-def model_key(model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, examples: int) -> str:
-    """Identity of a score: the model's config and weight files (names, sizes, times), the data, the metric."""
-    probe = f"{probe_digest(cfg.probe)}/{cfg.probe_max_new_tokens}" if cfg.probe else "-"
-    digest = hashlib.sha256(
-        f"ladle-eval/{EVAL_VERSION}/{prepared.fingerprint}/{examples}/{cfg.metric}/{probe}".encode()
-    )
-    digest.update((model_dir / "config.json").read_bytes())
+def files_key(model_dir: Path) -> str:
+    """The model's config and weight files (names, sizes, times)."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
     for file in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
         digest.update(f"{file.name}:{file.stat().st_size}:{file.stat().st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def model_key(
+    model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, examples: int, reference: Path | None = None
+) -> str:
+    """Identity of a score: the model's files, the data, the metric (and the pairs' reference model's files)."""
+    probe = f"{probe_digest(cfg.probe)}/{cfg.probe_max_new_tokens}" if cfg.probe else "-"
+    against = files_key(reference) if reference is not None else "-"
+    digest = hashlib.sha256(
+        f"ladle-eval/{EVAL_VERSION}/{prepared.fingerprint}/{examples}/{cfg.metric}/{probe}/{against}".encode()
+    )
+    digest.update(files_key(model_dir).encode())
     return digest.hexdigest()[:24]
 
 
-def score(model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, cached: bool = True) -> tuple[Score, bool]:
+def score(
+    model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, cached: bool = True, reference: Path | None = None
+) -> tuple[Score, bool]:
     """``(scores of model_dir on the held-out split, whether they came from the cache)``.
 
-    Scores: ``loss`` when there are eval rows, ``eval.metric`` when there are held-out conversations.
+    Scores: ``loss`` when there are eval rows, ``eval.metric`` when there are held-out conversations, and for
+    preference pairs with a ``reference`` model (the base the run tuned), ``preference_accuracy``.
     """
     samples = load_samples(prepared, cfg.max_examples)
-    cache = ladle_home() / "eval-cache" / f"{model_key(model_dir, prepared, cfg, len(samples))}.json"
+    reference = reference if is_pairs(prepared) and prepared.eval_rows else None
+    cache = ladle_home() / "eval-cache" / f"{model_key(model_dir, prepared, cfg, len(samples), reference)}.json"
     if cached and cache.is_file():
         return Score.model_validate_json(cache.read_text()), True
     with one_load():  # the metric and the loss share one load of the model
@@ -316,6 +381,10 @@ def score(model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, cached: b
         loss = eval_loss(model_dir, prepared)
         if cfg.probe:
             result.values["probe"], result.probe = probe_score(model_dir, cfg)
+        if reference is not None:
+            mine = pair_logps(model_dir, prepared)
+    if reference is not None:
+        result.values["preference_accuracy"] = preference_accuracy(mine, pair_logps(reference, prepared))
     if loss is not None:
         result.values["loss"] = loss
     if cached:
@@ -326,8 +395,8 @@ def score(model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, cached: b
 def evaluate(base_dir: Path, model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig) -> Evaluation:
     """The base's (cached) and the new model's scores on the same held-out split."""
     samples = load_samples(prepared, cfg.max_examples)
-    before, cached = score(base_dir, prepared, cfg)
-    after, _ = score(model_dir, prepared, cfg, cached=False)
+    before, cached = score(base_dir, prepared, cfg, reference=base_dir)
+    after, _ = score(model_dir, prepared, cfg, cached=False, reference=base_dir)
     note = ""
     if not samples:
         why = (

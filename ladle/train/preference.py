@@ -113,15 +113,23 @@ class PairLoss:
 
     handles_sharded_ends = True  # computes per-token log-probabilities through ``ladle_vocab`` itself
 
-    def __init__(self, loss: str, beta: float, label_smoothing: float, gamma: float, reference: str) -> None:
-        self.loss, self.beta, self.smoothing, self.gamma = loss, beta, label_smoothing, gamma
+    def __init__(
+        self, loss: str, beta: float, label_smoothing: float, gamma: float, reference: str, sft_weight: float = 0.0
+    ) -> None:
+        self.loss, self.beta, self.smoothing, self.gamma, self.sft_weight = (
+            loss,
+            beta,
+            label_smoothing,
+            gamma,
+            sft_weight,
+        )
         self.reference = "none" if loss == "simpo" else reference
         self.stats: dict[int, tuple[float, float]] = {}
 
     @classmethod
     def from_config(cls, cfg, plan_reference: str) -> PairLoss:
         pref = cfg.training.preference
-        return cls(pref.loss, pref.beta, pref.label_smoothing, pref.simpo_gamma, plan_reference)
+        return cls(pref.loss, pref.beta, pref.label_smoothing, pref.simpo_gamma, plan_reference, pref.sft_weight)
 
     def __call__(self, model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, int]:
         logps, counts = pair_logps(model, data, rows, device)
@@ -145,7 +153,16 @@ class PairLoss:
     def losses(
         self, logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-pair losses and (chosen, rejected) rewards, from summed log-probabilities (pairs x 2)."""
+        """Per-pair losses and (chosen, rejected) rewards, from summed log-probabilities (pairs x 2), with
+        ``sft_weight`` times the chosen side's per-token negative log-likelihood added."""
+        losses, rewards = self.preference_losses(logps, counts, reference)
+        if self.sft_weight:
+            losses = losses - self.sft_weight * logps[:, 0] / counts[:, 0].clamp(min=1)
+        return losses, rewards
+
+    def preference_losses(
+        self, logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         beta, e = self.beta, self.smoothing
         if self.loss == "simpo":
             average = logps / counts.clamp(min=1)
@@ -164,6 +181,18 @@ class PairLoss:
         else:
             raise ValueError(f"training.preference.loss = {self.loss!r}: unknown")
         return losses, (beta * ratios).detach()
+
+    def at_reference(self, data: dict[str, torch.Tensor]) -> float:
+        """The mean pair loss of ``data``'s rows while the policy is still the reference (before the first step,
+        when the reference was just scored by this very model): every log-ratio 0, every pair a tie. Recorded in
+        the statistics as such; no forward runs."""
+        reference = data["reference"]
+        side = torch.cumsum((data["position_ids"] == 0).long(), dim=1) - 1  # 0 chosen, 1 rejected, 2+ padding
+        trained = data["labels"] != IGNORE
+        counts = torch.stack([(trained & (side == k)).sum(dim=1) for k in (0, 1)], dim=1)
+        losses, _ = self.losses(reference, counts, reference)
+        self.stats = dict.fromkeys(range(len(reference)), (0.0, 0.0))
+        return float(losses.mean())
 
     def take_stats(self, accelerator) -> dict[str, float]:
         """Rewards, margin and preference accuracy (a tie counts half) over every rank's rows seen since the

@@ -21,6 +21,12 @@ PAIRS = [  # prompt, chosen, rejected token ids (EOS = 2 closes every completion
     ([1, 11, 12], [13, 2], [14, 15, 16, 2]),
     ([1, 20, 21, 22, 23], [24, 25, 26, 2], [24, 27, 2]),
 ]
+# chosen completions of one length: RPO's term (a per-pair token mean here, a micro-batch token mean in TRL) agrees
+SAME_LENGTH = [
+    ([1, 5, 6, 7], [8, 2], [10, 2]),
+    ([1, 11, 12], [13, 2], [14, 15, 16, 2]),
+    ([1, 20, 21, 22], [24, 2], [27, 2]),
+]
 SEQ_LEN = 16
 
 
@@ -83,12 +89,14 @@ def trl_trainer(tmp_path_factory):
     return trainer
 
 
-def trl_loss_and_grads(trainer, loss: str, smoothing: float) -> tuple[float, dict]:
+def trl_loss_and_grads(trainer, loss: str, smoothing: float, pairs=PAIRS) -> tuple[float, dict]:
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    trainer.loss_types, trainer.label_smoothing, trainer.beta = [loss], smoothing, 0.1
+    trainer.loss_types = [loss] if loss != "sigmoid+sft" else ["sigmoid", "sft"]
+    trainer.loss_weights = [1.0] * len(trainer.loss_types)
+    trainer.label_smoothing, trainer.beta = smoothing, 0.1
     batch = DataCollatorForPreference(pad_token_id=0)(
-        [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r} for p, c, r in PAIRS]
+        [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r} for p, c, r in pairs]
     )
     model = trainer.model
     model.zero_grad(set_to_none=True)
@@ -101,11 +109,11 @@ def trained_grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def pair_data() -> dict[str, torch.Tensor]:
+def pair_data(pairs=PAIRS) -> dict[str, torch.Tensor]:
     from ladle.data.packing import pack_examples
     from ladle.data.preference import pair_row
 
-    rows = pack_examples([pair_row(p, c, r, SEQ_LEN, None, "right") for p, c, r in PAIRS], 2 * SEQ_LEN, 0, pack=False)
+    rows = pack_examples([pair_row(p, c, r, SEQ_LEN, None, "right") for p, c, r in pairs], 2 * SEQ_LEN, 0, pack=False)
     return {
         "input_ids": torch.tensor(rows.input_ids),
         "labels": torch.tensor(rows.labels),
@@ -133,26 +141,31 @@ def fast_paths(request):
 
 
 @pytest.mark.parametrize("fast_paths", ["plain", "fused+joined"], indirect=True)
-@pytest.mark.parametrize(("loss", "smoothing"), [("sigmoid", 0.0), ("ipo", 0.0), ("robust", 0.1)])
-def test_loss_and_lora_gradients_equal_trl_dpo_trainer(trl_trainer, fast_paths, loss, smoothing):
+@pytest.mark.parametrize(
+    ("loss", "smoothing", "pairs"),
+    [("sigmoid", 0.0, PAIRS), ("ipo", 0.0, PAIRS), ("robust", 0.1, PAIRS), ("sigmoid+sft", 0.0, SAME_LENGTH)],
+    ids=["sigmoid", "ipo", "robust", "sigmoid+sft"],
+)
+def test_loss_and_lora_gradients_equal_trl_dpo_trainer(trl_trainer, fast_paths, loss, smoothing, pairs):
     from ladle.train.preference import PairLoss, pair_logps
 
-    expected, expected_grads = trl_loss_and_grads(trl_trainer, loss, smoothing)
+    expected, expected_grads = trl_loss_and_grads(trl_trainer, loss, smoothing, pairs)
     model = trl_trainer.model
     path, install = fast_paths
     install(model)
-    data = pair_data()
-    rows = list(range(len(PAIRS)))
+    data = pair_data(pairs)
+    rows = list(range(len(pairs)))
     model.set_adapter("ref")  # the reference, computed by ladle's own path
     with torch.no_grad():
         data["reference"] = pair_logps(model, data, rows, "cpu")[0].double()
     model.set_adapter("default")
     model.zero_grad(set_to_none=True)
-    pair_loss = PairLoss(loss, 0.1, smoothing, 0.5, "precomputed")
+    sft = 1.0 if loss == "sigmoid+sft" else 0.0
+    pair_loss = PairLoss(loss.removesuffix("+sft"), 0.1, smoothing, 0.5, "precomputed", sft)
     total, count = pair_loss(model, data, rows, "cpu")
     (total / count).backward()
     grads = trained_grads(model)
-    assert count == len(PAIRS)
+    assert count == len(pairs)
     assert float(total / count) == pytest.approx(expected, rel=1e-5, abs=1e-7), path
     assert set(grads) == set(expected_grads) and grads
     for name, grad in grads.items():
