@@ -355,12 +355,13 @@ def setup(spec: TrainSpec) -> Session:
     stats_before = None
     if state:
         eval_before = state.eval_before
-    elif ran["reference"].startswith("precomputed: ") and "earlier attempt" not in ran["reference"]:
-        # The eval pairs were just scored by this model as the reference: the eval before is known exactly.
-        eval_before = loss_fn.at_reference(evals)
     else:
-        eval_before = evaluate(accelerator, model, evals, spec, loss_fn)
-        release_freed_memory(accelerator)
+        if ran["reference"].startswith("precomputed: ") and "earlier attempt" not in ran["reference"]:
+            # The eval pairs were just scored by this model as the reference: the eval before is known exactly.
+            eval_before = loss_fn.at_reference(evals)
+        else:
+            eval_before = evaluate(accelerator, model, evals, spec, loss_fn)
+            release_freed_memory(accelerator)
         metrics = {"eval_loss": eval_before}
         if isinstance(loss_fn, preference.PairLoss):
             stats_before = {f"eval_{k}": v for k, v in loss_fn.take_stats(accelerator).items()}

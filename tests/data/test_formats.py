@@ -126,9 +126,9 @@ def test_train_on_all_includes_prompt(tmp_path, tiny_model, tokenizer):
     assert labels[1:] == ids[1:]
 
 
-def test_preference_pairs_are_refused(tmp_path, tiny_model):
+def test_preference_pairs_for_sft_point_at_the_objective(tmp_path, tiny_model):
     data = write(tmp_path / "d.jsonl", "jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}])
-    with pytest.raises(LadleError, match="preference pairs \\(chosen/rejected\\), which are not supported for SFT"):
+    with pytest.raises(LadleError, match="preference pairs \\(chosen/rejected\\) and training.objective = sft"):
         prepare(DataConfig(path=str(data)), tiny_model, str(tmp_path / "out"))
 
 

@@ -63,7 +63,6 @@ def word_tokenizer():
 def trl_trainer(tmp_path_factory):
     """TRL's DPOTrainer over a LoRA model; it keeps a copy of the adapter as the reference (``ref``), and the
     trained adapter is then moved away from it so the log-ratios are not zero."""
-    pytest.importorskip("trl")
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -179,7 +178,6 @@ def test_loss_and_lora_gradients_equal_trl_dpo_trainer(trl_trainer, fast_paths, 
 def test_simpo_equals_trl_cpo_loss():
     """SimPO (reference-free): ladle's loss equals TRL's CPO trainer's ``cpo_loss`` (loss_type simpo) applied to
     per-token average log-probabilities computed one side at a time, unpacked."""
-    pytest.importorskip("trl")
     import torch.nn.functional as F
     from trl.experimental.cpo import CPOTrainer
 
