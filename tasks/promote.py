@@ -59,6 +59,7 @@ def lineage_tags(
         "ladle.data_path": cfg.data.path,
         "ladle.model_sha256": merged.sha256,
         "ladle.base": cfg.base,
+        **({"ladle.base_version": inputs.base_version} if inputs.base_version else {}),
         "ladle.strategy": plan.strategy,
         "ladle.world_size": str(plan.world_size),
         "ladle.plan": json.dumps(

@@ -16,8 +16,8 @@ app = typer.Typer(help="Prepare and look at training data.", no_args_is_help=Tru
 @command
 def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSON) -> None:
     """Prepare the dataset into the artifact store and print its report."""
-    from ladle.assets import resolve_base
     from ladle.data.prepare import prepare
+    from ladle.plan.inputs import base_dir_of
     from ladle.platform import storage
 
     cfg = load(config, set_)
@@ -26,7 +26,7 @@ def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSO
         task = progress.add_task("prepare", rows=0)
         prepared = prepare(
             cfg.data,
-            resolve_base(cfg.base, cfg.training.dtype),
+            base_dir_of(cfg),
             storage.normalise(cfg.output),
             on_progress=lambda rows: progress.update(task, rows=rows),
             objective=cfg.training.objective,
@@ -79,11 +79,11 @@ def show_mask_cmd(
     as_json: bool = JSON,
 ) -> None:
     """Render sample rows with the trained tokens highlighted (the trainer's own tokenization)."""
-    from ladle.assets import resolve_base
     from ladle.data.inspect import mask_rows
+    from ladle.plan.inputs import base_dir_of
 
     cfg = load(config, set_)
-    rows = mask_rows(cfg.data, resolve_base(cfg.base, cfg.training.dtype), n)
+    rows = mask_rows(cfg.data, base_dir_of(cfg), n)
     if as_json:
         print_json({"rows": rows})
         return

