@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.states import Completed
 
 from ladle.assets import shipped_recipes
@@ -66,6 +66,8 @@ def recipe_config(
     """The config a deployment run means: recipe (or file), typed fields, then overrides, then blocks."""
     sets = [f"{TYPED[k]}={json.dumps(v)}" for k, v in typed.items() if v is not None]  # JSON is YAML: values stay typed
     cfg = load_config(recipe_path or recipe, [*sets, *(overrides or [])], str(gpus))
+    for note in cfg.notes:  # e.g. the recipe's held-out file set aside for the user's own data
+        get_run_logger().warning(note)
     return apply_blocks(cfg, artifact_store, mlflow_server, compute)
 
 

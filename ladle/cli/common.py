@@ -97,6 +97,8 @@ def load(config: str, overrides: list[str], gpus: str | None = None, deepspeed: 
     from ladle.config import load_config
 
     cfg = load_config(config, [*deepspeed_override(deepspeed), *overrides], gpus)
+    for note in cfg.notes:
+        console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     from ladle.lifecycle import tracking
 
     tracking.apply_deadlines(cfg)  # every command that reaches MLflow or the artifact store is bounded

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
 from ladle.config.compute import SLURM_TIME, ComputeConfig, KubernetesConfig, SlurmConfig, StorageConfig
 from ladle.config.lifecycle import (
@@ -106,6 +106,12 @@ class LadleConfig(Section):
     output: str = Field(
         "./runs", description="Artifact store root: a local folder or any fsspec URL (s3://bucket/prefix)."
     )
+    _notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def notes(self) -> list[str]:
+        """What loading changed that the user did not write (``build_config``), for the CLI to say."""
+        return self._notes
 
     @model_validator(mode="after")
     def _gate_metric_is_scored(self) -> LadleConfig:
@@ -261,10 +267,35 @@ def build_config(raw: dict, overrides: list[str], gpus: str | None = None, sourc
         apply_override(tree, item)
     if gpus is not None:
         tree.setdefault("parallelism", {})["gpus"] = gpus
+    notes = own_data_held_out(tree, overrides)
     try:
-        return LadleConfig.model_validate(tree)
+        cfg = LadleConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, source)) from None
+    cfg._notes = notes
+    return cfg
+
+
+def own_data_held_out(tree: dict, overrides: list[str]) -> list[str]:
+    """``--set data.path=...`` over a config whose held-out file (``data.eval_path``) belongs to its own data:
+    the run is scored, and its smoke request asked, on the user's data instead (a share of it held out), since a
+    held-out file of other tasks would score what the user's data never taught. Returns what was changed, in
+    words; nothing where the overrides name a held-out file too."""
+    keys = {item.partition("=")[0].strip() for item in overrides}
+    data = tree.get("data")
+    if "data.path" not in keys or keys & {"data", "data.eval_path"} or not isinstance(data, dict):
+        return []
+    held = data.get("eval_path")
+    if not held:
+        return []
+    data["eval_path"] = None
+    if not data.get("eval_ratio"):
+        data["eval_ratio"] = 0.1
+    return [
+        f"data.path was set on the command line, so the config's held-out file data.eval_path = {held!r} (for its "
+        f"own data) is not used: {data['eval_ratio']:.0%} of your rows are held out, and the evaluation and the "
+        "smoke request use them. Pass --set data.eval_path=FILE to score on a file of yours."
+    ]
 
 
 def apply_override(tree: dict, item: str) -> None:

@@ -127,3 +127,29 @@ def test_generated_reference_is_current():
     assert (ROOT / "docs" / "config.md").read_text() == markdown_reference(), (
         "run: ladle schema --markdown > docs/config.md"
     )
+
+
+def test_own_data_on_a_recipe_is_scored_on_its_own_held_out_rows(tmp_path):
+    """A recipe with a held-out file for its own data, run on the user's data (`--set data.path=...`): the run is
+    scored and smoke-tested on the user's rows (a share held out), and the CLI says so; naming a held-out file, or
+    not replacing the data, keeps the recipe's file."""
+    from tests.helpers import run_cli
+
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"instruction": "Say hi", "output": "hi"}\n' * 20)
+    cfg = load_config("smollm2-135m-cpu", [f"data.path={mine}"])
+    assert cfg.data.eval_path is None and cfg.data.eval_ratio == 0.1
+    (note,) = cfg.notes
+    assert "data.eval_path = 'ladle://demo-alpaca-heldout'" in note and "--set data.eval_path=FILE" in note
+    kept = load_config("smollm2-135m-cpu", [f"data.path={mine}", f"data.eval_path={mine}"])
+    assert kept.data.eval_path == str(mine) and not kept.notes
+    assert load_config("smollm2-135m-cpu", ["training.lr=1e-4"]).data.eval_path == "ladle://demo-alpaca-heldout"
+    shown = run_cli(
+        "plan",
+        "smollm2-135m-cpu",
+        "--set",
+        f"data.path={mine}",
+        "--model-config",
+        str(ROOT / "recipes" / "models" / "llama-3.2-1b"),
+    )
+    assert "note: data.path was set on the command line" in " ".join(shown.stderr.split())
