@@ -21,6 +21,7 @@ from ladle.lifecycle.tracking import credentials_to_env
 RecipeName = Literal[tuple(shipped_recipes())]  # the shipped recipes, as the form's choices
 TYPED = {
     "data_path": "data.path",
+    "objective": "training.objective",
     "max_steps": "training.max_steps",
     "lr": "training.lr",
     "lora_r": "training.lora.r",
@@ -76,6 +77,7 @@ def finetune_recipe(
     recipe: RecipeName = "tiny-cpu",
     gpus: Literal["auto"] | int = "auto",
     data_path: str | None = None,
+    objective: Literal["sft", "dpo"] | None = None,
     max_steps: int | None = None,
     lr: float | None = None,
     lora_r: int | None = None,
@@ -95,6 +97,7 @@ def finetune_recipe(
         recipe: A shipped recipe (`ladle recipes list`); its YAML is the starting config.
         gpus: 'auto' (every GPU the machine has, planned) or a count, 1..128.
         data_path: Training data: a file, folder, glob or fsspec URL (s3://bucket/train/*.jsonl). Empty: the recipe's.
+        objective: `sft` (conversations) or `dpo` (preference pairs: chosen and rejected). Empty: the recipe's.
         max_steps: Optimizer steps (-1: `training.epochs` passes). Empty: the recipe's.
         lr: Peak learning rate. Empty: the recipe's.
         lora_r: LoRA rank. Empty: the recipe's.
@@ -111,6 +114,7 @@ def finetune_recipe(
     """
     typed = {
         "data_path": data_path,
+        "objective": objective,
         "max_steps": max_steps,
         "lr": lr,
         "lora_r": lora_r,

@@ -228,13 +228,7 @@ def dpo_spec(strategy: str, root: Path, *overrides: str):
     return train_spec(cfg, root, strategy + "".join(overrides))
 
 
-def test_every_sharding_strategy_reaches_ddps_first_losses(tmp_path):
-    """2 processes, LoRA with a trained head, 2 x 2 x 2 pairs per step: ZeRO-2, ZeRO-3 (its frozen ends kept
-    sharded) and FSDP2 (its head vocabulary-parallel, per token) reach DDP's losses and held-out accuracy; so does
-    FSDP2 with the reference taken from the base with the adapters (and the head's trained copy) turned off."""
-    specs = {s: dpo_spec(s, tmp_path) for s in ("ddp", "zero2", "zero3", "fsdp2")}
-    specs["adapters_off"] = dpo_spec("fsdp2", tmp_path, "training.preference.reference=adapters_off")
-    results = launch_all(specs)
+def check_against_ddp(results: dict) -> None:
     ddp = results["ddp"]
     assert ddp.train_losses[0] == pytest.approx(0.693147, abs=1e-5)  # the policy starts as the reference
     assert ddp.train_losses[-1] < ddp.train_losses[0] - 0.1
@@ -245,9 +239,26 @@ def test_every_sharding_strategy_reaches_ddps_first_losses(tmp_path):
         assert result.preference["eval_preference_accuracy_after"] == pytest.approx(
             ddp.preference["eval_preference_accuracy_after"], abs=1e-9
         )
-    assert [results[s].strategy for s in ("zero2", "zero3", "fsdp2")] == ["zero2", "zero3", "fsdp2"]
+
+
+def test_deepspeed_stages_reach_ddps_first_losses(tmp_path):
+    """2 processes, LoRA with a trained head, 2 x 2 x 2 pairs per step: ZeRO-1, ZeRO-2 and ZeRO++ (its frozen ends
+    kept sharded, as ZeRO-3's) reach DDP's losses and held-out accuracy."""
+    results = launch_all({s: dpo_spec(s, tmp_path) for s in ("ddp", "zero1", "zero2", "zero++")})
+    check_against_ddp(results)
+    assert [results[s].strategy for s in ("zero1", "zero2", "zero++")] == ["zero1", "zero2", "zero++"]
+    assert results["zero++"].kernels["reference"].startswith("precomputed: ")
+
+
+def test_sharded_strategies_reach_ddps_first_losses(tmp_path):
+    """ZeRO-3 and FSDP2 (its head vocabulary-parallel, per token) reach DDP's losses and held-out accuracy; so does
+    FSDP2 with the reference taken from the base with the adapters (and the head's trained copy) turned off."""
+    specs = {s: dpo_spec(s, tmp_path) for s in ("ddp", "zero3", "fsdp2")}
+    specs["adapters_off"] = dpo_spec("fsdp2", tmp_path, "training.preference.reference=adapters_off")
+    results = launch_all(specs)
+    check_against_ddp(results)
     assert results["fsdp2"].kernels["fused_loss"].startswith("vocabulary-parallel")
-    assert results["zero3"].kernels["reference"].startswith("precomputed: ")
+    assert results["zero3"].strategy == "zero3"
     assert results["adapters_off"].kernels["reference"] == "adapters_off"
 
 
