@@ -187,6 +187,9 @@ class PairLoss:
         when the reference was just scored by this very model): every log-ratio 0, every pair a tie. Recorded in
         the statistics as such; no forward runs."""
         reference = data["reference"]
+        self.stats = {}
+        if len(reference) == 0:  # no eval rows: the loss an empty split has for SFT too
+            return 0.0
         side = torch.cumsum((data["position_ids"] == 0).long(), dim=1) - 1  # 0 chosen, 1 rejected, 2+ padding
         trained = data["labels"] != IGNORE
         counts = torch.stack([(trained & (side == k)).sum(dim=1) for k in (0, 1)], dim=1)
@@ -207,7 +210,9 @@ class PairLoss:
             sums += torch.tensor([float(v) for v in local], dtype=torch.float64, device=accelerator.device)
         if accelerator.num_processes > 1:
             sums = accelerator.reduce(sums, reduction="sum")
-        n = max(float(sums[0]), 1.0)
+        if float(sums[0]) == 0:  # no pair seen (an empty eval split): no statistics rather than zeros
+            return {}
+        n = float(sums[0])
         return {
             "rewards_chosen": float(sums[1]) / n,
             "rewards_rejected": float(sums[2]) / n,
@@ -225,6 +230,8 @@ def reference_table(
     sum over ranks assembling the table."""
     rank, replicas = runtime.data_parallel(accelerator)
     rows = len(data["input_ids"])
+    if rows == 0:  # an empty split (no eval rows)
+        return torch.zeros((0, 2), dtype=torch.float64)
     needed = list(range(rows)) if needed is None else needed
     mine = needed[rank::replicas]
     most = -(-len(needed) // replicas)

@@ -263,12 +263,15 @@ def test_sharded_strategies_reach_ddps_first_losses(tmp_path):
 
 
 def test_full_fine_tune_under_zero3_resumes_with_its_stored_reference(tmp_path):
-    """A full fine-tune (no adapters) starts at log 2 and learns; run again at the same place, it resumes from its
-    checkpoint and reads the reference stored by the first attempt instead of scoring the pairs again (the model
-    it would score by then is no longer the reference)."""
+    """A full fine-tune (no adapters, no eval split) starts at log 2 and learns; run again at the same place, it
+    resumes from its checkpoint and reads the reference stored by the first attempt instead of scoring the pairs
+    again (the model it would score by then is no longer the reference)."""
     from ladle.train.preference import REFERENCE_FILE
 
-    spec = dpo_spec("zero3", tmp_path, "training.lora.enabled=false", "training.checkpoint_every=2")
+    # no eval split: the eval before and after are an empty split's
+    spec = dpo_spec(
+        "zero3", tmp_path, "training.lora.enabled=false", "training.checkpoint_every=2", "data.eval_ratio=0"
+    )
     first = launch_all({"full": spec})["full"]
     assert first.model_url and first.train_losses[0] == pytest.approx(0.693147, abs=1e-5)
     assert first.train_losses[-1] < first.train_losses[0]
