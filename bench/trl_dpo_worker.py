@@ -9,21 +9,9 @@ import time
 
 from datasets import load_dataset
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
-
-
-class StepClock(TrainerCallback):
-    """Seconds spent inside optimizer steps (what ladle's worker times too)."""
-
-    def __init__(self):
-        self.seconds, self.began, self.losses = 0.0, None, []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.began = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.seconds += time.perf_counter() - self.began
+from trl_sft_worker import StepClock  # the same clock of seconds inside optimizer steps
 
 
 def main() -> None:

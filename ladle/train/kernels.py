@@ -152,6 +152,18 @@ class FusedHead:
         cls.ACTIVE = fused
         return fused
 
+    def run(self, model, ids, positions, labels, per_token: bool = False):
+        """``model``'s forward with this head computing the loss of ``labels`` (the sum, or each trained
+        position's); raises if the forward never called the head."""
+        self.expect(labels, per_token)
+        try:
+            out = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        finally:
+            missed, self.labels = self.labels is not None, None
+        if missed:
+            raise RuntimeError("the fused loss's head was not called by the model's forward")
+        return out
+
     def expect(self, labels, per_token: bool = False) -> None:
         """The labels of the next forward; ``per_token``: return each trained position's cross-entropy (a vector,
         for preference pairs' log-probabilities) instead of their sum."""

@@ -17,14 +17,7 @@ def token_loss(model, data: dict[str, torch.Tensor], rows: list[int], device) ->
     ids, labels, positions = batch_rows(data, rows, device)
     fused = FusedHead.ACTIVE
     if fused is not None:  # the head computes the loss itself (``training.kernels.fused_loss``)
-        fused.expect(labels)
-        try:
-            loss = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        finally:
-            missed, fused.labels = fused.labels is not None, None
-        if missed:
-            raise RuntimeError("the fused loss's head was not called by the model's forward")
-        return loss, int((labels[:, 1:] != IGNORE).sum())
+        return fused.run(model, ids, positions, labels), int((labels[:, 1:] != IGNORE).sum())
     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     return token_cross_entropy(logits, labels)
 

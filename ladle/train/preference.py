@@ -71,14 +71,7 @@ def token_logps(model, ids, labels, positions, keep) -> torch.Tensor:
     else:
         fused = FusedHead.ACTIVE
         if fused is not None:
-            fused.expect(labels, per_token=True)
-            try:
-                losses = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-            finally:
-                missed, fused.labels = fused.labels is not None, None
-            if missed:
-                raise RuntimeError("the fused loss's head was not called by the model's forward")
-            return -losses
+            return -fused.run(model, ids, positions, labels, per_token=True)
         logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     picked = logits[:, : targets.size(1)][keep]
     return -F.cross_entropy(picked.float(), targets[keep], reduction="none")

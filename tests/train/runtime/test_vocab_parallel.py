@@ -1,6 +1,6 @@
 """The vocabulary-parallel loss and embedding (``runtime.vocab_parallel``) against one process's cross-entropy and
 lookup with the whole weight: real gloo processes, uneven vocabulary shards and token counts, ignored targets, a
-padding row, a different upstream gradient per rank."""
+padding row, a different upstream gradient per rank and per token."""
 
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ def ids_of(targets: torch.Tensor) -> torch.Tensor:
     return torch.where(targets == IGNORE, PADDING, targets)
 
 
+def token_weights(count: int) -> torch.Tensor:
+    """Unequal upstream gradients, one per token (a preference pair's loss weighs each token's log-probability)."""
+    return 1.0 + 0.5 * torch.sin(torch.arange(count, dtype=torch.float32))
+
+
 def reference(world: int):
     """Each rank's loss and hidden-state gradient, and the head's gradient FSDP2 would hold (mean over ranks of
     each rank's scaled gradient), all in one process with the whole head."""
@@ -58,7 +63,8 @@ def reference(world: int):
     losses, d_hidden = [], []
     for h, t, s in zip(hidden, targets, scales, strict=True):
         h = h.clone().requires_grad_(True)
-        loss = F.cross_entropy(h @ w.t(), t, ignore_index=IGNORE, reduction="sum")
+        per_token = F.cross_entropy(h @ w.t(), t, ignore_index=IGNORE, reduction="none")
+        loss = (per_token * token_weights(len(t))).sum()
         (loss * s / world).backward()  # the mean over ranks FSDP2's reduce-scatter takes
         losses.append(loss.detach())
         d_hidden.append(h.grad * world)  # undo the 1/world: a rank's own gradient is not averaged
@@ -77,7 +83,8 @@ def rank_main(rank: int, world: int, port: int, queue, budget: int) -> None:
         start = min(rank * per, VOCAB)
         w = weight[start : start + per].clone().requires_grad_(True)
         h = hidden[rank].clone().requires_grad_(True)
-        loss = VocabParallelLoss.apply(h, w, targets[rank], start, dist.group.WORLD, budget)
+        per_token = VocabParallelLoss.apply(h, w, targets[rank], start, dist.group.WORLD, budget)
+        loss = (per_token * token_weights(len(per_token))).sum()
         (loss * scales[rank]).backward()
         e = weight[start : start + per].clone().requires_grad_(True)
         out = VocabParallelEmbedding.apply(e, ids_of(targets[rank]), start, dist.group.WORLD, e.dtype, PADDING)
@@ -127,7 +134,7 @@ def chunk_peak_main(rank: int, world: int, port: int, queue) -> None:
             targets = torch.randint(0, vocab, (tokens,), generator=g)
             tracker = MemTracker()
             with tracker:
-                loss = VocabParallelLoss.apply(h, w, targets, rank * per, dist.group.WORLD, 2**20)
+                loss = VocabParallelLoss.apply(h, w, targets, rank * per, dist.group.WORLD, 2**20).sum()
                 loss.backward()
             peak = tracker.get_tracker_snapshot("peak")[h.device]["Total"]
             # Beside the chunk: every rank's hidden states (gathered, the partial gradient, this rank's own and
