@@ -57,7 +57,7 @@ def inspect_cmd(
     from ladle.data.inspect import inspect
 
     cfg = load(config, set_)
-    info = inspect(cfg.data, n)
+    info = inspect(cfg.data, n, cfg.training.objective)
     if as_json:
         print_json(info)
         return
@@ -83,7 +83,7 @@ def show_mask_cmd(
     from ladle.plan.inputs import base_dir_of
 
     cfg = load(config, set_)
-    rows = mask_rows(cfg.data, base_dir_of(cfg), n)
+    rows = mask_rows(cfg.data, base_dir_of(cfg), n, cfg.training.objective)
     if as_json:
         print_json({"rows": rows})
         return

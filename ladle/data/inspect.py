@@ -10,15 +10,15 @@ from pathlib import Path
 from ladle.config import DataConfig
 from ladle.data import sources
 from ladle.data.formats import RowError
-from ladle.data.prepare import iter_samples, load_tokenizer, resolve_format
-from ladle.data.tokenize import IGNORE, tokenize_batch
+from ladle.data.prepare import iter_samples, load_tokenizer, resolve_format, tokenize_samples
+from ladle.data.tokenize import IGNORE
 from ladle.platform import storage
 
 
-def inspect(cfg: DataConfig, n: int = 3) -> dict:
+def inspect(cfg: DataConfig, n: int = 3, objective: str = "sft") -> dict:
     """Files, detected format, record counts, the commonest problems, and the first ``n`` parsed samples."""
     files = sources.expand(cfg.path)
-    fmt = resolve_format(cfg, files)
+    fmt = resolve_format(cfg, files, objective)
     state = {"rows_read": 0}
     reasons: Counter = Counter()
     samples = []
@@ -40,18 +40,19 @@ def inspect(cfg: DataConfig, n: int = 3) -> dict:
     }
 
 
-def mask_rows(cfg: DataConfig, tokenizer_dir: Path, n: int = 3) -> list[dict]:
-    """The first ``n`` usable records tokenized exactly as for training, each token with its trained flag."""
+def mask_rows(cfg: DataConfig, tokenizer_dir: Path, n: int = 3, objective: str = "sft") -> list[dict]:
+    """The first ``n`` usable records tokenized exactly as for training (a preference pair: its row, the chosen
+    side then the rejected side), each token with its trained flag."""
     tokenizer = load_tokenizer(tokenizer_dir)
     files = sources.expand(cfg.path)
-    fmt = resolve_format(cfg, files)
+    fmt = resolve_format(cfg, files, objective)
     usable = (item for item in iter_samples(files, fmt, {"rows_read": 0}) if not isinstance(item[3], RowError))
     out = []
     while len(out) < n:
         batch = list(islice(usable, n))
         if not batch:
             break
-        results = tokenize_batch(tokenizer, [item[3] for item in batch], cfg.train_on, cfg.seq_len, cfg.truncation)
+        results = tokenize_samples(tokenizer, [item[3] for item in batch], cfg, fmt == "preference")
         for (source, _, line, _, _), (example, truncated) in zip(batch, results, strict=False):
             if isinstance(example, RowError) or len(out) >= n:
                 continue

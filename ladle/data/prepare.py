@@ -283,6 +283,15 @@ def with_system(sample: Sample | Pair, prompt: str | None) -> Sample | Pair:
     return Chat([{"role": "system", "content": prompt}, *sample.messages])
 
 
+def tokenize_samples(tokenizer, samples: list, cfg: DataConfig, pairs: bool) -> list[tuple]:
+    """``(example or RowError, truncated)`` per sample: conversations as training rows, or preference pairs as
+    one row each (``ladle.data.preference``)."""
+    if not pairs:
+        return tokenize_batch(tokenizer, samples, cfg.train_on, cfg.seq_len, cfg.truncation)
+    rows = tokenize_pairs(tokenizer, samples, cfg.seq_len, cfg.max_prompt_tokens, cfg.truncation)
+    return [(r, not isinstance(r, RowError) and (r.prompt_truncated or r.completion_truncated)) for r in rows]
+
+
 def consume(collector: Collector, tokenizer, files: list[str], fmt: str, eval_side: bool | None, on_progress) -> None:
     """Stream ``files`` through parsing, dedup, tokenization and into the writers."""
     cfg = collector.cfg
@@ -293,14 +302,7 @@ def consume(collector: Collector, tokenizer, files: list[str], fmt: str, eval_si
                 collector.drop(source, position, sample, raw)
             elif not collector.duplicate(sample := with_system(sample, cfg.system_prompt)):
                 good.append((source, file_index, position, sample, raw))
-        samples = [item[3] for item in good]
-        if collector.pairs:
-            rows = tokenize_pairs(tokenizer, samples, cfg.seq_len, cfg.max_prompt_tokens, cfg.truncation)
-            results = [
-                (r, not isinstance(r, RowError) and (r.prompt_truncated or r.completion_truncated)) for r in rows
-            ]
-        else:
-            results = tokenize_batch(tokenizer, samples, cfg.train_on, cfg.seq_len, cfg.truncation)
+        results = tokenize_samples(tokenizer, [item[3] for item in good], cfg, collector.pairs)
         for (source, file_index, position, sample, raw), (example, truncated) in zip(good, results, strict=False):
             if isinstance(example, RowError):
                 collector.drop(source, position, example, raw)

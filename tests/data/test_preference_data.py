@@ -147,3 +147,22 @@ def test_pairs_share_the_system_prompt_and_dedup():
     assert isinstance(system, Pair) and system.prompt[0] == {"role": "system", "content": "Be brief."}
     assert sample_key(pair) == sample_key(parse_pair({"prompt": "q", "chosen": "a", "rejected": "b"}))
     assert sample_key(pair) != sample_key(parse_pair({"prompt": "q", "chosen": "a", "rejected": "c"}))
+
+
+def test_inspect_and_show_mask_read_pairs_as_the_trainer_does(tiny_model, tmp_path):
+    """`ladle data inspect` and `show-mask` on a preference config: the pairs' format, and each pair's row with
+    only the two completions trained."""
+    from tests.helpers import run_cli
+
+    config = tmp_path / "dpo.yaml"
+    config.write_text(
+        "base: ladle://tiny-llama\ndata: {path: ladle://demo-preference, seq_len: 64}\ntraining: {objective: dpo}\n"
+    )
+    info = json.loads(run_cli("data", "inspect", str(config), "--json").stdout.strip().splitlines()[-1])
+    assert info["format"] == "preference" and info["invalid"] == 0 and info["samples"][0]["sample"]["chosen"]
+    shown = run_cli("data", "show-mask", str(config), "-n", "1", "--json")
+    (row,) = json.loads(shown.stdout.strip().splitlines()[-1])["rows"]
+    trained = "".join(piece for piece, on in row["tokens"] if on)
+    first = json.loads(open(info["files"][0]["url"]).readline())  # noqa: SIM115 - one line of a local file
+    assert trained.count("<|end|>") == 2 and first["chosen"] in trained and first["rejected"] in trained
+    assert first["prompt"].split("\n")[0] not in trained
