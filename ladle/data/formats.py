@@ -197,14 +197,9 @@ FORMATS: dict[str, Callable[[dict], Sample]] = {
     "chatml": parse_messages,
     "text": parse_text,
     "tokenized": parse_tokens,
-    "preference": lambda row: _parse_pair(row),
 }
-
-
-def _parse_pair(row: dict):
-    from ladle.data.preference import parse_pair
-
-    return parse_pair(row)
+"""Conversation and text formats; preference pairs (``ladle.data.preference.parse_pair``) join them in
+``ladle.data.prepare.PARSERS``."""
 
 
 # First match wins: preference pairs first (a ShareGPT pair also has `conversations`).

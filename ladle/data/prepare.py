@@ -21,7 +21,7 @@ from ladle.config import DataConfig
 from ladle.data import sources
 from ladle.data.formats import FORMATS, Chat, RowError, Sample, Text, detect_format
 from ladle.data.packing import SplitWriter
-from ladle.data.preference import Pair, PairExample, pair_key, tokenize_pairs
+from ladle.data.preference import Pair, PairExample, pair_key, parse_pair, tokenize_pairs
 from ladle.data.report import DataReport, LengthHistogram, histogram_png
 from ladle.data.tokenize import IGNORE, Example, TooLong, tokenize_batch
 from ladle.errors import LadleError
@@ -33,6 +33,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 BATCH = 512
 # Held-out conversations kept verbatim for the evaluate stage (exact match of greedy answers).
 EVAL_SAMPLES_MAX = 1000
+
+PARSERS = {**FORMATS, "preference": parse_pair}
+"""Every ``data.format`` but ``auto``, by name: one row into a sample (a pair for ``preference``)."""
 
 __all__ = ["IGNORE", "Example", "PreparedDataset", "prepare", "fingerprint", "check_not_empty", "iter_samples"]
 
@@ -123,7 +126,7 @@ def resolve_format(cfg: DataConfig, files: list[str], objective: str = "sft") ->
             if found is None:
                 raise LadleError(
                     f"data.format = auto: the first record of {url!r} matches no known format (keys: "
-                    f"{sorted(row)[:8]}). Set data.format to one of {', '.join(FORMATS)}."
+                    f"{sorted(row)[:8]}). Set data.format to one of {', '.join(PARSERS)}."
                 )
             return found
     if cfg.format != "auto":
@@ -136,7 +139,7 @@ def iter_samples(files: list[str], fmt: str, state: dict) -> Iterator[tuple[str,
 
     The raw row is the record as read (a dict), or the line's text when it could not be decoded.
     """
-    parse = FORMATS[fmt]
+    parse = PARSERS[fmt]
     for file_index, url in enumerate(files):
         for position, row in sources.iter_records(url):
             state["rows_read"] += 1

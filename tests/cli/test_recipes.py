@@ -20,7 +20,9 @@ SHIPPED = [
     "llama3.2-1b-qlora",
     "qwen3-32b-zeropp",
     "smollm2-135m-cpu",
+    "smollm2-135m-dpo-cpu",
     "tiny-cpu",
+    "tiny-dpo-cpu",
 ]
 
 
