@@ -260,13 +260,13 @@ def eval_loss(model_dir: Path, prepared: PreparedDataset) -> float | None:
 
     from ladle.data.packing import IGNORE
     from ladle.train.loss import token_loss
+    from ladle.train.preference import sides
 
     data = eval_rows(prepared)
     if data is None:
         return None
-    if is_pairs(prepared):  # each row: the chosen side, then the rejected side from position 0 again
-        rejected = torch.cumsum((data["position_ids"] == 0).long(), dim=1) > 1
-        data["labels"] = data["labels"].masked_fill(rejected, IGNORE)
+    if is_pairs(prepared):  # the chosen side's tokens only
+        data["labels"] = data["labels"].masked_fill(sides(data["position_ids"]) > 0, IGNORE)
     model, _, device = load_model(model_dir)
     total, tokens = 0.0, 0
     with torch.no_grad():
@@ -304,11 +304,16 @@ def pair_logps(model_dir: Path, prepared: PreparedDataset) -> list[list[float]]:
 def preference_accuracy(model: list[list[float]], reference: list[list[float]]) -> float:
     """Held-out pairs whose implicit reward (the log-ratio against the reference) ranks chosen above rejected,
     a tie counting half: the reference itself scores 0.5."""
-    right = 0.0
-    for (chosen, rejected), (ref_chosen, ref_rejected) in zip(model, reference, strict=True):
-        margin = (chosen - ref_chosen) - (rejected - ref_rejected)
-        right += 1.0 if margin > 0 else 0.5 if margin == 0 else 0.0
-    return round(right / max(1, len(model)), 4)
+    import torch
+
+    from ladle.train.preference import ranked_right
+
+    if len(model) != len(reference):
+        raise ValueError(f"{len(model)} pairs scored against {len(reference)} reference pairs")
+    ratios = torch.tensor(model, dtype=torch.float64) - torch.tensor(reference, dtype=torch.float64)
+    if len(ratios) == 0:
+        return 0.0
+    return round(float(ranked_right(ratios[:, 0] - ratios[:, 1]).mean()), 4)
 
 
 def user_metric(entry_point: str) -> Callable[[Path, list[list[dict]]], float]:

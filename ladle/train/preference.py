@@ -40,6 +40,18 @@ from ladle.train.loss import batch_rows
 REFERENCE_FILE = "reference_logps.json"
 
 
+def sides(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which side each token of pair rows (rows x length) is on: 0 chosen, 1 rejected, 2 and up padding (each
+    starts again at position 0)."""
+    return torch.cumsum((position_ids == 0).long(), dim=1) - 1
+
+
+def ranked_right(margins: torch.Tensor) -> torch.Tensor:
+    """1 where a pair's reward margin ranks chosen above rejected, 0.5 for a tie, 0 below (so the reference, every
+    margin 0, scores 0.5)."""
+    return (margins > 0).double() + 0.5 * (margins == 0).double()
+
+
 def pair_logps(model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Each pair's summed log-probability of its chosen and rejected completion (pairs x 2, float32, with the
     graph) and each side's completion tokens (pairs x 2), for the pair rows ``rows``."""
@@ -183,7 +195,7 @@ class PairLoss:
         self.stats = {}
         if len(reference) == 0:  # no eval rows: the loss an empty split has for SFT too
             return 0.0
-        side = torch.cumsum((data["position_ids"] == 0).long(), dim=1) - 1  # 0 chosen, 1 rejected, 2+ padding
+        side = sides(data["position_ids"])
         trained = data["labels"] != IGNORE
         counts = torch.stack([(trained & (side == k)).sum(dim=1) for k in (0, 1)], dim=1)
         losses, _ = self.losses(reference, counts, reference)
@@ -198,7 +210,7 @@ class PairLoss:
         sums = torch.zeros(5, dtype=torch.float64, device=accelerator.device)
         if values:
             chosen, rejected = torch.tensor(values, dtype=torch.float64).T
-            right = (chosen > rejected).double() + 0.5 * (chosen == rejected).double()
+            right = ranked_right(chosen - rejected)
             local = [len(values), chosen.sum(), rejected.sum(), (chosen - rejected).sum(), right.sum()]
             sums += torch.tensor([float(v) for v in local], dtype=torch.float64, device=accelerator.device)
         if accelerator.num_processes > 1:

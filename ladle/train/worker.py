@@ -144,27 +144,33 @@ def evaluate(accelerator: Accelerator, model, data: dict[str, torch.Tensor], spe
     return loss
 
 
-def eval_metrics(s: Session) -> dict[str, float]:
-    """``eval_loss`` and, for preference pairs, the held-out rewards and preference accuracy (collective)."""
-    metrics = {"eval_loss": evaluate(s.accelerator, s.model, s.evals, s.spec, s.loss_fn)}
-    if isinstance(s.loss_fn, preference.PairLoss):
-        metrics.update({f"eval_{k}": v for k, v in s.loss_fn.take_stats(s.accelerator).items()})
-    release_freed_memory(s.accelerator)
+def eval_metrics(accelerator, model, data, spec: TrainSpec, loss_fn, known: float | None = None) -> dict[str, float]:
+    """``eval_loss`` (``known``: already known exactly, no forward runs) and, for preference pairs, the held-out
+    rewards and preference accuracy (collective)."""
+    loss = evaluate(accelerator, model, data, spec, loss_fn) if known is None else known
+    metrics = {"eval_loss": loss}
+    if isinstance(loss_fn, preference.PairLoss):
+        metrics.update({f"eval_{k}": v for k, v in loss_fn.take_stats(accelerator).items()})
+    release_freed_memory(accelerator)
     return metrics
 
 
-def with_reference(spec: TrainSpec, accelerator: Accelerator, model, loss_fn, splits: dict) -> str:
+def with_reference(spec: TrainSpec, accelerator: Accelerator, model, loss_fn, splits: dict) -> tuple[str, bool]:
     """Put the reference log-probabilities beside each split's rows (``data["reference"]``) where the plan
     precomputes them: read from the run's artifacts when an earlier attempt of this run computed them for the same
-    prepared data, else one no-grad pass now, by the model as loaded (the reference), written by rank 0."""
+    prepared data, else one no-grad pass now, by the model as loaded (the reference), written by rank 0.
+
+    Returns:
+        what ran, in words, and whether this model scored the pairs just now (it is then still the reference).
+    """
     if not isinstance(loss_fn, preference.PairLoss) or loss_fn.reference != "precomputed":
-        return loss_fn.reference if isinstance(loss_fn, preference.PairLoss) else "off"
+        return (loss_fn.reference if isinstance(loss_fn, preference.PairLoss) else "off"), False
     url = storage.join(spec.run_url, preference.REFERENCE_FILE)
     stored = storage.read_json(url) if storage.exists(url) else None
     if stored is not None and stored.get("dataset") == spec.dataset.fingerprint:
         for name, data in splits.items():
             data["reference"] = torch.tensor(stored[name], dtype=torch.float64)
-        return "precomputed: read from this run's earlier attempt"
+        return "precomputed: read from this run's earlier attempt", False
     plan, cfg = spec.plan, spec.config
     micro = plan.eval_micro_batch_size or plan.micro_batch_size
     runtime = runtime_for(plan.strategy)
@@ -181,7 +187,7 @@ def with_reference(spec: TrainSpec, accelerator: Accelerator, model, loss_fn, sp
         body = {name: data["reference"].tolist() for name, data in splits.items()}
         storage.write_json(url, {"dataset": spec.dataset.fingerprint, **body})
     scored = len(needed["train"]) + len(splits["eval"]["input_ids"])
-    return f"precomputed: {scored} pair rows in {seconds:.1f} s before the first step"
+    return f"precomputed: {scored} pair rows in {seconds:.1f} s before the first step", True
 
 
 def build_optimizer(model, cfg) -> torch.optim.Optimizer:
@@ -344,7 +350,7 @@ def setup(spec: TrainSpec) -> Session:
     loss_fn = token_loss
     if cfg.training.objective == "dpo":
         loss_fn = preference.PairLoss.from_config(cfg, plan.reference or "precomputed")
-    ran["reference"] = with_reference(spec, accelerator, model, loss_fn, {"train": train, "eval": evals})
+    ran["reference"], scored_now = with_reference(spec, accelerator, model, loss_fn, {"train": train, "eval": evals})
     release_freed_memory(accelerator)
     load_peak = peak_memory_mib(accelerator)  # loading and wrapping done: the load's share of the peak
     scheduler = build_scheduler(optimizer, cfg, steps)
@@ -356,17 +362,12 @@ def setup(spec: TrainSpec) -> Session:
     if state:
         eval_before = state.eval_before
     else:
-        if ran["reference"].startswith("precomputed: ") and "earlier attempt" not in ran["reference"]:
-            # The eval pairs were just scored by this model as the reference: the eval before is known exactly.
-            eval_before = loss_fn.at_reference(evals)
-        else:
-            eval_before = evaluate(accelerator, model, evals, spec, loss_fn)
-            release_freed_memory(accelerator)
-        metrics = {"eval_loss": eval_before}
-        if isinstance(loss_fn, preference.PairLoss):
-            stats_before = {f"eval_{k}": v for k, v in loss_fn.take_stats(accelerator).items()}
-            metrics.update(stats_before)
-        log(metrics, 0)
+        # The eval pairs just scored by this model as the reference: the eval before is known exactly.
+        known = loss_fn.at_reference(evals) if scored_now else None
+        before = eval_metrics(accelerator, model, evals, spec, loss_fn, known)
+        eval_before = before.pop("eval_loss")
+        stats_before = before or None
+        log({"eval_loss": eval_before, **before}, 0)
     return Session(
         spec,
         accelerator,
@@ -435,7 +436,7 @@ def train_loop(s: Session) -> tuple[int, float]:
             **{k: round(v, 6) for k, v in pairs.items()},
         )
         if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < s.steps:
-            s.log(eval_metrics(s), step + 1)
+            s.log(eval_metrics(acc, s.model, s.evals, s.spec, s.loss_fn), step + 1)
         if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
             checkpoint.save(
                 acc,
@@ -511,7 +512,7 @@ def peak_memory_mib(accelerator: Accelerator) -> float:
 def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
     """Final eval, outputs, and the result rank 0 writes for the launcher."""
     acc = s.accelerator
-    after = eval_metrics(s)
+    after = eval_metrics(acc, s.model, s.evals, s.spec, s.loss_fn)
     eval_after = after["eval_loss"]
     s.log(after, s.steps)
     pairs = None
