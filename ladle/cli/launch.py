@@ -40,7 +40,7 @@ def launch(
     ),
     main_port: int | None = typer.Option(None, "--main-port", min=1, max=65535, help="Rendezvous port on node 0."),
     print_command: bool = typer.Option(
-        False, "--print-command", help="Print the node's `accelerate launch` argv (JSON) instead of running it."
+        False, "--print-command", help="Print the node's launch argv (JSON) instead of running it."
     ),
 ) -> None:
     """Start this machine's training processes and wait for them."""

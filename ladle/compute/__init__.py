@@ -1,7 +1,7 @@
 """Compute targets: where the train stage runs the plan's launch (``compute.target``).
 
 Each target takes the same ``TrainSpec`` and returns the same ``TrainResult``, relaying the same progress
-events: ``local`` starts ``accelerate launch`` on this machine, ``slurm`` submits one ``sbatch`` job over
+events: ``local`` starts the plan's launch (``Plan.launcher_argv``) on this machine, ``slurm`` submits one ``sbatch`` job over
 the plan's nodes and follows it, ``kubernetes`` submits a Kubeflow Trainer TrainJob (or a PyTorchJob) with kubectl and
 follows it (``ladle k8s render`` prints it).
 """

@@ -4,7 +4,7 @@
 
 Either way one pod per node runs ``ladle launch`` with the rank and rendezvous the controller puts in its
 environment (Trainer: ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ``PET_MASTER_PORT``; the operator: ``PET_NODE_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``), which starts the plan's ``accelerate launch`` for that node: the same launch as
+``MASTER_ADDR``, ``MASTER_PORT``), which starts the plan's launch for that node: the same launch as
 every other target. A ``TrainJob`` references a ``ClusterTrainingRuntime``; ladle renders the one that carries
 its pods' settings (``/dev/shm``, the env secret, tolerations, node selector), named by their hash, and creates it
 when the cluster lacks it. ``compute.kubernetes.queue`` adds Kueue's queue label.

@@ -1,8 +1,7 @@
 """``compute.target: slurm``: one ``sbatch`` job over the plan's nodes, followed until it ends.
 
 The batch script asks for ``parallelism.nodes`` nodes with one task each; ``srun`` starts ``ladle launch`` on
-every node, which starts that node's ranks with the plan's ``accelerate launch``. The rendezvous (torchrun's
-static c10d store) is on the allocation's first node, at its ``NodeAddr``, on ``parallelism.main_port`` or
+every node, which starts that node's ranks with the plan's launch. The rendezvous (a c10d TCP store) is on the allocation's first node, at its ``NodeAddr``, on ``parallelism.main_port`` or
 else a port derived from the job id (two jobs sharing a node do not collide). Each node's rank is its
 ``SLURM_NODEID``, so global rank 0 (which logs and writes the result) is on the first node.
 

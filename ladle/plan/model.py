@@ -97,7 +97,9 @@ class Plan(BaseModel):
         main_address: str | None = None,
         main_port: int | None = None,
     ) -> list[str]:
-        """The ``accelerate launch`` argv that starts this machine's training processes (a list, never a shell string).
+        """The argv that starts this machine's training processes (a list, never a shell string): ``accelerate
+        launch`` on GPUs; on CPUs ladle's launcher (``ladle.train.launch``), which takes the same arguments and
+        forks the ranks from one process that imported their libraries once.
 
         Across machines, torchrun's static rendezvous meets at ``main_address:main_port`` (a c10d TCP
         store on node 0) and ``machine_rank`` fixes each node's ranks, so global rank 0, which logs
@@ -109,7 +111,7 @@ class Plan(BaseModel):
         return [
             python or sys.executable,
             "-m",
-            "accelerate.commands.launch",
+            self.launcher_module,
             *strategy.launcher_args(self),
             "--num_processes",
             str(self.world_size),
@@ -130,10 +132,17 @@ class Plan(BaseModel):
             *worker_args,
         ]
 
+    @property
+    def launcher_module(self) -> str:
+        """``accelerate.commands.launch`` on GPUs, ``ladle.train.launch`` (same arguments, ranks forked from one
+        process that imported their libraries once: ~4 s of CPU less per rank) on CPUs."""
+        return "ladle.train.launch" if self.device == "cpu" else "accelerate.commands.launch"
+
     def launch_command(self, worker_args: list[str], port: int = DEFAULT_PORT) -> str:
         """The launch argv as a command a user can paste."""
         argv = self.launcher_argv(worker_args, port)
-        return shlex.join(["accelerate", "launch", *argv[3:]])
+        head = ["accelerate", "launch"] if self.device != "cpu" else ["python", "-m", self.launcher_module]
+        return shlex.join([*head, *argv[3:]])
 
     @property
     def replicas(self) -> int:

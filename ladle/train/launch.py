@@ -1,0 +1,291 @@
+"""The launcher of CPU training runs: ``accelerate launch``'s arguments and environment, ranks forked from one
+process that imported the worker's libraries once.
+
+    python -m ladle.train.launch --multi_gpu --num_processes 2 ... -m ladle.train.worker SPEC.json
+
+``accelerate launch`` hands the ranks to torchrun, which starts each as a new interpreter; every rank then
+imports torch, transformers, peft and accelerate again (~4 s of CPU each on a 2-core host, ~1.5 s more for
+the launcher itself), most of a short CPU run. This launcher parses the same arguments with accelerate's own
+parser and builds the ranks' environment with accelerate's own functions (the ``ACCELERATE_*`` settings), sets
+torchrun's variables for each rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), imports
+what every rank would, and forks the ranks from itself. Nothing initialises a thread pool or a device before
+the fork (checked: the only other thread is pyarrow's allocator's, which is fork-safe), and each rank's
+process group meets at ``MASTER_ADDR:MASTER_PORT`` as it does under torchrun, across machines too.
+
+It supervises as torchrun does: when a rank fails, the others are stopped (SIGTERM, then SIGKILL after
+``GRACE_S``) and the launcher exits with the failed rank's code; a SIGTERM or SIGINT to the launcher stops every
+rank the same way; a rank whose launcher is killed outright is ended by the kernel (``PR_SET_PDEATHSIG``).
+
+GPU runs keep ``accelerate launch`` (the path measured on GPUs): a device initialised before a fork is not
+usable in the child, and this launcher has not yet run on a GPU. The plan picks the launcher
+(``Plan.launcher_argv``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+WORKER = "ladle.train.worker"
+GRACE_S = 10.0
+"""Seconds the other ranks get to stop after one failed (or after the launcher was asked to stop)."""
+
+
+class LaunchRefused(Exception):
+    """The arguments ask for something this launcher does not start (named in the message)."""
+
+
+def rank_layout(argv: list[str]) -> tuple[list[dict[str, str]], list[str]]:
+    """Each local rank's environment (in local-rank order) and the worker's arguments, from ``accelerate
+    launch`` arguments; accelerate's parser, validation and environment functions do the reading."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    args = launch_command_parser().parse_args(argv)
+    if not args.module or args.training_script != WORKER:
+        raise LaunchRefused(f"it starts only `-m {WORKER}` (got {args.training_script!r}); use accelerate launch")
+    args, _, _ = _validate_launch_command(args)
+    if not args.multi_gpu:  # one process: accelerate's simple launcher (the worker makes its one-rank group)
+        _, env = prepare_simple_launcher_cmd_env(args)
+        return [env], list(args.training_script_args)
+    if args.use_deepspeed or args.use_fsdp or args.use_megatron_lm or args.tpu:
+        raise LaunchRefused("ladle applies every strategy in the worker; accelerate's own engine flags are not used")
+    base = prepare_multi_gpu_env(args)
+    machines, machine_rank = int(args.num_machines), int(args.machine_rank)
+    per_machine = int(args.num_processes) // machines
+    world = per_machine * machines
+    address = str(args.main_process_ip or "127.0.0.1") if machines > 1 else "127.0.0.1"
+    port = args.main_process_port
+    if getattr(args, "standalone", False):  # the port was taken: torchrun's standalone mode picks a free one
+        from ladle.platform.processes import free_port
+
+        port = free_port()
+    run_id = base.get("TORCHELASTIC_RUN_ID", f"ladle-{os.getpid()}")
+    ranks = []
+    for local in range(per_machine):
+        env = dict(base)
+        env.update(
+            {
+                "LOCAL_RANK": str(local),
+                "RANK": str(machine_rank * per_machine + local),
+                "GROUP_RANK": str(machine_rank),
+                "ROLE_RANK": str(machine_rank * per_machine + local),
+                "ROLE_NAME": "default",
+                "LOCAL_WORLD_SIZE": str(per_machine),
+                "WORLD_SIZE": str(world),
+                "GROUP_WORLD_SIZE": str(machines),
+                "ROLE_WORLD_SIZE": str(world),
+                "MASTER_ADDR": address,
+                "MASTER_PORT": str(port),
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RUN_ID": run_id,
+                "TORCHELASTIC_USE_AGENT_STORE": "False",
+            }
+        )
+        ranks.append(env)
+    return ranks, list(args.training_script_args)
+
+
+def preload(worker_args: list[str]) -> None:
+    """Import what every rank imports before its first weight: the worker, its strategy's runtime and engine,
+    peft and the base model's transformers class (read from the spec; nothing is loaded or run)."""
+    from ladle.train import worker
+    from ladle.train.runtime.base import runtime_for
+    from ladle.train.spec import TrainSpec
+
+    spec = TrainSpec.model_validate_json(Path(worker_args[0]).read_text(encoding="utf-8"))
+    worker.warm_imports(runtime_for(spec.plan.strategy))
+    try:
+        model_type = json.loads((Path(spec.base_dir) / "config.json").read_text(encoding="utf-8"))["model_type"]
+        from transformers.models.auto import modeling_auto
+
+        name = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        if name:
+            import transformers
+
+            getattr(transformers, name)  # imports the architecture's module
+    except (OSError, KeyError, ValueError, AttributeError, ImportError):
+        pass  # a base the worker cannot read fails there, with the worker's own message
+
+
+def run_rank(env: dict[str, str], worker_args: list[str], launcher: int) -> int:
+    """In the forked child: become the rank ``python -u -m ladle.train.worker`` would have been, run it, and
+    return its exit code. Never returns to the launcher's code."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    set_parent_death_signal(signal.SIGTERM)
+    name_process(f"ladle-rank{env.get('RANK', '0')}")
+    if os.getppid() != launcher:  # the launcher died between the fork and the line above
+        return 1
+    os.environ.clear()
+    os.environ.update(env)
+    random.seed()  # a new interpreter's random state, not a copy of the launcher's
+    from ladle.train import worker
+
+    sys.argv = [worker.__file__, *worker_args]
+    try:
+        return worker.main(worker_args)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
+def prctl(option: int, value) -> None:
+    """Linux's prctl(2); nothing elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Linux: the kernel sends ``sig`` to this process when its parent (the launcher) dies."""
+    prctl(1, int(sig))  # PR_SET_PDEATHSIG
+
+
+def name_process(name: str) -> None:
+    """The rank's name in ``top`` and ``ps -o comm`` (its command line stays the launcher's)."""
+    prctl(15, name.encode()[:15])  # PR_SET_NAME
+
+
+def fork_rank(env: dict[str, str], worker_args: list[str]) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    launcher = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        code = run_rank(env, worker_args, launcher)
+    finally:
+        # As the worker's own entry point ends: output flushed, the interpreter's teardown skipped.
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code if 0 <= code < 256 else 1)
+
+
+def say(message: str) -> None:
+    print(f"ladle launch: {message}", file=sys.stderr, flush=True)
+
+
+def stop(pids: dict[int, int], grace_s: float = GRACE_S) -> None:
+    """SIGTERM every rank still running, SIGKILL those still there after ``grace_s``; reaps them all."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while pids and time.monotonic() < deadline:
+        reap(pids)
+        time.sleep(0.05)
+    for pid in list(pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pids.pop(pid)
+
+
+def reap(pids: dict[int, int]) -> list[tuple[int, int]]:
+    """(rank, exit code) of each rank that ended since the last look; negative codes are signals."""
+    ended = []
+    for pid in list(pids):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            ended.append((pids.pop(pid), os.waitstatus_to_exitcode(status)))
+    return ended
+
+
+def describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Stopped(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def supervise(pids: dict[int, int]) -> int:
+    """Wait for every rank; the first failure stops the rest. Returns the launcher's exit code."""
+    while pids:
+        for rank, code in reap(pids):
+            if code != 0:
+                say(f"rank {rank} {describe(code)}; stopping the other {len(pids)} rank(s)")
+                stop(pids)
+                return code if code > 0 else 128 - code
+        time.sleep(0.05)
+    return 0
+
+
+def threads_before_torch(argv: list[str]) -> None:
+    """torchrun's rule, applied before anything imports torch (OpenMP reads it once, when torch loads, and the
+    ranks inherit what the launcher loaded): one thread per rank when several share a machine and the user set
+    none. ladle's own launches always set it (a rank's share of the cores)."""
+    if "OMP_NUM_THREADS" in os.environ or "--multi_gpu" not in argv:
+        return
+    values = dict(zip(argv, argv[1:], strict=False))
+    try:
+        per_machine = int(values.get("--num_processes", "1")) // int(values.get("--num_machines", "1"))
+    except ValueError:
+        return  # accelerate's parser names the bad value next
+    if per_machine > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    threads_before_torch(argv)
+    try:
+        ranks, worker_args = rank_layout(argv)
+    except LaunchRefused as exc:
+        say(f"refused: {exc}")
+        return 2
+    if len(worker_args) != 1:
+        say(f"usage: python -m ladle.train.launch [accelerate launch arguments] -m {WORKER} SPEC.json")
+        return 2
+    preload(worker_args)
+
+    def on_signal(signum, _frame):
+        raise Stopped(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    pids: dict[int, int] = {}
+    try:
+        for env in ranks:
+            pids[fork_rank(env, worker_args)] = int(env.get("RANK", "0"))
+        return supervise(pids)
+    except Stopped as exc:
+        say(f"{signal.Signals(exc.signum).name}: stopping {len(pids)} rank(s)")
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        stop(pids)
+        return 128 + exc.signum
+
+
+if __name__ == "__main__":
+    code = main()
+    # As the worker does: the interpreter's teardown of torch and its libraries costs ~1.3 s and writes nothing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,175 @@
+"""ladle's CPU launcher (``python -m ladle.train.launch``), killed every way: a failed rank stops the others and
+fails the launch with its code; SIGTERM stops every rank; a launcher killed outright takes its ranks with it.
+Each rank gets the environment ``accelerate launch`` and torchrun would give it. (Every other training test
+launches through it too: the strategies' equalities, resume, multi-node, Slurm.)"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+
+from ladle.platform.processes import free_port, stop_process
+from ladle.train import launch as launcher
+from ladle.train.run import progress_events, worker_env, write_spec
+from tests.helpers import strategy_spec
+
+pytestmark = pytest.mark.pipeline
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory, tiny_model):
+    """A DDP run over 2 ranks long enough to be killed mid-way (its steps take ~0.05 s on 2 cores)."""
+    return strategy_spec("ddp", tmp_path_factory.mktemp("launch"), "training.checkpoint_every=0", steps=100_000)
+
+
+class Launch:
+    """The launcher in its own session, as ``ladle.train.run.launch`` starts it; its output read by a thread."""
+
+    def __init__(self, spec, tmp_path) -> None:
+        spec_file = write_spec(spec.model_copy(update={"run_url": str(tmp_path / "run")}), str(tmp_path))
+        argv = spec.plan.launcher_argv([str(spec_file)], port=free_port())
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=worker_env(spec),
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self.read, daemon=True).start()
+
+    def read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_for_step(self, step: int, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                assert self.proc.poll() is None, "".join(self.output)[-3000:]
+                continue
+            self.output.append(line)
+            if any(e.get("event") == "step" and e["step"] >= step for e in progress_events(line)):
+                return
+        raise AssertionError(f"no step {step} in {timeout} s: {''.join(self.output)[-3000:]}")
+
+    def ranks(self) -> list[psutil.Process]:
+        children = psutil.Process(self.proc.pid).children()
+        assert len(children) == 2, children
+        return children
+
+    def wait(self, timeout: float = 60) -> int:
+        code = self.proc.wait(timeout=timeout)
+        time.sleep(0.2)  # the reader thread takes the last lines
+        while not self.lines.empty():
+            self.output.append(self.lines.get())
+        return code
+
+    def close(self) -> None:
+        stop_process(self.proc, grace_s=5, group=True)
+
+
+def gone(procs: list[psutil.Process], timeout: float = 30) -> bool:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return not alive
+
+
+def test_a_failed_rank_stops_the_other_and_fails_the_launch_with_its_code(spec, tmp_path):
+    run = Launch(spec, tmp_path)
+    try:
+        run.wait_for_step(2)
+        ranks = run.ranks()
+        assert sorted(p.name() for p in ranks) == ["ladle-rank0", "ladle-rank1"]
+        ranks[1].send_signal(signal.SIGKILL)
+        assert run.wait() == 128 + signal.SIGKILL
+        assert gone(ranks)
+        assert "ladle launch: rank 1 was killed by SIGKILL; stopping the other 1 rank(s)" in "".join(run.output)
+    finally:
+        run.close()
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(spec, tmp_path):
+    run = Launch(spec, tmp_path)
+    try:
+        run.wait_for_step(2)
+        ranks = run.ranks()
+        run.proc.send_signal(signal.SIGTERM)  # the launcher alone, not its session
+        assert run.wait() == 128 + signal.SIGTERM
+        assert gone(ranks)
+        assert "ladle launch: SIGTERM: stopping 2 rank(s)" in "".join(run.output)
+    finally:
+        run.close()
+
+
+def test_a_launcher_killed_outright_takes_its_ranks_with_it(spec, tmp_path):
+    run = Launch(spec, tmp_path)
+    try:
+        run.wait_for_step(2)
+        ranks = run.ranks()
+        run.proc.send_signal(signal.SIGKILL)  # no handler runs: the kernel ends the ranks (PR_SET_PDEATHSIG)
+        run.wait()
+        assert gone(ranks), [p.pid for p in ranks if p.is_running()]
+    finally:
+        run.close()
+
+
+def test_each_rank_gets_accelerates_environment_and_torchruns_variables():
+    argv = [
+        "--multi_gpu",
+        "--num_processes",
+        "4",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        "1",
+        "--main_process_ip",
+        "10.0.0.7",
+        "--main_process_port",
+        str(free_port()),
+        "--mixed_precision",
+        "bf16",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "ladle.train.worker",
+        "spec.json",
+    ]
+    ranks, worker_args = launcher.rank_layout(argv)
+    assert worker_args == ["spec.json"]
+    assert [(r["RANK"], r["LOCAL_RANK"], r["GROUP_RANK"]) for r in ranks] == [("2", "0", "1"), ("3", "1", "1")]
+    for env in ranks:
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["MASTER_ADDR"]) == ("4", "2", "10.0.0.7")
+        assert env["MASTER_PORT"] == argv[argv.index("--main_process_port") + 1]
+        assert (env["ACCELERATE_MIXED_PRECISION"], env["ACCELERATE_DYNAMO_BACKEND"]) == ("bf16", "NO")
+        assert env["PATH"] == os.environ["PATH"]  # the launcher's own environment, as accelerate passes it on
+    one, _ = launcher.rank_layout(["--cpu", "--num_processes", "1", "-m", "ladle.train.worker", "s.json"])
+    assert len(one) == 1 and one[0]["ACCELERATE_USE_CPU"] == "True" and "RANK" not in one[0]
+
+
+def test_another_program_is_refused_by_name():
+    done = subprocess.run(
+        [*launcher_python(), "--multi_gpu", "--num_processes", "2", "-m", "my.trainer", "x.json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "ladle launch: refused: it starts only `-m ladle.train.worker` (got 'my.trainer')" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def launcher_python() -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "ladle.train.launch"]
