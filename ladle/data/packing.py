@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-
-import pyarrow as pa
-import pyarrow.compute  # noqa: F401 - registers pa.compute
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING
 
 from ladle.platform import storage
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 IGNORE = -100
+
+
+def arrow():
+    """pyarrow, imported on first use: loading it starts its allocator's background thread, and the CPU launcher
+    (``ladle.train.launch``) imports this module before it forks the ranks, which must happen with one thread."""
+    import pyarrow as pa
+    import pyarrow.compute  # noqa: F401 - registers pa.compute
+    import pyarrow.parquet  # noqa: F401
+
+    return pa
 
 
 @dataclass
@@ -35,6 +45,7 @@ class PackedRows:
         return sum(self.real_tokens_per_row)
 
     def to_table(self) -> pa.Table:
+        pa = arrow()
         return pa.table(
             {
                 "input_ids": pa.array(self.input_ids, type=pa.list_(pa.int32())),
@@ -50,7 +61,7 @@ class PackedRows:
 
 def table_bytes(table: pa.Table) -> bytes:
     sink = io.BytesIO()
-    pq.write_table(table, sink)
+    arrow().parquet.write_table(table, sink)
     return sink.getvalue()
 
 
@@ -97,7 +108,7 @@ def pack_examples(examples, seq_len: int, pad_id: int, pack: bool = True) -> Pac
 
 def read_rows(data: bytes) -> dict[str, list]:
     """Read a packed parquet shard back into column lists."""
-    return pq.read_table(io.BytesIO(data)).to_pydict()
+    return arrow().parquet.read_table(io.BytesIO(data)).to_pydict()
 
 
 class SplitWriter:
@@ -141,6 +152,7 @@ class SplitWriter:
             self._flush(self.shard_rows)
 
     def _flush(self, count: int) -> None:
+        pa = arrow()
         table = pa.concat_tables(self.buffer) if len(self.buffer) > 1 else self.buffer[0]
         head, rest = table.slice(0, count), table.slice(count)
         self.buffer, self.buffered = ([rest] if rest.num_rows else []), rest.num_rows

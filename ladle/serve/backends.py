@@ -122,6 +122,10 @@ class Backend(ABC):
     def encode(self, prompt: str) -> list[int]:
         """Token ids of raw ``prompt`` text."""
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids (a prompt sent as ids, echoed back); the backend's tokenizer decodes them."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     @abstractmethod
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation (and the tools it may call) through the model's chat template, ready for

@@ -201,9 +201,26 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: str
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="Text, or its token ids (what evaluation harnesses send); one prompt per request, as a list of "
+        "one too."
+    )
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and value and not isinstance(value[0], int):
+            if len(value) != 1:
+                raise ValueError(
+                    f"{len(value)} prompts in one request: this server takes one prompt per request. Send each as "
+                    "its own request (concurrent requests share the batch)."
+                )
+            value = value[0]
+        if isinstance(value, list) and (not value or any(i < 0 for i in value)):
+            raise ValueError("token ids must be a non-empty list of ids >= 0")
+        return value
 
     @property
     def alternatives(self) -> int | None:
@@ -350,8 +367,20 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         """OpenAI's text completion (``prompt``), streamed as server-sent events with ``stream: true``."""
-        check_prompt_chars(len(req.prompt), prompt_chars, "prompt")
-        ids = await asyncio.to_thread(backend.encode, req.prompt)
+        if isinstance(req.prompt, list):  # token ids: bounded by the context, then by the vocabulary
+            check_prompt_tokens(len(req.prompt), backend.context_length)
+            vocab = backend.vocab_size
+            bad = next((i for i in req.prompt if i >= vocab), None) if vocab else None
+            if bad is not None:
+                raise ApiError(
+                    400,
+                    f"prompt: token id {bad} is outside this model's vocabulary (0..{vocab - 1}).",
+                    param="prompt",
+                )
+            ids, req.prompt = req.prompt, await asyncio.to_thread(backend.decode, req.prompt)
+        else:
+            check_prompt_chars(len(req.prompt), prompt_chars, "prompt")
+            ids = await asyncio.to_thread(backend.encode, req.prompt)
         return await serve(request, req, ids, "text_completion", "cmpl")
 
     @app.post("/v1/chat/completions")
@@ -427,6 +456,7 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
             content, calls = tooling.format.parse(raw_text(backend, job, text))
             if calls:
                 return reply.whole(content, {**done, "finish_reason": "tool_calls"}, logprobs, calls)
+            text = text.lstrip()  # with tools, content starts at its first non-blank character (as streamed)
         if job.echo:  # the prompt as sent, then the answer; the prompt's tokens first in the log-probabilities
             text = req.prompt + text
             logprobs = None if logprobs is None else [*(job.prompt_logprobs or []), *logprobs]
@@ -476,22 +506,35 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
     async def stream_calls(
         first, events, job: Job, reply: Reply, include_usage: bool, started: float, route: str, tooling: Tooling
     ):
-        """A streamed answer that may be tool calls: it is collected whole and parsed, then sent as OpenAI
-        streams it (the role, the content, each call with its id, name and arguments, the finish reason)."""
-        ended = False
+        """A streamed answer that may be tool calls, as OpenAI streams one: the role, the content as it is
+        written (``tools_api.ContentStream``: up to where a call may begin), then, once the answer is whole and
+        parsed, the rest of the content, each call with its id, name and arguments, and the finish reason. Each
+        token's log-probabilities ride with the content that holds it (those of held text with the last chunk)."""
+        ended, (event, data) = False, first
+        wanted = job.logprobs is not None
+        split = tools_api.ContentStream(tooling.format, tools_api.tag_ids(tooling.format, backend_tokenizer()))
+        held: list = []
         try:
+            yield sse(reply.chunk({"role": "assistant", "content": ""}))
             try:
-                text, done, logprobs = await collect(first, events, job)
+                while event == "text":
+                    held += data.get("logprobs", []) if wanted else []
+                    piece = split.feed(data["text"], job.tokens)
+                    if piece:
+                        yield sse(reply.chunk({"content": piece}, None, held if wanted else None))
+                        held = []
+                    event, data = await next_event(events)
             except ApiError as exc:
                 ended = True
-                yield sse(reply.chunk({"role": "assistant", "content": ""}))
                 yield stream_error(exc)
                 yield "data: [DONE]\n\n"
                 return
-            ended = True
-            content, calls = tooling.format.parse(raw_text(backend, job, text))
-            content = content if calls else text
-            yield sse(reply.chunk({"role": "assistant", "content": content or ""}, None, logprobs))
+            ended, done = True, data
+            held += done.get("logprobs", []) if wanted else []
+            content, calls = tooling.format.parse(raw_text(backend, job, split.text))
+            rest = split.rest(content if calls else split.text)
+            if rest or held:
+                yield sse(reply.chunk({"content": rest}, None, held if wanted else None))
             for index, call in enumerate(tools_api.openai_calls(calls)):
                 yield sse(reply.chunk({"tool_calls": [{"index": index, **call}]}))
             yield sse(reply.chunk({}, "tool_calls" if calls else done["finish_reason"]))
@@ -500,9 +543,12 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
             finished(done, started, route)
             yield "data: [DONE]\n\n"
         finally:
-            if not ended:  # the client went away while the answer was collected
+            if not ended:  # the client went away while the answer was streamed
                 job.cancelled.set()
                 metrics.cancelled.inc()
+
+    def backend_tokenizer():
+        return getattr(backend, "tokenizer", None)
 
     async def stream(
         first, events, job: Job, reply: Reply, include_usage: bool, started: float, route: str, echo: str | None
@@ -541,6 +587,21 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
             if not ended:  # the client went away mid-stream
                 job.cancelled.set()
                 metrics.cancelled.inc()
+
+
+def check_prompt_tokens(tokens: int, context: int) -> None:
+    """Refuse a prompt of token ids longer than the model's context before anything decodes it.
+
+    Raises:
+        ApiError: 400 naming ``prompt``.
+    """
+    if tokens > context:
+        raise ApiError(
+            400,
+            f"The prompt has {tokens} token ids; this model's context is {context} tokens. Shorten the prompt.",
+            param="prompt",
+            code="prompt_too_long",
+        )
 
 
 def check_prompt_chars(chars: int, limit: int, param: str) -> None:

@@ -130,6 +130,78 @@ class Format:
 
 
 HERMES, LLAMA3_JSON = Format("hermes"), Format("llama3_json")
+HERMES_TAG, PYTHON_TAG = "<tool_call>", "<|python_tag|>"
+
+
+class ContentStream:
+    """A streamed answer that may hold tool calls, split as it arrives: the content to send now, and what is held
+    back until the answer is whole and parsed.
+
+    - **Hermes**: content streams as it is written, up to where a call may begin. Text that could be the start
+      of ``<tool_call>`` (``"<tool"``) and trailing blanks wait for the next tokens; once the tag is written (as
+      text, or as its special token, seen in the answer's token ids) nothing more is sent until the end.
+    - **Llama 3 JSON**: a call is the whole answer, so the first non-blank character decides: ``{`` or
+      ``<|python_tag|>`` holds the answer until the end, anything else streams as it comes.
+
+    In either format content starts at its first non-blank character (``rest`` gives what remains of the final
+    content, so the content streamed joins to exactly the whole answer's).
+    """
+
+    def __init__(self, fmt: Format, tag_ids: set[int] | frozenset = frozenset()) -> None:
+        self.fmt, self.tag_ids = fmt, tag_ids
+        self.text, self.start, self.sent = "", -1, 0  # the answer so far; where content starts; sent up to
+        self.holding, self.scanned = False, 0
+
+    def feed(self, piece: str, tokens: list[int]) -> str:
+        """The content to send now, given the answer's next ``piece`` of text and its token ids so far."""
+        self.text += piece
+        while not self.holding and self.scanned < len(tokens):  # a call tag that is one special token
+            self.holding = tokens[self.scanned] in self.tag_ids
+            self.scanned += 1
+        if self.holding:
+            return ""
+        if self.start < 0:
+            blank = len(self.text) - len(self.text.lstrip())
+            if blank == len(self.text):
+                return ""
+            self.start = self.sent = blank
+        end = self.safe_end()
+        delta = self.text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return delta
+
+    def safe_end(self) -> int:
+        """How far content may be sent now (setting ``holding`` when a call has begun)."""
+        if self.fmt.name != "hermes":
+            head = self.text[self.start :]
+            if head.startswith(("{", PYTHON_TAG)):
+                self.holding = True
+                return self.sent
+            return self.sent if PYTHON_TAG.startswith(head) else len(self.text)
+        at = self.text.find(HERMES_TAG, self.start)
+        if at >= 0:
+            self.holding = True
+            return len(self.text[:at].rstrip())
+        end = len(self.text)
+        for k in range(min(len(HERMES_TAG) - 1, end - self.start), 0, -1):  # a tag maybe being written
+            if self.text.endswith(HERMES_TAG[:k]):
+                end -= k
+                break
+        return max(self.start, len(self.text[:end].rstrip()))
+
+    def rest(self, final: str | None) -> str:
+        """What is left to send of the answer's final content (its first non-blank character on)."""
+        final = (final or "").lstrip()
+        sent = self.text[self.start : self.sent] if self.start >= 0 else ""
+        return final[len(sent) :] if final.startswith(sent) else ""
+
+
+def tag_ids(fmt: Format, tokenizer) -> frozenset:
+    """The token ids of ``fmt``'s call tag where the tokenizer has it as one special token."""
+    tag = HERMES_TAG if fmt.name == "hermes" else PYTHON_TAG
+    if tokenizer is None or tag not in set(getattr(tokenizer, "all_special_tokens", [])):
+        return frozenset()
+    return frozenset({tokenizer.convert_tokens_to_ids(tag)})
 
 
 def loads(text: str) -> dict | None:

@@ -8,9 +8,10 @@ imports torch, transformers, peft and accelerate again (~4 s of CPU each on a 2-
 the launcher itself), most of a short CPU run. This launcher parses the same arguments with accelerate's own
 parser and builds the ranks' environment with accelerate's own functions (the ``ACCELERATE_*`` settings), sets
 torchrun's variables for each rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), imports
-what every rank would, and forks the ranks from itself. Nothing initialises a thread pool or a device before
-the fork (checked: the only other thread is pyarrow's allocator's, which is fork-safe), and each rank's
-process group meets at ``MASTER_ADDR:MASTER_PORT`` as it does under torchrun, across machines too.
+what every rank would, and forks the ranks from itself. Nothing it imports starts a thread or touches a device
+(pyarrow, whose allocator starts a thread when it loads, is imported by the ranks after the fork), and it
+checks: with any other thread running it starts the ranks as new interpreters instead, and says so. Each
+rank's process group meets at ``MASTER_ADDR:MASTER_PORT`` as it does under torchrun, across machines too.
 
 It supervises as torchrun does: when a rank fails, the others are stopped (SIGTERM, then SIGKILL after
 ``GRACE_S``) and the launcher exits with the failed rank's code; a SIGTERM or SIGINT to the launcher stops every
@@ -29,6 +30,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -180,6 +182,28 @@ def fork_rank(env: dict[str, str], worker_args: list[str]) -> int:
             os._exit(code if 0 <= code < 256 else 1)
 
 
+def other_threads() -> list[str]:
+    """The names of this process's threads but the calling one (Linux; none elsewhere). A fork copies only the
+    calling thread: a lock another thread held (an allocator's, a pool's) would never be released in the rank."""
+    try:
+        tasks = [t for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
+        return [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in tasks]
+    except OSError:
+        return []
+
+
+def exec_rank(env: dict[str, str], worker_args: list[str]) -> int:
+    """Start the rank as a new interpreter (``python -u -m ladle.train.worker``), as torchrun would."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-u", "-m", WORKER, *worker_args], env=env)
+    STARTED[proc.pid] = proc  # kept, so that the Popen object does not outlive its process unreaped
+    return proc.pid
+
+
+STARTED: dict = {}
+
+
 def say(message: str) -> None:
     print(f"ladle launch: {message}", file=sys.stderr, flush=True)
 
@@ -226,13 +250,20 @@ class Stopped(Exception):
 
 
 def supervise(pids: dict[int, int]) -> int:
-    """Wait for every rank; the first failure stops the rest. Returns the launcher's exit code."""
+    """Wait for every rank; the first failure stops the rest. Returns the launcher's exit code: the failed
+    rank's (128 + the signal that killed it).
+
+    Ranks found ended at the same look are told apart by cause: a rank killed by a signal (the OOM killer, a
+    user's kill) comes before one that exited with an error, which is what its peers do when a collective
+    loses a member."""
     while pids:
-        for rank, code in reap(pids):
-            if code != 0:
-                say(f"rank {rank} {describe(code)}; stopping the other {len(pids)} rank(s)")
-                stop(pids)
-                return code if code > 0 else 128 - code
+        failed = sorted((c for c in reap(pids) if c[1] != 0), key=lambda c: (c[1] > 0, c[0]))
+        if failed:
+            rank, code = failed[0]
+            also = "".join(f"; rank {r} {describe(c)}" for r, c in failed[1:])
+            say(f"rank {rank} {describe(code)}{also}; stopping the other {len(pids)} rank(s)")
+            stop(pids)
+            return code if code > 0 else 128 - code
         time.sleep(0.05)
     return 0
 
@@ -270,10 +301,17 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    threads = other_threads()
+    if threads:
+        say(
+            f"{len(threads)} other thread(s) running after the imports ({', '.join(threads)}): forking would copy "
+            "their locks held; starting each rank as a new interpreter instead"
+        )
+    start = exec_rank if threads else fork_rank
     pids: dict[int, int] = {}
     try:
         for env in ranks:
-            pids[fork_rank(env, worker_args)] = int(env.get("RANK", "0"))
+            pids[start(env, worker_args)] = int(env.get("RANK", "0"))
         return supervise(pids)
     except Stopped as exc:
         say(f"{signal.Signals(exc.signum).name}: stopping {len(pids)} rank(s)")

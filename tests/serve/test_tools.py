@@ -7,6 +7,8 @@ tools is refused with the reason; a backend without token masks refuses a forced
 from __future__ import annotations
 
 import json
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -211,3 +213,97 @@ def test_a_backend_without_token_masks_refuses_a_forced_call_by_name():
     assert err.value.param == "tool_choice" and "serve.backend=mii" in str(err.value)
     auto = ChatRequest(messages=ASK, tools=[WEATHER])
     assert constraint_of(auto, TextOnly(), tools_of(auto, TextOnly())) is None  # auto only parses: MII can
+
+
+def split_all(fmt, pieces: list[str], tag_ids=frozenset(), tokens_at=None) -> tuple[list[str], tools_api.ContentStream]:
+    stream, sent, tokens = tools_api.ContentStream(fmt, tag_ids), [], []
+    for i, piece in enumerate(pieces):
+        tokens += (tokens_at or {}).get(i, [])
+        sent.append(stream.feed(piece, tokens))
+    return sent, stream
+
+
+def test_content_streams_up_to_where_a_hermes_call_may_begin():
+    pieces = [
+        " Let",
+        " me",
+        " check",
+        ".",
+        "\n<to",
+        "ol_call>",
+        '\n{"name": "get_time", ',
+        '"arguments": {}}',
+        "\n</tool_call>",
+    ]
+    sent, stream = split_all(tools_api.HERMES, pieces)
+    assert sent == ["Let", " me", " check", ".", "", "", "", "", ""]  # a blank or a tag's beginning waits
+    content, calls = tools_api.HERMES.parse("".join(pieces))
+    assert (content, calls) == ("Let me check.", [{"name": "get_time", "arguments": {}}])
+    assert "".join(sent) + stream.rest(content) == content
+    # A "<" that turns out not to be a tag goes out with the next tokens; with no call, the whole text is content.
+    sent, stream = split_all(tools_api.HERMES, ["a <", "b> c", " "])
+    assert sent == ["a", " <b> c", ""] and "".join(sent) + stream.rest("a <b> c ") == "a <b> c "
+    # The tag as one special token (absent from the text): held from the token on, the text before it sent at the end.
+    sent, stream = split_all(tools_api.HERMES, ["Hi", " there", "{}"], frozenset({7}), {1: [7]})
+    assert sent == ["Hi", "", ""] and stream.rest("Hi there") == " there"
+
+
+def test_a_llama_json_answer_is_held_when_it_opens_a_call_and_streams_otherwise():
+    sent, stream = split_all(tools_api.LLAMA3_JSON, ["\n", '{"name": "get_time", ', '"parameters": {}}'])
+    assert sent == ["", "", ""] and stream.rest(None) == ""
+    sent, _ = split_all(tools_api.LLAMA3_JSON, ["<|python", "_tag|>", "{}"])
+    assert sent == ["", "", ""]
+    sent, stream = split_all(tools_api.LLAMA3_JSON, [" It", " is", " noon."])
+    assert sent == ["It", " is", " noon."] and stream.rest(" It is noon.") == ""
+
+
+class Scripted(TransformersBackend):
+    """The tiny model's tokenizer and template with a written answer: the text a tool-calling model writes before
+    its call, which the tiny model does not (the server, the SDK and the stream are real)."""
+
+    answer: list[str] = []
+
+    def submit(self, job) -> None:
+        def write():
+            for piece in self.answer:
+                job.tokens.extend(self.tokenizer.encode(piece, add_special_tokens=False))
+                job.emit("text", {"text": piece})
+                time.sleep(0.02)
+            job.emit(
+                "done", {"finish_reason": "stop", "prompt_tokens": len(job.ids), "completion_tokens": len(job.tokens)}
+            )
+
+        threading.Thread(target=write, daemon=True).start()
+
+
+def test_text_before_a_call_streams_before_the_call_is_written(tiny_model, tmp_path):
+    folder = with_template(tiny_model, tmp_path / "hermes", HERMES_TEMPLATE)
+    backend = Scripted(str(folder), max_batch=2)
+    backend.answer = [
+        "Let",
+        " me",
+        " look",
+        " it",
+        " up.",
+        "\n<tool_call>",
+        '\n{"name": "get_time", "arguments": ',
+        '{"zone": "CET"}}\n</tool_call>',
+    ]
+    running = Running(create_app(backend, Settings("tiny", max_new_tokens=64)))
+    try:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+        whole = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME]).choices[0]
+        assert whole.message.content == "Let me look it up." and whole.finish_reason == "tool_calls"
+        chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        texts = [d.content for d in deltas if d.content]
+        assert texts[:5] == ["Let", " me", " look", " it", " up."]  # each as it was written, not all at the end
+        first_call = next(i for i, d in enumerate(deltas) if d.tool_calls)
+        assert all(not d.content for d in deltas[first_call:])
+        assert "".join(texts) == whole.message.content
+        calls = [t for d in deltas if d.tool_calls for t in d.tool_calls]
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("get_time", {"zone": "CET"})]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    finally:
+        running.stop()
+        backend.close()
