@@ -456,7 +456,6 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
             content, calls = tooling.format.parse(raw_text(backend, job, text))
             if calls:
                 return reply.whole(content, {**done, "finish_reason": "tool_calls"}, logprobs, calls)
-            text = text.lstrip()  # with tools, content starts at its first non-blank character (as streamed)
         if job.echo:  # the prompt as sent, then the answer; the prompt's tokens first in the log-probabilities
             text = req.prompt + text
             logprobs = None if logprobs is None else [*(job.prompt_logprobs or []), *logprobs]

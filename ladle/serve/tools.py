@@ -92,7 +92,7 @@ class Format:
                 if call is None or not isinstance(call.get("name"), str):
                     return text, []
                 calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
-            content = text.split("<tool_call>", 1)[0].strip() if calls else text
+            content = text.split("<tool_call>", 1)[0].rstrip() if calls else text
             return content or None, calls
         body = text.strip().removeprefix("<|python_tag|>").strip()
         calls = []
@@ -138,18 +138,19 @@ class ContentStream:
     back until the answer is whole and parsed.
 
     - **Hermes**: content streams as it is written, up to where a call may begin. Text that could be the start
-      of ``<tool_call>`` (``"<tool"``) and trailing blanks wait for the next tokens; once the tag is written (as
-      text, or as its special token, seen in the answer's token ids) nothing more is sent until the end.
+      of ``<tool_call>`` (``"<tool"``) and trailing blanks (a call's content ends before them) wait for the next
+      tokens; once the tag is written (as text, or as its special token, seen in the answer's token ids) nothing
+      more is sent until the end.
     - **Llama 3 JSON**: a call is the whole answer, so the first non-blank character decides: ``{`` or
       ``<|python_tag|>`` holds the answer until the end, anything else streams as it comes.
 
-    In either format content starts at its first non-blank character (``rest`` gives what remains of the final
-    content, so the content streamed joins to exactly the whole answer's).
+    What was sent is always the start of the final content, so ``rest`` completes it exactly: streamed content
+    joins to the whole answer's.
     """
 
     def __init__(self, fmt: Format, tag_ids: set[int] | frozenset = frozenset()) -> None:
         self.fmt, self.tag_ids = fmt, tag_ids
-        self.text, self.start, self.sent = "", -1, 0  # the answer so far; where content starts; sent up to
+        self.text, self.sent = "", 0  # the answer so far; how much of it was sent
         self.holding, self.scanned = False, 0
 
     def feed(self, piece: str, tokens: list[int]) -> str:
@@ -160,11 +161,6 @@ class ContentStream:
             self.scanned += 1
         if self.holding:
             return ""
-        if self.start < 0:
-            blank = len(self.text) - len(self.text.lstrip())
-            if blank == len(self.text):
-                return ""
-            self.start = self.sent = blank
         end = self.safe_end()
         delta = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
@@ -173,26 +169,25 @@ class ContentStream:
     def safe_end(self) -> int:
         """How far content may be sent now (setting ``holding`` when a call has begun)."""
         if self.fmt.name != "hermes":
-            head = self.text[self.start :]
+            head = self.text.lstrip()
             if head.startswith(("{", PYTHON_TAG)):
                 self.holding = True
                 return self.sent
-            return self.sent if PYTHON_TAG.startswith(head) else len(self.text)
-        at = self.text.find(HERMES_TAG, self.start)
+            return self.sent if PYTHON_TAG.startswith(head) else len(self.text)  # blank so far, or maybe a tag
+        at = self.text.find(HERMES_TAG)
         if at >= 0:
             self.holding = True
             return len(self.text[:at].rstrip())
         end = len(self.text)
-        for k in range(min(len(HERMES_TAG) - 1, end - self.start), 0, -1):  # a tag maybe being written
+        for k in range(min(len(HERMES_TAG) - 1, end), 0, -1):  # a tag maybe being written
             if self.text.endswith(HERMES_TAG[:k]):
                 end -= k
                 break
-        return max(self.start, len(self.text[:end].rstrip()))
+        return len(self.text[:end].rstrip())
 
     def rest(self, final: str | None) -> str:
-        """What is left to send of the answer's final content (its first non-blank character on)."""
-        final = (final or "").lstrip()
-        sent = self.text[self.start : self.sent] if self.start >= 0 else ""
+        """What is left to send of the answer's final content."""
+        final, sent = final or "", self.text[: self.sent]
         return final[len(sent) :] if final.startswith(sent) else ""
 
 

@@ -236,9 +236,9 @@ def test_content_streams_up_to_where_a_hermes_call_may_begin():
         "\n</tool_call>",
     ]
     sent, stream = split_all(tools_api.HERMES, pieces)
-    assert sent == ["Let", " me", " check", ".", "", "", "", "", ""]  # a blank or a tag's beginning waits
+    assert sent == [" Let", " me", " check", ".", "", "", "", "", ""]  # a blank or a tag's beginning waits
     content, calls = tools_api.HERMES.parse("".join(pieces))
-    assert (content, calls) == ("Let me check.", [{"name": "get_time", "arguments": {}}])
+    assert (content, calls) == (" Let me check.", [{"name": "get_time", "arguments": {}}])
     assert "".join(sent) + stream.rest(content) == content
     # A "<" that turns out not to be a tag goes out with the next tokens; with no call, the whole text is content.
     sent, stream = split_all(tools_api.HERMES, ["a <", "b> c", " "])
@@ -253,8 +253,8 @@ def test_a_llama_json_answer_is_held_when_it_opens_a_call_and_streams_otherwise(
     assert sent == ["", "", ""] and stream.rest(None) == ""
     sent, _ = split_all(tools_api.LLAMA3_JSON, ["<|python", "_tag|>", "{}"])
     assert sent == ["", "", ""]
-    sent, stream = split_all(tools_api.LLAMA3_JSON, [" It", " is", " noon."])
-    assert sent == ["It", " is", " noon."] and stream.rest(" It is noon.") == ""
+    sent, stream = split_all(tools_api.LLAMA3_JSON, [" ", " It", " is", " noon."])
+    assert sent == ["", "  It", " is", " noon."] and stream.rest("  It is noon.") == ""
 
 
 class Scripted(TransformersBackend):
