@@ -98,7 +98,7 @@ class Plan(BaseModel):
         main_port: int | None = None,
     ) -> list[str]:
         """The argv that starts this machine's training processes (a list, never a shell string): ``accelerate
-        launch`` on GPUs; on CPUs ladle's launcher (``ladle.train.launch``), which takes the same arguments and
+        launch`` on GPUs and across machines; on one CPU machine ladle's launcher (``ladle.train.launch``), which takes the same arguments and
         forks the ranks from one process that imported their libraries once.
 
         Across machines, torchrun's static rendezvous meets at ``main_address:main_port`` (a c10d TCP
@@ -134,14 +134,16 @@ class Plan(BaseModel):
 
     @property
     def launcher_module(self) -> str:
-        """``accelerate.commands.launch`` on GPUs, ``ladle.train.launch`` (same arguments, ranks forked from one
-        process that imported their libraries once: ~4 s of CPU less per rank) on CPUs."""
-        return "ladle.train.launch" if self.device == "cpu" else "accelerate.commands.launch"
+        """``ladle.train.launch`` for one CPU machine (same arguments, ranks forked from one process that imported
+        their libraries once: ~4 s of CPU less per rank); ``accelerate.commands.launch`` on GPUs and across
+        machines (torchrun's agents meet every node before a rank starts, under a join deadline)."""
+        return "ladle.train.launch" if self.device == "cpu" and self.num_machines == 1 else "accelerate.commands.launch"
 
     def launch_command(self, worker_args: list[str], port: int = DEFAULT_PORT) -> str:
         """The launch argv as a command a user can paste."""
         argv = self.launcher_argv(worker_args, port)
-        head = ["accelerate", "launch"] if self.device != "cpu" else ["python", "-m", self.launcher_module]
+        forked = self.launcher_module == "ladle.train.launch"
+        head = ["python", "-m", self.launcher_module] if forked else ["accelerate", "launch"]
         return shlex.join([*head, *argv[3:]])
 
     @property

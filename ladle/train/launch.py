@@ -8,10 +8,11 @@ imports torch, transformers, peft and accelerate again (~4 s of CPU each on a 2-
 the launcher itself), most of a short CPU run. This launcher parses the same arguments with accelerate's own
 parser and builds the ranks' environment with accelerate's own functions (the ``ACCELERATE_*`` settings), sets
 torchrun's variables for each rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), imports
-what every rank would, and forks the ranks from itself. Nothing it imports starts a thread or touches a device
+what every rank would, and forks the ranks from itself. It starts one machine's run: across machines, runs keep
+``accelerate launch``, whose torchrun agents meet every node before a rank starts, under a join deadline. Nothing it imports starts a thread or touches a device
 (pyarrow, whose allocator starts a thread when it loads, is imported by the ranks after the fork), and it
 checks: with any other thread running it starts the ranks as new interpreters instead, and says so. Each
-rank's process group meets at ``MASTER_ADDR:MASTER_PORT`` as it does under torchrun, across machines too.
+rank's process group meets at ``MASTER_ADDR:MASTER_PORT`` as it does under torchrun.
 
 It supervises as torchrun does: when a rank fails, the others are stopped (SIGTERM, then SIGKILL after
 ``GRACE_S``) and the launcher exits with the failed rank's code; a SIGTERM or SIGINT to the launcher stops every
@@ -59,11 +60,13 @@ def rank_layout(argv: list[str]) -> tuple[list[dict[str, str]], list[str]]:
         return [env], list(args.training_script_args)
     if args.use_deepspeed or args.use_fsdp or args.use_megatron_lm or args.tpu:
         raise LaunchRefused("ladle applies every strategy in the worker; accelerate's own engine flags are not used")
+    if int(args.num_machines) > 1:
+        raise LaunchRefused(
+            "it starts one machine's run; across machines use accelerate launch, whose torchrun agents meet every "
+            "node before any rank starts, under a join deadline"
+        )
     base = prepare_multi_gpu_env(args)
-    machines, machine_rank = int(args.num_machines), int(args.machine_rank)
-    per_machine = int(args.num_processes) // machines
-    world = per_machine * machines
-    address = str(args.main_process_ip or "127.0.0.1") if machines > 1 else "127.0.0.1"
+    world = int(args.num_processes)
     port = args.main_process_port
     if getattr(args, "standalone", False):  # the port was taken: torchrun's standalone mode picks a free one
         from ladle.platform.processes import free_port
@@ -71,20 +74,20 @@ def rank_layout(argv: list[str]) -> tuple[list[dict[str, str]], list[str]]:
         port = free_port()
     run_id = base.get("TORCHELASTIC_RUN_ID", f"ladle-{os.getpid()}")
     ranks = []
-    for local in range(per_machine):
+    for rank in range(world):  # torchrun's variables, as its agent sets them on one machine
         env = dict(base)
         env.update(
             {
-                "LOCAL_RANK": str(local),
-                "RANK": str(machine_rank * per_machine + local),
-                "GROUP_RANK": str(machine_rank),
-                "ROLE_RANK": str(machine_rank * per_machine + local),
+                "LOCAL_RANK": str(rank),
+                "RANK": str(rank),
+                "GROUP_RANK": "0",
+                "ROLE_RANK": str(rank),
                 "ROLE_NAME": "default",
-                "LOCAL_WORLD_SIZE": str(per_machine),
+                "LOCAL_WORLD_SIZE": str(world),
                 "WORLD_SIZE": str(world),
-                "GROUP_WORLD_SIZE": str(machines),
+                "GROUP_WORLD_SIZE": "1",
                 "ROLE_WORLD_SIZE": str(world),
-                "MASTER_ADDR": address,
+                "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "TORCHELASTIC_RESTART_COUNT": "0",
                 "TORCHELASTIC_MAX_RESTARTS": "0",
@@ -276,10 +279,10 @@ def threads_before_torch(argv: list[str]) -> None:
         return
     values = dict(zip(argv, argv[1:], strict=False))
     try:
-        per_machine = int(values.get("--num_processes", "1")) // int(values.get("--num_machines", "1"))
+        processes = int(values.get("--num_processes", "1"))
     except ValueError:
         return  # accelerate's parser names the bad value next
-    if per_machine > 1:
+    if processes > 1:
         os.environ["OMP_NUM_THREADS"] = "1"
 
 

@@ -81,6 +81,8 @@ def test_cpu_ranks_are_forked_by_ladles_launcher_and_gpu_ranks_started_by_accele
     gpu = plan_for(A100)
     assert gpu.launcher_argv(["s.json"])[1:3] == ["-m", "accelerate.commands.launch"]
     assert gpu.launch_command(["s.json"]).startswith("accelerate launch ")
+    nodes = plan_for(CPU, "parallelism.nodes=2", "parallelism.main_port=29400")  # torchrun's agents meet the nodes
+    assert nodes.launcher_argv(["s.json"])[1:3] == ["-m", "accelerate.commands.launch"]
 
 
 def test_memory_output_rejected():

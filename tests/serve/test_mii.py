@@ -114,7 +114,13 @@ def fake_mii(monkeypatch, tiny_model, tmp_path):
 
 
 def descendants() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+    """This process's live descendants; one that ends while they are listed is left out (it is not live)."""
+    alive = set()
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.add(proc.pid)
+    return alive
 
 
 def is_model_server(process) -> bool:
@@ -185,7 +191,7 @@ def test_a_model_server_killed_during_start_stops_the_whole_deployment(fake_mii,
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             for pid in descendants() - before:
-                with contextlib.suppress(psutil.NoSuchProcess):
+                with contextlib.suppress(psutil.Error):
                     if is_model_server(psutil.Process(pid)):
                         psutil.Process(pid).kill()
                         return

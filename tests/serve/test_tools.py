@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import jsonschema
 import openai
@@ -307,3 +308,27 @@ def test_text_before_a_call_streams_before_the_call_is_written(tiny_model, tmp_p
     finally:
         running.stop()
         backend.close()
+
+
+def test_langchains_chat_openai_binds_a_tool_and_gets_the_call_back(served):
+    """LangChain's ``ChatOpenAI`` (langchain-openai), a client this project did not write: a tool bound from a
+    typed Python function, the call parsed into its ``tool_calls``, whole and streamed."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time in a zone."""
+        return "12:00"
+
+    _, _, client = served
+    chat = ChatOpenAI(base_url=str(client.base_url), api_key="unused", model="tiny", temperature=0, max_retries=0)
+    bound = chat.bind_tools([get_time], tool_choice="get_time", strict=True)  # strict: no properties of its own
+    message = bound.invoke("What time is it in Paris?", max_tokens=200)
+    assert [c["name"] for c in message.tool_calls] == ["get_time"], (message, message.response_metadata)
+    assert message.tool_calls[0]["args"]["zone"] in ("UTC", "CET")
+    streamed = None
+    for chunk in bound.stream("What time is it in Paris?", max_tokens=200):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed.tool_calls == [{**message.tool_calls[0], "id": streamed.tool_calls[0]["id"]}]
+    assert get_time.invoke(message.tool_calls[0]["args"]) == "12:00"
