@@ -229,6 +229,13 @@ def serve(out: Path, folder: Path, backend: str, reference: dict, load_s: float)
         with ThreadPoolExecutor(len(sampled)) as pool:
             codes = list(pool.map(lambda b: status_of(chat, b), sampled))
         result["sampled_200"] = f"{codes.count(200)}/{len(codes)}"
+        if backend == "transformers":
+            result["structured"] = structured_on_device(chat)
+            top = post(chat, {**sampled[0], "temperature": 0, "logprobs": True, "top_logprobs": 3, "max_tokens": 8})
+            entries = top["choices"][0]["logprobs"]["content"]
+            result["logprobs_greedy_is_top"] = all(
+                e["logprob"] >= e["top_logprobs"][0]["logprob"] - 1e-3 for e in entries
+            )
         result["load"] = [load(url, clients, load_s) for clients in (1, 8, 32)]
     except Exception as exc:  # recorded, and the server still stopped below
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -251,6 +258,44 @@ def serve(out: Path, folder: Path, backend: str, reference: dict, load_s: float)
         log.close()
         result["log_tail"] = (out / f"server-{backend}.log").read_text()[-600:]
         record(out, backend, result)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["colour", "count"],
+    "additionalProperties": False,
+}
+
+
+def structured_on_device(chat: str) -> dict:
+    """Half of 16 concurrent sampled requests under a JSON schema (token masks on the device's logits), half free:
+    how many constrained answers parse and validate, and whether every request answered."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+    bodies = [
+        {
+            "messages": [{"role": "user", "content": p}],
+            "temperature": 1.0,
+            **({"response_format": fmt} if i % 2 else {}),
+        }
+        for i, p in enumerate(PROMPTS * 4)
+    ]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        replies = list(pool.map(lambda b: post(chat, b), bodies))
+    valid = 0
+    for body, reply in zip(bodies, replies, strict=True):
+        if "response_format" in body:
+            try:
+                jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), SCHEMA)
+                valid += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+    return {"constrained_valid": f"{valid}/{len(bodies) // 2}", "answered": f"{len(replies)}/{len(bodies)}"}
 
 
 def status_of(url: str, body: dict) -> int:
