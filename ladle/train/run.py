@@ -167,6 +167,15 @@ def write_spec(spec: TrainSpec, tmp: str) -> Path:
     return spec_file
 
 
+def start_launcher(argv: list[str], spec: TrainSpec) -> subprocess.Popen:
+    """The plan's launcher, its output (every rank's) on one pipe, in its own process group: when this process is
+    cancelled (a Prefect cancel sends SIGTERM to the flow run only) or interrupted, the launcher and every rank
+    are stopped with it (``stop_process(..., group=True)``), never orphaned."""
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(spec), start_new_session=True
+    )
+
+
 def launch(
     spec: TrainSpec,
     on_progress: ProgressFn | None = None,
@@ -193,16 +202,7 @@ def launch(
             on_command(spec.plan.launch_command([str(spec_file)], port=port))
             for rank in range(1, spec.plan.num_machines):
                 on_command(f"waiting for node {rank} to join; on it run: " + join_command(spec, rank))
-        # Its own process group: when this process is cancelled (a Prefect cancel sends SIGTERM to the
-        # flow run only) or interrupted, the launcher and every rank are stopped with it, never orphaned.
-        proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=worker_env(spec),
-            start_new_session=True,
-        )
+        proc = start_launcher(argv, spec)
         assert proc.stdout is not None
         try:
             for line in proc.stdout:

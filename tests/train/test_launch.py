@@ -17,7 +17,7 @@ import pytest
 
 from ladle.platform.processes import free_port, stop_process
 from ladle.train import launch as launcher
-from ladle.train.run import progress_events, worker_env, write_spec
+from ladle.train.run import progress_events, start_launcher, worker_env, write_spec
 from tests.helpers import strategy_spec
 
 pytestmark = pytest.mark.pipeline
@@ -35,14 +35,7 @@ class Launch:
     def __init__(self, spec, tmp_path) -> None:
         spec_file = write_spec(spec.model_copy(update={"run_url": str(tmp_path / "run")}), str(tmp_path))
         argv = spec.plan.launcher_argv([str(spec_file)], port=free_port())
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=worker_env(spec),
-            start_new_session=True,
-        )
+        self.proc = start_launcher(argv, spec)
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
         threading.Thread(target=self.read, daemon=True).start()
@@ -101,27 +94,24 @@ def test_a_failed_rank_stops_the_other_and_fails_the_launch_with_its_code(spec, 
         run.close()
 
 
-def test_sigterm_to_the_launcher_stops_every_rank(spec, tmp_path):
+@pytest.mark.parametrize(
+    ("sig", "code", "said"),
+    [
+        (signal.SIGTERM, 128 + signal.SIGTERM, "ladle launch: SIGTERM: stopping 2 rank(s)"),
+        # no handler runs: the kernel ends the ranks (PR_SET_PDEATHSIG)
+        (signal.SIGKILL, -signal.SIGKILL, None),
+    ],
+    ids=["sigterm", "sigkill"],
+)
+def test_a_stopped_or_killed_launcher_takes_every_rank_with_it(spec, tmp_path, sig, code, said):
     run = Launch(spec, tmp_path)
     try:
         run.wait_for_step(2)
         ranks = run.ranks()
-        run.proc.send_signal(signal.SIGTERM)  # the launcher alone, not its session
-        assert run.wait() == 128 + signal.SIGTERM
-        assert gone(ranks)
-        assert "ladle launch: SIGTERM: stopping 2 rank(s)" in "".join(run.output)
-    finally:
-        run.close()
-
-
-def test_a_launcher_killed_outright_takes_its_ranks_with_it(spec, tmp_path):
-    run = Launch(spec, tmp_path)
-    try:
-        run.wait_for_step(2)
-        ranks = run.ranks()
-        run.proc.send_signal(signal.SIGKILL)  # no handler runs: the kernel ends the ranks (PR_SET_PDEATHSIG)
-        run.wait()
+        run.proc.send_signal(sig)  # the launcher alone, not its session
+        assert run.wait() == code
         assert gone(ranks), [p.pid for p in ranks if p.is_running()]
+        assert said is None or said in "".join(run.output)
     finally:
         run.close()
 
