@@ -566,10 +566,14 @@ def run(spec: TrainSpec) -> TrainResult:
 # about ladle's code, and it comes back on each call (the libraries' warning contexts reset Python's once-per-place
 # registry): ~150 identical lines per rank in a 6-step ZeRO-3 run, in every Slurm log and failure tail.
 LIBRARY_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+# peft reads transformers' deprecated ``is_gradient_checkpointing`` property when it wraps a model (peft_model.py):
+# two lines on every rank of every run, about neither ladle's code nor anything a user can change.
+PEFT_READS_DEPRECATED = r"`is_gradient_checkpointing` is deprecated"
 
 
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=LIBRARY_DEPRECATIONS, category=FutureWarning)
+    warnings.filterwarnings("ignore", message=PEFT_READS_DEPRECATED, category=FutureWarning)
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m ladle.train.worker SPEC.json", file=sys.stderr)

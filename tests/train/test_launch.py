@@ -179,3 +179,4 @@ def test_with_another_thread_running_the_ranks_start_as_new_interpreters(tmp_pat
     assert "1 other thread(s) running after the imports" in done.stderr
     assert "starting each rank as a new interpreter instead" in done.stderr
     assert '"event": "done"' in done.stdout
+    assert "is deprecated" not in done.stdout + done.stderr  # libraries' own deprecations stay out of the run's log
