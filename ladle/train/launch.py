@@ -18,9 +18,11 @@ It supervises as torchrun does: when a rank fails, the others are stopped (SIGTE
 ``GRACE_S``) and the launcher exits with the failed rank's code; a SIGTERM or SIGINT to the launcher stops every
 rank the same way; a rank whose launcher is killed outright is ended by the kernel (``PR_SET_PDEATHSIG``).
 
-GPU runs keep ``accelerate launch`` (the path measured on GPUs): a device initialised before a fork is not
-usable in the child, and this launcher has not yet run on a GPU. The plan picks the launcher
-(``Plan.launcher_argv``).
+It is a command to run by hand, not the plan's launcher: under the test suite's load a 2-rank run through it
+hung in 3 of 4 full runs (always the multi-node module's first launch; alone, under busy loops and beside the
+serving tests it never did), and until the cause is found every plan launches with ``accelerate launch``
+(``Plan.launcher_module``). It has not run on a GPU (a device initialised before a fork is not usable in the
+child).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The per-rank training program the plan's launch starts (``accelerate launch`` on GPUs; on CPUs ladle's
-launcher, which forks each rank and calls ``main``):
+"""The per-rank training program the plan's launch starts (``accelerate launch``; ladle's CPU launcher, run by
+hand, forks each rank and calls ``main``):
 
     accelerate launch ... -m ladle.train.worker SPEC.json
 

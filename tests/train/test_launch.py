@@ -1,7 +1,7 @@
-"""ladle's CPU launcher (``python -m ladle.train.launch``), killed every way: a failed rank stops the others and
-fails the launch with its code; SIGTERM stops every rank; a launcher killed outright takes its ranks with it.
-Each rank gets the environment ``accelerate launch`` and torchrun would give it. (Every other training test
-launches through it too: the strategies' equalities, resume, multi-node, Slurm.)"""
+"""ladle's CPU launcher (``python -m ladle.train.launch``, the plan's ``accelerate launch`` arguments), killed every
+way: a failed rank stops the others and fails the launch with its code; SIGTERM stops every rank; a launcher
+killed outright takes its ranks with it. Each rank gets the environment ``accelerate launch`` and torchrun would
+give it. It is not the plan's launcher (see ``Plan.launcher_module``)."""
 
 from __future__ import annotations
 
@@ -29,12 +29,18 @@ def spec(tmp_path_factory, tiny_model):
     return strategy_spec("ddp", tmp_path_factory.mktemp("launch"), "training.checkpoint_every=0", steps=100_000)
 
 
+def forked(argv: list[str]) -> list[str]:
+    """The plan's ``accelerate launch`` argv, run by ladle's launcher instead (it takes the same arguments)."""
+    assert argv[1:3] == ["-m", "accelerate.commands.launch"]
+    return [argv[0], "-m", "ladle.train.launch", *argv[3:]]
+
+
 class Launch:
     """The launcher in its own session, as ``ladle.train.run.launch`` starts it; its output read by a thread."""
 
     def __init__(self, spec, tmp_path) -> None:
         spec_file = write_spec(spec.model_copy(update={"run_url": str(tmp_path / "run")}), str(tmp_path))
-        argv = spec.plan.launcher_argv([str(spec_file)], port=free_port())
+        argv = forked(spec.plan.launcher_argv([str(spec_file)], port=free_port()))
         self.proc = start_launcher(argv, spec)
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
@@ -163,7 +169,7 @@ def test_with_another_thread_running_the_ranks_start_as_new_interpreters(tmp_pat
     fork: it starts each rank as ``python -m ladle.train.worker`` would be, and the run trains as usual."""
     short = strategy_spec("ddp", tmp_path / "short", steps=2)
     spec_file = write_spec(short, str(tmp_path))
-    argv = short.plan.launcher_argv([str(spec_file)], port=free_port())
+    argv = forked(short.plan.launcher_argv([str(spec_file)], port=free_port()))
     with_a_thread = (
         "import sys, threading; from ladle.train import launch; stop = threading.Event(); "
         "threading.Thread(target=stop.wait, daemon=True).start(); sys.exit(launch.main(sys.argv[1:]))"
