@@ -110,17 +110,23 @@ def preload(worker_args: list[str]) -> None:
 
     spec = TrainSpec.model_validate_json(Path(worker_args[0]).read_text(encoding="utf-8"))
     worker.warm_imports(runtime_for(spec.plan.strategy))
+    name = architecture_class(Path(spec.base_dir))
+    if name:
+        import transformers
+
+        getattr(transformers, name)  # imports the architecture's module
+
+
+def architecture_class(base: Path) -> str | None:
+    """transformers' causal-LM class name for the base's ``config.json``; None when it cannot be read here (the
+    worker then fails on it with its own message, naming the file) or names no known architecture."""
+    from transformers.models.auto import modeling_auto
+
     try:
-        model_type = json.loads((Path(spec.base_dir) / "config.json").read_text(encoding="utf-8"))["model_type"]
-        from transformers.models.auto import modeling_auto
-
-        name = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-        if name:
-            import transformers
-
-            getattr(transformers, name)  # imports the architecture's module
-    except (OSError, KeyError, ValueError, AttributeError, ImportError):
-        pass  # a base the worker cannot read fails there, with the worker's own message
+        model_type = json.loads((base / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
 
 
 def run_rank(env: dict[str, str], worker_args: list[str], launcher: int) -> int:
