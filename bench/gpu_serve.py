@@ -64,7 +64,7 @@ def make_model(out: Path, small: bool) -> Path:
     )
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=-(-len(tokenizer) // 64) * 64,  # padded as released models are (FastGen needs a multiple of 8)
         num_key_value_heads=shape["num_attention_heads"],
         max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id,
@@ -310,8 +310,12 @@ def status_of(url: str, body: dict) -> int:
 
 def pipeline(out: Path, folder: Path) -> None:
     """``mii.pipeline`` offline on the same model: batch 1 and batch 32, tokens/s."""
-    import mii
     from transformers import AutoTokenizer
+
+    from ladle.machine import cuda_arch
+
+    os.environ.update(cuda_arch.fixed_env()[0])  # the image's 9.0a, which DeepSpeed's op builder cannot parse
+    import mii
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     pipe = mii.pipeline(str(folder))

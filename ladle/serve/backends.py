@@ -278,7 +278,7 @@ class MiiBackend(Backend):
         began = time.monotonic()
         if torch.cuda.is_available():
             built = fastgen.prebuild_ops(start_timeout_s)
-            print(f"DeepSpeed FastGen ops ready in {built:.1f} s (built just in time on a first start)", flush=True)
+            print(f"DeepSpeed FastGen ops ready in {built:.1f} s (built on a first start, then loaded)", flush=True)
         ports = fastgen.Ports.pick(tp, replica_num)
         what = f"the DeepSpeed-MII deployment (tensor_parallel={tp}, replica_num={replica_num}, ports {ports})"
         deployment, self.processes = fastgen.start_within(
@@ -415,8 +415,10 @@ def serve_deployment(model_dir: str, tensor_parallel: int, replica_num: int, por
     import mii
 
     from ladle.machine import cuda_arch
+    from ladle.serve import mii_server
 
     os.environ.update(cuda_arch.fixed_env()[0])  # MII's server processes inherit it
+    mii_server.route_server_processes()  # they run MII's server with exact streamed text (ladle.serve.mii_server)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:

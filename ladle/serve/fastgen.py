@@ -91,6 +91,15 @@ def fastgen_problems(config: dict, dtype: str) -> list[str]:
             f"this model's is {size} (head_dim, or hidden_size / num_attention_heads). "
             "Use serve.backend=transformers."
         )
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and vocab % 8:
+        # FastGen's unembedding runs a CUDA bias kernel over the vocabulary whose channels must be a multiple of 8
+        # (deepspeed/inference/v2/kernels/core_ops/bias_activations); the engine dies in its rank otherwise.
+        problems.append(
+            f"serve.backend = mii: FastGen's unembedding needs vocab_size divisible by 8 and this model's is {vocab}. "
+            f"Resize the embeddings to {-(-vocab // 64) * 64} (model.resize_token_embeddings(n, "
+            "pad_to_multiple_of=64)) before training, or use serve.backend=transformers."
+        )
     return problems
 
 

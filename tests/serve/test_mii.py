@@ -35,6 +35,10 @@ def test_fastgen_architectures_come_from_the_installed_deepspeed(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_attention_heads": 32, "dtype": "float32"}))
     with pytest.raises(LadleError, match=r"would be float32.*this model's is 32"):
         check_architecture(str(tmp_path))
+    # A vocabulary FastGen's unembedding kernel refuses (channels % 8) is named before MII's ranks start and die.
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 49_155}))
+    with pytest.raises(LadleError, match=r"vocab_size divisible by 8 and this model's is 49155.*Resize .* to 49216"):
+        check_architecture(str(tmp_path))
 
 
 def test_the_watchdog_kills_what_a_hung_start_spawned():
@@ -109,8 +113,15 @@ def fake_mii(monkeypatch, tiny_model, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "head_dim": 64}))
-    return model
+    (model / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "head_dim": 64, "vocab_size": 384}))
+    # The stand-in launches its own model server, not MII's module: ladle's rerouting of MII's launch is tested on
+    # MII's real classes (tests/serve/test_mii_stream.py).
+    monkeypatch.setattr("ladle.serve.mii_server.route_server_processes", lambda: None)
+    yield model
+    fakes = str(ROOT / "tests" / "fakes")
+    for name in [m for m in sys.modules if m == "mii" or m.startswith("mii.")]:
+        if (getattr(sys.modules[name], "__file__", None) or "").startswith(fakes):
+            del sys.modules[name]  # the real mii, if it was imported, comes back with monkeypatch's undo
 
 
 def descendants() -> set[int]:
