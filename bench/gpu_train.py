@@ -12,8 +12,9 @@ Phases, each written to ``OUT/gpu_train.json`` as soon as it ends (a run cut sho
   step's tokens/s after two warm-up steps, MFU, and the memory model beside the measured peak.
 - ``trl8b``: TRL's SFTTrainer on the same weights, data, LoRA, sequence length and packing, with Liger on and
   padding-free packing (``bench/trl_gpu_worker.py``), alone on the GPU.
-- ``strategies``: 0.73B random Llama, seq 512, micro-batch 2, through ddp and fsdp2 with the default fast paths:
-  losses, peak against the memory model, tokens/s (compare with bench/RESULTS.md's H200 table).
+- ``strategies``: 0.73B random Llama, seq 512, micro-batch 2, through ddp and fsdp2 with the default fast paths,
+  supervised and DPO (``ladle://demo-preference``): losses, peak against the memory model, tokens/s (compare
+  with bench/RESULTS.md's H200 table).
 - ``ladle8b-plain``: the ``ladle8b`` row with every fast path off (``training.kernels``): what they add.
 
 MFU: FLOPs per token = 4 x the matmul weights (the frozen base needs no weight gradients) + causal attention,
@@ -181,7 +182,12 @@ def strategies(rec: Recorder, root: Path, tiny: bool) -> None:
     from bench.memory import SHAPES, config_for
 
     base = write_model(root, True) if tiny else random_llama(*SHAPES["large"])
-    for label, strategy in (("ddp lora", "ddp"), ("fsdp2 lora", "fsdp2")):
+    # DPO rows: the preference objective's paired forward (chosen and rejected as one batch, the reference by
+    # the adapters switched off), its chunked log-probabilities and its memory model, on the device.
+    dpo = ["training.objective=dpo", "data.path=ladle://demo-preference", "training.preference.beta=0.1"]
+    rows = [("ddp lora", "ddp", []), ("fsdp2 lora", "fsdp2", []), ("ddp dpo lora", "ddp", dpo)]
+    rows.append(("fsdp2 dpo lora", "fsdp2", dpo))
+    for label, strategy, objective in rows:
         sets = [
             "training.dtype=bfloat16" if not tiny else "training.dtype=auto",
             "parallelism.gpus=1" if not tiny else "parallelism.cpu_processes=1",
@@ -189,6 +195,7 @@ def strategies(rec: Recorder, root: Path, tiny: bool) -> None:
             "training.micro_batch_size=2",
             "training.global_batch_size=4",
             "training.max_steps=6",
+            *objective,
         ]
         try:
             cfg = config_for(base, strategy, True, sets)

@@ -20,12 +20,14 @@ run() {  # phase, limit in seconds
     echo "phase $1: exit $? after $(( $(date +%s) - began )) s"
     grep -E "^  (throughput|trl|strategies)" "$OUT/$1.log" | cut -c1-900
 }
-for phase in ${PHASES:-ladle8b trl8b ladle8b-plain strategies}; do
+# Default: what fits one device call (≤ 9 min): the 8B row beside TRL, then the strategies (DPO included);
+# PHASES="ladle8b-plain" measures the fast paths' share on its own.
+for phase in ${PHASES:-ladle8b trl8b strategies}; do
     case $phase in
         ladle8b) run ladle8b "${LADLE_S:-230}" ;;
         trl8b) run trl8b "${TRL_S:-150}" ;;
         ladle8b-plain) run ladle8b-plain "${PLAIN_S:-80}" ;;
-        strategies) run strategies "${STRATEGIES_S:-75}" ;;
+        strategies) run strategies "${STRATEGIES_S:-130}" ;;
     esac
 done
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv

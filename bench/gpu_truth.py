@@ -124,7 +124,7 @@ def train_row(label: str, base: Path, root: Path, cfg, steps_skip: int = 1) -> d
 
     model_config = json.loads((base / "config.json").read_text())
     plan = plan_for(cfg, model_config)
-    dataset = prepare(cfg.data, base, str(root / "data"))
+    dataset = prepare(cfg.data, base, str(root / "data"), objective=cfg.training.objective)
     spec = TrainSpec(
         config=cfg, plan=plan, dataset=dataset, base_dir=str(base), run_url=str(root / label.replace(" ", "-"))
     )

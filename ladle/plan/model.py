@@ -97,8 +97,9 @@ class Plan(BaseModel):
         main_address: str | None = None,
         main_port: int | None = None,
     ) -> list[str]:
-        """The ``accelerate launch`` argv that starts this machine's training processes (a list, never a shell
-        string).
+        """The argv that starts this machine's training processes (a list, never a shell string): ``accelerate
+        launch`` on GPUs and across machines; on one CPU machine ladle's launcher (``ladle.train.launch``), which takes the same arguments and
+        forks the ranks from one process that imported their libraries once.
 
         Across machines, torchrun's static rendezvous meets at ``main_address:main_port`` (a c10d TCP
         store on node 0) and ``machine_rank`` fixes each node's ranks, so global rank 0, which logs
@@ -133,11 +134,10 @@ class Plan(BaseModel):
 
     @property
     def launcher_module(self) -> str:
-        """``accelerate.commands.launch`` everywhere. ``ladle.train.launch`` takes the same arguments and forks one
-        machine's CPU ranks from a process that imported their libraries once (~4 s of CPU less per rank), but it
-        is not the plan's choice: under the test suite's load a 2-rank run through it hung in 3 of 4 full runs,
-        always in the multi-node module's first launch, and the cause is not found (bench/RESULTS.md)."""
-        return "accelerate.commands.launch"
+        """``ladle.train.launch`` for one CPU machine (same arguments, ranks forked from one process that imported
+        their libraries once: ~4 s of CPU less per rank); ``accelerate.commands.launch`` on GPUs and across
+        machines (torchrun's agents meet every node before a rank starts, under a join deadline)."""
+        return "ladle.train.launch" if self.device == "cpu" and self.num_machines == 1 else "accelerate.commands.launch"
 
     def launch_command(self, worker_args: list[str], port: int = DEFAULT_PORT) -> str:
         """The launch argv as a command a user can paste."""

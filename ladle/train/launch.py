@@ -18,11 +18,9 @@ It supervises as torchrun does: when a rank fails, the others are stopped (SIGTE
 ``GRACE_S``) and the launcher exits with the failed rank's code; a SIGTERM or SIGINT to the launcher stops every
 rank the same way; a rank whose launcher is killed outright is ended by the kernel (``PR_SET_PDEATHSIG``).
 
-It is a command to run by hand, not the plan's launcher: under the test suite's load a 2-rank run through it
-hung in 3 of 4 full runs (always the multi-node module's first launch; alone, under busy loops and beside the
-serving tests it never did), and until the cause is found every plan launches with ``accelerate launch``
-(``Plan.launcher_module``). It has not run on a GPU (a device initialised before a fork is not usable in the
-child).
+GPU runs keep ``accelerate launch`` (the path measured on GPUs): a device initialised before a fork is not
+usable in the child, and this launcher has not yet run on a GPU. The plan picks the launcher
+(``Plan.launcher_argv``).
 """
 
 from __future__ import annotations
@@ -151,7 +149,8 @@ def run_rank(env: dict[str, str], worker_args: list[str], launcher: int) -> int:
         return exc.code if isinstance(exc.code, int) else 1
     except BaseException:
         traceback.print_exc()
-        return 1
+        worker.exit_now(1)  # inside the handler: the traceback's frames are never freed (``worker.KEPT``)
+        raise  # not reached
 
 
 def prctl(option: int, value) -> None:

@@ -1,4 +1,5 @@
-"""Train stage: launch the worker's ranks (the plan's ``accelerate launch``) and relay their progress."""
+"""Train stage: launch the worker's ranks (``accelerate launch`` on GPUs, ``ladle.train.launch`` on CPUs: the
+plan's ``launcher_argv``) and relay their progress."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The per-rank training program the plan's launch starts (``accelerate launch``; ladle's CPU launcher, run by
-hand, forks each rank and calls ``main``):
+"""The per-rank training program the plan's launch starts (``accelerate launch`` on GPUs; on CPUs ladle's
+launcher, which forks each rank and calls ``main``):
 
     accelerate launch ... -m ladle.train.worker SPEC.json
 
@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -556,8 +557,17 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
     return result
 
 
+KEPT: list = []
+"""The rank's training session, held until the process ends with ``os._exit`` (no teardown). Freeing it mid-way
+can deadlock the rank: DDP's reducer holds a gloo process group, whose destructor joins the group's run-loop
+thread while holding the GIL, and that thread may still be destroying its last collective's work, which releases
+Python tensors and so waits for the GIL (seen under load: rank 1 stuck in ``~ProcessGroupGloo`` -> ``join``, the
+run loop in ``~AsyncAllreduceWork`` -> ``gil_scoped_acquire``, after rank 0 had finished)."""
+
+
 def run(spec: TrainSpec) -> TrainResult:
     session = setup(spec)
+    KEPT.append(session)
     tokens, seconds = train_loop(session)
     return finish(session, tokens, seconds)
 
@@ -593,10 +603,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main()  # an exception propagates: a normal, traceback-printing exit
-    # Everything this process wrote is closed and flushed by now (checkpoints, outputs, the result file, MLflow's
-    # synchronous calls); skipping the interpreter's teardown of torch and its thread pools saves ~1.3 s per rank.
+def exit_now(code: int) -> None:
+    """End the rank without the interpreter's teardown: everything it wrote is closed and flushed by then
+    (checkpoints, outputs, the result file, MLflow's synchronous calls); the teardown of torch and its thread
+    pools would cost ~1.3 s per rank, and freeing the session's process groups can deadlock (``KEPT``)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(code if 0 <= code < 256 else 1)
+
+
+if __name__ == "__main__":
+    try:
+        exit_now(main())
+    except SystemExit as exc:
+        exit_now(exc.code if isinstance(exc.code, int) else 1)
+    except BaseException:  # printed as an uncaught exception would be; the rank ends inside the handler, so
+        traceback.print_exc()  # the traceback's frames (and the objects they hold) are never freed
+        exit_now(1)

@@ -164,7 +164,7 @@ def test_plan_reports_model_size(tmp_path):
         adapters + ends,
     )
     assert failed["candidates"] and all(c["per_rank_gib"] > 0 and not c["fits"] for c in failed["candidates"])
-    assert plan["launch_command"].startswith("accelerate launch --multi_gpu --num_processes 2")
+    assert plan["launch_command"].startswith("python -m ladle.train.launch --multi_gpu --num_processes 2")
     (tmp_path / "config.json").write_text("{oops")
     assert_clean_error(run_cli("plan", RECIPE, "--model-config", str(tmp_path), timeout=60), "not valid JSON")
 

@@ -49,7 +49,7 @@ def test_cli_run_warns_about_cpu_host(local_run):
 
 def test_progress_relayed_to_prefect_log(local_run):
     assert f"step {STEPS}/{STEPS} loss" in local_run.stderr
-    assert "launch: accelerate launch --multi_gpu --num_processes 2" in local_run.stderr
+    assert "launch: python -m ladle.train.launch --multi_gpu --num_processes 2" in local_run.stderr
 
 
 def test_served_answer_is_offline_greedy(local_run):

@@ -74,6 +74,17 @@ def test_launch_argv_is_a_list_and_keeps_metacharacters_verbatim():
     assert shlex.split(plan.launch_command([nasty], port=1234))[-1] == nasty
 
 
+def test_cpu_ranks_are_forked_by_ladles_launcher_and_gpu_ranks_started_by_accelerate():
+    cpu = plan_for(CPU)
+    assert cpu.launcher_argv(["s.json"])[1:3] == ["-m", "ladle.train.launch"]
+    assert cpu.launch_command(["s.json"]).startswith("python -m ladle.train.launch --multi_gpu --num_processes 2 ")
+    gpu = plan_for(A100)
+    assert gpu.launcher_argv(["s.json"])[1:3] == ["-m", "accelerate.commands.launch"]
+    assert gpu.launch_command(["s.json"]).startswith("accelerate launch ")
+    nodes = plan_for(CPU, "parallelism.nodes=2", "parallelism.main_port=29400")  # torchrun's agents meet the nodes
+    assert nodes.launcher_argv(["s.json"])[1:3] == ["-m", "accelerate.commands.launch"]
+
+
 def test_memory_output_rejected():
     with pytest.raises(ConfigError, match=r"output = memory://x: training runs in separate processes"):
         plan_for(CPU, "output=memory://x")

@@ -1,7 +1,7 @@
-"""ladle's CPU launcher (``python -m ladle.train.launch``, the plan's ``accelerate launch`` arguments), killed every
-way: a failed rank stops the others and fails the launch with its code; SIGTERM stops every rank; a launcher
-killed outright takes its ranks with it. Each rank gets the environment ``accelerate launch`` and torchrun would
-give it. It is not the plan's launcher (see ``Plan.launcher_module``)."""
+"""ladle's CPU launcher (``python -m ladle.train.launch``), killed every way: a failed rank stops the others and
+fails the launch with its code; SIGTERM stops every rank; a launcher killed outright takes its ranks with it.
+Each rank gets the environment ``accelerate launch`` and torchrun would give it. (Every other training test
+launches through it too: the strategies' equalities, resume, multi-node, Slurm.)"""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -29,18 +30,12 @@ def spec(tmp_path_factory, tiny_model):
     return strategy_spec("ddp", tmp_path_factory.mktemp("launch"), "training.checkpoint_every=0", steps=100_000)
 
 
-def forked(argv: list[str]) -> list[str]:
-    """The plan's ``accelerate launch`` argv, run by ladle's launcher instead (it takes the same arguments)."""
-    assert argv[1:3] == ["-m", "accelerate.commands.launch"]
-    return [argv[0], "-m", "ladle.train.launch", *argv[3:]]
-
-
 class Launch:
     """The launcher in its own session, as ``ladle.train.run.launch`` starts it; its output read by a thread."""
 
     def __init__(self, spec, tmp_path) -> None:
         spec_file = write_spec(spec.model_copy(update={"run_url": str(tmp_path / "run")}), str(tmp_path))
-        argv = forked(spec.plan.launcher_argv([str(spec_file)], port=free_port()))
+        argv = spec.plan.launcher_argv([str(spec_file)], port=free_port())
         self.proc = start_launcher(argv, spec)
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
@@ -169,7 +164,7 @@ def test_with_another_thread_running_the_ranks_start_as_new_interpreters(tmp_pat
     fork: it starts each rank as ``python -m ladle.train.worker`` would be, and the run trains as usual."""
     short = strategy_spec("ddp", tmp_path / "short", steps=2)
     spec_file = write_spec(short, str(tmp_path))
-    argv = forked(short.plan.launcher_argv([str(spec_file)], port=free_port()))
+    argv = short.plan.launcher_argv([str(spec_file)], port=free_port())
     with_a_thread = (
         "import sys, threading; from ladle.train import launch; stop = threading.Event(); "
         "threading.Thread(target=stop.wait, daemon=True).start(); sys.exit(launch.main(sys.argv[1:]))"
@@ -186,3 +181,30 @@ def test_with_another_thread_running_the_ranks_start_as_new_interpreters(tmp_pat
     assert "starting each rank as a new interpreter instead" in done.stderr
     assert '"event": "done"' in done.stdout
     assert "is deprecated" not in done.stdout + done.stderr  # libraries' own deprecations stay out of the run's log
+
+
+def test_a_rank_keeps_its_session_until_the_process_ends(monkeypatch):
+    """Freeing a rank's session mid-process can deadlock it (DDP's reducer frees a gloo group whose destructor
+    joins the group's run loop with the GIL held, while the run loop waits for the GIL to free its last work's
+    tensors: seen under load). The session stays referenced until the rank ends with ``os._exit``."""
+    from ladle.train import worker
+
+    session = object()
+    monkeypatch.setattr(worker, "setup", lambda spec: session)
+    monkeypatch.setattr(worker, "train_loop", lambda s: (0, 0.0))
+    monkeypatch.setattr(worker, "finish", lambda s, tokens, seconds: "result")
+    kept: list = []
+    monkeypatch.setattr(worker, "KEPT", kept)
+    assert worker.run(None) == "result"
+    assert kept == [session]
+
+
+def test_a_rank_that_fails_before_training_prints_the_error_and_exits_1(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "ladle.train.worker", str(tmp_path / "missing.json")],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr and "FileNotFoundError" in done.stderr
