@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+
 import typer
 from rich.table import Table
 
@@ -44,6 +47,10 @@ def run(
     from ladle.assets import ladle_home
     from ladle.platform.prefect_api import PrefectApi
 
+    # A SIGTERM (a scheduler, systemd, kill) becomes an exception: the running stage stops its processes (the
+    # training launcher and its ranks, a server) and the temporary Prefect API is stopped below. Python's default
+    # would end this process on the spot and leave that server running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     api = PrefectApi(ladle_home() / "logs")
     try:
         cfg = load(config, set_, gpus, deepspeed)
