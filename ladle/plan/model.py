@@ -98,8 +98,8 @@ class Plan(BaseModel):
         main_port: int | None = None,
     ) -> list[str]:
         """The argv that starts this machine's training processes (a list, never a shell string): ``accelerate
-        launch`` on GPUs and across machines; on one CPU machine ladle's launcher (``ladle.train.launch``), which takes the same arguments and
-        forks the ranks from one process that imported their libraries once.
+        launch`` on GPUs and across machines; on one CPU machine ladle's launcher (``ladle.train.launch``), which
+        takes the same arguments and forks the ranks from one process that imported their libraries once.
 
         Across machines, torchrun's static rendezvous meets at ``main_address:main_port`` (a c10d TCP
         store on node 0) and ``machine_rank`` fixes each node's ranks, so global rank 0, which logs

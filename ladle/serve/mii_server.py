@@ -40,18 +40,21 @@ class StreamText:
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        before = self.decode(self.ids[self.prefix : self.read])
-        text = self.decode(self.ids[self.prefix :])
-        if len(text) <= len(before) or text.endswith(REPLACEMENT):
+        new = self.held()
+        if not new or new.endswith(REPLACEMENT):
             return ""  # nothing new yet, or an incomplete character: wait for the next token
         self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before) :]
+        return new
 
     def finish(self) -> str:
-        before = self.decode(self.ids[self.prefix : self.read])
-        text = self.decode(self.ids[self.prefix :])
+        new = self.held()
         self.prefix = self.read = len(self.ids)
-        return text[len(before) :]
+        return new
+
+    def held(self) -> str:
+        """The text of the tokens not yet sent: the window's text with its already-sent start taken off."""
+        sent = self.decode(self.ids[self.prefix : self.read])
+        return self.decode(self.ids[self.prefix :])[len(sent) :]
 
 
 class ReadableStream:

@@ -9,10 +9,11 @@ the launcher itself), most of a short CPU run. This launcher parses the same arg
 parser and builds the ranks' environment with accelerate's own functions (the ``ACCELERATE_*`` settings), sets
 torchrun's variables for each rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), imports
 what every rank would, and forks the ranks from itself. It starts one machine's run: across machines, runs keep
-``accelerate launch``, whose torchrun agents meet every node before a rank starts, under a join deadline. Nothing it imports starts a thread or touches a device
-(pyarrow, whose allocator starts a thread when it loads, is imported by the ranks after the fork), and it
-checks: with any other thread running it starts the ranks as new interpreters instead, and says so. Each
-rank's process group meets at ``MASTER_ADDR:MASTER_PORT`` as it does under torchrun.
+``accelerate launch``, whose torchrun agents meet every node before a rank starts, under a join deadline.
+Nothing it imports starts a thread or touches a device (pyarrow, whose allocator starts a thread when it loads,
+is imported by the ranks after the fork), and it checks: with any other thread running it starts the ranks as
+new interpreters instead, and says so. Each rank's process group meets at ``MASTER_ADDR:MASTER_PORT`` as it
+does under torchrun.
 
 It supervises as torchrun does: when a rank fails, the others are stopped (SIGTERM, then SIGKILL after
 ``GRACE_S``) and the launcher exits with the failed rank's code; a SIGTERM or SIGINT to the launcher stops every
@@ -150,7 +151,6 @@ def run_rank(env: dict[str, str], worker_args: list[str], launcher: int) -> int:
     except BaseException:
         traceback.print_exc()
         worker.exit_now(1)  # inside the handler: the traceback's frames are never freed (``worker.KEPT``)
-        raise  # not reached
 
 
 def prctl(option: int, value) -> None:

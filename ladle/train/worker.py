@@ -23,6 +23,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -603,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     """End the rank without the interpreter's teardown: everything it wrote is closed and flushed by then
     (checkpoints, outputs, the result file, MLflow's synchronous calls); the teardown of torch and its thread
     pools would cost ~1.3 s per rank, and freeing the session's process groups can deadlock (``KEPT``)."""

@@ -60,10 +60,8 @@ def test_a_sigterm_mid_training_stops_the_ranks_and_the_prefect_server(tmp_path)
         assert any("uvicorn" in k for k in kinds), f"no temporary Prefect server among {kinds}"
         cli.send_signal(signal.SIGTERM)
         assert cli.wait(timeout=60) == 128 + signal.SIGTERM
-        deadline = time.monotonic() + 20
-        while left := [p for p in seen.values() if alive(p)]:
-            assert time.monotonic() < deadline, f"left running: {[' '.join(p.cmdline())[:100] for p in left]}"
-            time.sleep(0.2)
+        _, left = psutil.wait_procs(list(seen.values()), timeout=20)
+        assert not [p for p in left if alive(p)], f"left running: {[p.pid for p in left]}"
         assert "Traceback" not in cli.stderr.read()
     finally:
         for proc in [psutil.Process(cli.pid), *seen.values()] if cli.poll() is None else seen.values():
