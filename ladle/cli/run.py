@@ -46,6 +46,7 @@ def run(
     """Run probe -> plan -> prepare -> train -> merge -> evaluate -> deploy -> promote."""
     from ladle.assets import ladle_home
     from ladle.platform.prefect_api import PrefectApi
+    from ladle.platform.startup import quiet_collector
 
     # A SIGTERM (a scheduler, systemd, kill) becomes an exception: the running stage stops its processes (the
     # training launcher and its ranks, a server) and the temporary Prefect API is stopped below. Python's default
@@ -53,12 +54,14 @@ def run(
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     api = PrefectApi(ladle_home() / "logs")
     try:
-        cfg = load(config, set_, gpus, deepspeed)
-        # A config that parses is worth a server: it boots while the inputs are checked and the rest loads.
-        api.start()
-        preflight(cfg, config)
-        warm_tracking_store(cfg)
-        from ladle.flows.finetune import finetune, install_log_filter
+        # The flow's libraries (Prefect, MLflow, torch, transformers) load with the collector paused.
+        with quiet_collector():
+            cfg = load(config, set_, gpus, deepspeed)
+            # A config that parses is worth a server: it boots while the inputs are checked and the rest loads.
+            api.start()
+            preflight(cfg, config)
+            warm_tracking_store(cfg)
+            from ladle.flows.finetune import finetune, install_log_filter
 
         install_log_filter()
         with api.session():

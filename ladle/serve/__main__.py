@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ladle.errors import LadleError
+from ladle.platform.startup import quiet_collector
 from ladle.serve import backends, records
 
 
@@ -68,7 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         "--limits", default="{}", help="serve.limits as JSON (what one request may ask; its defaults when left out)."
     )
     args = parser.parse_args(argv)
-    import uvicorn
+    with quiet_collector():  # the imports and the model's load build long-lived objects: none scanned again
+        started = start(args)
+    if isinstance(started, int):
+        return started
+    return run(args, *started)
+
+
+def start(args: argparse.Namespace):
+    """The backend and app from ``args``; an exit code after an error it printed."""
     from pydantic import ValidationError
 
     from ladle.serve.limits import ServeLimits
@@ -90,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     name = args.name or args.model.rstrip("/").rsplit("/", 1)[-1]
-    app = create_app(backend, Settings(name, args.max_new_tokens, key, limits))
+    return backend, create_app(backend, Settings(name, args.max_new_tokens, key, limits)), name, model
+
+
+def run(args: argparse.Namespace, backend, app, name: str, model) -> int:
+    """Serve ``app`` until SIGTERM (drained) or SIGINT; the record is written first and removed last."""
+    import uvicorn
+
     record = records.write(f"http://{args.host}:{args.port}", name, args.backend, str(model))
     config = uvicorn.Config(
         app,

@@ -59,7 +59,9 @@ def fine_tuned(smollm2, tmp_path_factory):
     cfg = build_config(
         {
             "base": BASE,
-            "data": {"path": "ladle://demo-alpaca", "seq_len": 128, "eval_ratio": 0.05},
+            # 16 held-out examples: the prompts below read 4; the run's own eval loss (before and after, through
+            # SmolLM2's 49k-token head) is not what this module proves, and 80 examples made it 2/3 of the run.
+            "data": {"path": "ladle://demo-alpaca", "seq_len": 128, "eval_ratio": 0.01},
             "training": {
                 "max_steps": 3,
                 "lr": 2e-3,

@@ -1,0 +1,169 @@
+"""ladle's process start-ups with the cyclic collector paused during their imports (``ladle.platform.startup``) vs
+the same code with it left on, side by side, alternating.
+
+    .venv/bin/python bench/startup.py [--reps 3] [--strategies ddp,zero3]
+
+The baseline runs the very same entry point in a process where ``gc.disable`` and ``gc.freeze`` do nothing (so
+the collector runs through the imports, as Python's default has it); nothing else differs. Three start-ups:
+
+- the fork launcher: a short 2-rank run of the tiny model (6 LoRA steps), wall and CPU of the launcher and its
+  ranks (``RUSAGE_CHILDREN``), and the losses (the collector changes when memory is scanned, not what is
+  computed);
+- the temporary Prefect API server ``ladle run`` starts: seconds to its first healthy answer, and its CPU by then
+  (its database already made, as on every run after a machine's first);
+- a model server (``python -m ladle.serve`` on the tiny model): seconds to ``/health``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save  # noqa: E402
+
+from ladle.platform import storage  # noqa: E402
+from ladle.platform.processes import free_port, stop_process  # noqa: E402
+from ladle.train.run import worker_env, write_spec  # noqa: E402
+from ladle.train.spec import TrainResult  # noqa: E402
+from tests.helpers import strategy_spec  # noqa: E402
+
+# The baseline: the collector left on through everything (ladle's pause and freeze made no-ops), then the module run.
+COLLECTOR_ON = (
+    "import gc, runpy, sys; gc.disable = lambda: None; gc.freeze = lambda: None; "
+    "module = sys.argv.pop(1); sys.argv[0] = module; runpy.run_module(module, run_name='__main__', alter_sys=True)"
+)
+
+
+def command(variant: str, module: str, args: list[str]) -> list[str]:
+    if variant == "paused":
+        return [sys.executable, "-m", module, *args]
+    return [sys.executable, "-c", COLLECTOR_ON, module, *args]
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def launch_once(spec, variant: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_file = write_spec(spec, tmp)
+        argv = spec.plan.launcher_argv([str(spec_file)], port=free_port())
+        assert argv[1:3] == ["-m", "ladle.train.launch"], argv
+        cpu, began = children_cpu(), time.perf_counter()
+        subprocess.run(
+            command(variant, "ladle.train.launch", argv[3:]),
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=worker_env(spec),
+        )
+        wall, cpu = time.perf_counter() - began, children_cpu() - cpu
+    result = TrainResult.model_validate(storage.read_json(storage.join(spec.run_url, "train_result.json")))
+    return {"wall_s": wall, "cpu_s": cpu, "losses": result.train_losses}
+
+
+def until_healthy(argv: list[str], url: str, env: dict, deadline_s: float = 120) -> dict:
+    import httpx
+    import psutil
+
+    began = time.perf_counter()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            try:
+                if httpx.get(url, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.perf_counter() - began > deadline_s:
+                raise RuntimeError(f"{' '.join(argv[:6])} never answered {url}")
+            time.sleep(0.02)
+        wall = time.perf_counter() - began
+        times = psutil.Process(proc.pid).cpu_times()
+        return {"wall_s": wall, "cpu_s": times.user + times.system}
+    finally:
+        stop_process(proc)
+
+
+def prefect_once(variant: str, home: Path) -> dict:
+    port = free_port()
+    args = ["prefect.server.api.server", "--", "-m", "uvicorn"] if variant == "paused" else []
+    args += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port)]
+    args += ["--log-level", "error", "--lifespan", "on"]
+    if variant == "paused":
+        argv = [sys.executable, "-m", "ladle.platform.startup", *args]
+    else:  # the command Prefect's own SubprocessASGIServer runs
+        argv = [sys.executable, "-m", "uvicorn", *args]
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    return until_healthy(argv, f"http://127.0.0.1:{port}/api/health", env)
+
+
+def serve_once(variant: str, model: Path) -> dict:
+    port = free_port()
+    argv = command(variant, "ladle.serve", ["--model", str(model), "--name", "tiny", "--port", str(port)])
+    return until_healthy(argv, f"http://127.0.0.1:{port}/health", dict(os.environ))
+
+
+def medians(runs: dict[str, list[dict]]) -> dict:
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("wall_s", "cpu_s")} for k, v in runs.items()}
+    return {
+        **{f"{k}_{m}": round(v[m], 2) for k, v in med.items() for m in v},
+        "wall_ratio": round(med["paused"]["wall_s"] / med["on"]["wall_s"], 3),
+        "cpu_ratio": round(med["paused"]["cpu_s"] / med["on"]["cpu_s"], 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--strategies", default="ddp,zero3")
+    args = parser.parse_args()
+    from ladle.assets import tiny_model_dir
+
+    root = Path(tempfile.mkdtemp(prefix="bench-startup-"))
+    rows = {}
+    for name in args.strategies.split(","):
+        runs: dict[str, list[dict]] = {"on": [], "paused": []}
+        for rep in range(args.reps):
+            for variant in runs:  # each launch its own output folder: none resumes another's checkpoint
+                spec = strategy_spec(name, root / f"{variant}-{rep}")
+                runs[variant].append(launch_once(spec, variant))
+        same = all(r["losses"] == runs["on"][0]["losses"] for v in runs.values() for r in v)
+        rows[f"launch {name}"] = {**medians(runs), "same_losses": same}
+        print(f"launch {name}", rows[f"launch {name}"], flush=True)
+    home = root / "prefect-home"
+    prefect_once("on", home)  # makes the database: not counted
+    runs = {"on": [], "paused": []}
+    for _ in range(args.reps):
+        for variant in runs:
+            runs[variant].append(prefect_once(variant, home))
+    rows["prefect api"] = medians(runs)
+    print("prefect api", rows["prefect api"], flush=True)
+    model = tiny_model_dir()
+    runs = {"on": [], "paused": []}
+    for _ in range(args.reps):
+        for variant in runs:
+            runs[variant].append(serve_once(variant, model))
+    rows["serve"] = medians(runs)
+    print("serve", rows["serve"], flush=True)
+    print(save("startup", {"reps": args.reps, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
