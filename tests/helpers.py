@@ -333,14 +333,12 @@ def deployments_file(folder: Path, **serving) -> Path:
 def run_ranks(target, world: int, *args) -> list:
     """Start ``target(rank, world, port, queue, *args)`` in ``world`` spawned processes (a gloo group on a free
     port); returns what each put on the queue, once all have exited cleanly."""
-    import torch.multiprocessing as mp
-
     from ladle.platform.processes import free_port
+    from tests.warm_launch import context
 
-    ctx = mp.get_context("forkserver")
     # The fork server imports torch once (in a process that has run no torch op, so no OpenMP pool is forked);
     # each rank forks from it instead of importing torch again: ~2.2 s of CPU per rank under spawn.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "ladle.train.runtime"])
+    ctx = context()
     queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=target, args=(rank, world, port, queue, *args)) for rank in range(world)]
     for p in procs:
