@@ -1,1 +1,1 @@
-"""Plumbing every part uses: artifact storage (fsspec), local files written whole, processes and ports, secrets, ladle's home and the Prefect API."""
+"""Plumbing every part uses: artifact storage (fsspec), local files written whole, processes and ports, secrets, ladle's home, the Prefect API and processes' start-up."""

@@ -33,9 +33,11 @@ def train_only(cfg, plan, dataset, base_dir, run_url, track):
 
 
 def is_worker(proc: psutil.Process) -> bool:
-    """A training process of ours (a child that has just exited is not: its command line is gone)."""
+    """A training process of ours: the launcher or a rank it forked, whose command line ends ``-m ladle.train.worker
+    SPEC`` (a child that has just exited is not: its command line is gone). Not a fork server whose preload list
+    names the module (``tests/warm_launch.py``)."""
     try:
-        return "ladle.train.worker" in " ".join(proc.cmdline())
+        return "-m ladle.train.worker " in " ".join(proc.cmdline())
     except psutil.Error:
         return False
 
