@@ -34,11 +34,13 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def once(spec, module: str) -> dict:
+def once(spec, module: str, command=None) -> dict:
+    """One launch of ``spec`` by ``python -m MODULE`` (its argv through ``command`` when given): wall, CPU, losses."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_file = write_spec(spec, tmp)
         argv = spec.plan.launcher_argv([str(spec_file)], port=free_port())
         argv[2] = module
+        argv = command(argv) if command else argv
         cpu, began = children_cpu(), time.perf_counter()
         subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=worker_env(spec))
         wall, cpu = time.perf_counter() - began, children_cpu() - cpu

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -28,11 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
+from launcher import once  # noqa: E402
 
-from ladle.platform import storage  # noqa: E402
 from ladle.platform.processes import free_port, stop_process  # noqa: E402
-from ladle.train.run import worker_env, write_spec  # noqa: E402
-from ladle.train.spec import TrainResult  # noqa: E402
 from tests.helpers import strategy_spec  # noqa: E402
 
 # The baseline: the collector left on through everything (ladle's pause and freeze made no-ops), then the module run.
@@ -48,27 +45,8 @@ def command(variant: str, module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-c", COLLECTOR_ON, module, *args]
 
 
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def launch_once(spec, variant: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_file = write_spec(spec, tmp)
-        argv = spec.plan.launcher_argv([str(spec_file)], port=free_port())
-        assert argv[1:3] == ["-m", "ladle.train.launch"], argv
-        cpu, began = children_cpu(), time.perf_counter()
-        subprocess.run(
-            command(variant, "ladle.train.launch", argv[3:]),
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=worker_env(spec),
-        )
-        wall, cpu = time.perf_counter() - began, children_cpu() - cpu
-    result = TrainResult.model_validate(storage.read_json(storage.join(spec.run_url, "train_result.json")))
-    return {"wall_s": wall, "cpu_s": cpu, "losses": result.train_losses}
+    return once(spec, "ladle.train.launch", lambda argv: command(variant, "ladle.train.launch", argv[3:]))
 
 
 def until_healthy(argv: list[str], url: str, env: dict, deadline_s: float = 120) -> dict:
@@ -149,19 +127,14 @@ def main() -> None:
         print(f"launch {name}", rows[f"launch {name}"], flush=True)
     home = root / "prefect-home"
     prefect_once("on", home)  # makes the database: not counted
-    runs = {"on": [], "paused": []}
-    for _ in range(args.reps):
-        for variant in runs:
-            runs[variant].append(prefect_once(variant, home))
-    rows["prefect api"] = medians(runs)
-    print("prefect api", rows["prefect api"], flush=True)
     model = tiny_model_dir()
-    runs = {"on": [], "paused": []}
-    for _ in range(args.reps):
-        for variant in runs:
-            runs[variant].append(serve_once(variant, model))
-    rows["serve"] = medians(runs)
-    print("serve", rows["serve"], flush=True)
+    for label, once_of in (("prefect api", lambda v: prefect_once(v, home)), ("serve", lambda v: serve_once(v, model))):
+        runs = {"on": [], "paused": []}
+        for _ in range(args.reps):
+            for variant in runs:
+                runs[variant].append(once_of(variant))
+        rows[label] = medians(runs)
+        print(label, rows[label], flush=True)
     print(save("startup", {"reps": args.reps, "rows": rows}))
 
 

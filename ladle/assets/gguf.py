@@ -16,6 +16,8 @@ package cannot dequantize.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -23,6 +25,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ladle.errors import LadleError
@@ -199,29 +202,56 @@ def converted(url: str, dtype: str = "auto", field: str = "base") -> Path:
     target = cache_root() / f"gguf-{file_digest(path)}-{dtype}"
     if (target / "config.json").is_file():
         return target
-    arch = check_file(path, url, field)
-    log.info("converting GGUF %s (%s) to a %s model folder, once: %s", url, arch, dtype, target)
-    began = time.monotonic()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        write_folder(path, tmp, dtype)
-        (tmp / "ladle-gguf.json").write_text(
-            json.dumps({"source": url, "file": path.name, "sha256": target.name.split("-")[1], "dtype": dtype})
-        )
+    with parsed_once():
+        arch = check_file(path, url, field)
+        log.info("converting GGUF %s (%s) to a %s model folder, once: %s", url, arch, dtype, target)
+        began = time.monotonic()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not another process's complete folder: a real failure
-                raise
-    except LadleError:
-        raise
-    except Exception as exc:
-        raise LadleError(f"{field} = {url!r}: converting the GGUF file ({arch}) failed: {exc}") from exc
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            write_folder(path, tmp, dtype)
+            (tmp / "ladle-gguf.json").write_text(
+                json.dumps({"source": url, "file": path.name, "sha256": target.name.split("-")[1], "dtype": dtype})
+            )
+            try:
+                tmp.rename(target)
+            except OSError:
+                if not (target / "config.json").is_file():  # not another process's complete folder: a real failure
+                    raise
+        except LadleError:
+            raise
+        except Exception as exc:
+            raise LadleError(f"{field} = {url!r}: converting the GGUF file ({arch}) failed: {exc}") from exc
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     log.info("GGUF %s (%s) converted to %s in %s in %.1f s", url, arch, dtype, target, time.monotonic() - began)
     return target
+
+
+@contextlib.contextmanager
+def parsed_once() -> Iterator[None]:
+    """Inside the block, each GGUF file is parsed once and gguf's tensor-name map built once per (architecture,
+    layers). transformers parses the file again for the tokenizer, the config and the weights (``GGUFReader``
+    reads every field, a tokenizer's 49k strings included) and rebuilds the name map for every tensor (397 times
+    for SmolLM2-135M); with them reused, its conversion takes 9.8 s of CPU instead of 19.6 s, to the same bytes.
+    transformers imports both from ``gguf`` when it calls them, so the package's attributes are what is swapped;
+    the readers are only read (fields, and tensors through their memory map)."""
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def reader(path, mode: str = "r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
 def write_folder(path: Path, out: Path, dtype: str) -> None:

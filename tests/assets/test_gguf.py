@@ -152,3 +152,23 @@ def test_a_gguf_file_in_s3_is_downloaded_once_then_converted_like_a_local_one(tm
     assert json.loads((folder / "ladle-gguf.json").read_text())["source"] == "s3://ladle/models/m.gguf"
     with pytest.raises(LadleError, match=r"base = 's3://ladle/models/none.gguf': no such file. Check the URL."):
         resolve_base("s3://ladle/models/none.gguf")
+
+
+def test_inside_a_conversion_each_file_is_parsed_once_and_the_name_map_built_once(tmp_path):
+    """What transformers asks of gguf during a conversion (a reader per stage, a name map per tensor) is answered
+    from the first parse; outside the block gguf is its own again."""
+    import gguf
+
+    from ladle.assets.gguf import parsed_once
+
+    path = write_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": (np.zeros((4, 8), np.float32), None)})
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with parsed_once():
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first  # a str or a Path of the same file: one parse
+        assert "general.architecture" in first.fields
+        name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is name_map
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3) is not name_map
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_map)
+    assert gguf.GGUFReader(path) is not first
