@@ -19,7 +19,6 @@ import io
 import os
 import subprocess
 import sys
-import time
 
 PRELOAD = [
     "torch",
@@ -102,11 +101,9 @@ class WarmLauncher:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired("ladle.train.launch", timeout)
-            self.process.join(timeout=0.05)
+        self.process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired("ladle.train.launch", timeout)
         return self.returncode
 
 

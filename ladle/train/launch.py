@@ -27,7 +27,6 @@ usable in the child, and this launcher has not yet run on a GPU. The plan picks 
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import random
@@ -37,6 +36,8 @@ import threading
 import time
 import traceback
 from pathlib import Path
+
+from ladle.platform.startup import quiet_collector
 
 WORKER = "ladle.train.worker"
 GRACE_S = 10.0
@@ -296,20 +297,20 @@ def threads_before_torch(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # Python's documented recipe for a process that forks without exec: no cyclic collection while the imports
-    # build ~700k long-lived objects (it would scan them again and again: ~1 s of a 3.5 s import on 2 cores),
-    # and those objects frozen before the fork, so that no rank's collector touches (and copies) their pages.
-    gc.disable()
     threads_before_torch(argv)
-    try:
-        ranks, worker_args = rank_layout(argv)
-    except LaunchRefused as exc:
-        say(f"refused: {exc}")
-        return 2
-    if len(worker_args) != 1:
-        say(f"usage: python -m ladle.train.launch [accelerate launch arguments] -m {WORKER} SPEC.json")
-        return 2
-    preload(worker_args)
+    # Python's documented recipe for a process that forks without exec (ladle.platform.startup): no cyclic
+    # collection while the imports build their long-lived objects, which are frozen before the ranks fork, so
+    # that no rank's collector walks (and copies) their pages.
+    with quiet_collector():
+        try:
+            ranks, worker_args = rank_layout(argv)
+        except LaunchRefused as exc:
+            say(f"refused: {exc}")
+            return 2
+        if len(worker_args) != 1:
+            say(f"usage: python -m ladle.train.launch [accelerate launch arguments] -m {WORKER} SPEC.json")
+            return 2
+        preload(worker_args)
 
     def on_signal(signum, _frame):
         raise Stopped(signum)
@@ -323,8 +324,6 @@ def main(argv: list[str] | None = None) -> int:
             "their locks held; starting each rank as a new interpreter instead"
         )
     start = exec_rank if threads else fork_rank
-    gc.freeze()
-    gc.enable()
     pids: dict[int, int] = {}
     try:
         for env in ranks:
