@@ -12,6 +12,11 @@ the collector runs through the imports, as Python's default has it); nothing els
 - the temporary Prefect API server ``ladle run`` starts: seconds to its first healthy answer, and its CPU by then
   (its database already made, as on every run after a machine's first);
 - a model server (``python -m ladle.serve`` on the tiny model): seconds to ``/health``.
+
+And the processes that import as they go, with the collector's thresholds raised (``raise_thresholds``) vs
+Python's default (``gc.set_threshold`` made a no-op; nothing else differs): ``ladle`` commands (``model list``
+on a SQLite store, ``data prepare`` of the demo recipe, ``plan``), and the libraries a flow run's stages
+import (a Prefect worker's flow-run process: the engine, the flow, torch, transformers, peft, MLflow).
 """
 
 from __future__ import annotations
@@ -98,6 +103,61 @@ def serve_once(variant: str, model: Path) -> dict:
     return until_healthy(argv, f"http://127.0.0.1:{port}/health", dict(os.environ))
 
 
+THRESHOLDS_OFF = "import gc; gc.set_threshold = lambda *a: None; "
+CLI = "import sys; from ladle.cli.main import main; sys.argv = ['ladle', *sys.argv[1:]]; main()"
+FLOW_RUN = (
+    "import os; os.environ['PREFECT__FLOW_RUN_ID'] = 'bench'; "
+    "from ladle.platform.startup import flow_run_process; flow_run_process(); "
+    "import prefect.engine, ladle.flows.recipe, torch, transformers, peft, mlflow.tracking, ladle.data.prepare, "
+    "ladle.lifecycle.evaluate, ladle.lifecycle.merge; "
+    "from transformers import AutoModelForCausalLM, AutoTokenizer"
+)
+
+
+def cpu_of(argv: list[str]) -> dict:
+    """Wall and CPU seconds of one process run to its end (status 0)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    began = time.perf_counter()
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": time.perf_counter() - began, "cpu_s": cpu}
+
+
+def thresholds_rows(reps: int, root: Path) -> dict:
+    store = f"sqlite:///{root / 'mlflow.db'}"
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from mlflow.tracking import MlflowClient; MlflowClient('{store}').search_experiments()",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    data = root / "rows.jsonl"
+    data.write_text('{"instruction": "Add 1 and 2.", "output": "3"}\n' * 50)
+    recipe = str(Path(__file__).resolve().parent.parent / "recipes" / "tiny-cpu.yaml")
+    cases = {
+        "ladle model list": [CLI, "model", "list", "tiny-cpu", "--tracking-uri", store, "--json"],
+        "ladle data prepare": [CLI, "data", "prepare", recipe, "--set", f"data.path={data}", "--set", f"output={root}"],
+        "ladle plan": [CLI, "plan", recipe, "--json"],
+        "flow run's stage imports": [FLOW_RUN],
+    }
+    rows = {}
+    for label, (code, *args) in cases.items():
+        runs: dict[str, list[dict]] = {"on": [], "paused": []}  # "on": Python's default; "paused": raised
+        for _ in range(reps):
+            runs["on"].append(cpu_of([sys.executable, "-c", THRESHOLDS_OFF + code, *args]))
+            runs["paused"].append(cpu_of([sys.executable, "-c", code, *args]))
+        rows[label] = medians(runs)
+        print(label, rows[label], flush=True)
+    return rows
+
+
 def medians(runs: dict[str, list[dict]]) -> dict:
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("wall_s", "cpu_s")} for k, v in runs.items()}
     return {
@@ -111,11 +171,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--strategies", default="ddp,zero3")
+    parser.add_argument("--only-thresholds", action="store_true", help="Only the raised-thresholds rows.")
     args = parser.parse_args()
     from ladle.assets import tiny_model_dir
 
     root = Path(tempfile.mkdtemp(prefix="bench-startup-"))
-    rows = {}
+    rows = thresholds_rows(args.reps, root)
+    if args.only_thresholds:
+        print(save("startup-thresholds", {"reps": args.reps, "rows": rows}))
+        return
     for name in args.strategies.split(","):
         runs: dict[str, list[dict]] = {"on": [], "paused": []}
         for rep in range(args.reps):

@@ -17,6 +17,7 @@ from ladle.assets import shipped_recipes
 from ladle.config import LadleConfig, load_config
 from ladle.flows.finetune import finetune
 from ladle.lifecycle.tracking import credentials_to_env
+from ladle.platform.startup import flow_run_process
 
 RecipeName = Literal[tuple(shipped_recipes())]  # the shipped recipes, as the form's choices
 TYPED = {
@@ -112,6 +113,7 @@ def finetune_recipe(
         compute: Name of a saved ladle ComputeTarget block (target, nodes, GPUs, CPU processes, Slurm or
             Kubernetes options).
     """
+    flow_run_process()
     typed = {
         "data_path": data_path,
         "objective": objective,

@@ -17,6 +17,7 @@ from ladle.fleet import champion
 from ladle.flows.recipe import RecipeName, recipe_config
 from ladle.lifecycle import tracking
 from ladle.platform.secrets import install_log_redaction
+from ladle.platform.startup import flow_run_process
 
 
 @flow(name="serve-champion", description="Serve the registered model's champion; swap to a new one without downtime.")
@@ -40,6 +41,7 @@ def serve_champion(
         mlflow_server: Name of a saved ladle MlflowServer block (the registry's tracking URI).
         artifact_store: Name of a saved ladle ArtifactStore block (where the model files are, and credentials).
     """
+    flow_run_process()
     install_log_redaction()
     sets = [f"serve.front_port={front_port}"] if front_port else []
     cfg = recipe_config(recipe, recipe_path, "auto", {}, [*sets, *(overrides or [])], artifact_store, mlflow_server)

@@ -20,6 +20,17 @@ from ladle.platform.processes import stop_process  # noqa: F401 - the suite's on
 _SESSION = Path(tempfile.mkdtemp(prefix="ladle-tests-"))
 # Set before anything imports prefect, and inherited by every subprocess.
 os.environ["LADLE_HOME"] = str(_SESSION / "ladle-home")
+# What ladle creates on first use in its home (the tiny model, the demo data, a GGUF base's converted folder)
+# is one folder for the whole run: made by the first process that asks (its lock keeps a second from making
+# it again at the same time), used by every pytest-xdist worker. The process that made the folder (the xdist
+# controller, whose workers inherit the variable) removes it at the end. Run records and caches stay per worker.
+_OWNS_SHARED = "LADLE_TESTS_SHARED" not in os.environ
+if _OWNS_SHARED:
+    os.environ["LADLE_TESTS_SHARED"] = tempfile.mkdtemp(prefix="ladle-tests-shared-")
+for _name in ("assets", "models"):
+    (Path(os.environ["LADLE_TESTS_SHARED"]) / _name).mkdir(exist_ok=True)
+    (_SESSION / "ladle-home").mkdir(parents=True, exist_ok=True)
+    (_SESSION / "ladle-home" / _name).symlink_to(Path(os.environ["LADLE_TESTS_SHARED"]) / _name)
 os.environ["PREFECT_HOME"] = str(_SESSION / "prefect-home")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -80,6 +91,8 @@ def pytest_sessionfinish(session, exitstatus):
     """
     import psutil
 
+    if _OWNS_SHARED:
+        shutil.rmtree(os.environ["LADLE_TESTS_SHARED"], ignore_errors=True)
     if is_xdist_controller(session.config):
         shutil.rmtree(_SESSION, ignore_errors=True)
         if LEAKS:

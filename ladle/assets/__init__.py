@@ -19,6 +19,7 @@ from pathlib import Path
 from ladle.assets.gguf import converted, is_gguf
 from ladle.errors import LadleError
 from ladle.platform import storage
+from ladle.platform.files import one_builder
 from ladle.platform.home import ladle_home
 
 BUILTIN_SCHEME = "ladle://"
@@ -38,17 +39,22 @@ def demo_data_file() -> Path:
 def tiny_model_dir() -> Path:
     """The tiny Llama model + tokenizer, created on first use."""
     path = ladle_home() / "assets" / f"tiny-llama-{ASSET_VERSION}"
-    if not (path / "config.json").exists():
-        from ladle.assets.demo import write_tiny_model
+    if (path / "config.json").exists():
+        return path
+    from ladle.assets.demo import write_tiny_model
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            write_tiny_model(path, demo_data_file())
-        except OSError:
-            # Another process created it first; theirs is complete (atomic rename).
+    try:
+        # One process creates it; one started meanwhile waits and finds it made.
+        with one_builder(path, deadline_s=TINY_MODEL_WAIT_S):
             if not (path / "config.json").exists():
-                raise
+                write_tiny_model(path, demo_data_file())
+    except TimeoutError as exc:
+        raise LadleError(f"base = 'ladle://tiny-llama': {exc} creating it; is a stuck ladle still running?") from None
     return path
+
+
+TINY_MODEL_WAIT_S = 600.0
+"""How long a process waits for another one creating the tiny model (seconds of CPU work when it is alone)."""
 
 
 REPLAY_COPIES = 2

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ladle.errors import LadleError
 from ladle.platform import storage
-from ladle.platform.files import write_atomic
+from ladle.platform.files import one_builder, write_atomic
 from ladle.platform.home import ladle_home
 
 log = logging.getLogger(__name__)
@@ -202,6 +202,29 @@ def converted(url: str, dtype: str = "auto", field: str = "base") -> Path:
     target = cache_root() / f"gguf-{file_digest(path)}-{dtype}"
     if (target / "config.json").is_file():
         return target
+    try:
+        # One process converts; another that asks meanwhile (a second run, a server) waits and uses its folder.
+        with one_builder(target, deadline_s=CONVERT_WAIT_S):
+            if not (target / "config.json").is_file():
+                convert(path, url, dtype, field, target)
+    except TimeoutError as exc:
+        raise LadleError(
+            f"{field} = {url!r}: {exc} converting this file; stop the process converting it, or wait and run again."
+        ) from None
+    return target
+
+
+CONVERT_WAIT_S = 4 * 3600.0
+"""How long a process waits for another one converting the same GGUF file and dtype (a 70B model's conversion on
+a CPU host takes tens of minutes)."""
+
+
+def convert(path: Path, url: str, dtype: str, field: str, target: Path) -> None:
+    """Convert the GGUF file at ``path`` into the folder ``target`` (built beside it and renamed in).
+
+    Raises:
+        LadleError: the file holds what transformers cannot convert, or the conversion failed.
+    """
     with parsed_once():
         arch = check_file(path, url, field)
         log.info("converting GGUF %s (%s) to a %s model folder, once: %s", url, arch, dtype, target)
@@ -225,7 +248,6 @@ def converted(url: str, dtype: str = "auto", field: str = "base") -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     log.info("GGUF %s (%s) converted to %s in %s in %.1f s", url, arch, dtype, target, time.monotonic() - began)
-    return target
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from ladle.cli.probe import probe
 from ladle.cli.run import run
 from ladle.cli.schema import schema
 from ladle.cli.serve import serve
+from ladle.platform.startup import raise_thresholds
 
 app = typer.Typer(
     name="ladle",
@@ -29,5 +30,13 @@ app.add_typer(servers.app, name="servers")
 app.add_typer(model.app, name="model")
 app.add_typer(k8s.app, name="k8s")
 
-if __name__ == "__main__":
+
+def main() -> None:
+    """The ``ladle`` command: the app, with the collector's thresholds raised first (each handler imports the
+    libraries it uses as it runs: ``ladle.platform.startup.raise_thresholds``)."""
+    raise_thresholds()
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,13 @@ once and lives on: the fork launcher, model servers, the temporary Prefect API s
 
 imports the MODULEs that way, then runs ``python -m TARGET ARGS...`` in the same process (how ladle starts
 third-party servers it does not own the entry point of: uvicorn under Prefect's app factory).
+
+Processes whose imports happen as they go (the ``ladle`` command, whose handlers import what they use; a flow
+run started by a Prefect worker, whose stages import theirs) raise the collector's thresholds instead
+(``raise_thresholds``): a young-generation collection every 50,000 net allocations instead of 700, and the
+older generations' collections 20 and 100 young ones apart. Measured on a 2-core host: ``ladle model list``
+2.6 s of CPU before, 2.1 s after; ``ladle data prepare`` 4.4 s, 3.5 s; a flow run's stage libraries 5.3 s,
+4.4 s (paused: 4.0 s). Cyclic garbage is still collected, later; what waits is at most that many objects.
 """
 
 from __future__ import annotations
@@ -18,9 +25,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import os
 import runpy
 import sys
 from collections.abc import Iterator
+
+THRESHOLDS = (50_000, 20, 100)
+"""``gc.set_threshold`` in ladle's processes that import as they go (Python's default: 700, 10, 10)."""
 
 
 @contextlib.contextmanager
@@ -36,6 +47,20 @@ def quiet_collector() -> Iterator[None]:
         gc.freeze()
         if was_enabled:
             gc.enable()
+
+
+def raise_thresholds() -> None:
+    """The collector's thresholds set to ``THRESHOLDS`` for this process: fewer collections while the libraries
+    a command or a stage imports build their objects."""
+    gc.set_threshold(*THRESHOLDS)
+
+
+def flow_run_process() -> None:
+    """At the start of a deployment's flow: ``raise_thresholds`` in the process a Prefect worker started for
+    this flow run (``PREFECT__FLOW_RUN_ID`` set: the process is the run's own). A flow called in a process of
+    someone else's (a notebook, a test, ``ladle run``, which raises them itself) leaves its collector alone."""
+    if os.environ.get("PREFECT__FLOW_RUN_ID"):
+        raise_thresholds()
 
 
 USAGE = "usage: python -m ladle.platform.startup MODULE [MODULE ...] -- -m TARGET [ARGS ...]"

@@ -6,6 +6,7 @@ The conversion of a real file (SmolLM2-135M-Instruct) is proven in tests/pipelin
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -121,8 +122,37 @@ def test_a_gguf_base_is_converted_once_per_content_and_dtype(tmp_path, monkeypat
     first.write_bytes(b"GGUF" + b"\1" * 64)
     assert gguf_mod.converted(str(first), "float32") != folder
     assert calls == [("a.gguf", "float32"), ("a.gguf", "bfloat16"), ("a.gguf", "float32")]
-    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no half-written folder left
+    assert not [p for p in folder.parent.iterdir() if p.is_dir() and p.name.startswith(".")]  # none half-written
     assert gguf_mod.cached(str(copy), "float32") == folder
+
+
+def test_two_processes_asking_at_once_convert_once_and_share_the_folder(tmp_path, monkeypatch):
+    """The second asker waits for the first one's conversion (a lock beside the folder) and uses its folder.
+    Two threads stand in for two processes: each opens the lock file itself, and such locks exclude each other."""
+    import threading
+
+    from ladle.assets import gguf as gguf_mod
+
+    monkeypatch.setenv("LADLE_HOME", str(tmp_path / "home"))
+    calls, inside = [], threading.Event()
+
+    def slow_write(path, out, dtype):
+        calls.append(dtype)
+        inside.set()
+        time.sleep(0.5)  # long enough for the other asker to arrive while this one converts
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(gguf_mod, "write_folder", slow_write)
+    monkeypatch.setattr(gguf_mod, "check_file", lambda path, shown, field="base": "llama")
+    source = tmp_path / "a.gguf"
+    source.write_bytes(b"GGUF" + b"\0" * 64)
+    got = []
+    first = threading.Thread(target=lambda: got.append(gguf_mod.converted(str(source), "float32")))
+    first.start()
+    assert inside.wait(30)
+    got.append(gguf_mod.converted(str(source), "float32"))  # arrives mid-conversion
+    first.join(30)
+    assert calls == ["float32"] and len(got) == 2 and got[0] == got[1] and (got[0] / "config.json").is_file()
 
 
 def test_a_gguf_file_in_s3_is_downloaded_once_then_converted_like_a_local_one(tmp_path, s3_server, monkeypatch):

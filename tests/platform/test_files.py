@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ladle.platform.files import write_atomic
+from ladle.platform.files import one_builder, write_atomic
 
 
 def test_concurrent_writers_leave_one_whole_file(tmp_path):
@@ -43,3 +43,31 @@ def test_a_folder_is_built_whole_or_not_at_all(tmp_path):
         (tmp / "config.json").write_text('{"second": true}')
     assert (target / "config.json").read_text() == '{"first": true}'
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_one_builder_at_a_time_a_killed_holder_frees_the_lock_and_a_stuck_one_times_out(tmp_path):
+    """Another process holding the lock: the wait ends at its deadline with the lock file named; once that
+    process is killed (mid-build, say), the kernel has released its lock and the next builder goes in."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "model"
+    hold = (
+        "import fcntl, sys, time\n"
+        f"h = open({str(tmp_path / '.model.lock')!r}, 'a'); fcntl.flock(h, fcntl.LOCK_EX)\n"
+        "print('held', flush=True); time.sleep(120)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with (
+            pytest.raises(TimeoutError, match=r"another process held .*\.model\.lock for over 0 s"),
+            one_builder(target, deadline_s=0.3),
+        ):
+            pass
+    finally:
+        holder.kill()
+        holder.wait(30)
+    with one_builder(target, deadline_s=30):
+        target.mkdir()
+    assert target.is_dir()

@@ -40,7 +40,7 @@ def test_the_prepare_stage_takes_the_fingerprint_it_is_handed(prefect_harness, t
     data.write_text('{"instruction": "Add 1 and 2.", "output": "3"}\n' * 30)
     cfg = build_config({"base": "ladle://tiny-llama", "data": {"path": str(data)}, "output": str(tmp_path)}, [])
     inputs = resolve_inputs(cfg)
-    assert isinstance(inputs, RunInputs) and inputs.base == tiny_model
+    assert isinstance(inputs, RunInputs) and inputs.base.resolve() == tiny_model.resolve()
     assert inputs.registered_model == cfg.name and inputs.dataset_url.endswith(inputs.data_fingerprint)
 
     def refuse(*args, **kwargs):
