@@ -15,9 +15,10 @@ third-party servers it does not own the entry point of: uvicorn under Prefect's 
 Processes whose imports happen as they go (the ``ladle`` command, whose handlers import what they use; a flow
 run started by a Prefect worker, whose stages import theirs) raise the collector's thresholds instead
 (``raise_thresholds``): a young-generation collection every 50,000 net allocations instead of 700, and the
-older generations' collections 20 and 100 young ones apart. Measured on a 2-core host: ``ladle model list``
-2.6 s of CPU before, 2.1 s after; ``ladle data prepare`` 4.4 s, 3.5 s; a flow run's stage libraries 5.3 s,
-4.4 s (paused: 4.0 s). Cyclic garbage is still collected, later; what waits is at most that many objects.
+older generations' collections 20 and 100 young ones apart. Measured on a 2-core host (``bench/startup.py``,
+CPU, medians): ``ladle model list`` 2.82 s before, 2.42 s after; ``ladle data prepare`` 4.91 s, 4.57 s; a flow
+run's stage libraries 7.16 s, 6.38 s. Cyclic garbage is still collected, later; what waits is at most that
+many objects.
 """
 
 from __future__ import annotations
