@@ -50,12 +50,14 @@ def close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
 
 
 def loss_and_grads(model, ids, labels, fused: FusedHead | None):
+    """A training forward as the worker runs one (``use_cache=False``: no KV cache is built, nor compiled), then
+    backward; the loss and every gradient."""
     model.zero_grad(set_to_none=True)
     if fused is not None:
         fused.expect(labels)
-        loss = model(input_ids=ids).logits
+        loss = model(input_ids=ids, use_cache=False).logits
     else:
-        loss, _ = token_cross_entropy(model(input_ids=ids).logits, labels)
+        loss, _ = token_cross_entropy(model(input_ids=ids, use_cache=False).logits, labels)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
