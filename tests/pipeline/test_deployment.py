@@ -62,6 +62,10 @@ def prefect_server(tmp_path_factory):
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "LADLE_REPO": str(ROOT),
+        # A serving run that finds the `champion` deployment's one slot taken (its concurrency_limit: swaps one
+        # after another) is rescheduled this many seconds later; Prefect's default is 30 s, which made a canary
+        # queued behind the previous swap take 52 s instead of 22 s here. Queuing itself is unchanged.
+        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "3",
     }
     argv = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     server = start_service(argv, f"http://127.0.0.1:{port}/api/health", home, env)
