@@ -22,15 +22,13 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from ladle.errors import LadleError
 from ladle.platform import storage
-from ladle.platform.files import one_builder, write_atomic
+from ladle.platform.files import building, one_builder, write_atomic
 from ladle.platform.home import ladle_home
 
 log = logging.getLogger(__name__)
@@ -229,24 +227,16 @@ def convert(path: Path, url: str, dtype: str, field: str, target: Path) -> None:
         arch = check_file(path, url, field)
         log.info("converting GGUF %s (%s) to a %s model folder, once: %s", url, arch, dtype, target)
         began = time.monotonic()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            write_folder(path, tmp, dtype)
-            (tmp / "ladle-gguf.json").write_text(
-                json.dumps({"source": url, "file": path.name, "sha256": target.name.split("-")[1], "dtype": dtype})
-            )
-            try:
-                tmp.rename(target)
-            except OSError:
-                if not (target / "config.json").is_file():  # not another process's complete folder: a real failure
-                    raise
+            with building(target) as tmp:  # built beside it, renamed in whole
+                write_folder(path, tmp, dtype)
+                (tmp / "ladle-gguf.json").write_text(
+                    json.dumps({"source": url, "file": path.name, "sha256": target.name.split("-")[1], "dtype": dtype})
+                )
         except LadleError:
             raise
         except Exception as exc:
             raise LadleError(f"{field} = {url!r}: converting the GGUF file ({arch}) failed: {exc}") from exc
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     log.info("GGUF %s (%s) converted to %s in %s in %.1f s", url, arch, dtype, target, time.monotonic() - began)
 
 
