@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import subprocess
@@ -187,6 +188,8 @@ def strategies(rec: Recorder, root: Path, tiny: bool) -> None:
     dpo = ["training.objective=dpo", "data.path=ladle://demo-preference", "training.preference.beta=0.1"]
     rows = [("ddp lora", "ddp", []), ("fsdp2 lora", "fsdp2", []), ("ddp dpo lora", "ddp", dpo)]
     rows.append(("fsdp2 dpo lora", "fsdp2", dpo))
+    only = os.environ.get("ROWS")  # e.g. ROWS="ddp dpo lora,fsdp2 dpo lora": rerun the rows a call cut short
+    rows = [r for r in rows if not only or r[0] in only.split(",")]
     for label, strategy, objective in rows:
         sets = [
             "training.dtype=bfloat16" if not tiny else "training.dtype=auto",
@@ -258,7 +261,10 @@ def main() -> None:
                         data = write_tokens(root, base, args.steps + 4)
                     print(f"model and data written in {time.perf_counter() - began:.0f} s", flush=True)
                 if phase == "ladle8b":
-                    ladle_8b(rec, root, base, data, args.steps, "ladle 8b (default kernels)", [], args.tiny)
+                    # EXTRA_SETS="training.kernels.packed_attention=true": the row with settings the defaults lack
+                    extra = os.environ.get("EXTRA_SETS", "").split()
+                    label = "ladle 8b (default kernels" + (f", {' '.join(extra)})" if extra else ")")
+                    ladle_8b(rec, root, base, data, args.steps, label, extra, args.tiny)
                 elif phase == "ladle8b-plain":
                     ladle_8b(rec, root, base, data, args.steps, "ladle 8b (kernels off)", PLAIN_KERNELS, args.tiny)
                 elif phase == "trl8b":

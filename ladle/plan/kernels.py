@@ -70,11 +70,13 @@ def decide(
         joined = bool(kernels.padding_free)
         joined_why = f"{'on' if joined else 'off'} (training.kernels.padding_free)"
     if kernels.packed_attention == "auto":
-        by_example = "auto" if not cuda and whole else "off"
+        # On CUDA since 2026-11-28: the 8B LoRA row on one H200 ran 1.26x faster (14,511 vs 11,488 tokens/s,
+        # the same losses) and 1.5 GiB lower, its compiled blocks calling SDPA's flash kernel per example.
+        by_example = "auto" if whole else "off"
         by_example_why = (
             "on where the model's attention is plain causal attention"
             if by_example == "auto"
-            else (f"off: {strategy} keeps its own attention masks" if not cuda else "off: not measured on CUDA")
+            else f"off: {strategy} keeps its own attention masks"
         )
     else:
         by_example = "on" if kernels.packed_attention else "off"
@@ -164,6 +166,12 @@ def liger_loss_expected(kernels, device: str) -> bool:
 def compile_expected(kernels, device: str) -> bool:
     """Whether blocks are compiled where the strategy compiles them (the memory model's activation factor)."""
     return device == "cuda" and (kernels.compile is True or kernels.compile == "auto")
+
+
+def mask_expected(kernels, device: str, unsupported: str | None) -> bool:
+    """Whether packed rows reach a CUDA run's attention as a block-diagonal mask (the memory model counts it):
+    attention example by example is off, or the model's attention is not one ladle's can replace."""
+    return device == "cuda" and (kernels.packed_attention is False or unsupported is not None)
 
 
 def liger_importable() -> bool:

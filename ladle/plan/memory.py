@@ -257,6 +257,7 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         liger_loss=kernels.liger_loss_expected(kernels_cfg, target.device),
         compiled=kernels.compile_expected(kernels_cfg, target.device),
         attention=unsupported(model),
+        masked=kernels.mask_expected(kernels_cfg, target.device, unsupported(model)),
     )
 
 

@@ -167,11 +167,21 @@ def logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, chunk_bytes: 
     return tokens * shape.vocab * (dtype_bytes + 8)
 
 
-COMPILED_ACTIVATIONS = 0.82
+COMPILED_ACTIVATIONS = 0.75
 """Activations a compiled decoder block saves, per byte the eager block saves. Inductor's partitioner recomputes
 cheap pointwise results (norms, SiLU, rotary) in backward instead of saving them. Measured on one H200 (bf16, LoRA
-on every linear layer, DDP, 2026-11-26): the 8B shape at seq 4096 saved 0.815 of the eager coefficients' bytes,
-the 0.73B bench Llama at 2 x 512 tokens 0.816."""
+on every linear layer, DDP): the 8B shape at seq 4096 with attention example by example (no mask) saved 0.746 of
+the eager coefficients' bytes (2026-11-28); with the block-diagonal mask, 0.815 (2026-11-26), the difference being
+the mask SDPA saves per layer (``attention_mask_bytes``)."""
+
+
+def attention_mask_bytes(layers: int, rows: int, seq_len: int, dtype_bytes: int) -> int:
+    """What a packed row's block-diagonal mask adds on CUDA where attention is not run example by example
+    (``training.kernels.packed_attention`` off, or a model whose attention ladle's cannot replace): transformers'
+    boolean mask and the additive copy SDPA's memory-efficient kernel saves for backward, seq x seq each, per
+    layer that saves its activations. Measured on one H200 (8B shape, seq 4096, 32 layers, 2026-11-28): the peak
+    with the mask was 1,535 MiB above the peak without, and 32 x 4096^2 x (1 + 2) bytes is 1,536 MiB."""
+    return layers * rows * seq_len * seq_len * (1 + dtype_bytes)
 
 
 # FSDP2's vocabulary-parallel loss computes the float32 logits of at most this many bytes of token rows at once.
@@ -302,6 +312,7 @@ class Job:
     liger_loss: bool = False  # Liger's fused linear cross-entropy runs (CUDA, installed where the plan is made)
     compiled: bool = False  # training.kernels.compile: blocks compiled where the strategy compiles them
     attention: str | None = None  # why ladle's attention layers cannot run this model's (None: they can)
+    masked: bool = False  # packed rows reach attention as a block-diagonal mask (CUDA, attention not by example)
 
     @property
     def world(self) -> int:

@@ -255,6 +255,15 @@ class Strategy(ABC):
         tokens = job.micro_batch * job.seq_len
         return sizing.activation_bytes(job.shape, tokens, job.shape.layers, job.dtype_bytes, job.checkpointing), ""
 
+    def mask_bytes(self, job: sizing.Job, options: Section | None) -> int:
+        """The block-diagonal masks of packed rows that attention saves on CUDA when it does not run example by
+        example (``sizing.attention_mask_bytes``); strategies with stages of their own count their masks in
+        their ``activations``."""
+        if not (job.cuda and job.masked and self.runs_whole_forward(options)):
+            return 0
+        layers = 1 if job.checkpointing else job.shape.layers
+        return sizing.attention_mask_bytes(layers, job.micro_batch, job.seq_len, job.dtype_bytes)
+
     def estimate(self, job: sizing.Job, options: Section | None) -> sizing.Estimate:
         """Per-rank memory of one training step of ``job`` with ``options``."""
         if job.lora:
@@ -267,6 +276,7 @@ class Strategy(ABC):
             acts = int(acts * sizing.CPU_RESIDENT_ACTIVATIONS["lora" if job.lora else "full"])
         elif job.compiled and self.compiles_blocks:
             acts = int(acts * sizing.COMPILED_ACTIVATIONS)
+        acts += self.mask_bytes(job, options)
         logits = self.logits_bytes(job, options)
         load = self.load_bytes(job, options, states)
         step = self.step_bytes(job, options, states)

@@ -162,7 +162,7 @@ def test_plan_decides_each_fast_path_with_its_reason():
         "liger": "off",  # compiled blocks: inductor fuses what Liger's kernels would
         "lora_compute": "run_dtype",
         "padding_free": True,
-        "packed_attention": "off",  # not measured on CUDA
+        "packed_attention": "auto",  # measured on an H200: 1.26x, no mask saved (bench/RESULTS.md)
     }
     assert "per-block compile on" in why[0] and "LoRA adapters compute in bfloat16" in why[0]
     on_cpu, why = plan_kernels.decide(cfg_with().training.kernels, "ddp", "cpu", "float32")
@@ -221,24 +221,27 @@ def test_the_memory_model_counts_one_chunk_of_logits():
     # Liger's chunks: tokens x hidden / vocabulary (4096 / 32 = 128 rows), plus the head input's gradient
     liger = sizing.logits_bytes(shape, 4096, 2, chunk_bytes=256 * 2**20, liger=True)
     assert liger == 128 * 128256 * 6 + 4096 * 4096 * 2
-    # compiled blocks save 0.82 of the eager activations (measured on an H200; see sizing.COMPILED_ACTIVATIONS)
-    assert 0.8 < sizing.COMPILED_ACTIVATIONS < 0.85
+    # compiled blocks save 0.75 of the eager activations (measured on an H200; see sizing.COMPILED_ACTIVATIONS),
+    # and a packed row's mask on CUDA is seq x seq x (1 + dtype) bytes per layer: 1,536 MiB on the 8B row
+    assert 0.7 < sizing.COMPILED_ACTIVATIONS < 0.8
+    assert sizing.attention_mask_bytes(32, 1, 4096, 2) == 1536 * 2**20
 
 
-# Peaks measured on one H200 (bench/gpu_train.sh, 2026-11-26; bench/RESULTS.md): torch.cuda.max_memory_allocated
-# in MiB with the default fast paths (LoRA on every linear layer, bf16, blocks compiled, Liger's loss where the
-# head is plain).
+# Peaks measured on one H200 (bench/gpu_train.sh, 2026-11-26 and 2026-11-28; bench/RESULTS.md):
+# torch.cuda.max_memory_allocated in MiB with the fast paths (LoRA on every linear layer, bf16, blocks compiled,
+# Liger's loss where the head is plain), attention example by example or through the packed rows' mask.
 RECORDED_H200 = [
-    # (model, strategy, seq_len, micro-batch, LoRA rank, measured MiB)
-    ("8b", "ddp", 4096, 1, 16, 36515),
-    ("0.73b", "ddp", 512, 2, 8, 2863),
-    ("0.73b", "fsdp2", 512, 2, 8, 2975),
+    # (model, strategy, seq_len, micro-batch, LoRA rank, attention by example, measured MiB)
+    ("8b", "ddp", 4096, 1, 16, True, 34980),
+    ("8b", "ddp", 4096, 1, 16, False, 36515),
+    ("0.73b", "ddp", 512, 2, 8, False, 2860),
+    ("0.73b", "fsdp2", 512, 2, 8, False, 2975),
 ]
 
 
-@pytest.mark.parametrize("model,strategy,seq,micro,rank,measured", RECORDED_H200)
-def test_memory_model_within_ten_percent_of_the_recorded_gpu_peaks(
-    monkeypatch, model, strategy, seq, micro, rank, measured
+@pytest.mark.parametrize("model,strategy,seq,micro,rank,by_example,measured", RECORDED_H200)
+def test_memory_model_within_five_percent_of_the_recorded_gpu_peaks(
+    monkeypatch, model, strategy, seq, micro, rank, by_example, measured
 ):
     from types import SimpleNamespace
 
@@ -246,7 +249,9 @@ def test_memory_model_within_ten_percent_of_the_recorded_gpu_peaks(
     from bench.memory import LARGE
     from ladle.plan.planner import plan_estimate
 
-    monkeypatch.setattr(kernels, "liger_importable", lambda: True)  # liger-kernel was installed on the GPU host
+    # liger-kernel was installed on the GPU host: the planner asks ladle.plan.kernels (patching the worker's
+    # ladle.train.kernels, as this test once did, left the planner expecting the chunked loss)
+    monkeypatch.setattr(plan_kernels, "liger_importable", lambda: True)
     shape = {**LLAMA3_8B, "max_position_embeddings": 8192} if model == "8b" else LARGE
     config = {"model_type": "llama", "tie_word_embeddings": False, "vocab_size": 32000, **shape}
     cfg = build_config(
@@ -258,6 +263,7 @@ def test_memory_model_within_ten_percent_of_the_recorded_gpu_peaks(
                 "micro_batch_size": micro,
                 "dtype": "bfloat16",
                 "lora": {"r": rank, "target_modules": "all-linear", "modules_to_save": []},
+                "kernels": {"packed_attention": "auto" if by_example else False},
             },
         },
         [],
@@ -273,4 +279,5 @@ def test_memory_model_within_ten_percent_of_the_recorded_gpu_peaks(
     )
     est = plan_estimate(cfg, plan, config)
     predicted = (est.peak - est.context) / 2**20  # max_memory_allocated does not count the CUDA context
-    assert 0.9 <= predicted / measured <= 1.1, est.summary()
+    print(f"{model} {strategy} by_example={by_example}: {predicted:.0f} / {measured} = {predicted / measured:.3f}")
+    assert 0.95 <= predicted / measured <= 1.05, est.summary()
