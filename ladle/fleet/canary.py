@@ -45,21 +45,48 @@ PENDING = promote.CANARY_PENDING
 CANARY_TAG = "ladle.canary"
 
 
+LATENCY_SAMPLE = 4096
+"""Latencies an arm keeps: a uniform sample of every answer the canary has seen (reservoir sampling), so memory
+and the p95's sort stay bounded however long and busy the canary is. A p95 from 4,096 of N draws is within about
+±0.7 percentile points of the whole's (one standard error), and both arms are sampled over the same period
+whatever their rates, which a window of the last answers would not be."""
+
+
 @dataclass
 class Arm:
     requests: int = 0
     errors: int = 0
+    answered: int = 0  # answers with a latency, the sample drawn from them
     latencies: list[float] = field(default_factory=list)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    _p95: float | None = None
+    _stale: bool = False
 
     @property
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 0.0
 
+    def add(self, seconds: float) -> None:
+        """One answered request's latency into the bounded sample (Vitter's algorithm R)."""
+        self.answered += 1
+        if len(self.latencies) < LATENCY_SAMPLE:
+            self.latencies.append(seconds)
+        else:
+            slot = self.rng.randrange(self.answered)
+            if slot >= LATENCY_SAMPLE:
+                return
+            self.latencies[slot] = seconds
+        self._stale = True
+
     def p95(self) -> float | None:
+        """The sample's 95th percentile, sorted again only when an answer came since the last call (the front
+        judges four times a second)."""
         if not self.latencies:
             return None
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+        if self._stale or self._p95 is None:
+            ordered = sorted(self.latencies)
+            self._p95, self._stale = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)], False
+        return self._p95
 
     def summary(self) -> dict:
         p95 = self.p95()
@@ -99,7 +126,7 @@ class Canary:
         if not ok:
             counts.errors += 1
         elif seconds is not None:
-            counts.latencies.append(seconds)
+            counts.add(seconds)
 
     def judge(self, challenger_alive: bool = True) -> str | None:
         """Decide if the evidence allows; returns the new status when it changed, else None."""

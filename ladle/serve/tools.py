@@ -96,8 +96,7 @@ class Format:
             return content or None, calls
         body = text.strip().removeprefix("<|python_tag|>").strip()
         calls = []
-        for part in (p for p in body.split(";") if p.strip()) if body.startswith("{") else []:
-            call = loads(part)
+        for call in json_objects(body, ";") if body.startswith("{") else []:
             if call is None or not isinstance(call.get("name"), str):
                 return text, []
             calls.append({"name": call["name"], "arguments": call.get("parameters", call.get("arguments", {}))})
@@ -197,6 +196,27 @@ def tag_ids(fmt: Format, tokenizer) -> frozenset:
     if tokenizer is None or tag not in set(getattr(tokenizer, "all_special_tokens", [])):
         return frozenset()
     return frozenset({tokenizer.convert_tokens_to_ids(tag)})
+
+
+def json_objects(text: str, separator: str) -> list[dict | None]:
+    """The JSON objects of ``text`` written one after another with ``separator`` (and any whitespace) between,
+    each read by the JSON decoder itself, so a separator inside a string (``"SELECT 1; SELECT 2"``) is the
+    string's; a ``None`` in the list where what follows is not such an object."""
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except ValueError:
+            return [*found, None]
+        found.append(value if isinstance(value, dict) else None)
+        rest = text[end:].lstrip()
+        if not rest:
+            break
+        if not rest.startswith(separator):
+            return [*found, None]
+        rest = rest[len(separator) :].lstrip()
+        at = len(text) - len(rest)
+    return found
 
 
 def loads(text: str) -> dict | None:

@@ -185,6 +185,40 @@ def test_a_dead_holders_lock_is_taken_over(uri, monkeypatch):
         pass
 
 
+def test_a_live_holder_outlasting_the_locks_life_keeps_it_and_a_silent_one_loses_it(uri, monkeypatch):
+    """A holder slowed by its registry past the lock's life renews it, so a second writer never takes a live
+    lock; a holder whose heartbeat stopped loses it after the life on the waiter's own clock, even when its tags
+    say it expires far ahead (another machine's clock)."""
+    import threading
+
+    monkeypatch.setattr(registry_lock, "LOCK_TTL_S", 2.0)  # twenty renewals a life: a busy machine's stalls fit
+    monkeypatch.setattr(registry_lock, "RENEW_S", 0.1, raising=False)
+    name, inside, order = "slow", threading.Event(), []
+
+    def slow_writer():
+        with registry_lock.champion_lock(uri, name, "a slow write", wait_s=5):
+            inside.set()
+            time.sleep(4.5)  # two lock lives and more in retried registry calls
+            order.append("slow done")
+
+    writer = threading.Thread(target=slow_writer)
+    writer.start()
+    assert inside.wait(30)
+    with pytest.raises(Exception, match=r"slow: another writer of its champion .*a slow write"):
+        with registry_lock.champion_lock(uri, name, "a second write", wait_s=3.0):
+            order.append("second inside")
+    writer.join(30)
+    assert order == ["slow done"]
+    # a dead holder whose clock ran ahead: its expiry is ten minutes away, its heartbeat never moves
+    mlflow = promote.client(uri)
+    ahead = {"ladle.lock.owner": "ahead:1:x", "ladle.lock.doing": "died", "ladle.lock.expires": str(time.time() + 600)}
+    mlflow.create_registered_model(registry_lock.lock_name(name), tags=ahead)
+    began = time.monotonic()
+    with registry_lock.champion_lock(uri, name, "after the dead one", wait_s=10):
+        waited = time.monotonic() - began
+    assert 2.0 <= waited < 10
+
+
 def test_a_lock_released_while_the_store_refuses_the_create_is_taken_next(uri, monkeypatch):
     """MLflow's SQL store answers a refused create by reading the existing model: released in between, the
     create raises "not found". That is a lock just freed, not a failed registry: the writer tries again."""

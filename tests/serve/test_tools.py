@@ -332,3 +332,17 @@ def test_langchains_chat_openai_binds_a_tool_and_gets_the_call_back(served):
         streamed = chunk if streamed is None else streamed + chunk
     assert streamed.tool_calls == [{**message.tool_calls[0], "id": streamed.tool_calls[0]["id"]}]
     assert get_time.invoke(message.tool_calls[0]["args"]) == "12:00"
+
+
+def test_llama_json_calls_whose_arguments_hold_the_separator_parse_whole():
+    """Llama 3's calls are JSON objects separated by ';': a ';' inside an argument is the string's, so a forced
+    call with a SQL argument is a call, not plain content with finish_reason stop."""
+    fmt = tools_api.LLAMA3_JSON
+    sql = '{"name": "run_sql", "parameters": {"query": "SELECT 1; SELECT 2"}}'
+    assert fmt.parse(sql) == (None, [{"name": "run_sql", "arguments": {"query": "SELECT 1; SELECT 2"}}])
+    two = f'<|python_tag|>{sql} ; {{"name": "get_time", "parameters": {{}}}}'
+    assert [c["name"] for c in fmt.parse(two)[1]] == ["run_sql", "get_time"]
+    assert fmt.parse(two)[1][0]["arguments"]["query"] == "SELECT 1; SELECT 2"
+    # not calls: words after the object, an unclosed object, a list: the text comes back as content
+    for text in (sql + " and then some", '{"name": "run_sql", "parameters": {"query": "x;', '{"name": 3}'):
+        assert fmt.parse(text) == (text, [])
