@@ -16,7 +16,7 @@ from prefect.states import Completed
 from ladle.assets import shipped_recipes
 from ladle.config import LadleConfig, load_config
 from ladle.flows.finetune import finetune
-from ladle.lifecycle.tracking import credentials_to_env
+from ladle.lifecycle.tracking import strip_credentials
 from ladle.platform.startup import flow_run_process
 
 RecipeName = Literal[tuple(shipped_recipes())]  # the shipped recipes, as the form's choices
@@ -47,8 +47,8 @@ def apply_blocks(
         tree["output"] = store.url
     if mlflow_server:
         server = MlflowServer.load(mlflow_server)
-        # A password in the URI goes to the environment, not the config.
-        uri = credentials_to_env(server.tracking_uri.get_secret_value())
+        # A password in the URI is kept by this process for that server, not in the config.
+        uri = strip_credentials(server.tracking_uri.get_secret_value())
         tree["tracking"].update(uri=uri, ui_url=server.ui_url or uri)
     if compute:
         ComputeTarget.load(compute).overlay(tree)

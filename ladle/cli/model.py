@@ -30,11 +30,11 @@ def tracking_uri(uri: str | None, config: str | None) -> str:
     from ladle.lifecycle import tracking
 
     if uri:
-        return tracking.credentials_to_env(uri)
+        return tracking.strip_credentials(uri)
     if config:
         return tracking.tracking_uri(load(config, [], None, None))[0]
     if os.environ.get("MLFLOW_TRACKING_URI"):
-        return tracking.credentials_to_env(os.environ["MLFLOW_TRACKING_URI"])
+        return tracking.strip_credentials(os.environ["MLFLOW_TRACKING_URI"])
     raise LadleError(
         "--tracking-uri: no MLflow store named. Pass --tracking-uri URI, --config CONFIG (its store), "
         "or set MLFLOW_TRACKING_URI."

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from ladle.config.compute import SLURM_TIME, ComputeConfig, KubernetesConfig, SlurmConfig, StorageConfig
 from ladle.config.lifecycle import (
@@ -112,6 +112,18 @@ class LadleConfig(Section):
     def notes(self) -> list[str]:
         """What loading changed that the user did not write (``build_config``), for the CLI to say."""
         return self._notes
+
+    @field_validator("output", "base")
+    @classmethod
+    def _no_password_in_urls(cls, value: str, info) -> str:
+        from ladle.platform.secrets import refuse_url_password
+
+        return refuse_url_password(
+            value,
+            info.field_name,
+            "Give the store's credentials through its own settings (an ArtifactStore block, or the variables "
+            "fsspec reads, such as AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and drop user:password@ from the URL",
+        )
 
     @model_validator(mode="after")
     def _gate_metric_is_scored(self) -> LadleConfig:
@@ -227,7 +239,10 @@ def format_validation_error(err: ValidationError, source: str) -> list[str]:
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value, default=str)
+    """The value as the user wrote it, with URL passwords and known secrets masked (an error is logged)."""
+    from ladle.platform.secrets import redact
+
+    text = redact(json.dumps(value, default=str))
     return text if len(text) <= 80 else text[:77] + "..."
 
 

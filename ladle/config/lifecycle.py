@@ -300,9 +300,10 @@ class TrackingConfig(Section):
     uri: str | None = Field(
         None,
         description="MLflow tracking URI. null: $MLFLOW_TRACKING_URI when set, else sqlite in the output folder "
-        "(in $LADLE_HOME/mlflow when output is remote). Credentials in an http(s) URI are moved to "
-        "MLFLOW_TRACKING_USERNAME/PASSWORD when the config is read, so no parameter, spec file or artifact carries "
-        "them, and are never logged; a URI of another scheme with a password is refused (set MLFLOW_TRACKING_URI).",
+        "(in $LADLE_HOME/mlflow when output is remote). Credentials in an http(s) URI are taken out when the config is "
+        "read and kept by the process for that server alone (its training processes get them as "
+        "MLFLOW_TRACKING_USERNAME/PASSWORD), so no parameter, spec file or artifact carries them, and are never "
+        "logged; a URI of another scheme with a password is refused (set MLFLOW_TRACKING_URI).",
     )
     experiment: str = Field("ladle", description="MLflow experiment name.")
     registered_model: str | None = Field(
@@ -335,7 +336,7 @@ class TrackingConfig(Section):
             return None
         from urllib.parse import urlsplit
 
-        from ladle.platform.secrets import credentials_to_env, redact_url
+        from ladle.platform.secrets import strip_credentials, redact_url
 
         try:
             parts = urlsplit(value)
@@ -348,4 +349,4 @@ class TrackingConfig(Section):
                 "spec files, artifacts). Leave tracking.uri null and set MLFLOW_TRACKING_URI in the environment, or "
                 "use the tracking server's http(s) address"
             )
-        return credentials_to_env(value)
+        return strip_credentials(value)

@@ -72,6 +72,18 @@ class DataConfig(Section):
         "Above it the prepare stage fails with the report.",
     )
 
+    @field_validator("path", "eval_path")
+    @classmethod
+    def _no_password_in_urls(cls, value: str | None, info) -> str | None:
+        from ladle.platform.secrets import refuse_url_password
+
+        return refuse_url_password(
+            value,
+            f"data.{info.field_name}",
+            "Give the store's credentials through its own settings (the variables fsspec reads, such as "
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or a netrc file for http) and drop user:password@ from the URL",
+        )
+
 
 class LoraConfig(Section):
     enabled: bool = Field(True, description="Train LoRA adapters (true) or all weights (false).")

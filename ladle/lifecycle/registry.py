@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 
 from ladle.errors import LadleError
-from ladle.platform.secrets import redact_url
+from ladle.platform.secrets import redact_url, with_credentials
 
 
 def client(uri: str):
@@ -19,7 +19,7 @@ def client(uri: str):
 
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
-    return MlflowClient(uri)
+    return MlflowClient(with_credentials(uri))
 
 
 def absent(exc: BaseException) -> bool:

@@ -43,13 +43,14 @@ def tracking_uri(cfg: LadleConfig) -> tuple[str, str | None]:
     """``(tracking URI, artifact location for a new experiment or None)``.
 
     ``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else SQLite beside the outputs. Credentials in an
-    http(s) URI move to ``MLFLOW_TRACKING_USERNAME``/``PASSWORD`` (which MLflow reads, and the training
-    processes inherit), so the URI ladle passes around, logs and writes into specs carries none.
+    http(s) URI are kept by this process for that server alone (``ladle.platform.secrets``: MLflow's client
+    here, the training processes' ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``), so the URI ladle passes around,
+    logs and writes into specs carries none.
     """
     apply_deadlines(cfg)
     uri = cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
-        return credentials_to_env(uri), None
+        return strip_credentials(uri), None
     folder = default_location(cfg)
     folder.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{folder / 'mlflow.db'}", (folder / "mlartifacts").as_uri()
@@ -73,7 +74,7 @@ def apply_deadlines(cfg: LadleConfig) -> None:
             os.environ[var] = str(int(value) if float(value).is_integer() else value)
 
 
-credentials_to_env = secrets.credentials_to_env
+strip_credentials = secrets.strip_credentials
 client = mlflow_registry.client  # one MLflow client, with request deadlines, for runs and the registry alike
 
 

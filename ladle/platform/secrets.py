@@ -48,20 +48,67 @@ def secret_values() -> list[str]:
     return sorted(values, key=len, reverse=True)
 
 
-def credentials_to_env(uri: str) -> str:
-    """``uri`` without its ``user:password@`` (http/https only), the pair exported for MLflow's client
-    (``MLFLOW_TRACKING_USERNAME``/``PASSWORD``, which the processes started from here inherit) and the password
-    registered as a secret."""
+_credentials: dict[str, tuple[str, str]] = {}
+"""Credentials taken out of http(s) tracking URIs in this process, by the URI's origin (scheme://host:port): a
+process that reads two configs keeps each server's own, and none goes into the process's environment."""
+
+
+def origin(uri: str) -> str:
+    parts = urlsplit(uri)
+    return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+
+
+def strip_credentials(uri: str) -> str:
+    """``uri`` without its ``user:password@`` (http/https only); the pair kept in this process for that server
+    alone (``with_credentials``, ``credential_env``) and the password registered as a secret."""
     from urllib.parse import unquote
 
     parts = urlsplit(uri)
     if parts.scheme not in ("http", "https") or not parts.password:
         return uri
-    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parts.username or "")
-    os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parts.password)
+    _credentials[origin(uri)] = (unquote(parts.username or ""), unquote(parts.password))
     register(unquote(parts.password))
     netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def with_credentials(uri: str) -> str:
+    """``uri`` with the credentials this process keeps for its server put back (for MLflow's client in this
+    process, whose HTTP library sends them as basic auth to that server only); other URIs unchanged."""
+    from urllib.parse import quote
+
+    pair = _credentials.get(origin(uri)) if uri.startswith(("http://", "https://")) else None
+    if pair is None:
+        return uri
+    parts = urlsplit(uri)
+    netloc = f"{quote(pair[0], safe='')}:{quote(pair[1], safe='')}@{parts.netloc.rsplit('@', 1)[-1]}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def credential_env(uri: str | None) -> dict[str, str]:
+    """MLflow's variables for a child process that talks to ``uri``'s server alone (a training rank), from the
+    credentials this process keeps for that server; empty when it keeps none (the environment's own, if any,
+    are inherited)."""
+    pair = _credentials.get(origin(uri)) if uri and uri.startswith(("http://", "https://")) else None
+    return {"MLFLOW_TRACKING_USERNAME": pair[0], "MLFLOW_TRACKING_PASSWORD": pair[1]} if pair else {}
+
+
+def refuse_url_password(value: str | None, field: str, fix: str) -> str | None:
+    """``value`` unchanged unless it is a URL carrying a password, which would travel with the config (flow
+    parameters, spec files, artifacts, run records): then a ValueError naming ``field``, the URL masked, and
+    ``fix``."""
+    if not value or "://" not in value:
+        return value
+    try:
+        has_password = bool(urlsplit(value).password)
+    except ValueError:
+        has_password = False
+    if has_password:
+        raise ValueError(
+            f"{field}'s URL carries a password, which would travel with the config (flow parameters, spec "
+            f"files, artifacts, logs). {fix}"
+        )
+    return value
 
 
 def redact_url(url: str) -> str:

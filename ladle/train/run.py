@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ladle.machine import cuda_arch
 from ladle.machine.topology import usable_cores
+from ladle.platform import secrets
 from ladle.platform import storage
 from ladle.platform.processes import free_port, stop_process  # noqa: F401 - free_port is also imported from here
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
@@ -40,6 +41,8 @@ def worker_env(spec: TrainSpec) -> dict[str, str]:
         env.setdefault("NCCL_DEBUG", "WARN")
         if spec.plan.num_machines > 1:
             env.setdefault("NCCL_SOCKET_IFNAME", "^lo,docker")  # not loopback or container bridges across machines
+    # this run's tracking server's credentials, kept by the launching process for that server alone
+    env.update(secrets.credential_env(spec.tracking_uri))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")
     # glibc raises its mmap threshold to the size of each large block freed (up to 32 MB), after which the

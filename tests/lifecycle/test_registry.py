@@ -121,13 +121,19 @@ def test_secrets_are_masked_in_text_urls_and_log_records(monkeypatch, caplog):
     assert records[0].getMessage() == "connecting with ***"
 
 
-def test_tracking_credentials_move_to_mlflow_variables(monkeypatch):
+def test_tracking_credentials_are_kept_for_their_server(monkeypatch):
     from ladle.lifecycle import tracking
+    from ladle.platform.secrets import credential_env, with_credentials
 
     monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
-    assert tracking.credentials_to_env("https://ann:s3cr%40t@mlflow.example:8443/") == "https://mlflow.example:8443/"
+    assert tracking.strip_credentials("https://ann:s3cr%40t@mlflow.example:8443/") == "https://mlflow.example:8443/"
     import os
 
-    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == ("ann", "s3cr@t")
-    assert tracking.credentials_to_env("sqlite:////tmp/m.db") == "sqlite:////tmp/m.db"
+    assert "MLFLOW_TRACKING_PASSWORD" not in os.environ
+    assert credential_env("https://mlflow.example:8443/x") == {
+        "MLFLOW_TRACKING_USERNAME": "ann",
+        "MLFLOW_TRACKING_PASSWORD": "s3cr@t",
+    }
+    assert with_credentials("https://mlflow.example:8443/") == "https://ann:s3cr%40t@mlflow.example:8443/"
+    assert tracking.strip_credentials("sqlite:////tmp/m.db") == "sqlite:////tmp/m.db"

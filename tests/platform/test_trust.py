@@ -106,12 +106,59 @@ def test_a_tracking_password_never_stays_in_the_config(monkeypatch):
     assert "hunter2" not in cfg.model_dump_json() and "hunter2" not in json.dumps(cfg.model_dump())
     import os
 
-    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "hunter2-secret"
-    from ladle.platform.secrets import redact
+    from ladle.platform.secrets import credential_env, redact, with_credentials
 
+    assert "MLFLOW_TRACKING_PASSWORD" not in os.environ  # kept for that server, not for the whole process
+    assert with_credentials(cfg.tracking.uri) == "https://ops:hunter2-secret@mlflow.example:5000/"
+    assert credential_env(cfg.tracking.uri)["MLFLOW_TRACKING_PASSWORD"] == "hunter2-secret"
     assert redact("failed: hunter2-secret") == "failed: ***"
-    with pytest.raises(ConfigError, match=r"tracking.uri = .*postgresql://ops:\*\*\*@db/mlflow carries a password"):
+    with pytest.raises(ConfigError) as refused:
         load_config("recipes/tiny-cpu.yaml", ["tracking.uri=postgresql://ops:pw12345@db/mlflow"])
+    assert "postgresql://ops:***@db/mlflow carries a password" in str(refused.value)
+    assert "pw12345" not in str(refused.value)  # the error echoes the value: masked there too
+
+
+def test_two_configs_in_one_process_each_keep_their_own_servers_password(monkeypatch):
+    """A process that reads two configs (a worker, a test, a notebook) sends each server its own credentials
+    only: nothing lands in the environment for the next config's server to receive, and the training processes
+    of a run get their run's server's pair alone."""
+    import os
+    from types import SimpleNamespace
+
+    from ladle.config import load_config
+    from ladle.platform.secrets import credential_env, with_credentials
+    from ladle.train.run import worker_env
+
+    for var in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(var, raising=False)
+    a = load_config("recipes/tiny-cpu.yaml", ["tracking.uri=https://alice:alice-pass-1@mlflow-a.example/"])
+    b = load_config("recipes/tiny-cpu.yaml", ["tracking.uri=http://bob:bob-pass-22@mlflow-b.example:5000"])
+    assert "MLFLOW_TRACKING_PASSWORD" not in os.environ
+    assert with_credentials(a.tracking.uri) == "https://alice:alice-pass-1@mlflow-a.example/"
+    assert with_credentials(b.tracking.uri) == "http://bob:bob-pass-22@mlflow-b.example:5000"
+    assert with_credentials("https://mlflow-c.example/") == "https://mlflow-c.example/"
+    assert credential_env("https://mlflow-c.example/") == {}
+    plan = SimpleNamespace(device="cpu", processes_per_machine=1, num_machines=1)
+    env = worker_env(SimpleNamespace(plan=plan, tracking_uri=b.tracking.uri))
+    assert (env["MLFLOW_TRACKING_USERNAME"], env["MLFLOW_TRACKING_PASSWORD"]) == ("bob", "bob-pass-22")
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "output=s3://AKIAXX:secret-key-1@bucket/runs",
+        "data.path=https://u:secret-key-2@host/d.jsonl",
+        "base=s3://a:secret-key-3@b/m",
+    ],
+)
+def test_a_password_in_a_store_url_is_refused_and_never_echoed(override):
+    from ladle.config import ConfigError, load_config
+
+    field = override.split("=", 1)[0]
+    with pytest.raises(ConfigError) as refused:
+        load_config("recipes/tiny-cpu.yaml", [override])
+    said = str(refused.value)
+    assert f"{field}'s URL carries a password" in said and "secret-key" not in said and ":***@" in said
 
 
 def test_the_mlflow_block_keeps_its_uri_secret():
@@ -120,3 +167,49 @@ def test_the_mlflow_block_keeps_its_uri_secret():
     block = MlflowServer(tracking_uri="https://ops:hunter2-secret@mlflow.example")
     assert "hunter2" not in repr(block) and "hunter2" not in block.model_dump_json()
     assert block.tracking_uri.get_secret_value().endswith("@mlflow.example")
+
+
+def test_mlflows_client_sends_each_server_its_own_credentials(monkeypatch):
+    """Through MLflow's own client and HTTP stack: two tracking servers read from two configs in one process
+    each receive their own basic-auth pair, and neither the other's."""
+    import base64
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from ladle.config import load_config
+    from ladle.lifecycle.registry import client
+
+    for var in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(var, raising=False)
+    seen: dict[int, list] = {}
+
+    class Registry(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            pair = self.headers.get("Authorization", "")
+            seen.setdefault(self.server.server_address[1], []).append(
+                base64.b64decode(pair.split()[1]).decode() if pair else None
+            )
+            body = json.dumps({"registered_models": []}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    servers = [HTTPServer(("127.0.0.1", 0), Registry) for _ in range(2)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ports = [s.server_address[1] for s in servers]
+        a = load_config("recipes/tiny-cpu.yaml", [f"tracking.uri=http://ann:ann-pass-1@127.0.0.1:{ports[0]}"])
+        b = load_config("recipes/tiny-cpu.yaml", [f"tracking.uri=http://bob:bob%40pass-2@127.0.0.1:{ports[1]}"])
+        client(a.tracking.uri).search_registered_models()
+        client(b.tracking.uri).search_registered_models()
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    assert seen == {ports[0]: ["ann:ann-pass-1"], ports[1]: ["bob:bob@pass-2"]}
