@@ -336,7 +336,7 @@ class TrackingConfig(Section):
             return None
         from urllib.parse import urlsplit
 
-        from ladle.platform.secrets import strip_credentials, redact_url
+        from ladle.platform.secrets import redact_url, strip_credentials
 
         try:
             parts = urlsplit(value)

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from ladle.machine import cuda_arch
 from ladle.machine.topology import usable_cores
-from ladle.platform import secrets
-from ladle.platform import storage
+from ladle.platform import secrets, storage
 from ladle.platform.processes import free_port, stop_process  # noqa: F401 - free_port is also imported from here
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
