@@ -122,9 +122,10 @@ def current_upstream(record: dict) -> dict | None:
 def model_dir_of(version: promote.Version):
     """The version's model folder on local disk (copied once from a remote store)."""
     made = f"{version.source}@v{version.version}-{version.created_ms}"  # a version registered without the tag
-    sha = version.tags.get("ladle.model_sha256") or hashlib.sha256(made.encode()).hexdigest()
-    try:
-        return local_model_dir(MergedModel(url=version.source, sha256=sha, parameters=0))
+    tagged = version.tags.get("ladle.model_sha256")
+    sha = tagged or hashlib.sha256(made.encode()).hexdigest()
+    try:  # the weights are checked against the tag; a version registered without one is keyed, not checked
+        return local_model_dir(MergedModel(url=version.source, sha256=sha, parameters=0), verify=bool(tagged))
     except ValueError as exc:  # a tag that is not a hash, a key that would land outside the copy
         raise LadleError(f"v{version.version}: {exc}") from None
 

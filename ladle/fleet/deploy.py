@@ -41,12 +41,14 @@ class SwapFailed(LadleError):
     """A new version of a served model did not start or answer; the old one keeps serving."""
 
 
-def local_model_dir(merged: MergedModel) -> Path:
-    """The merged model on local disk (copied once from a remote store, keyed by its hash)."""
+def local_model_dir(merged: MergedModel, verify: bool = True) -> Path:
+    """The merged model on local disk (copied once from a remote store, keyed by its hash, its weights checked
+    against that hash when ``verify``: ``storage.cached_copy``)."""
     if storage.is_local(merged.url):
         return storage.local_path(merged.url)
     key = storage.cache_key(merged.sha256, "ladle.model_sha256")
-    return storage.cached_copy(merged.url, ladle_home() / "served" / key)
+    verified = merged.sha256 if verify and storage.FULL_DIGEST.fullmatch(merged.sha256) else None
+    return storage.cached_copy(merged.url, ladle_home() / "served" / key, verified)
 
 
 def backend_options(cfg: ServeConfig) -> dict:

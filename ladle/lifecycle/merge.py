@@ -7,7 +7,6 @@ through unchanged so every later stage sees the same shape of output.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import tempfile
@@ -128,15 +127,6 @@ def _prod(shape) -> int:
     return out
 
 
-def weights_hash(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for file in sorted(folder.glob("*.safetensors")):
-        with file.open("rb") as f:
-            while chunk := f.read(2**23):  # streamed: a merged 70B is 140 GB
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
 def merge(base_dir: Path, result: TrainResult, run_url: str) -> MergedModel:
     """Merge the trained adapter (or pass the full model through) into ``<run>/merged``."""
     url = storage.join(run_url, "merged")
@@ -150,4 +140,4 @@ def merge(base_dir: Path, result: TrainResult, run_url: str) -> MergedModel:
             params = count_saved(out)
         storage.remove(url)
         storage.upload_dir(out, url)
-        return MergedModel(url=url, sha256=weights_hash(out), parameters=params)
+        return MergedModel(url=url, sha256=storage.weights_hash(out), parameters=params)

@@ -79,18 +79,47 @@ def local_path(url: str) -> Path:
     return Path(url.removeprefix("file://"))
 
 
-def cached_copy(url: str, target: Path) -> Path:
+def cached_copy(url: str, target: Path, sha256: str | None = None) -> Path:
     """A local copy of the folder artifact at ``url`` in ``target``, downloaded once.
 
     The download lands in a folder of this process's own beside ``target`` and is renamed into place, so a
     ``target`` that exists is always complete, and two processes making the first copy at once never write into
-    one folder (the second to finish finds the first's copy and drops its own).
+    one folder (the second to finish finds the first's copy and drops its own). With ``sha256`` (the weights'
+    digest ladle recorded when it wrote them: ``weights_hash``) the download's weights are hashed before the
+    rename, and a copy whose weights differ (a tampered, half-written or replaced store object) is dropped with
+    an error: a cached copy was always verified when it was made.
+
+    Raises:
+        ValueError: the downloaded weights' digest is not ``sha256`` (both named).
     """
     if (target / "config.json").exists():
         return target
     with building(target) as tmp:
         download_dir(url, tmp)
+        if sha256 is not None:
+            found = weights_hash(tmp)
+            if found != sha256:
+                raise ValueError(
+                    f"{url}: its weights' SHA-256 is {found[:16]}..., not the {sha256[:16]}... recorded when they "
+                    "were written (ladle.model_sha256): the store's copy was changed or is incomplete, and is not "
+                    "served. Restore the folder from the run that wrote it, or register a new version."
+                )
     return target
+
+
+def weights_hash(folder: Path) -> str:
+    """SHA-256 over a model folder's ``*.safetensors`` files in name order, streamed (a merged 70B is 140 GB)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with file.open("rb") as f:
+            while chunk := f.read(2**23):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+FULL_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 CACHE_KEY = re.compile(r"[0-9a-f]{16,128}")

@@ -39,7 +39,8 @@ def local_model(model: str, sha256: str | None):
         return storage.local_path(model)
     try:
         key = storage.cache_key(sha256 or hashlib.sha256(model.encode()).hexdigest(), "--model-sha256")
-        return storage.cached_copy(model, ladle_home() / "served" / key)
+        verified = sha256 if sha256 and storage.FULL_DIGEST.fullmatch(sha256) else None
+        return storage.cached_copy(model, ladle_home() / "served" / key, verified)
     except (OSError, ValueError) as exc:
         raise LadleError(f"--model {model}: could not copy it from the artifact store: {exc}") from None
 

@@ -37,8 +37,8 @@ RECORDED = ROOT / "tests" / "kubernetes" / "k8s_recorded"
 NAME = "serve-demo"
 
 
-def version(number: str = "3", source: str = "s3://ladle/models/demo/v3") -> promote.Version:
-    return promote.Version(name=NAME, version=number, source=source, tags={"ladle.model_sha256": "ab" * 32})
+def version(number: str = "3", source: str = "s3://ladle/models/demo/v3", sha: str = "ab" * 32) -> promote.Version:
+    return promote.Version(name=NAME, version=number, source=source, tags={"ladle.model_sha256": sha})
 
 
 def serve_cfg(**kubernetes) -> ServeConfig:
@@ -121,7 +121,8 @@ def test_the_pods_command_serves_the_version_from_the_store_and_answers_its_prob
     source = "s3://ladle/models/serve-demo/v3"
     storage.upload_dir(str(tiny_model), source)
     cfg = ServeConfig(target="kubernetes", max_new_tokens=4, drain_timeout_s=10)
-    deployment, *_ = KubernetesServing(NAME, cfg).render(version(source=source))
+    # the weights' digest as merge records it: the server checks the copy it downloads against it
+    deployment, *_ = KubernetesServing(NAME, cfg).render(version(source=source, sha=storage.weights_hash(tiny_model)))
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     args, port = list(container["args"]), free_port()
     args[args.index("--host") + 1] = "127.0.0.1"
@@ -157,7 +158,9 @@ def test_the_pods_command_serves_the_version_from_the_store_and_answers_its_prob
             timeout=60,
         )
         assert answer.status_code == 200 and answer.json()["model"] == NAME
-        assert (home / "served" / ("ab" * 32)[:16] / "config.json").exists()  # the copy, keyed by the hash
+        assert (
+            home / "served" / storage.weights_hash(tiny_model)[:16] / "config.json"
+        ).exists()  # the copy, keyed by the hash
         proc.terminate()
         assert proc.wait(timeout=60) == 0  # a drained stop, not a crash
     finally:

@@ -87,3 +87,31 @@ def test_local_dir_is_the_folder_itself_or_a_download_removed_after(s3_server, m
         assert got == ["a/zero_pp_rank_0.pt", "a/zero_pp_rank_1.pt", "state.pt"]  # not the marker
         assert (folder / "state.pt").read_text() == "state.pt"
     assert not folder.exists()
+
+
+def test_a_served_copy_from_s3_is_checked_against_its_recorded_digest(s3_server, monkeypatch, tmp_path):
+    """``ladle.model_sha256`` names the weights ladle wrote: a store object changed or cut short after that is
+    refused with both digests named and nothing cached; the intact folder is served, and checked once."""
+    from ladle.fleet.deploy import local_model_dir
+    from ladle.lifecycle.merge import MergedModel
+    from ladle.platform import storage
+
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("LADLE_HOME", str(tmp_path / "home"))
+    source = tmp_path / "merged"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    (source / "model.safetensors").write_bytes(b"weights" * 1000)
+    digest = storage.weights_hash(source)
+    storage.upload_dir(source, "s3://ladle/served-check")
+    fs, root = storage.filesystem("s3://ladle/served-check")
+    fs.pipe_file(f"{root}/model.safetensors", b"weights" * 999)  # half-written, or replaced
+    merged = MergedModel(url="s3://ladle/served-check", sha256=digest, parameters=0)
+    with pytest.raises(ValueError, match=r"its weights' SHA-256 is [0-9a-f]{16}\.\.\., not the [0-9a-f]{16}\.\.\. "):
+        local_model_dir(merged)
+    served = tmp_path / "home" / "served"
+    assert not served.exists() or list(served.iterdir()) == []  # nothing cached, no temporary left
+    fs.pipe_file(f"{root}/model.safetensors", b"weights" * 1000)
+    folder = local_model_dir(merged)
+    assert storage.weights_hash(folder) == digest and folder.parent == served
