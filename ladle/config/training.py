@@ -217,6 +217,12 @@ class PreferenceConfig(Section):
         "strategy. adapters_off: LoRA only, the base with the adapters disabled, one extra no-grad forward per "
         "micro-batch. auto: the planner's choice (precomputed; the plan says why in GiB).",
     )
+    disable_dropout: bool = Field(
+        True,
+        description="Turn every dropout of the policy off for the run (LoRA's lora_dropout, the model's dropout "
+        "layers and attention dropout), as TRL's DPOConfig does by default: the reference is scored without "
+        "dropout, and a policy with it would compare noisy log-probabilities against it.",
+    )
 
 
 class TrainingConfig(Section):

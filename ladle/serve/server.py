@@ -367,6 +367,7 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         """OpenAI's text completion (``prompt``), streamed as server-sent events with ``stream: true``."""
+        refuse_when_full()  # before any work on the request: tokenizing, decoding, compiling its grammar
         if isinstance(req.prompt, list):  # token ids: bounded by the context, then by the vocabulary
             check_prompt_tokens(len(req.prompt), backend.context_length)
             vocab = backend.vocab_size
@@ -396,6 +397,7 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
                 code="too_many_messages",
             )
         check_prompt_chars(sum(len(m.content or "") for m in req.messages), prompt_chars, "messages")
+        refuse_when_full()  # before any work on the request: its template, tokens and grammar
         # OpenAI's `developer` is the newer name of `system`, which chat templates know.
         messages = tools_api.template_messages(req.messages)
         tooling = tools_of(req, backend)
@@ -412,11 +414,9 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
             ) from None
         return await serve(request, req, ids, "chat.completion", "chatcmpl", tooling)
 
-    async def serve(
-        request: Request, req: Sampling, ids: list[int], kind: str, prefix: str, tooling: Tooling | None = None
-    ):
-        job = make_job(req, ids, backend, settings)
-        job.constraint = await asyncio.to_thread(constraint_of, req, backend, tooling)
+    def refuse_when_full() -> None:
+        """429 with Retry-After while ``serve.limits.max_queue`` requests wait: checked before a request costs
+        the server anything (a grammar's compilation is milliseconds to seconds of CPU)."""
         if backend.queue_depth() >= limits.max_queue:
             raise ApiError(
                 429,
@@ -426,6 +426,13 @@ def add_generation_routes(app: FastAPI, backend: Backend, settings: Settings, me
                 kind="rate_limit_error",
                 headers={"Retry-After": "1"},
             )
+
+    async def serve(
+        request: Request, req: Sampling, ids: list[int], kind: str, prefix: str, tooling: Tooling | None = None
+    ):
+        refuse_when_full()  # again: the queue may have filled while this request was tokenized
+        job = make_job(req, ids, backend, settings)
+        job.constraint = await asyncio.to_thread(constraint_of, req, backend, tooling)
         started, route = time.monotonic(), request.url.path
         job.deadline = job.submitted + limits.queue_timeout_s
         events: asyncio.Queue = asyncio.Queue()
@@ -821,6 +828,17 @@ def tools_of(req: ChatRequest, backend: Backend) -> Tooling | None:
         if req.tool_choice not in (None, "none", "auto"):
             raise ApiError(400, "tool_choice needs tools: list the functions it may call.", param="tool_choice")
         return None
+    from ladle.serve.structured import MAX_SCHEMA_CHARS
+
+    size = len(json.dumps([t.model_dump(exclude_none=True) for t in req.tools]))
+    if size > MAX_SCHEMA_CHARS:  # rendered into the prompt and, when forced, compiled into a grammar
+        raise ApiError(
+            400,
+            f"tools is {size} characters of JSON; this server takes at most {MAX_SCHEMA_CHARS} (the functions' "
+            "names, descriptions and parameter schemas together). Send fewer or smaller functions.",
+            param="tools",
+            code="tools_too_large",
+        )
     try:
         fmt = tools_api.format_of(getattr(getattr(backend, "tokenizer", None), "chat_template", None))
         return Tooling(fmt, tools_api.chosen(req.tools, req.tool_choice))

@@ -112,11 +112,27 @@ def adapters_disabled(model):
             layer.enable_adapters(True)
 
 
+def disable_dropout(model) -> str:
+    """Every dropout of ``model`` set to 0 (``training.preference.disable_dropout``, TRL's ``disable_dropout``):
+    its ``nn.Dropout`` layers (LoRA's ``lora_dropout`` among them) and the attention modules' dropout rates,
+    which transformers' attention reads as a float. What was turned off, in words."""
+    layers = rates = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p:
+            module.p, layers = 0.0, layers + 1
+        if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout:
+            module.attention_dropout, rates = 0.0, rates + 1
+    if not (layers or rates):
+        return "off: the model has none"
+    return f"off: {layers} dropout layer(s) and {rates} attention dropout rate(s) set to 0"
+
+
 class PairLoss:
     """The loss function the runtimes call (``loss_fn(model, data, rows, device) -> (summed loss, pairs)``),
     and the reward statistics of the rows it saw since ``take_stats``."""
 
     handles_sharded_ends = True  # computes per-token log-probabilities through ``ladle_vocab`` itself
+    records_rows = True  # keeps each row's rewards: an evaluation's repeated batch is run with record=False
 
     def __init__(
         self, loss: str, beta: float, label_smoothing: float, gamma: float, reference: str, sft_weight: float = 0.0
@@ -136,12 +152,15 @@ class PairLoss:
         pref = cfg.training.preference
         return cls(pref.loss, pref.beta, pref.label_smoothing, pref.simpo_gamma, plan_reference, pref.sft_weight)
 
-    def __call__(self, model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, int]:
+    def __call__(
+        self, model, data: dict[str, torch.Tensor], rows: list[int], device, record: bool = True
+    ) -> tuple[torch.Tensor, int]:
         logps, counts = pair_logps(model, data, rows, device)
         reference = self.reference_logps(model, data, rows, device)
         losses, rewards = self.losses(logps, counts, reference)
-        for row, (chosen, rejected) in zip(rows, rewards.tolist(), strict=True):
-            self.stats[row] = (chosen, rejected)  # a row seen twice (an eval's repeated batch) counts once
+        if record:  # not an evaluation's repeated batch: another rank's row would be counted twice
+            for row, (chosen, rejected) in zip(rows, rewards.tolist(), strict=True):
+                self.stats[row] = (chosen, rejected)
         return losses.sum(), len(rows)
 
     def reference_logps(self, model, data, rows: list[int], device) -> torch.Tensor | None:
@@ -233,22 +252,21 @@ def reference_table(
     on CPU, the same on every rank): the ``needed`` rows (all by default; NaN for the others), each data-parallel
     rank scoring its share, every rank running the same number of forwards (a sharded forward is a collective), a
     sum over ranks assembling the table."""
+    from ladle.train.runtime.base import even_batches
+
     rank, replicas = runtime.data_parallel(accelerator)
     rows = len(data["input_ids"])
     if rows == 0:  # an empty split (no eval rows)
         return torch.zeros((0, 2), dtype=torch.float64)
     needed = list(range(rows)) if needed is None else needed
-    mine = needed[rank::replicas]
-    most = -(-len(needed) // replicas)
     table = torch.zeros((rows, 2), dtype=torch.float64, device=accelerator.device)
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for start in range(0, most, micro):
-            chunk = mine[start : start + micro]
-            logps, _ = pair_logps(model, data, chunk or mine[-micro:] or [0], accelerator.device)
-            if chunk:
-                table[torch.tensor(chunk, device=accelerator.device)] = logps.double()
+        for batch, counted in even_batches(needed, rank, replicas, micro):
+            logps, _ = pair_logps(model, data, batch, accelerator.device)
+            if counted:
+                table[torch.tensor(batch, device=accelerator.device)] = logps.double()
     model.train(was_training)
     if accelerator.num_processes > 1:
         table = accelerator.reduce(table, reduction="sum")

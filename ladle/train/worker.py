@@ -15,6 +15,7 @@ alone writes progress lines, MLflow metrics, checkpoints and outputs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -120,6 +121,8 @@ def load_model(spec: TrainSpec, accelerator: Accelerator):
         )
         loading.init_adapters(model, cfg.training.seed)
         ran["lora_compute"] = kernels.lora_in_run_dtype(model, plan.kernels, plan.strategy, plan.device)
+    if cfg.training.objective == "dpo" and cfg.training.preference.disable_dropout:
+        ran["dropout"] = preference.disable_dropout(model)  # before compiling: the graphs see p = 0
     ran["compile"] = kernels.compile_blocks(model, plan.kernels, plan.strategy)
     if pending is not None:
         pending.values = loading.kept_values(model)
@@ -170,10 +173,8 @@ def with_reference(spec: TrainSpec, accelerator: Accelerator, model, loss_fn, sp
         return (loss_fn.reference if isinstance(loss_fn, preference.PairLoss) else "off"), False
     url = storage.join(spec.run_url, preference.REFERENCE_FILE)
     stored = storage.read_json(url) if storage.exists(url) else None
-    if stored is not None and stored.get("dataset") == spec.dataset.fingerprint:
-        for name, data in splits.items():
-            data["reference"] = torch.tensor(stored[name], dtype=torch.float64)
-        return "precomputed: read from this run's earlier attempt", False
+    if stored is not None and stored.get("dataset") != spec.dataset.fingerprint:
+        stored = None  # another prepared dataset: its rows are other pairs
     plan, cfg = spec.plan, spec.config
     micro = plan.eval_micro_batch_size or plan.micro_batch_size
     runtime = runtime_for(plan.strategy)
@@ -182,15 +183,37 @@ def with_reference(spec: TrainSpec, accelerator: Accelerator, model, loss_fn, sp
     steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
     # A run that ends within its first epoch reads only some rows: only those are scored.
     needed = {"train": schedule.rows_visited(steps, rows, plan.global_batch_size, cfg.training.seed)}
+    # An earlier attempt's table serves the rows it scored; the rows this attempt reads that it did not (more
+    # steps, another global batch) are scored now, by the model as loaded, still the reference: the checkpoint
+    # is loaded after this. Every rank reads the same file, so every rank decides the same.
+    missing, reused = {}, 0
+    for name, data in splits.items():
+        count = len(data["input_ids"])
+        table = torch.tensor(stored[name], dtype=torch.float64) if stored and name in stored else None
+        if table is not None and tuple(table.shape) != (count, 2):
+            table = None
+        if table is None:
+            table = torch.full((count, 2), float("nan"), dtype=torch.float64)
+        wanted = needed.get(name, range(count))
+        missing[name] = [r for r in wanted if torch.isnan(table[r]).any()]
+        reused += len(wanted) - len(missing[name])
+        data["reference"] = table
+    if not any(missing.values()):
+        return "precomputed: read from this run's earlier attempt", False
     began = time.perf_counter()
     for name, data in splits.items():
-        data["reference"] = preference.reference_table(accelerator, model, data, micro, runtime, needed.get(name))
+        if missing[name]:
+            fresh = preference.reference_table(accelerator, model, data, micro, runtime, missing[name])
+            data["reference"][missing[name]] = fresh[missing[name]]
     seconds = time.perf_counter() - began
     if accelerator.is_main_process:
         body = {name: data["reference"].tolist() for name, data in splits.items()}
         storage.write_json(url, {"dataset": spec.dataset.fingerprint, **body})
-    scored = len(needed["train"]) + len(splits["eval"]["input_ids"])
-    return f"precomputed: {scored} pair rows in {seconds:.1f} s before the first step", True
+    scored = sum(len(m) for m in missing.values())
+    said = f"precomputed: {scored} pair rows in {seconds:.1f} s before the first step"
+    if reused:
+        return f"{said}, {reused} read from this run's earlier attempt", False
+    return said, True
 
 
 def build_optimizer(model, cfg) -> torch.optim.Optimizer:
@@ -215,10 +238,24 @@ def train_step(accelerator, model, optimizer, scheduler, data, step: int, spec: 
     denominator = len(batch) if pairs else max(trained_tokens(data, batch), 1)
     runtime = runtime_for(plan.strategy)
     local_sum = runtime.forward_backward(accelerator, model, data, batch, plan, denominator, loss_fn)
+    # The loss every rank agrees on, before the step: a non-finite one stops the run on every rank with its
+    # weights as they were (its gradients would make every later step NaN too), the last checkpoint kept.
+    total = accelerator.reduce(torch.tensor([local_sum], dtype=torch.float64, device=accelerator.device), "sum")
+    loss = float(total[0]) / denominator
+    if not math.isfinite(loss):
+        raise NonFiniteLoss(
+            f"the training loss of step {step + 1} is {loss}: its gradients were not applied and the run stops "
+            "here (a retry resumes from its last complete checkpoint). Usual causes: training.lr too high for "
+            "this model (lower it), float16 overflow (training.dtype: bfloat16), or rows without a trained "
+            "token. Lower training.lr or set training.max_grad_norm, then run again."
+        )
     runtime.optimizer_step(accelerator, model, optimizer, cfg.training.max_grad_norm)
     scheduler.step()
-    total = accelerator.reduce(torch.tensor([local_sum], dtype=torch.float64, device=accelerator.device), "sum")
-    return float(total[0]) / denominator
+    return loss
+
+
+class NonFiniteLoss(RuntimeError):
+    """A step's loss was NaN or infinite: the run stops before applying it."""
 
 
 def mlflow_logger(spec: TrainSpec, accelerator: Accelerator):

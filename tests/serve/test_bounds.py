@@ -96,7 +96,12 @@ def test_oversized_bodies_get_413_before_they_are_read(backend):
         running.stop()
 
 
-def test_a_full_queue_gets_429_and_a_late_request_503(backend, gated):
+def test_a_full_queue_gets_429_and_a_late_request_503(backend, gated, monkeypatch):
+    from ladle.serve import server as server_module
+
+    compiled = []
+    real = server_module.constraint_of
+    monkeypatch.setattr(server_module, "constraint_of", lambda *a: compiled.append(a) or real(*a))
     running = serving(backend, max_queue=1, queue_timeout_s=0.5)
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -107,9 +112,13 @@ def test_a_full_queue_gets_429_and_a_late_request_503(backend, gated):
             while backend.engine.depth() < 1:
                 assert time.monotonic() < deadline, "the second request never queued"
                 time.sleep(0.02)
-            full = httpx.post(f"{running.url}{CHAT}", json=body("third"), timeout=30)
+            before = len(compiled)
+            schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}}
+            shaped = {**body("third"), "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+            full = httpx.post(f"{running.url}{CHAT}", json=shaped, timeout=30)
             assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
             assert full.json()["error"]["code"] == "queue_full"
+            assert len(compiled) == before  # refused before its grammar cost the server anything
             time.sleep(0.8)  # past the second one's queue deadline
             gated.open.set()
             assert first.result().status_code == 200
@@ -117,6 +126,22 @@ def test_a_full_queue_gets_429_and_a_late_request_503(backend, gated):
         assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
         assert late.json()["error"]["code"] == "queue_timeout"
         assert "serve.limits.queue_timeout_s" in late.json()["error"]["message"]
+    finally:
+        running.stop()
+
+
+def test_tools_larger_than_a_schema_may_be_are_refused_naming_the_field(backend):
+    running = serving(backend)
+    try:
+        huge = {
+            "type": "object",
+            "properties": {f"p{i}": {"type": "string", "description": "x" * 200} for i in range(600)},
+        }
+        tool = {"type": "function", "function": {"name": "f", "parameters": huge}}
+        answer = httpx.post(f"{running.url}{CHAT}", json={**body("x"), "tools": [tool]}, timeout=30)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert (error["param"], error["code"]) == ("tools", "tools_too_large") and "at most 100000" in error["message"]
     finally:
         running.stop()
 

@@ -8,6 +8,7 @@ trainer, equals ``CPOTrainer.cpo_loss`` on log-probabilities computed side by si
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -175,6 +176,64 @@ def test_loss_and_lora_gradients_equal_trl_dpo_trainer(trl_trainer, fast_paths, 
     assert stats["reward_margin"] == pytest.approx(stats["rewards_chosen"] - stats["rewards_rejected"], abs=1e-9)
 
 
+def test_dropout_is_off_for_the_policy_as_trls_disable_dropout_does():
+    """With LoRA dropout and attention dropout in the model, the policy's log-probabilities in train mode were
+    noisy against a reference scored in eval mode; with dropout off they equal the eval-mode ones, every call."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ladle.train.preference import disable_dropout, pair_logps
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.3,
+        attn_implementation="sdpa",
+    )
+    lora = LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.3, init_lora_weights=False)
+    model = get_peft_model(LlamaForCausalLM(config).float(), lora)
+    data = pair_data()
+    model.eval()
+    with torch.no_grad():
+        reference = pair_logps(model, data, [0, 1, 2], "cpu")[0]
+        model.train()
+        assert not torch.equal(pair_logps(model, data, [0, 1, 2], "cpu")[0], reference)  # dropout on: noise
+        said = disable_dropout(model)
+        assert said == "off: 14 dropout layer(s) and 2 attention dropout rate(s) set to 0", said
+        for _ in range(2):
+            assert torch.equal(pair_logps(model, data, [0, 1, 2], "cpu")[0], reference)
+    assert disable_dropout(model) == "off: the model has none"
+
+
+def test_a_rank_without_eval_rows_counts_no_pair_of_anothers():
+    """Two replicas, three held-out pairs: rank 1 holds one, and its second forward repeats a batch to keep the
+    ranks in step (a sharded forward is a collective); it must count only its own pair. With one pair, rank 1 has
+    none and its forward scores another rank's row: it counts nothing (that row was counted twice before)."""
+
+    from ladle.train.preference import PairLoss
+    from ladle.train.runtime.base import runtime_for
+
+    class Rank1:
+        process_index, num_processes, device = 1, 2, "cpu"
+
+        def reduce(self, tensor, reduction):
+            return tensor
+
+    model = tiny_lora_model()
+    data = pair_data()
+    runtime = runtime_for("ddp")
+    for rows, own in ((3, {1}), (1, set())):
+        part = {k: v[:rows] for k, v in data.items()}
+        loss_fn = PairLoss("simpo", 2.0, 0.0, 0.5, "auto")  # no reference needed
+        runtime.evaluate(Rank1(), model, part, 1, loss_fn)
+        assert set(loss_fn.stats) == own, (rows, loss_fn.stats)
+
+
 def test_simpo_equals_trl_cpo_loss():
     """SimPO (reference-free): ladle's loss equals TRL's CPO trainer's ``cpo_loss`` (loss_type simpo) applied to
     per-token average log-probabilities computed one side at a time, unpacked."""
@@ -280,3 +339,11 @@ def test_full_fine_tune_under_zero3_resumes_with_its_stored_reference(tmp_path):
     assert again.resumed_from_step == 2
     assert again.kernels["reference"] == "precomputed: read from this run's earlier attempt"
     assert again.train_losses == pytest.approx(first.train_losses, rel=1e-4)
+    # Run on for more steps: they read rows the first attempt never scored. Those are scored now (by the model
+    # as loaded, the reference), the rest read back; no NaN row reaches a step.
+    longer = spec.config.model_copy(deep=True)
+    longer.training.max_steps = 6
+    more = launch_all({"full": spec.model_copy(update={"config": longer})})["full"]
+    said = more.kernels["reference"]
+    assert said.startswith("precomputed: ") and "read from this run's earlier attempt" in said, said
+    assert all(math.isfinite(loss) for loss in more.train_losses) and len(more.train_losses) >= 3, more.train_losses

@@ -159,15 +159,16 @@ class Runtime(ABC):
         loss_fn = vocab_parallel_loss(model, loss_fn)
         rank, replicas = self.data_parallel(accelerator)
         rows = len(data["input_ids"])
-        mine = list(range(rank, rows, replicas))
-        most = -(-rows // replicas)  # rows of the fullest rank
         total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
         with torch.no_grad():
-            for start in range(0, most, micro):
-                chunk = mine[start : start + micro]
-                loss, count = loss_fn(model, data, chunk or mine[-micro:] or [0], accelerator.device)
-                if chunk:
+            for batch, counted in even_batches(list(range(rows)), rank, replicas, micro):
+                if counted:
+                    loss, count = loss_fn(model, data, batch, accelerator.device)
                     total += torch.tensor([loss.item(), count], dtype=torch.float64, device=accelerator.device)
+                elif getattr(loss_fn, "records_rows", False):  # a pair loss keeps each row's rewards: not these
+                    loss_fn(model, data, batch, accelerator.device, record=False)
+                else:
+                    loss_fn(model, data, batch, accelerator.device)
         total = accelerator.reduce(total, reduction="sum")  # every rank of a replica adds the same totals
         return float(total[0] / max(total[1], 1))
 
@@ -205,6 +206,18 @@ class Runtime(ABC):
         while isinstance(model, DistributedDataParallel | DataParallel):
             model = model.module
         return model
+
+
+def even_batches(rows: list[int], rank: int, replicas: int, micro: int):
+    """This rank's share of ``rows`` (every ``replicas``-th from ``rank``) in micro-batches, as ``(batch,
+    counted)``, with as many batches on every rank: a sharded model's forward is a collective (FSDP2 and ZeRO-3
+    gather each layer), so a rank with one batch fewer would leave the others waiting forever. A rank out of rows
+    runs its last batch again (or, with none, the first row) and must not count it."""
+    mine = rows[rank::replicas]
+    most = -(-len(rows) // replicas)  # rows of the fullest rank
+    for start in range(0, most, micro):
+        chunk = mine[start : start + micro]
+        yield (chunk, True) if chunk else (mine[-micro:] or rows[:1] or [0], False)
 
 
 def vocab_parallel_loss(model, loss_fn):
