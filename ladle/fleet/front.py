@@ -110,8 +110,13 @@ async def until_gone(request: Request, sending):
     if send in done:
         return send.result()
     send.cancel()
-    with contextlib.suppress(BaseException):
-        await send
+    try:
+        await send  # let the send finish cancelling (its connection released)
+    except asyncio.CancelledError:
+        if (task := asyncio.current_task()) is not None and task.cancelling():
+            raise  # this handler itself is being cancelled (the front shutting down): never swallowed
+    except Exception:  # noqa: BLE001 - the send's own failure: the client is gone either way
+        pass
     raise ClientGone
 
 

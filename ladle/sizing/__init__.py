@@ -64,6 +64,7 @@ class ModelShape:
     vocab: int
     embedding_params: int  # input embedding + untied head
     layer_params: int  # one decoder layer (the unit FSDP2/ZeRO-3 gathers)
+    kv_heads: int = 0  # key/value heads (0: as many as the query heads)
 
     @property
     def linear_params(self) -> int:
@@ -124,6 +125,7 @@ def shape_from_config(config: dict, trainable: int | None = None) -> ModelShape:
         config["vocab_size"],
         embed,
         (total - embed) // max(n, 1),
+        config.get("num_key_value_heads") or heads,
     )
 
 
@@ -142,15 +144,24 @@ def activation_bytes(shape: ModelShape, tokens: int, layers: int, dtype_bytes: i
     return layers * full
 
 
-def all_to_all_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
+def kv_repeats(heads: int, kv_heads: int, sp: int) -> int:
+    """How many times each KV head is repeated so the KV heads divide by ``sp`` and still map onto the query
+    heads group by group (the smallest such factor; ``heads / kv_heads`` at most, plain multi-head attention)."""
+    groups = heads // kv_heads
+    return next((f for f in range(1, groups + 1) if not groups % f and not (kv_heads * f) % sp), groups)
+
+
+def all_to_all_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, sp: int = 1) -> int:
     """Ulysses' buffers beyond the activations a layer saves, on a rank holding ``tokens`` tokens: at the peak (the
     start of the backward) the last layer's exchange of the output gradient and of q, k and v's gradients back,
     one send and one receive copy each side of the attention: q + k + v + o once. What attention saves (q, k, v
     over the whole sequence and ``heads / sp`` heads) is the same size as without sp, and is in the per-token
     coefficients. On CPU processes (glibc, large blocks as their own mappings) the measured peak per rank at sp=2
     was the whole-row peak at half the row to 1 % (``bench/sequence_parallel.py``): the buffers of earlier
-    layers are freed before the peak."""
-    return (2 * shape.hidden + 2 * shape.kv_dim) * tokens * dtype_bytes  # q and o are hidden wide, k and v kv_dim
+    layers are freed before the peak. KV heads that do not divide by ``sp`` are exchanged repeated
+    (``kv_repeats``), so k and v are that many times wider in the exchange."""
+    repeat = kv_repeats(shape.heads, shape.kv_heads or shape.heads, sp) if sp > 1 else 1
+    return (2 * shape.hidden + 2 * shape.kv_dim * repeat) * tokens * dtype_bytes  # q, o hidden wide; k, v kv_dim
 
 
 def logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, chunk_bytes: int = 0, liger: bool = False) -> int:

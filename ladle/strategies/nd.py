@@ -330,7 +330,7 @@ class ND(Strategy):
         acts = in_flight * sizing.activation_bytes(split, tokens, layers, job.dtype_bytes, job.checkpointing)
         note = f"mesh {dims.describe()}: {layers} layers per stage, {in_flight} microbatch(es) in flight"
         if dims.sp > 1:
-            acts += sizing.all_to_all_bytes(s, tokens, job.dtype_bytes)
+            acts += sizing.all_to_all_bytes(s, tokens, job.dtype_bytes, dims.sp)
             note += f"; sp={dims.sp}: {tokens} tokens per rank, one layer's all-to-all buffers"
         return acts, note
 

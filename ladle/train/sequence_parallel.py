@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.nn.functional import all_to_all_single
 
 from ladle.data.packing import IGNORE
+from ladle.sizing import kv_repeats
 from ladle.strategies.attention import unsupported
 
 NAME = "ladle_ulysses"
@@ -105,13 +106,6 @@ class Ulysses:
         """What ran, in words (the result's ``sequence_parallel``)."""
         padded = f"; {self.padded} padding tokens added to make rows divide" if self.padded else ""
         return f"on: Ulysses sp={self.size}, {self.rows} row slices, {self.exchanges} all-to-alls{padded}"
-
-
-def kv_repeats(heads: int, kv_heads: int, sp: int) -> int:
-    """How many times each KV head is repeated so the KV heads divide by ``sp`` and still map onto the query
-    heads group by group (the smallest such factor; ``heads / kv_heads`` at most, plain multi-head attention)."""
-    groups = heads // kv_heads
-    return next(f for f in range(1, groups + 1) if not groups % f and not (kv_heads * f) % sp)
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

@@ -43,3 +43,36 @@ def test_the_front_answers_its_upstreams_readiness_with_its_status_code():
     finally:
         front.stop()
         upstream.stop()
+
+
+def test_a_front_shutting_down_is_not_swallowed_while_it_drops_a_gone_clients_request():
+    """The client hung up: the front cancels the upstream request and waits for it to let go. If the front
+    itself is cancelled meanwhile (it is stopping), that cancellation goes on up; it used to be swallowed."""
+    import asyncio
+
+    import pytest
+
+    from ladle.fleet.front import ClientGone, until_gone
+
+    class Gone:
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    async def upstream(slow_release: bool):
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            if slow_release:
+                await asyncio.sleep(0.5)  # closing its connection takes a moment
+            raise
+
+    async def scenario():
+        with pytest.raises(ClientGone):
+            await until_gone(Gone(), upstream(False))
+        handler = asyncio.ensure_future(until_gone(Gone(), upstream(True)))
+        await asyncio.sleep(0.1)  # the disconnect seen, the upstream request letting go
+        handler.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+
+    asyncio.run(scenario())

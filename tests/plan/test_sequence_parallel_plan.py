@@ -60,8 +60,8 @@ def test_activations_per_rank_divide_by_sp(tiny_model):
         job = sizing_job(cfg, local_model_config(cfg), Target("cpu", 4, 1, "float32"), 4)
         sizes.append(nd.activations(job, nd.options(cfg))[0])
     # seq_len / sp tokens per rank (4 rows x 1024 tokens: 2048, then 1024), plus one layer's all-to-all buffers
-    assert sizes[1] == sizes[0] // 2 + all_to_all_bytes(job.shape, 2048, 4)
-    assert sizes[2] == sizes[0] // 4 + all_to_all_bytes(job.shape, 1024, 4)
+    assert sizes[1] == sizes[0] // 2 + all_to_all_bytes(job.shape, 2048, 4, sp=2)
+    assert sizes[2] == sizes[0] // 4 + all_to_all_bytes(job.shape, 1024, 4, sp=4)  # 2 KV heads: repeated
 
 
 @pytest.mark.parametrize(
@@ -122,3 +122,18 @@ def test_padding_free_and_packed_attention_may_be_asked_with_sp_but_not_with_pip
     assert made.kernels["padding_free"] is True and made.kernels["packed_attention"] == "on"
     text = problems("parallelism.dims.pp=2", "training.kernels.padding_free=true")
     assert "training.kernels.padding_free = true with parallelism.strategy = nd" in text
+
+
+def test_all_to_all_buffers_count_the_repeated_kv_heads():
+    """8 query heads and 2 KV heads at sp=4: each KV head is exchanged twice (``kv_repeats``), so k and v are
+    twice as wide in the all-to-all as in the model; at sp=2 they divide and go as they are."""
+    import dataclasses
+
+    from ladle.sizing import ModelShape, all_to_all_bytes, kv_repeats
+
+    shape = ModelShape(0, 0, 2, 512, 1024, kv_dim=128, heads=8, vocab=100, embedding_params=0, layer_params=0)
+    gqa = dataclasses.replace(shape, kv_heads=2)
+    assert (kv_repeats(8, 2, 4), kv_repeats(8, 2, 2), kv_repeats(8, 1, 4)) == (2, 1, 4)
+    assert all_to_all_bytes(gqa, 100, 2, sp=4) == (2 * 512 + 2 * 128 * 2) * 100 * 2
+    assert all_to_all_bytes(gqa, 100, 2, sp=2) == (2 * 512 + 2 * 128) * 100 * 2
+    assert all_to_all_bytes(shape, 100, 2, sp=4) == (2 * 512 + 2 * 128) * 100 * 2  # kv_heads 0: as many as heads

@@ -114,7 +114,10 @@ def test_a_full_queue_gets_429_and_a_late_request_503(backend, gated, monkeypatc
                 time.sleep(0.02)
             before = len(compiled)
             schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}}
-            shaped = {**body("third"), "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+            shaped = {
+                **body("third"),
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+            }
             full = httpx.post(f"{running.url}{CHAT}", json=shaped, timeout=30)
             assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
             assert full.json()["error"]["code"] == "queue_full"
