@@ -5,8 +5,12 @@ Shapes read (one row each):
 
 - ``prompt`` / ``chosen`` / ``rejected`` as strings (TRL's standard form); the prompt may be a message list and
   each side a message list or one turn;
-- ``chosen`` / ``rejected`` as whole conversations sharing a prompt prefix (the HH-RLHF and UltraFeedback shapes):
-  the longest common prefix of turns is the prompt, the rest of each is its completion;
+- ``chosen`` / ``rejected`` as whole conversations sharing a prompt prefix: the longest common prefix of turns is
+  the prompt, the rest of each is its completion;
+- UltraFeedback-binarized's: ``prompt`` as a string (or turns) beside ``chosen`` / ``rejected`` as whole
+  conversations that begin with that prompt's turns: the prompt they repeat is the prompt they share;
+- HH-RLHF's plain text: ``chosen`` / ``rejected`` as ``"\n\nHuman: ...\n\nAssistant: ..."`` transcripts, read
+  into turns, then as whole conversations;
 - ShareGPT: ``conversations`` (the prompt) with ``chosen`` / ``rejected`` final turns (``{from, value}``,
   ``{role, content}`` or a string).
 
@@ -24,6 +28,7 @@ forward as one batch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ladle.data.formats import SHAREGPT_ROLES, Chat, Messages, RowError
@@ -104,15 +109,23 @@ def parse_pair(row: dict) -> Pair:
         else:
             prompt = _sharegpt(row["conversations"])
         chosen, rejected = _turns(row["chosen"], "chosen"), _turns(row["rejected"], "rejected")
+        # UltraFeedback's shape: each side is the whole conversation, the prompt's turns repeated first
+        if chosen[: len(prompt)] == prompt and rejected[: len(prompt)] == prompt:
+            chosen, rejected = chosen[len(prompt) :], rejected[len(prompt) :]
+        for side, turns in (("chosen", chosen), ("rejected", rejected)):
+            if turns and turns[0]["role"] != "assistant":
+                raise RowError(
+                    f"{side} begins with a {turns[0]['role']} turn after the prompt: each side must continue the "
+                    "prompt with the assistant's answer. When chosen and rejected are whole conversations, their "
+                    "first turns must repeat the prompt exactly (or leave the `prompt` field out)"
+                )
     else:
         whole = {}
         for side in ("chosen", "rejected"):
             if isinstance(row[side], str):
-                raise RowError(
-                    f"{side} is a string and the row has no prompt: give a `prompt` field, or chosen/rejected as "
-                    "message lists sharing the prompt's turns"
-                )
-            whole[side] = _turns(row[side], side)
+                whole[side] = _transcript(row[side], side)
+            else:
+                whole[side] = _turns(row[side], side)
         shared = 0
         while (
             shared < min(len(whole["chosen"]), len(whole["rejected"])) - 1
@@ -133,6 +146,21 @@ def parse_pair(row: dict) -> Pair:
     if chosen == rejected:
         raise RowError("chosen equals rejected: the pair prefers nothing")
     return Pair(prompt, chosen, rejected, tools if isinstance(tools, list) else None)
+
+
+TRANSCRIPT_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant): ")
+
+
+def _transcript(text: str, side: str) -> Messages:
+    """HH-RLHF's plain-text conversation (``"\n\nHuman: ...\n\nAssistant: ..."``) as turns."""
+    parts = TRANSCRIPT_TURN.split(text)
+    if len(parts) < 3 or parts[0].strip():
+        raise RowError(
+            f"{side} is a string and the row has no prompt: give a `prompt` field, chosen/rejected as message "
+            "lists sharing the prompt's turns, or HH-RLHF's transcript (\n\nHuman: ...\n\nAssistant: ...)"
+        )
+    roles = {"Human": "user", "Assistant": "assistant"}
+    return [{"role": roles[who], "content": said.strip()} for who, said in zip(parts[1::2], parts[2::2], strict=True)]
 
 
 def _sharegpt(turns) -> Messages:
@@ -165,7 +193,11 @@ def pair_texts(tokenizer, pair: Pair) -> tuple[str, str, str]:
     for side in ("chosen", "rejected"):
         whole = _render(tokenizer, [*pair.prompt, *getattr(pair, side)], pair.tools, prompt=False)
         if not whole.startswith(prompt):
-            raise RowError("chat template output is not prefix-stable; cannot locate the completion")
+            raise RowError(
+                f"the chat template renders the prompt followed by {side} differently from the prompt alone (its "
+                "generation prompt is not where the answer starts), so the answer cannot be located; check that "
+                f"{side} continues the prompt with one assistant answer"
+            )
         cut = whole.rfind(eos, len(prompt)) if eos else -1
         if cut < 0:
             raise RowError(f"{side}: the assistant turn does not end with the EOS token in the chat template")

@@ -39,8 +39,17 @@ def tokenizer(tiny_model):
             "chosen": {"from": "gpt", "value": "blue"},
             "rejected": {"from": "gpt", "value": "green"},
         },
+        {  # UltraFeedback-binarized: the prompt as a string, each side the whole conversation repeating it
+            "prompt": "Colour of the sky?",
+            "chosen": [*SKY, {"role": "assistant", "content": "blue"}],
+            "rejected": [*SKY, {"role": "assistant", "content": "green"}],
+        },
+        {  # HH-RLHF: plain-text transcripts
+            "chosen": "\n\nHuman: Colour of the sky?\n\nAssistant: blue",
+            "rejected": "\n\nHuman: Colour of the sky?\n\nAssistant: green",
+        },
     ],
-    ids=["strings", "turns", "shared-prefix", "sharegpt"],
+    ids=["strings", "turns", "shared-prefix", "sharegpt", "ultrafeedback", "hh-rlhf"],
 )
 def test_every_shape_reads_as_the_same_pair(row):
     pair = parse_pair(row)
@@ -56,8 +65,20 @@ def test_every_shape_reads_as_the_same_pair(row):
         ({"prompt": "q", "chosen": "a", "rejected": "a"}, "chosen equals rejected"),
         ({"prompt": "q", "chosen": "  ", "rejected": "b"}, "chosen is empty"),
         ({"chosen": "a", "rejected": "b"}, "give a `prompt` field"),
+        (  # whole conversations that do not repeat the prompt: named, not a template error
+            {
+                "prompt": "Colour of the sky?",
+                "chosen": [{"role": "user", "content": "Colour of the sea?"}, {"role": "assistant", "content": "b"}],
+                "rejected": [{"role": "user", "content": "Colour of the sea?"}, {"role": "assistant", "content": "g"}],
+            },
+            "chosen begins with a user turn after the prompt.*repeat the prompt exactly",
+        ),
         (
-            {"prompt": "q", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"},
+            {
+                "prompt": "q",
+                "chosen": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}],
+                "rejected": "b",
+            },
             "last turn must be the assistant",
         ),
     ],
@@ -123,6 +144,55 @@ def test_prepare_reports_drops_and_truncations(tiny_model, tmp_path):
     columns = read_rows(storage.read_bytes(storage.join(prepared.url, prepared.shards["train"][0])))
     assert all(len(ids) == 96 for ids in columns["input_ids"])
     assert prepared.fingerprint == fingerprint(cfg, tiny_model, "dpo") != fingerprint(cfg, tiny_model)
+
+
+PUBLIC_SHAPES = {
+    "trl-standard": lambda q, a, b: {"prompt": q, "chosen": a, "rejected": b},
+    "trl-conversational": lambda q, a, b: {
+        "prompt": [{"role": "user", "content": q}],
+        "chosen": [{"role": "assistant", "content": a}],
+        "rejected": [{"role": "assistant", "content": b}],
+    },
+    "trl-implicit-prompt": lambda q, a, b: {
+        "chosen": [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+        "rejected": [{"role": "user", "content": q}, {"role": "assistant", "content": b}],
+    },
+    "ultrafeedback-binarized": lambda q, a, b: {
+        "prompt": q,
+        "prompt_id": "0" * 64,
+        "chosen": [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+        "rejected": [{"role": "user", "content": q}, {"role": "assistant", "content": b}],
+        "score_chosen": 8.0,
+        "score_rejected": 3.5,
+    },
+    "hh-rlhf": lambda q, a, b: {
+        "chosen": f"\n\nHuman: {q}\n\nAssistant: {a}",
+        "rejected": f"\n\nHuman: {q}\n\nAssistant: {b}",
+    },
+}
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_every_public_preference_shape_prepares_to_the_same_rows(model, tiny_model, tmp_path):
+    """The same 12 pairs written in each public shape (TRL's three, UltraFeedback-binarized's, HH-RLHF's text)
+    prepare with no row dropped, to the very same token rows, under the tiny model's template and SmolLM2's (the
+    two DPO recipes' bases)."""
+    from ladle.assets import resolve_base
+
+    base = tiny_model if model == "tiny" else resolve_base("ladle://smollm2-135m-instruct", "float32")
+    pairs = [(f"What is {i} plus {i}?", f"It is {2 * i}.", f"It is {2 * i + 1}.") for i in range(12)]
+    rows = {}
+    for shape, write in PUBLIC_SHAPES.items():
+        path = tmp_path / f"{shape}.jsonl"
+        path.write_text("".join(json.dumps(write(*p)) + "\n" for p in pairs))
+        cfg = DataConfig(path=str(path), seq_len=64, eval_ratio=0.0, max_bad_fraction=0.0)
+        prepared = prepare(cfg, base, str(tmp_path / shape), objective="dpo")
+        assert prepared.report.format == "preference" and prepared.report.dropped == [], (shape, prepared.report)
+        assert prepared.report.train_examples == 12, shape
+        rows[shape] = read_rows(storage.read_bytes(storage.join(prepared.url, prepared.shards["train"][0])))
+    first = rows["trl-standard"]
+    for shape, columns in rows.items():
+        assert columns["input_ids"] == first["input_ids"] and columns["labels"] == first["labels"], shape
 
 
 def test_the_objective_and_the_rows_must_agree(tiny_model, tmp_path):
