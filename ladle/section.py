@@ -1,5 +1,5 @@
 """The base of every config section, shared by ``ladle.config``, the strategies' option sections and the
-serving limits (a field whose choices come from a registry: ``ladle.registry``)."""
+serving limits (a field whose choices come from a registry: ``ladle.pluggable``)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from ladle.registry import Registry
+from ladle.pluggable import Registry
 from ladle.section import Section
 
 SLURM_TIME = re.compile(r"^(UNLIMITED|INFINITE|\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(:\d{1,2}(:\d{1,2})?)?)$")
@@ -150,7 +150,7 @@ class KubernetesConfig(KubernetesPods):
 
 
 TARGETS: Registry = Registry("compute target", "compute.target", shipped="ladle.compute")
-"""The compute targets by name (``ladle.registry``'s shape, shared with the strategies and the serving backends):
+"""The compute targets by name (``ladle.pluggable``'s shape, shared with the strategies and the serving backends):
 ``ComputeTarget`` subclasses, registered by ``ladle.compute`` when it is imported. It lives with the config
 because the targets run what the config plans (they import it); the config only reads their names."""
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter, generate_latest
 from pydantic import ValidationError
@@ -36,7 +36,7 @@ from ladle.config import CanaryConfig
 from ladle.fleet.canary import Canary, challenger_alive
 from ladle.fleet.supervisor import Supervisor
 from ladle.platform.files import write_atomic
-from ladle.serve.guard import Guard
+from ladle.serve.guard import Guard, envelope
 from ladle.serve.limits import ServeLimits
 
 ADMIN_HEADER = "x-ladle-admin-token"
@@ -69,7 +69,7 @@ def read_record(name: str) -> dict | None:
 
 
 def error(status: int, message: str, kind: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+    return JSONResponse(envelope(message, kind, code), status)
 
 
 FRONT_TIMEOUT = httpx.Timeout(connect=5.0, read=900.0, write=60.0, pool=10.0)
@@ -79,6 +79,10 @@ how long a request waits for a connection when a thousand are open."""
 
 
 DEFAULT_BODY_BYTES = ServeLimits.model_fields["max_body_bytes"].default
+
+
+class NotAdmin(Exception):
+    """An admin route asked without the router's token (or not from this machine)."""
 
 
 class ClientGone(Exception):
@@ -210,6 +214,17 @@ class Front:
             )
             logging.getLogger("ladle.front").exception(self.state["broken"])
 
+    @property
+    def admin_only(self):
+        """The admin routes' one check, as a FastAPI dependency: the router's token from this machine, else 403
+        in OpenAI's envelope."""
+
+        def check(request: Request) -> None:
+            if not self.admin(request):
+                raise NotAdmin("admin routes need the router's token")
+
+        return Depends(check)
+
     def admin(self, request: Request) -> bool:
         host = request.client.host if request.client else ""
         return host in ("127.0.0.1", "::1") and secrets.compare_digest(
@@ -242,6 +257,7 @@ def create_app(
         await front.client.aclose()
 
     app = FastAPI(title=f"ladle front: {name}", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_exception_handler(NotAdmin, lambda request, exc: error(403, str(exc), "permission_error", "forbidden"))
     app.add_middleware(Guard, max_body_bytes=max_body_bytes)  # the front never holds an oversized body either
     app.state.supervisor = front.supervisor
     app.state.front = front.state
@@ -299,21 +315,17 @@ def add_probe_routes(app: FastAPI, front: Front) -> None:
 def add_upstream_routes(app: FastAPI, front: Front) -> None:
     """Admin: which server is behind the front, and swapping it."""
 
-    @app.get("/ladle/upstream")
-    def get_upstream(request: Request):
+    @app.get("/ladle/upstream", dependencies=[front.admin_only])
+    def get_upstream():
         """Admin: the server behind the front and the requests in flight per server."""
-        if not front.admin(request):
-            return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         return {"upstream": front.state["upstream"], "in_flight": dict(front.in_flight)}
 
-    @app.put("/ladle/upstream")
+    @app.put("/ladle/upstream", dependencies=[front.admin_only])
     async def put_upstream(request: Request):
         """Admin: swap to another server (``url``, ``version``, ``pid``, ``model_dir``; ``argv`` and ``log`` to
         restart it); answers once the old one has no request in flight or ``drain_timeout_s`` passed. With
         ``expect_url``, compare-and-set: 409 (and no swap) unless the front still serves that URL. A running
         canary ends, superseded."""
-        if not front.admin(request):
-            return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         body = await request.json()
         old = front.state["upstream"]
         if "expect_url" in body and (old or {}).get("url") != body["expect_url"]:
@@ -337,21 +349,17 @@ def add_upstream_routes(app: FastAPI, front: Front) -> None:
 def add_canary_routes(app: FastAPI, front: Front) -> None:
     """Admin: start, read, roll back and forget a canary."""
 
-    @app.get("/ladle/canary")
-    def get_canary(request: Request):
+    @app.get("/ladle/canary", dependencies=[front.admin_only])
+    def get_canary():
         """Admin: the canary's state: status, reason, limits and each arm's requests, errors and p95."""
-        if not front.admin(request):
-            return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         canary = front.state.get("canary")
         return {"canary": canary.summary() if canary else None}
 
-    @app.put("/ladle/canary")
+    @app.put("/ladle/canary", dependencies=[front.admin_only])
     async def put_canary(request: Request):
         """Admin: start a canary of the server in the body (as for a swap, plus ``limits``: promote.canary's
         fields) against the current one; the same version again answers its state, another while one is not
         finished 409."""
-        if not front.admin(request):
-            return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         body = await request.json()
         canary = front.state.get("canary")
         if canary is not None:
@@ -374,24 +382,20 @@ def add_canary_routes(app: FastAPI, front: Front) -> None:
         front.persist()
         return {"canary": front.state["canary"].summary()}
 
-    @app.patch("/ladle/canary")
-    def end_canary(request: Request, reason: str = "stopped by the operator"):
+    @app.patch("/ladle/canary", dependencies=[front.admin_only])
+    def end_canary(reason: str = "stopped by the operator"):
         """Admin: roll back a running canary with ``?reason=`` and keep its verdict for whoever follows it (an
         operator's rollback); its state."""
-        if not front.admin(request):
-            return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         canary = front.state.get("canary")
         if canary is not None and canary.status == "running":
             canary.end("rolled_back", reason)
             front.persist()
         return {"canary": canary.summary() if canary else None}
 
-    @app.delete("/ladle/canary")
-    def delete_canary(request: Request, reason: str = "stopped by the operator"):
+    @app.delete("/ladle/canary", dependencies=[front.admin_only])
+    def delete_canary(reason: str = "stopped by the operator"):
         """Admin: end the canary (one still running is rolled back with ``?reason=``) and forget it; its final
         state."""
-        if not front.admin(request):
-            return error(403, "admin routes need the router's token", "permission_error", "forbidden")
         canary = front.state.pop("canary", None)
         if canary is not None and canary.status == "running":
             canary.end("rolled_back", reason)

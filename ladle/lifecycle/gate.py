@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 
 from ladle.errors import LadleError
 from ladle.lifecycle.lock import champion_lock
+from ladle.lifecycle.mlflow_client import client, registry
 from ladle.lifecycle.promote import (
     CANARY_PENDING,
     Version,
@@ -19,7 +20,6 @@ from ladle.lifecycle.promote import (
     promote,
     register,
 )
-from ladle.lifecycle.registry import client, registry
 
 
 class Decision(BaseModel):

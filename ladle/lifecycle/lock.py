@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Iterator
 
 from ladle.errors import LadleError
-from ladle.lifecycle.registry import absent, client, registry
+from ladle.lifecycle.mlflow_client import absent, client, registry
 
 LOCK_SUFFIX = ".ladle-lock"
 LOCK_TTL_S = 120.0

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from ladle.errors import LadleError
 from ladle.lifecycle.lock import champion_lock
-from ladle.lifecycle.registry import REFUSALS, absent, client, registry, unreachable  # noqa: F401 - promote's API
+from ladle.lifecycle.mlflow_client import REFUSALS, absent, client, registry, unreachable  # noqa: F401 - promote's API
 from ladle.platform.secrets import redact_url
 
 CHAMPION = "champion"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from ladle.lifecycle.registry import absent, client, registry
+from ladle.lifecycle.mlflow_client import absent, client, registry
 
 RETRAINING_TAG = "ladle.retraining.last"
 

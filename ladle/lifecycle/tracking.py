@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from ladle.assets import ladle_home
 from ladle.config import LadleConfig, flatten
-from ladle.lifecycle import registry as mlflow_registry
+from ladle.lifecycle import mlflow_client as mlflow_registry
 from ladle.platform import secrets, storage
 from ladle.platform.secrets import redact, redact_url
 

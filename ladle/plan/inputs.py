@@ -101,7 +101,7 @@ def registered_version(cfg: LadleConfig):
     if not cfg.base.startswith(REGISTERED):
         return None
     from ladle.lifecycle import promote, tracking
-    from ladle.lifecycle.registry import absent, client, registry
+    from ladle.lifecycle.mlflow_client import absent, client, registry
 
     match = REGISTERED_FORM.fullmatch(cfg.base)
     if match is None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ladle.errors import LadleError
-from ladle.registry import Registry
+from ladle.pluggable import Registry
 
 
 class Backend(ABC):

@@ -10,6 +10,12 @@ import hmac
 from collections.abc import Callable
 
 
+def envelope(message: str, kind: str = "invalid_request_error", code: str | None = None, param: str | None = None):
+    """OpenAI's error envelope, the one shape every error of the model server and the front takes (a response's
+    body, or an event of a stream already begun)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 class Refused(Exception):
     """A request refused before the app saw it."""
 
@@ -20,8 +26,7 @@ class Refused(Exception):
     def response(self):
         from starlette.responses import JSONResponse
 
-        body = {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(envelope(self.message, self.kind, self.code), status_code=self.status)
 
 
 class Hungup(Exception):

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 from ladle.serve import tools as tools_api
 from ladle.serve.backends import Backend
 from ladle.serve.engine import Job
-from ladle.serve.guard import Guard
+from ladle.serve.guard import Guard, envelope
 from ladle.serve.limits import ServeLimits
 
 UNSUPPORTED = (
@@ -77,7 +77,7 @@ class ApiError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        body = envelope(self.message, self.kind, self.code, self.param)
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
@@ -691,7 +691,7 @@ def sse(payload: dict) -> str:
 
 def stream_error(exc: ApiError) -> str:
     """An error after the status line was sent: it goes in the stream, as OpenAI's streams carry one."""
-    return sse({"error": {"message": exc.message, "type": exc.kind, "param": None, "code": exc.code}})
+    return sse(envelope(exc.message, exc.kind, exc.code, exc.param))
 
 
 def not_on_backend(field: str, backend: Backend, why: str) -> ApiError:

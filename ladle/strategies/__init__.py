@@ -14,7 +14,7 @@ import importlib
 import pkgutil
 
 from ladle.strategies.base import Candidate, Strategy, Target
-from ladle.strategies.registry import REGISTRY, default, get, register, resolve, sections, unregister
+from ladle.strategies.catalog import REGISTRY, default, get, register, resolve, sections, unregister
 
 __all__ = [
     "REGISTRY",

@@ -10,7 +10,7 @@ from ladle import sizing
 from ladle.section import Section
 from ladle.sizing import memory
 from ladle.strategies.base import Candidate, Strategy, gathered_for_save
-from ladle.strategies.registry import register
+from ladle.strategies.catalog import register
 
 
 class DDPOptions(Section):

@@ -26,9 +26,9 @@ from pydantic import Field
 from ladle.section import Section
 from ladle.sizing import memory
 from ladle.strategies.base import Candidate, Strategy, gathered_for_save, weights_held
+from ladle.strategies.catalog import register
 from ladle.strategies.deepspeed_json import render_zero, render_zeropp, sub_group_elements, validate_with_deepspeed
 from ladle.strategies.mesh import Dims
-from ladle.strategies.registry import register
 
 
 class DeepSpeedOptions(Section):

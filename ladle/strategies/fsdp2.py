@@ -15,8 +15,8 @@ from pydantic import Field
 from ladle.section import Section
 from ladle.sizing import memory
 from ladle.strategies.base import Candidate, Strategy
+from ladle.strategies.catalog import register
 from ladle.strategies.mesh import Dims
-from ladle.strategies.registry import register
 
 
 class FSDP2Options(Section):

@@ -52,8 +52,8 @@ from ladle import sizing
 from ladle.section import Section
 from ladle.sizing import memory
 from ladle.strategies.base import Candidate, Strategy
+from ladle.strategies.catalog import register
 from ladle.strategies.mesh import ORDER, Dims, model_problems, resolve
-from ladle.strategies.registry import register
 
 Degree = Literal["auto"] | Annotated[int, Field(ge=1, le=1024)]
 

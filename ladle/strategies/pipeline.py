@@ -25,8 +25,8 @@ from ladle import sizing
 from ladle.section import Section
 from ladle.sizing import memory
 from ladle.strategies.base import Candidate, Strategy
+from ladle.strategies.catalog import register
 from ladle.strategies.mesh import Dims
-from ladle.strategies.registry import register
 
 
 class PipelineOptions(Section):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from ladle.sizing import memory
 from ladle.strategies.base import Strategy
+from ladle.strategies.catalog import register
 from ladle.strategies.mesh import Dims
-from ladle.strategies.registry import register
 
 
 class TensorParallel(Strategy):

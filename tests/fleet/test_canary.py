@@ -213,7 +213,14 @@ def test_a_slow_challenger_is_rolled_back_and_a_healthy_one_takes_all_traffic():
         assert set(send(front.url, 20)) == {(200, "2")}
         upstream = httpx.get(f"{front.url}/ladle/upstream", headers=ADMIN).json()["upstream"]
         assert upstream["version"] == "2"
-        assert httpx.put(f"{front.url}/ladle/canary", json={}, headers={}).status_code == 403
+        for method, path in [(m, "/ladle/canary") for m in ("GET", "PUT", "PATCH", "DELETE")] + [
+            ("GET", "/ladle/upstream"),
+            ("PUT", "/ladle/upstream"),
+        ]:  # every admin route, with a wrong token: refused before its body is read, in OpenAI's envelope
+            refused = httpx.request(method, f"{front.url}{path}", json={}, headers={"x-ladle-admin-token": "no"})
+            assert refused.status_code == 403, (method, path, refused.text)
+            assert refused.json()["error"]["type"] == "permission_error", (method, path)
+        assert httpx.get(f"{front.url}/ladle/canary", headers=ADMIN).json()["canary"]["status"] == "passed"
     finally:
         for server in running:
             server.stop()

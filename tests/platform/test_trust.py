@@ -177,7 +177,7 @@ def test_mlflows_client_sends_each_server_its_own_credentials(monkeypatch):
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
     from ladle.config import load_config
-    from ladle.lifecycle.registry import client
+    from ladle.lifecycle.mlflow_client import client
 
     for var in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
         monkeypatch.delenv(var, raising=False)

@@ -292,7 +292,7 @@ def test_one_registry_shape_for_strategies_backends_and_compute_targets():
     in the schema and the reference, found by ``compute.get``, and refused by name once gone."""
     from ladle import compute
     from ladle.compute.local import LocalTarget
-    from ladle.registry import Registry
+    from ladle.pluggable import Registry
 
     assert all(isinstance(r, Registry) for r in (strategies.REGISTRY, backends.REGISTRY, compute.TARGETS))
 

@@ -1,9 +1,9 @@
-"""The strategies' registry: the only place strategy names map to strategy objects (``ladle.registry``'s shape,
+"""The strategies' registry: the only place strategy names map to strategy objects (``ladle.pluggable``'s shape,
 shared with the serving backends and the compute targets)."""
 
 from __future__ import annotations
 
-from ladle.registry import Registry
+from ladle.pluggable import Registry
 from ladle.strategies.base import Strategy
 
 
