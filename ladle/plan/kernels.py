@@ -13,11 +13,17 @@ def with_trait(trait: str) -> list[str]:
 
 
 def decide(
-    kernels, strategy: str, device: str, dtype: str, fsdp2_compile: bool = False, whole_forward: bool | None = None
+    kernels,
+    strategy: str,
+    device: str,
+    dtype: str,
+    compile_asked: str | None = None,
+    whole_forward: bool | None = None,
 ) -> tuple[dict, list[str]]:
     """The plan's fast paths for ``strategy`` (its name) on ``device``: a dict the worker reads, and one reason
-    each. ``whole_forward``: whether each rank runs the whole forward with the strategy's options (its trait when
-    not given)."""
+    each. ``compile_asked``: the strategy's own option that asks for compiled blocks (``Strategy.compile_asked``);
+    ``whole_forward``: whether each rank runs the whole forward with the strategy's options (its trait when not
+    given)."""
     cuda = device == "cuda"
     traits = strategies.get(strategy)
     whole = traits.whole_forward if whole_forward is None else whole_forward
@@ -31,8 +37,8 @@ def decide(
     else:
         compile_on = bool(kernels.compile)
         why = "on (training.kernels.compile = true)" if compile_on else "off (training.kernels.compile = false)"
-    if fsdp2_compile and strategy == "fsdp2" and not compile_on:
-        compile_on, why = True, "on (parallelism.fsdp2.compile = true)"
+    if compile_asked and not compile_on:
+        compile_on, why = True, f"on ({compile_asked})"
     if kernels.fused_loss == "off" or not whole:
         loss = "off"
         loss_why = (

@@ -166,7 +166,7 @@ def build_plan(
         strategy.name,
         device,
         target.dtype,
-        fsdp2_compile=cfg.parallelism.fsdp2.compile,
+        compile_asked=strategy.compile_asked(options),
         whole_forward=strategy.runs_whole_forward(options),
     )
     plan.reasons += why

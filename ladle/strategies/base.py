@@ -111,6 +111,11 @@ class Strategy(ABC):
 
     # -- planner side: options ---------------------------------------------------------------------
 
+    def compile_asked(self, options: Section | None) -> str | None:
+        """The strategy option that asks for compiled blocks whatever ``training.kernels.compile`` says, named
+        as the config writes it (``parallelism.fsdp2.compile = true``), or None."""
+        return None
+
     def options(self, cfg: LadleConfig) -> Section | None:
         """This strategy's option section of ``cfg`` (None when it has none)."""
         return getattr(cfg.parallelism, self.options_section) if self.options_section else None

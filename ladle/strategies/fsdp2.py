@@ -97,6 +97,9 @@ class FSDP2(Strategy):
     options_section = "fsdp2"
     shards_tensors = True
 
+    def compile_asked(self, options) -> str | None:
+        return "parallelism.fsdp2.compile = true" if options is not None and options.compile else None
+
     def offload(self, options) -> tuple[bool, bool]:
         return options.cpu_offload, options.cpu_offload  # CPUOffloadPolicy moves parameters and optimizer state
 

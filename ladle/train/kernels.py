@@ -27,6 +27,7 @@ from typing import Any
 
 from ladle import strategies
 from ladle.plan.kernels import liger_importable
+from ladle.train import run_state
 
 # Model types whose causal-LM forward returns the head's output unchanged (no soft-capping or logit scale).
 PLAIN_HEAD_TYPES = (
@@ -123,7 +124,7 @@ def fused_head(model, decided: dict, device: str) -> str:
     mode = "liger" if wanted == "liger" or (wanted == "auto" and liger_ok) else "chunked"
     vocab = getattr(config, "vocab_size", 0) or 1
     chunk = max(1, decided.get("loss_chunk_mib", 256) * 2**20 // (4 * vocab))
-    FusedHead.install(head, mode, chunk)
+    run_state.on(model).fused = FusedHead.install(head, mode, chunk)
     return "liger fused linear cross-entropy" if mode == "liger" else f"chunked: {chunk} tokens at a time"
 
 
@@ -136,8 +137,6 @@ class FusedHead:
     labels handed over it is the plain head.
     """
 
-    ACTIVE: FusedHead | None = None
-
     def __init__(self, head, mode: str, chunk: int) -> None:
         self.head, self.mode, self.chunk = head, mode, chunk
         self.original = head.forward
@@ -149,7 +148,6 @@ class FusedHead:
     def install(cls, head, mode: str, chunk: int) -> FusedHead:
         fused = cls(head, mode, chunk)
         head.forward = fused.forward
-        cls.ACTIVE = fused
         return fused
 
     def run(self, model, ids, positions, labels, per_token: bool = False):

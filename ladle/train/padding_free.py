@@ -28,9 +28,8 @@ from ladle.data.packing import IGNORE
 
 
 class JoinRows:
-    """The worker's joiner (``ACTIVE`` while a run trains with padding-free micro-batches) and its tally."""
-
-    ACTIVE: JoinRows | None = None
+    """A run's joiner (on its model's ``ladle.train.run_state`` while it trains with padding-free
+    micro-batches) and its tally."""
 
     def __init__(self, per_token: float, per_pair: float, by_example: bool = False) -> None:
         self.per_token, self.per_pair, self.by_example = per_token, per_pair, by_example
@@ -94,17 +93,20 @@ class JoinRows:
         )
 
 
-def install(model_config, decided: dict, by_example: bool = False) -> str:
-    """Start joining micro-batches where the plan decided to; what runs, in words. ``by_example``: attention
-    runs example by example (``ladle.train.packed_attention``), so joining adds no attention pairs."""
-    JoinRows.ACTIVE = None
-    if not decided.get("padding_free"):
-        return "off"
-    JoinRows.ACTIVE = JoinRows.for_config(model_config, by_example)
-    return "on"
+def install(model, decided: dict, by_example: bool = False) -> str:
+    """Start joining ``model``'s micro-batches where the plan decided to; what runs, in words. ``by_example``:
+    attention runs example by example (``ladle.train.packed_attention``), so joining adds no attention pairs."""
+    from ladle.train import run_state
+
+    state = run_state.on(model)
+    state.joiner = JoinRows.for_config(model.config, by_example) if decided.get("padding_free") else None
+    return "on" if state.joiner is not None else "off"
 
 
-def report(ran: dict) -> None:
+def report(ran: dict, model) -> None:
     """Replace ``ran['padding_free']`` with the tally, once the steps have run."""
-    if JoinRows.ACTIVE is not None:
-        ran["padding_free"] = JoinRows.ACTIVE.summary()
+    from ladle.train import run_state
+
+    joiner = run_state.of(model).joiner
+    if joiner is not None:
+        ran["padding_free"] = joiner.summary()

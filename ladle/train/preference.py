@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ladle.data.packing import IGNORE
-from ladle.train.kernels import FusedHead
+from ladle.train import run_state
 from ladle.train.loss import batch_rows
 
 REFERENCE_FILE = "reference_logps.json"
@@ -55,7 +55,7 @@ def ranked_right(margins: torch.Tensor) -> torch.Tensor:
 def pair_logps(model, data: dict[str, torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Each pair's summed log-probability of its chosen and rejected completion (pairs x 2, float32, with the
     graph) and each side's completion tokens (pairs x 2), for the pair rows ``rows``."""
-    ids, labels, positions = batch_rows(data, rows, device)
+    ids, labels, positions = batch_rows(model, data, rows, device)
     targets = labels[:, 1:]
     keep = targets != IGNORE
     logps = token_logps(model, ids, labels, positions, keep)
@@ -81,7 +81,7 @@ def token_logps(model, ids, labels, positions, keep) -> torch.Tensor:
             return -vocab.token_losses(out, targets.reshape(-1))[keep.reshape(-1)]
         logits = out
     else:
-        fused = FusedHead.ACTIVE
+        fused = run_state.of(model).fused
         if fused is not None:
             return -fused.run(model, ids, positions, labels, per_token=True)
         logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits

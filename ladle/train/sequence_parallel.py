@@ -40,9 +40,8 @@ NAME = "ladle_ulysses"
 
 
 class Ulysses:
-    """The run's sequence-parallel group (``ACTIVE`` while a worker trains with sp > 1) and its tally."""
-
-    ACTIVE: Ulysses | None = None
+    """A run's sequence-parallel group (on its model's ``ladle.train.run_state``, and on each of its attention
+    layers as ``ladle_ulysses``, while it trains with sp > 1) and its tally."""
 
     def __init__(self, group) -> None:
         self.group = group
@@ -112,7 +111,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     """transformers' attention signature on a slice: (rows, heads, slice, dim) in, (rows, slice, heads, dim) out."""
     from ladle.train import packed_attention
 
-    ulysses = Ulysses.ACTIVE
+    ulysses = getattr(module, "ladle_ulysses", None)
     positions = kwargs.get("position_ids")
     if ulysses is None or positions is None:
         raise RuntimeError(
@@ -143,16 +142,25 @@ def install(model, group) -> str:
         raise RuntimeError(f"parallelism.dims.sp > 1: {why}. Set parallelism.dims.sp=1.")
     from transformers import AttentionInterface
 
-    Ulysses.ACTIVE = Ulysses(group)
+    from ladle.train import run_state
+
+    ulysses = Ulysses(group)
     heads = config.num_attention_heads
-    if heads % Ulysses.ACTIVE.size:
-        raise RuntimeError(f"parallelism.dims.sp = {Ulysses.ACTIVE.size} does not divide num_attention_heads = {heads}")
+    if heads % ulysses.size:
+        raise RuntimeError(f"parallelism.dims.sp = {ulysses.size} does not divide num_attention_heads = {heads}")
+    run_state.on(model).ulysses = ulysses
+    for module in model.modules():  # the attention layers transformers hands to ``attention`` as ``module``
+        if type(module).__name__.endswith("Attention"):
+            module.ladle_ulysses = ulysses
     AttentionInterface.register(NAME, attention)
     model.set_attn_implementation(NAME)
-    return f"on: Ulysses sp={Ulysses.ACTIVE.size}"
+    return f"on: Ulysses sp={ulysses.size}"
 
 
-def report(ran: dict) -> None:
+def report(ran: dict, model) -> None:
     """Replace ``ran['sequence_parallel']`` with the tally, once the steps have run."""
-    if Ulysses.ACTIVE is not None:
-        ran["sequence_parallel"] = Ulysses.ACTIVE.summary()
+    from ladle.train import run_state
+
+    ulysses = run_state.of(model).ulysses
+    if ulysses is not None:
+        ran["sequence_parallel"] = ulysses.summary()

@@ -38,6 +38,7 @@ from ladle.train import (
     packed_attention,
     padding_free,
     preference,
+    run_state,
     saving,
     schedule,
     sequence_parallel,
@@ -370,20 +371,19 @@ def setup(spec: TrainSpec) -> Session:
         raise RuntimeError(f"{rows} packed training rows cannot fill one global batch of {plan.global_batch_size}")
     steps = schedule.total_steps(rows, plan.global_batch_size, cfg.training.max_steps, cfg.training.epochs)
     model, pending, ran = load_model(spec, accelerator)
-    sequence_parallel.Ulysses.ACTIVE = None  # the runtime's wrap installs it where the plan splits sequences
     model, optimizer = runtime.wrap(accelerator, model, lambda m: build_optimizer(m, cfg), plan, pending)
     live = runtime.forward_model(accelerator, model)
     if getattr(model, "ladle_vocab", None) is not None:
         ran["fused_loss"] = "vocabulary-parallel (the ends stay sharded)"
     else:
         ran["fused_loss"] = kernels.fused_head(live, plan.kernels, plan.device)
-    if sequence_parallel.Ulysses.ACTIVE is not None:
+    if run_state.of(model).ulysses is not None:  # the runtime's wrap installs it where the plan splits sequences
         ran["sequence_parallel"] = "on"
         ran["packed_attention"] = "on: inside sequence-parallel attention, over the gathered sequence"
     else:
         ran["packed_attention"] = packed_attention.install(live, plan.kernels)
     by_example = ran["packed_attention"].startswith("on")
-    ran["padding_free"] = padding_free.install(live.config, plan.kernels, by_example)
+    ran["padding_free"] = padding_free.install(live, plan.kernels, by_example)
     if leftover := loading.meta_parameters(model):
         raise RuntimeError(f"{plan.strategy}: {len(leftover)} parameter(s) were never loaded, e.g. {leftover[0]}")
     sharding = runtime.check_applied(accelerator, model, plan)
@@ -560,8 +560,8 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
         pairs = {f"{k}_after": v for k, v in after.items() if k != "eval_loss"}
         pairs.update({f"{k}_before": v for k, v in (s.eval_stats_before or {}).items()})
     adapter_url, model_url = save_outputs(acc, s.model, s.spec)
-    padding_free.report(s.kernels)
-    sequence_parallel.report(s.kernels)
+    padding_free.report(s.kernels, s.model)
+    sequence_parallel.report(s.kernels, s.model)
     losses = s.losses
     result = TrainResult(
         strategy=s.spec.plan.strategy,

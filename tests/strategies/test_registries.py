@@ -336,3 +336,25 @@ def test_no_two_packages_import_each_other():
     both = sorted({tuple(sorted((a, b))) for a in edges for b in edges[a] if a in edges.get(b, set())})
     assert not both, both
     assert "ladle.train" not in edges.get("ladle.strategies", set()) | edges.get("ladle.plan", set())
+
+
+def test_no_strategy_name_is_compared_outside_the_strategies_package():
+    """A strategy's behaviour is its traits and methods: code elsewhere never tests ``strategy == "fsdp2"``
+    (adding a strategy would then mean finding every such test). Compares against any registered name are
+    searched in the source of every other package."""
+    import re
+    from pathlib import Path
+
+    from ladle import strategies
+
+    names = "|".join(re.escape(n) for n in strategies.REGISTRY)
+    compared = re.compile(rf"""(==|!=|\bin)\s*\(?["']({names})["']|["']({names})["']\s*(==|!=)""")
+    root = Path(__file__).resolve().parents[2] / "ladle"
+    found = [
+        f"{path.relative_to(root.parent)}:{n}: {line.strip()}"
+        for path in root.rglob("*.py")
+        if "strategies" not in path.relative_to(root).parts[:1]
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if compared.search(line)
+    ]
+    assert found == [], found

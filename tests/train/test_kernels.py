@@ -9,15 +9,9 @@ import torch
 from ladle.config import build_config
 from ladle.data.packing import IGNORE
 from ladle.plan import kernels as plan_kernels
-from ladle.train import kernels
+from ladle.train import kernels, run_state
 from ladle.train.kernels import FusedHead
 from ladle.train.loss import token_cross_entropy
-
-
-@pytest.fixture(autouse=True)
-def no_fused_head():
-    yield
-    FusedHead.ACTIVE = None
 
 
 def tiny(lora: bool, dtype=torch.float32):
@@ -92,10 +86,13 @@ def test_token_loss_uses_the_fused_head_and_says_when_it_was_not_called():
     data = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(ids.size(1)).repeat(ids.size(0), 1)}
     plain, count = token_loss(model, data, [0, 1, 2], "cpu")
     fused_head = FusedHead.install(model.get_output_embeddings(), "chunked", chunk=16)
+    run_state.on(model).fused = fused_head
     fused, fused_count = token_loss(model, data, [0, 1, 2], "cpu")
     assert fused_count == count == fused_head.count
     assert fused.item() == pytest.approx(plain.item(), rel=1e-6)
-    other = tiny(lora=True)  # a model whose head is not the fused one
+    other = tiny(lora=True)  # another run's model in the same process: the plain loss, not this run's head
+    assert token_loss(other, data, [0, 1, 2], "cpu")[1] == count
+    run_state.on(other).fused = fused_head  # a state whose head is not this model's
     with pytest.raises(RuntimeError, match="was not called"):
         token_loss(other, data, [0], "cpu")
     assert fused_head.labels is None  # nothing left over for the next forward
@@ -179,10 +176,16 @@ def test_plan_decides_each_fast_path_with_its_reason():
     staged, why = plan_kernels.decide(cfg_with().training.kernels, "pipeline", "cuda", "bfloat16")
     assert staged["fused_loss"] == "off" and "pipeline computes its loss in its own stages" in why[0]
     assert staged["compile"] is False
-    legacy, _ = plan_kernels.decide(
-        cfg_with("training.kernels.compile=false").training.kernels, "fsdp2", "cuda", "bfloat16", fsdp2_compile=True
+    from ladle import strategies
+
+    fsdp2 = strategies.get("fsdp2")
+    asked = cfg_with("parallelism.fsdp2.compile=true", "parallelism.strategy=fsdp2")
+    named = fsdp2.compile_asked(fsdp2.options(asked))  # the strategy names its own option: no name compared here
+    assert named == "parallelism.fsdp2.compile = true" and strategies.get("ddp").compile_asked(None) is None
+    legacy, why = plan_kernels.decide(
+        cfg_with("training.kernels.compile=false").training.kernels, "fsdp2", "cuda", "bfloat16", compile_asked=named
     )
-    assert legacy["compile"] is True
+    assert legacy["compile"] is True and "per-block compile on (parallelism.fsdp2.compile = true)" in why[0]
 
 
 def test_plan_refuses_what_cannot_run():

@@ -16,12 +16,6 @@ from tests.train.test_kernels import cfg_with, close, tiny
 from tests.train.test_padding_free import decoder, loss_and_grads, packed
 
 
-@pytest.fixture(autouse=True)
-def no_joiner():
-    yield
-    JoinRows.ACTIVE = None
-
-
 def test_layout_regroups_examples_and_puts_every_token_back():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1]])
     layout = Layout(positions)
@@ -42,7 +36,9 @@ def test_attention_by_example_trains_as_masked_sdpa(lora, joined):
     model = tiny(lora)
     data = packed(model.config.vocab_size)
     rows = list(range(len(data["input_ids"])))
-    JoinRows.ACTIVE = JoinRows(1.0, 0.0) if joined else None
+    from ladle.train import run_state
+
+    run_state.on(model).joiner = JoinRows(1.0, 0.0) if joined else None
     plain, plain_count, plain_grads = loss_and_grads(model, data, rows)
     assert model.config._attn_implementation == "sdpa"
     assert packed_attention.install(model, {"packed_attention": "auto"}) == "on: causal SDPA per example"

@@ -9,15 +9,10 @@ import torch
 from ladle.data.packing import IGNORE, pack_examples
 from ladle.data.tokenize import Example
 from ladle.plan import kernels as plan_kernels
+from ladle.train import run_state
 from ladle.train.loss import token_loss
 from ladle.train.padding_free import JoinRows, install
 from tests.train.test_kernels import cfg_with, close, tiny
-
-
-@pytest.fixture(autouse=True)
-def no_joiner():
-    yield
-    JoinRows.ACTIVE = None
 
 
 def packed(vocab: int, seq_len: int = 48) -> dict[str, torch.Tensor]:
@@ -48,7 +43,7 @@ def test_joined_rows_train_as_the_padded_rows(lora):
     assert len(rows) > 1 and (data["real_tokens"] < 48).any() and (data["real_tokens"] == 48).any()
     plain, plain_count, plain_grads = loss_and_grads(model, data, rows)
     joiner = JoinRows(per_token=1.0, per_pair=0.0)  # always worth joining: the comparison, not the cost model
-    JoinRows.ACTIVE = joiner
+    run_state.on(model).joiner = joiner
     loss, count, grads = loss_and_grads(model, data, rows)
     assert joiner.joined == joiner.batches == 1
     assert joiner.computed == int(data["real_tokens"].sum()) < joiner.row_tokens
@@ -60,7 +55,7 @@ def test_joined_rows_train_as_the_padded_rows(lora):
     # The joined row: the real tokens only, positions restarting per example, no label across a row boundary.
     from ladle.train.loss import batch_rows
 
-    ids, labels, positions = batch_rows(data, rows, "cpu")
+    ids, labels, positions = batch_rows(model, data, rows, "cpu")
     assert ids.shape == (1, int(data["real_tokens"].sum()))
     assert int((positions == 0).sum()) == 8  # one start per example
     assert int((labels[:, 1:] != IGNORE).sum()) == count
@@ -70,10 +65,10 @@ def test_joined_rows_attend_within_each_example_only():
     """Changing one example's tokens changes no other example's logits in the joined row."""
     model = tiny(lora=False).eval()
     data = packed(model.config.vocab_size)
-    JoinRows.ACTIVE = JoinRows(per_token=1.0, per_pair=0.0)
+    run_state.on(model).joiner = JoinRows(per_token=1.0, per_pair=0.0)
     from ladle.train.loss import batch_rows
 
-    ids, _, positions = batch_rows(data, [0, 1], "cpu")
+    ids, _, positions = batch_rows(model, data, [0, 1], "cpu")
     starts = (positions[0] == 0).nonzero().squeeze(1).tolist()
     first_end = starts[1]
     changed = ids.clone()
@@ -112,8 +107,13 @@ def test_rows_are_joined_only_where_that_computes_less():
     data = packed(100)
     joiner.join(data["input_ids"][:2], data["labels"][:2], data["position_ids"][:2], torch.tensor([48, 48]))
     assert joiner.summary() == "on: 0 of 1 micro-batches joined into one row; 0.0% of row tokens (padding) not computed"
-    assert install(smollm2, {"padding_free": False}) == "off" and JoinRows.ACTIVE is None
-    assert install(smollm2, {"padding_free": True}) == "on" and JoinRows.ACTIVE is not None
+    from types import SimpleNamespace
+
+    first, second = SimpleNamespace(config=smollm2), SimpleNamespace(config=smollm2)
+    assert install(first, {"padding_free": False}) == "off" and run_state.of(first).joiner is None
+    assert install(first, {"padding_free": True}) == "on" and run_state.of(first).joiner is not None
+    # per run, on its own model: a second run in the same process does not see the first one's joiner
+    assert run_state.of(second).joiner is None and run_state.of(second) is run_state.NOTHING
 
 
 def test_plan_decides_padding_free_per_strategy_and_refuses_it_where_rows_keep_one_shape():

@@ -126,18 +126,17 @@ def pair_data(pairs=PAIRS) -> dict[str, torch.Tensor]:
 def fast_paths(request):
     """``plain``: the model's own head over padded pair rows; ``fused+joined``: the chunked fused head (a few
     tokens per chunk) over the micro-batch joined into one row of real tokens."""
+    from ladle.train import run_state
     from ladle.train.kernels import FusedHead
     from ladle.train.padding_free import JoinRows
 
     def install(model):
         if request.param == "fused+joined":
-            FusedHead.install(model.get_output_embeddings(), "chunked", 5)
-            JoinRows.ACTIVE = JoinRows.for_config(model.config, by_example=True)
+            state = run_state.on(model)
+            state.fused = FusedHead.install(model.get_output_embeddings(), "chunked", 5)
+            state.joiner = JoinRows.for_config(model.config, by_example=True)
 
-    yield request.param, install
-    if FusedHead.ACTIVE is not None:
-        FusedHead.ACTIVE.head.forward = FusedHead.ACTIVE.original
-    FusedHead.ACTIVE, JoinRows.ACTIVE = None, None
+    return request.param, install
 
 
 @pytest.mark.parametrize("fast_paths", ["plain", "fused+joined"], indirect=True)

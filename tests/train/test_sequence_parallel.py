@@ -109,7 +109,9 @@ def one_case(rank: int, kv_heads: int, lora: bool) -> dict:
     model = tiny_llama(kv_heads)
     model = with_lora(model) if lora else model
     sequence_parallel.install(model, dist.group.WORLD)
-    ulysses = sequence_parallel.Ulysses.ACTIVE
+    from ladle.train import run_state
+
+    ulysses = run_state.of(model).ulysses
     part, count = loss_and_grads(model, *ulysses.split(ids, labels, positions))
     (part / total).backward()
     summed = torch.tensor([float(part), float(count)], dtype=torch.float64)

@@ -141,7 +141,7 @@ class ShardedVocab:
         it the same number of times)."""
         from ladle.train.loss import batch_rows, token_cross_entropy
 
-        ids, labels, positions = batch_rows(data, rows, device)
+        ids, labels, positions = batch_rows(model, data, rows, device)
         out = self.forward(model, ids, positions)
         targets = labels[:, 1:].reshape(-1)
         if self.head is None:
