@@ -29,6 +29,7 @@ generation config and one RNG for all requests, so a greedy request beside a sam
 
 from __future__ import annotations
 
+import functools
 import queue
 import random
 import threading
@@ -78,8 +79,10 @@ class Job:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of ``text`` already emitted
-    prefix_at: int = 0  # incremental detokenization: where the last decoded window started ...
-    read_at: int = 0  # ... and ended (tokens past it are not in ``text`` yet)
+    detokenizer: Any = None  # tokenizers' DecodeStream over ``tokens`` (incremental detokenization)
+    fed_at: int = 0  # tokens handed to it so far ...
+    read_at: int = 0  # ... and tokens whose text is in ``text`` (a character split over tokens waits)
+    decoded: int = 0  # characters the detokenizer gave, before any stop string cut ``text``
     finish: str | None = None
     generator: torch.Generator | None = None
 
@@ -131,6 +134,15 @@ def token_entry(tokenizer, token: int, logprob: float | None) -> dict:
     return {"token": tokenizer.decode([token]), "logprob": logprob, "bytes": token_bytes(tokenizer, token)}
 
 
+@functools.cache
+def byte_of() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character to byte (transformers' ``bytes_to_unicode``, inverted): what
+    every byte-level tokenizer's vocabulary is written in."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
 def token_bytes(tokenizer, token: int) -> list[int]:
     """The bytes a token stands for: a byte-level BPE piece mapped back through GPT-2's byte alphabet, a
     SentencePiece byte-fallback piece (``<0xE2>``) as its byte, anything else as its decoded text in UTF-8."""
@@ -138,26 +150,10 @@ def token_bytes(tokenizer, token: int) -> list[int]:
     if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
         return [int(piece[3:5], 16)]
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    if isinstance(piece, str) and type(decoder).__name__ == "ByteLevel" and all(c in BYTE_OF for c in piece):
-        return [BYTE_OF[c] for c in piece]
+    alphabet = byte_of()
+    if isinstance(piece, str) and type(decoder).__name__ == "ByteLevel" and all(c in alphabet for c in piece):
+        return [alphabet[c] for c in piece]
     return list(tokenizer.decode([token]).encode("utf-8"))
-
-
-def byte_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, character to byte: printable bytes stand for themselves, the others for
-    the characters from U+0100 on, in order (what every byte-level tokenizer's vocabulary is written in)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(256 + extra)] = byte
-            extra += 1
-    return chars
-
-
-BYTE_OF = byte_alphabet()
 
 
 def logprob_entry(tokenizer, job: Job, logits: torch.Tensor, token: int) -> dict:
@@ -231,19 +227,29 @@ class RowStop(StoppingCriteria):
 
 
 def decode_next(tokenizer, job: Job, final: bool = False) -> str:
-    """The text the newest token adds, decoding a window of a few tokens instead of the whole answer (which
-    made every step cost the answer's length). The window starts one decoded token back, so a token whose text
-    depends on its neighbour (a leading space, a merge) reads as it does in a whole decode; a window ending in a
-    half-decoded character waits for the next token, unless ``final``: then what is held back is decoded as it
-    stands, as a whole decode of the answer would."""
-    if job.read_at >= len(job.tokens):
-        return ""
-    prefix = tokenizer.decode(job.tokens[job.prefix_at : job.read_at], skip_special_tokens=True)
-    text = tokenizer.decode(job.tokens[job.prefix_at :], skip_special_tokens=True)
-    if final or (len(text) > len(prefix) and not text.endswith("\ufffd")):
-        job.prefix_at, job.read_at = job.read_at, len(job.tokens)
-        return text[len(prefix) :]
-    return ""
+    """The text the newest tokens add, by tokenizers' own incremental detokenizer (``DecodeStream``: a step
+    costs a few tokens, not the answer's length, and a token whose text depends on its neighbour reads as in a
+    whole decode). A character split over tokens waits for its last byte, unless ``final``: then what is held
+    back is decoded as it stands, as a whole decode of the answer would (a replacement character)."""
+    from tokenizers.decoders import DecodeStream
+
+    if job.detokenizer is None:
+        job.detokenizer = DecodeStream(skip_special_tokens=True)
+    backend = tokenizer.backend_tokenizer
+    text = []
+    for at in range(job.fed_at, len(job.tokens)):
+        piece = job.detokenizer.step(backend, job.tokens[at])
+        if piece is not None:
+            text.append(piece)
+            job.read_at = at + 1
+    job.fed_at = len(job.tokens)
+    if final and job.read_at < len(job.tokens):  # held back: the rest of a whole decode, as it stands
+        whole = tokenizer.decode(job.tokens, skip_special_tokens=True)
+        text.append(whole[job.decoded + sum(map(len, text)) :])
+        job.read_at = len(job.tokens)
+    out = "".join(text)
+    job.decoded += len(out)
+    return out
 
 
 def find_stop(text: str, stops: list[str], scanned: int) -> int:

@@ -125,3 +125,23 @@ def test_the_module_runs_miis_server_entry_point():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--load-balancer-port" in done.stdout and "--model-config" in done.stdout  # MII's own arguments
+
+
+@pytest.mark.parametrize("name", ["tiny", "smollm2"])
+def test_the_engines_detokenizer_streams_pieces_that_join_to_the_whole_decode(tokenizers, name):
+    """The engine's streamed text (tokenizers' DecodeStream), token by token, lone bytes among the words: no
+    piece ends in half a character, and the pieces join to the whole decode; ``read_at`` counts the tokens
+    whose text is out (their log-probabilities go with it)."""
+    from ladle.serve.engine import Job, decode_next
+
+    tokenizer = tokenizers[name]
+    for ids in answers(tokenizer, 60, seed=2):
+        job, pieces = Job(ids=[1], max_new_tokens=64), []
+        for token in ids:
+            job.tokens.append(token)
+            pieces.append(decode_next(tokenizer, job))
+            assert not pieces[-1].endswith("\ufffd"), ids
+            assert job.read_at <= len(job.tokens)
+        pieces.append(decode_next(tokenizer, job, final=True))
+        assert job.read_at == len(ids)
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True), ids
