@@ -31,7 +31,8 @@ SAME_LENGTH = [
 SEQ_LEN = 16
 
 
-def tiny_lora_model():
+def tiny_lora_model(dropout: float = 0.0):
+    """A 2-layer Llama with LoRA on every linear layer (``dropout``: LoRA's and the attention's)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,10 +45,18 @@ def tiny_lora_model():
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        attention_dropout=dropout,
         attn_implementation="sdpa",
     )
     model = LlamaForCausalLM(config).float()
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=dropout,
+        target_modules="all-linear",
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, lora)
 
 
@@ -178,24 +187,9 @@ def test_loss_and_lora_gradients_equal_trl_dpo_trainer(trl_trainer, fast_paths, 
 def test_dropout_is_off_for_the_policy_as_trls_disable_dropout_does():
     """With LoRA dropout and attention dropout in the model, the policy's log-probabilities in train mode were
     noisy against a reference scored in eval mode; with dropout off they equal the eval-mode ones, every call."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from ladle.train.preference import disable_dropout, pair_logps
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_dropout=0.3,
-        attn_implementation="sdpa",
-    )
-    lora = LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.3, init_lora_weights=False)
-    model = get_peft_model(LlamaForCausalLM(config).float(), lora)
+    model = tiny_lora_model(dropout=0.3)
     data = pair_data()
     model.eval()
     with torch.no_grad():
