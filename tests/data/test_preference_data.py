@@ -146,6 +146,7 @@ def test_prepare_reports_drops_and_truncations(tiny_model, tmp_path):
     assert prepared.fingerprint == fingerprint(cfg, tiny_model, "dpo") != fingerprint(cfg, tiny_model)
 
 
+PAIRS_12 = [(f"What is {i} plus {i}?", f"It is {2 * i}.", f"It is {2 * i + 1}.") for i in range(12)]
 PUBLIC_SHAPES = {
     "trl-standard": lambda q, a, b: {"prompt": q, "chosen": a, "rejected": b},
     "trl-conversational": lambda q, a, b: {
@@ -172,15 +173,12 @@ PUBLIC_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_every_public_preference_shape_prepares_to_the_same_rows(model, tiny_model, tmp_path):
+def test_every_public_preference_shape_prepares_to_the_same_rows(tiny_model, tmp_path):
     """The same 12 pairs written in each public shape (TRL's three, UltraFeedback-binarized's, HH-RLHF's text)
-    prepare with no row dropped, to the very same token rows, under the tiny model's template and SmolLM2's (the
-    two DPO recipes' bases)."""
-    from ladle.assets import resolve_base
-
-    base = tiny_model if model == "tiny" else resolve_base("ladle://smollm2-135m-instruct", "float32")
-    pairs = [(f"What is {i} plus {i}?", f"It is {2 * i}.", f"It is {2 * i + 1}.") for i in range(12)]
+    prepare with no row dropped, to the very same token rows (and, through SmolLM2's template, the real DPO
+    recipe's base, they render to the same rows too: below)."""
+    base = tiny_model
+    pairs = PAIRS_12
     rows = {}
     for shape, write in PUBLIC_SHAPES.items():
         path = tmp_path / f"{shape}.jsonl"
@@ -193,6 +191,22 @@ def test_every_public_preference_shape_prepares_to_the_same_rows(model, tiny_mod
     first = rows["trl-standard"]
     for shape, columns in rows.items():
         assert columns["input_ids"] == first["input_ids"] and columns["labels"] == first["labels"], shape
+
+
+def test_every_public_preference_shape_renders_alike_through_smollm2s_template():
+    """SmolLM2's chat template (the real DPO recipe's base), where UltraFeedback's shape used to fail every row
+    with "not prefix-stable": each shape's pairs tokenize to the same rows, none refused."""
+    from ladle.assets import resolve_base
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_base("ladle://smollm2-135m-instruct", "float32"))
+    made = {
+        shape: tokenize_pairs(tokenizer, [parse_pair(write(*p)) for p in PAIRS_12], 64, None, "right")
+        for shape, write in PUBLIC_SHAPES.items()
+    }
+    first = made["trl-standard"]
+    assert not any(isinstance(e, RowError) for e in first)
+    for shape, examples in made.items():
+        assert [(e.input_ids, e.labels) for e in examples] == [(e.input_ids, e.labels) for e in first], shape
 
 
 def test_the_objective_and_the_rows_must_agree(tiny_model, tmp_path):

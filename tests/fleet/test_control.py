@@ -198,7 +198,7 @@ def test_a_live_holder_outlasting_the_locks_life_keeps_it_and_a_silent_one_loses
     def slow_writer():
         with registry_lock.champion_lock(uri, name, "a slow write", wait_s=5):
             inside.set()
-            time.sleep(4.5)  # two lock lives and more in retried registry calls
+            time.sleep(3.3)  # past the second writer's wait, and longer than a lock's life: retried registry calls
             order.append("slow done")
 
     writer = threading.Thread(target=slow_writer)

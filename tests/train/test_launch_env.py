@@ -8,7 +8,9 @@ from ladle.train.run import worker_env
 
 
 def spec(device: str, machines: int = 1):
-    return SimpleNamespace(plan=SimpleNamespace(device=device, processes_per_machine=8, num_machines=machines))
+    return SimpleNamespace(
+        plan=SimpleNamespace(device=device, processes_per_machine=8, num_machines=machines), tracking_uri=None
+    )
 
 
 def test_nccl_hints_are_defaults_the_user_overrides(monkeypatch):
@@ -34,5 +36,7 @@ def test_peer_to_peer_is_never_forced(monkeypatch):
 def test_cpu_runs_share_the_cores_and_get_no_nccl_hints(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("NCCL_DEBUG", raising=False)
-    env = worker_env(SimpleNamespace(plan=SimpleNamespace(device="cpu", processes_per_machine=2, num_machines=1)))
+    env = worker_env(
+        SimpleNamespace(plan=SimpleNamespace(device="cpu", processes_per_machine=2, num_machines=1), tracking_uri=None)
+    )
     assert int(env["OMP_NUM_THREADS"]) >= 1 and "NCCL_DEBUG" not in env

@@ -9,6 +9,7 @@ trainer, equals ``CPOTrainer.cpo_loss`` on log-probabilities computed side by si
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -328,15 +329,16 @@ def test_full_fine_tune_under_zero3_resumes_with_its_stored_reference(tmp_path):
     assert first.model_url and first.train_losses[0] == pytest.approx(0.693147, abs=1e-5)
     assert first.train_losses[-1] < first.train_losses[0]
     assert (Path(spec.run_url) / REFERENCE_FILE).is_file()
-    again = launch_all({"full": spec.model_copy(update={"config": spec.config.model_copy(deep=True)})})["full"]
-    assert again.resumed_from_step == 2
-    assert again.kernels["reference"] == "precomputed: read from this run's earlier attempt"
-    assert again.train_losses == pytest.approx(first.train_losses, rel=1e-4)
-    # Run on for more steps: they read rows the first attempt never scored. Those are scored now (by the model
-    # as loaded, the reference), the rest read back; no NaN row reaches a step.
+    # Run again, on for more steps: it resumes from the checkpoint at step 2, reads back the reference rows the
+    # first attempt scored and scores now the rows only the later steps read (by the model as loaded, still the
+    # reference: the checkpoint loads after); no NaN row reaches a step (they trained to NaN before).
     longer = spec.config.model_copy(deep=True)
     longer.training.max_steps = 6
     more = launch_all({"full": spec.model_copy(update={"config": longer})})["full"]
+    assert more.resumed_from_step == 2
+    assert more.train_losses[:3] == pytest.approx(first.train_losses, rel=1e-4)
     said = more.kernels["reference"]
-    assert said.startswith("precomputed: ") and "read from this run's earlier attempt" in said, said
-    assert all(math.isfinite(loss) for loss in more.train_losses) and len(more.train_losses) >= 3, more.train_losses
+    assert re.fullmatch(
+        r"precomputed: \d+ pair rows in .* s before the first step, \d+ read from this run's earlier attempt", said
+    ), said
+    assert len(more.train_losses) == 6 and all(math.isfinite(loss) for loss in more.train_losses), more.train_losses
