@@ -16,6 +16,10 @@ Phases, each written to ``OUT/gpu_train.json`` as soon as it ends (a run cut sho
   supervised and DPO (``ladle://demo-preference``): losses, peak against the memory model, tokens/s (compare
   with bench/RESULTS.md's H200 table).
 - ``ladle8b-plain``: the ``ladle8b`` row with every fast path off (``training.kernels``): what they add.
+- ``dpo8b``: DPO on the 8B shape, LoRA r 16 on every linear layer, 2 pairs per step, each side a 256-token prompt and
+  a 640-token answer (``data.seq_len`` 1024 a side), the reference precomputed; ``trldpo8b``: TRL's DPOTrainer on
+  the same pairs (``bench/trl_gpu_dpo_worker.py``: precomputed reference, padding-free, Liger). Both count the
+  input tokens of both sides (the prompt twice, as both forwards read it).
 
 MFU: FLOPs per token = 4 x the matmul weights (the frozen base needs no weight gradients) + causal attention,
 over the card's dense bf16 peak (989 TFLOP/s for H100 SXM and H200). NeMo's convention for LoRA, (2 + r)/3 of a
@@ -141,6 +145,87 @@ def ladle_8b(rec: Recorder, root: Path, base: Path, data: Path, steps: int, labe
     return row
 
 
+DPO_PROMPT, DPO_ANSWER, DPO_PAIRS = 256, 640, 64
+
+
+def write_pairs(root: Path, base: Path) -> tuple[Path, Path]:
+    """``DPO_PAIRS`` pairs of words from the model's tokenizer, as ladle reads them (prompt, chosen and rejected
+    strings) and as TRL's conversational form (turns): the same text, rendered by the same chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    words = [w for w in tokenizer.get_vocab() if w.isalpha()] or ["word"]
+    rng = random.Random(0)
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    plain, chat = root / "pairs.jsonl", root / "pairs-chat.jsonl"
+    with plain.open("w") as p, chat.open("w") as c:
+        for _ in range(DPO_PAIRS):
+            q, a, b = text(DPO_PROMPT), text(DPO_ANSWER), text(DPO_ANSWER)
+            p.write(json.dumps({"prompt": q, "chosen": a, "rejected": b}) + "\n")
+            turns = {
+                "prompt": [{"role": "user", "content": q}],
+                "chosen": [{"role": "assistant", "content": a}],
+                "rejected": [{"role": "assistant", "content": b}],
+            }
+            c.write(json.dumps(turns) + "\n")
+    return plain, chat
+
+
+def ladle_dpo_8b(rec: Recorder, root: Path, base: Path, pairs: Path, steps: int, tiny: bool) -> None:
+    from ladle.config import build_config
+
+    cfg = build_config(
+        {
+            "base": str(base),
+            "data": {"path": str(pairs), "seq_len": 1024, "eval_ratio": 0.05},
+            "parallelism": {"strategy": "ddp", "gpus": 1} if not tiny else {"strategy": "ddp", "cpu_processes": 1},
+            "training": {
+                "objective": "dpo",
+                "max_steps": steps,
+                "micro_batch_size": 2,
+                "global_batch_size": 2,
+                "lr": 5e-6,
+                "dtype": "bfloat16" if not tiny else "auto",
+                "eval_every": 0,
+                "checkpoint_every": 0,
+                "lora": {"enabled": True, "r": 16, "target_modules": "all-linear", "modules_to_save": []},
+            },
+        },
+        [],
+    )
+    rec.add("dpo", train_row("ladle 8b dpo", base, root / "dpo", cfg, steps_skip=2))
+
+
+def trl_dpo_8b(rec: Recorder, root: Path, base: Path, chat: Path, steps: int, tiny: bool, limit_s: float) -> None:
+    worker = Path(__file__).resolve().parent / "trl_gpu_dpo_worker.py"
+    argv = [sys.executable, str(worker), str(base), str(chat), str(root / "trl-dpo"), str(steps), "2", "1024"]
+    run_trl_worker(rec, "trl 8b dpo (DPOTrainer, precomputed reference, padding-free)", argv, tiny, limit_s, "trl-dpo")
+
+
+def run_trl_worker(rec: Recorder, label: str, argv: list[str], tiny: bool, limit_s: float, phase: str) -> dict | None:
+    """Run one of TRL's workers and record its ``TRL_RESULT`` line (or why there is none)."""
+    began = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            argv + (["--cpu"] if tiny else []), capture_output=True, text=True, timeout=limit_s, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        rec.add(phase, {"label": label, "failed": f"ran past {limit_s:.0f} s", "tail": str(exc.stdout)[-2000:]})
+        return None
+    found = re.search(r"^TRL_RESULT (.*)$", proc.stdout, re.M)
+    if proc.returncode or not found:
+        rec.add(
+            phase, {"label": label, "failed": f"exit {proc.returncode}", "tail": (proc.stdout + proc.stderr)[-3000:]}
+        )
+        return None
+    row = {"label": label, **json.loads(found.group(1)), "wall_s": round(time.perf_counter() - began, 1)}
+    rec.add(phase, row)
+    return row
+
+
 def peak_flops(tiny: bool) -> float | None:
     if tiny:
         return None
@@ -254,7 +339,7 @@ def main() -> None:
         for phase in args.phases.split(","):
             began = time.perf_counter()
             try:
-                if phase in ("ladle8b", "trl8b", "ladle8b-plain") and base is None:
+                if phase in ("ladle8b", "trl8b", "ladle8b-plain", "dpo8b", "trldpo8b") and base is None:
                     base = write_model(root, args.tiny)
                     data = root / "tokens.jsonl"
                     if not data.exists():
@@ -271,6 +356,14 @@ def main() -> None:
                     trl_8b(rec, root, base, data, args.steps, args.tiny, args.trl_limit_s)
                 elif phase == "strategies":
                     strategies(rec, root, args.tiny)
+                elif phase in ("dpo8b", "trldpo8b"):
+                    pairs, chat = root / "pairs.jsonl", root / "pairs-chat.jsonl"
+                    if not chat.exists():
+                        pairs, chat = write_pairs(root, base)
+                    if phase == "dpo8b":
+                        ladle_dpo_8b(rec, root, base, pairs, args.steps, args.tiny)
+                    else:
+                        trl_dpo_8b(rec, root, base, chat, args.steps, args.tiny, args.trl_limit_s)
                 else:
                     raise SystemExit(f"unknown phase {phase!r}")
             except Exception as exc:  # noqa: BLE001 - recorded; the next phase still runs

@@ -18,16 +18,19 @@ run() {  # phase, limit in seconds
     timeout -k 10 "$2" python3 bench/gpu_train.py --phases "$1" --steps "${STEPS:-8}" --work "$WORK" --out "$OUT" \
         > "$OUT/$1.log" 2>&1
     echo "phase $1: exit $? after $(( $(date +%s) - began )) s"
-    grep -E "^  (throughput|trl|strategies)" "$OUT/$1.log" | cut -c1-900
+    grep -E "^  (throughput|trl|trl-dpo|dpo|strategies)" "$OUT/$1.log" | cut -c1-900
 }
-# Default: what fits one device call (≤ 9 min): the 8B row beside TRL, then the strategies (DPO included);
-# PHASES="ladle8b-plain" measures the fast paths' share on its own.
-for phase in ${PHASES:-ladle8b trl8b strategies}; do
+# Default: what fits one device call (≤ 9 min; 2026-11-28 the first three took 293 s with the model's writing): the
+# 8B SFT row beside TRL's, the 8B DPO row beside TRL's DPOTrainer, then the 0.73B strategies (DPO included);
+# PHASES="ladle8b-plain" measures the fast paths' share on its own, ROWS and EXTRA_SETS pick rows and settings.
+for phase in ${PHASES:-ladle8b trl8b dpo8b trldpo8b strategies}; do
     case $phase in
         ladle8b) run ladle8b "${LADLE_S:-230}" ;;
         trl8b) run trl8b "${TRL_S:-150}" ;;
+        dpo8b) run dpo8b "${DPO_S:-150}" ;;
+        trldpo8b) run trldpo8b "${TRLDPO_S:-150}" ;;
         ladle8b-plain) run ladle8b-plain "${PLAIN_S:-80}" ;;
-        strategies) run strategies "${STRATEGIES_S:-130}" ;;
+        strategies) run strategies "${STRATEGIES_S:-150}" ;;
     esac
 done
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
