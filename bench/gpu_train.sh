@@ -20,10 +20,10 @@ run() {  # phase, limit in seconds
     echo "phase $1: exit $? after $(( $(date +%s) - began )) s"
     grep -E "^  (throughput|trl|trl-dpo|dpo|strategies)" "$OUT/$1.log" | cut -c1-900
 }
-# Default: what fits one device call (≤ 9 min; 2026-11-28 the first three took 293 s with the model's writing): the
-# 8B SFT row beside TRL's, the 8B DPO row beside TRL's DPOTrainer, then the 0.73B strategies (DPO included);
-# PHASES="ladle8b-plain" measures the fast paths' share on its own, ROWS and EXTRA_SETS pick rows and settings.
-for phase in ${PHASES:-ladle8b trl8b dpo8b trldpo8b strategies}; do
+# Default: what fits one device call (≤ 9 min): the 8B SFT row beside TRL's (2026-11-28: 163 s with the model's
+# writing), then the 8B DPO row beside TRL's DPOTrainer. PHASES="strategies" runs the 0.73B strategies, DPO included
+# (four rows, about 230 s), "ladle8b-plain" the fast paths' share; ROWS and EXTRA_SETS pick rows and settings.
+for phase in ${PHASES:-ladle8b trl8b dpo8b trldpo8b}; do
     case $phase in
         ladle8b) run ladle8b "${LADLE_S:-230}" ;;
         trl8b) run trl8b "${TRL_S:-150}" ;;
