@@ -23,28 +23,12 @@ def main() -> None:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
+    from trl_gpu_worker import step_clock  # the SFT row's clock: the same seconds and tokens per step
 
     model_dir, data_file, out, steps, micro, max_length = sys.argv[1:7]
     cpu = "--cpu" in sys.argv[7:]
-
-    class StepClock(TrainerCallback):
-        """Seconds and input tokens of every optimizer step (CUDA synchronised at both ends)."""
-
-        def __init__(self):
-            self.rows, self.began, self.seen = [], 0.0, 0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.began, self.seen = time.perf_counter(), int(state.num_input_tokens_seen)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - self.began
-            self.rows.append({"seconds": seconds, "tokens": int(state.num_input_tokens_seen) - self.seen})
 
     dtype = torch.float32 if cpu else torch.bfloat16
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -76,7 +60,7 @@ def main() -> None:
             seed=0,
             include_num_input_tokens_seen="non_padding",
         )
-        clock = StepClock()
+        clock = step_clock()
         trainer = DPOTrainer(
             model=model,
             args=args,

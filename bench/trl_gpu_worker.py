@@ -19,19 +19,13 @@ import sys
 import time
 
 
-def main() -> None:
+def step_clock():
+    """A trainer callback keeping the seconds and input tokens of every optimizer step (``rows``), CUDA
+    synchronised at both ends: the clock of TRL's SFT and DPO rows alike (``trl_gpu_dpo_worker.py``)."""
     import torch
-    from datasets import load_dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
-
-    model_dir, data_file, out, steps, seq_len, rank = sys.argv[1:7]
-    cpu = "--cpu" in sys.argv[7:]
+    from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
-        """Seconds and input tokens of every optimizer step (CUDA synchronised at both ends)."""
-
         def __init__(self):
             self.rows, self.began, self.seen = [], 0.0, 0
 
@@ -46,6 +40,18 @@ def main() -> None:
             seconds = time.perf_counter() - self.began
             self.rows.append({"seconds": seconds, "tokens": int(state.num_input_tokens_seen) - self.seen})
 
+    return StepClock()
+
+
+def main() -> None:
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    model_dir, data_file, out, steps, seq_len, rank = sys.argv[1:7]
+    cpu = "--cpu" in sys.argv[7:]
     dtype = torch.float32 if cpu else torch.bfloat16
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     began = time.perf_counter()
@@ -76,7 +82,7 @@ def main() -> None:
     r = int(rank)
     lora = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     dataset = load_dataset("json", data_files=data_file, split="train")
-    clock = StepClock()
+    clock = step_clock()
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=lora, callbacks=[clock]
     )

@@ -114,7 +114,8 @@ def take_over(mlflow, name: str, holder: dict) -> None:
 
 
 def acquire(mlflow, name: str, token: str, doing: str) -> dict:
-    """Take the lock; empty when taken, else the holder's tags (a dead holder's lock is removed first)."""
+    """Take the lock; empty when taken, else the holder's tags (whether that holder is dead is the waiter's to
+    judge: ``champion_lock``)."""
     tags = {
         "ladle.lock.owner": token,
         "ladle.lock.doing": doing[:200],

@@ -68,8 +68,12 @@ def strip_credentials(uri: str) -> str:
         return uri
     _credentials[origin(uri)] = (unquote(parts.username or ""), unquote(parts.password))
     register(unquote(parts.password))
-    netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    return urlunsplit(parts._replace(netloc=origin(uri).split("://", 1)[1]))
+
+
+def kept_pair(uri: str | None) -> tuple[str, str] | None:
+    """The (user, password) this process keeps for ``uri``'s server, if any."""
+    return _credentials.get(origin(uri)) if uri and uri.startswith(("http://", "https://")) else None
 
 
 def with_credentials(uri: str) -> str:
@@ -77,7 +81,7 @@ def with_credentials(uri: str) -> str:
     process, whose HTTP library sends them as basic auth to that server only); other URIs unchanged."""
     from urllib.parse import quote
 
-    pair = _credentials.get(origin(uri)) if uri.startswith(("http://", "https://")) else None
+    pair = kept_pair(uri)
     if pair is None:
         return uri
     parts = urlsplit(uri)
@@ -89,7 +93,7 @@ def credential_env(uri: str | None) -> dict[str, str]:
     """MLflow's variables for a child process that talks to ``uri``'s server alone (a training rank), from the
     credentials this process keeps for that server; empty when it keeps none (the environment's own, if any,
     are inherited)."""
-    pair = _credentials.get(origin(uri)) if uri and uri.startswith(("http://", "https://")) else None
+    pair = kept_pair(uri)
     return {"MLFLOW_TRACKING_USERNAME": pair[0], "MLFLOW_TRACKING_PASSWORD": pair[1]} if pair else {}
 
 
