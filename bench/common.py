@@ -92,7 +92,8 @@ class FrontOverServer:
     ``LADLE_HOME`` of its own, the front pointed at the server (its argv and log given, so the front's supervisor
     can restart it). ``stop()`` stops the front and whatever server it serves now."""
 
-    def __init__(self) -> None:
+    def __init__(self, tree: Path | None = None) -> None:
+        """``tree``: serve with the ladle of another source tree (an earlier commit's worktree), front included."""
         import subprocess
         import tempfile
 
@@ -101,6 +102,8 @@ class FrontOverServer:
 
         self.home = Path(tempfile.mkdtemp())
         env = {**os.environ, "LADLE_HOME": str(self.home), "PREFECT_API_URL": ""}
+        if tree is not None:
+            env["PYTHONPATH"] = str(tree)
         self.model = tiny_model_dir()
         port, front_port = free_port(), free_port()
         self.argv = [

@@ -160,11 +160,16 @@ def series(server_url: str) -> int:
 
 
 def cpu_seconds(pid: int) -> float:
+    """CPU seconds of the process and of its live children (a split server's engine process)."""
     import psutil
 
     try:
-        times = psutil.Process(pid).cpu_times()
-        return times.user + times.system + times.children_user + times.children_system
+        proc = psutil.Process(pid)
+        total = 0.0
+        for one in [proc, *proc.children(recursive=True)]:
+            times = one.cpu_times()
+            total += times.user + times.system + (times.children_user + times.children_system if one is proc else 0)
+        return total
     except psutil.Error:
         return 0.0
 
@@ -213,13 +218,35 @@ def main() -> None:
         default=0.1,
         help="seconds each attacker waits between its requests (0: flat out, as fast as this machine sends)",
     )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        help="an earlier ladle's source tree (git worktree add /tmp/before COMMIT): the same bench on it first",
+    )
     parser.add_argument("--side", choices=["probe", "hostile"], help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         side(args.side, args.url, args.seconds, args.pause)
         return
-    served = FrontOverServer()
+    results = {}
+    for label, tree in ([("before", args.compare)] if args.compare else []) + [("now", None)]:
+        results[label] = run_once(args, tree)
+        print(json.dumps({label: results[label]}, indent=1), flush=True)
+    if args.compare:
+        b, n = results["before"]["with_hostile"], results["now"]["with_hostile"]
+        results["now_vs_before"] = {
+            "hostile_p99": round(n["p99_s"] / b["p99_s"], 3),
+            "server_health_p99": round(n["health_server_p99_ms"] / b["health_server_p99_ms"], 3),
+            "front_health_p99": round(n["health_front_p99_ms"] / b["health_front_p99_ms"], 3),
+        }
+        print(json.dumps(results["now_vs_before"]))
+    print(f"saved {save('hostile_mix', results)}")
+
+
+def run_once(args, tree: Path | None) -> dict:
+    served = FrontOverServer(tree)
     server, url, front_url = served.server, served.url, served.front_url
     try:
         served.start()
@@ -228,7 +255,8 @@ def main() -> None:
         calm = phase(front_url, url, args.seconds, args.clients, None, pids)
         stormy = phase(front_url, url, args.seconds, args.clients, args.pause, pids)
         after = series(url)
-        result = {
+        return {
+            "tree": str(tree or "this one"),
             "attacker_pause_s": args.pause,
             "clients": args.clients,
             "seconds": args.seconds,
@@ -238,11 +266,8 @@ def main() -> None:
             "p50_ratio": round(stormy["p50_s"] / calm["p50_s"], 3),
             "metric_series": {"before": before, "after": after},
         }
-        print(json.dumps(result, indent=1))
-        print(f"saved {save('hostile_mix', result)}")
     finally:
         served.stop()
-
 
 if __name__ == "__main__":
     main()

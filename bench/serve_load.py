@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -170,6 +171,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--levels", default="1,8,32,64")
     parser.add_argument("--name", default="serve_load", help="Results file name under bench/out.")
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        help="an earlier ladle's source tree (git worktree add /tmp/before COMMIT): its batched server as a row too",
+    )
+    parser.add_argument("--only", default=None, help="Comma-separated row names to run (default: all).")
     args = parser.parse_args()
     model = args.model or newest_merged()
     from transformers import AutoTokenizer
@@ -181,11 +189,17 @@ def main() -> None:
 
     levels = [int(x) for x in args.levels.split(",")]
     rows = []
-    for name, argv in servers(model, 0).items():
+    rows_to_run = servers(model, 0)
+    if args.compare:
+        rows_to_run = {"ladle before (batched, 32)": rows_to_run["ladle (batched, 32)"], **rows_to_run}
+    if args.only:
+        rows_to_run = {k: v for k, v in rows_to_run.items() if k in args.only.split(",")}
+    for name, argv in rows_to_run.items():
         port = free_port()
         argv = [a if a != "0" else str(port) for a in argv]
+        env = {**os.environ, "PYTHONPATH": str(args.compare)} if name.startswith("ladle before") else None
         with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
         try:
             wait_up(url, proc, Path(log.name))

@@ -101,7 +101,16 @@ def pytest_sessionfinish(session, exitstatus):
         return
     # multiprocessing's resource tracker and fork server (``run_ranks`` starts ranks from one) are the
     # interpreter's own helpers: each exits when this process does (its pipe closes), so neither is a leak.
-    left = [p for p in psutil.Process().children(recursive=True) if not is_multiprocessing_helper(p)]
+    pool = POOL[0] if POOL else None
+
+    def running() -> list:
+        children = psutil.Process().children(recursive=True)
+        return [p for p in children if not is_multiprocessing_helper(p) and (pool is None or p.pid != pool.pid)]
+
+    left = running()
+    if left:  # an ended process its parent has not reaped yet (the pool reaps every 0.2 s) is not a leak
+        time.sleep(1.0)
+        left = running()
     if left:
         names = [f"{p.pid}: {describe(p)}" for p in left]
         print(f"\nprocesses left running by the suite (killed): {'; '.join(names)}", file=sys.stderr)
@@ -111,7 +120,34 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         if hasattr(session.config, "workeroutput"):
             session.config.workeroutput["leaks"] = names
+    if pool is not None:  # after the check: what it forked and left running was counted above
+        stop_process(pool, 10)
     shutil.rmtree(_SESSION, ignore_errors=True)
+
+
+POOL: list[subprocess.Popen] = []  # this process's server pool, stopped after the leak check
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_pool():
+    """The model servers this process starts (deploys, restarts, the fleet's swaps) fork from one warm pool
+    (``ladle.serve.pool``), as a host's servers do where one runs: each start costs the model's load, not the
+    imports. Started without waiting: until its socket answers, a server starts cold. Stopped after the leak
+    check (``pytest_sessionfinish``), so a server it forked and a test left running is still found."""
+    from ladle.serve import pool
+
+    socket_path = _SESSION / "server-pool.sock"
+    log = (_SESSION / "server-pool.log").open("w")
+    POOL.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "ladle.serve.pool", "--socket", str(socket_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    )
+    log.close()
+    os.environ[pool.ENV] = str(socket_path)
+    yield
 
 
 LEAKS: list[str] = []  # in the xdist controller: what the workers killed
@@ -143,7 +179,7 @@ def describe(proc) -> str:
     try:
         return " ".join(proc.cmdline())[:160]
     except psutil.Error as exc:  # a zombie nobody reaped is a leak too
-        return f"({exc.__class__.__name__})"
+        return f"({exc.__class__.__name__}, parent {proc.ppid()})"
 
 
 @pytest.fixture(autouse=True)

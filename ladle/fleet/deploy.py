@@ -17,7 +17,7 @@ from ladle.errors import LadleError
 from ladle.lifecycle.merge import MergedModel
 from ladle.platform import storage
 from ladle.platform.processes import free_port, stop_process
-from ladle.serve import backends
+from ladle.serve import backends, pool
 
 
 class Endpoint(BaseModel):
@@ -130,15 +130,11 @@ def start_server(
     # A server that outlives this process must not write into a pipe nobody reads.
     log_path = log_path or ladle_home() / "served" / f"{name}-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            server_argv(model_dir, name, cfg, port),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-            start_new_session=True,  # its own process group: whatever it spawns (MII's servers) stops with it
-        )
+    # Forked from a warm pool when LADLE_SERVE_POOL names one (ladle.serve.pool); its own session either way, so
+    # whatever it spawns (its engine, MII's servers) stops with its process group.
+    proc = pool.launch(
+        server_argv(model_dir, name, cfg, port), log_path, {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    )
     return proc, url, log_path
 
 

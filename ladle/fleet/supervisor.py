@@ -25,12 +25,14 @@ import signal
 import subprocess
 import time
 from collections import deque
+from pathlib import Path
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ladle.lifecycle.events import RESTARTED
 from ladle.platform.processes import exited
+from ladle.serve import pool
 
 log = logging.getLogger("ladle.front")
 
@@ -145,14 +147,8 @@ class Supervisor:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(upstream["pid"], signal.SIGKILL)  # a hung one; its process group: MII's processes too
-        out = open(upstream["log"], "a") if upstream.get("log") else subprocess.DEVNULL  # noqa: SIM115 - the child's
-        try:
-            self.child = subprocess.Popen(
-                upstream["argv"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        finally:
-            if out is not subprocess.DEVNULL:
-                out.close()
+        log_path = upstream.get("log")
+        self.child = pool.launch(upstream["argv"], Path(log_path) if log_path else None, append=True)
         restarted = {**upstream, "pid": self.child.pid}
         self.state["upstream"] = restarted
         canary = self.state.get("canary")

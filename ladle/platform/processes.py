@@ -7,7 +7,9 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
+from pathlib import Path
 
 from ladle.errors import LadleError
 
@@ -135,3 +137,13 @@ def stop_all(processes: list, grace_s: float = 10.0) -> int:
             process.kill()
     psutil.wait_procs(left, timeout=10)
     return len(alive)
+
+
+def other_threads() -> list[str]:
+    """The names of this process's threads but the calling one (Linux; none elsewhere). A fork copies only the
+    calling thread: a lock another thread held (an allocator's, a pool's) would never be released in the rank."""
+    try:
+        tasks = [t for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
+        return [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in tasks]
+    except OSError:
+        return []

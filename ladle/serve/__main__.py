@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ladle.errors import LadleError
 from ladle.platform.startup import quiet_collector
-from ladle.serve import backends, records
+from ladle.serve import backends, engine_side, records
 
 
 def draining_server_class():
@@ -45,7 +46,27 @@ def local_model(model: str, sha256: str | None):
         raise LadleError(f"--model {model}: could not copy it from the artifact store: {exc}") from None
 
 
+def one_thread_until_fork() -> None:
+    """Before torch loads: OpenMP starts no worker thread in this process (``OMP_NUM_THREADS=1``), so the engine
+    process can be forked from it with every library imported and no thread's lock copied; the engine process
+    sets its own thread count back (``ENGINE_THREADS``: the user's ``OMP_NUM_THREADS``, else torch's default of
+    one per physical core this process may run on)."""
+    import os
+
+    if "torch" in sys.modules or engine_side.ENGINE_THREADS in os.environ:
+        return
+    asked = os.environ.get("OMP_NUM_THREADS")
+    if asked is None:
+        import psutil
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        asked = str(max(1, min(cores, psutil.cpu_count(logical=False) or cores)))
+    os.environ[engine_side.ENGINE_THREADS] = asked
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
 def main(argv: list[str] | None = None) -> int:
+    one_thread_until_fork()
     parser = argparse.ArgumentParser(
         prog="python -m ladle.serve", description="Serve a model folder over an OpenAI-compatible API."
     )
@@ -95,8 +116,11 @@ def start(args: argparse.Namespace):
         key = api_key_from_env(args.api_key_env)
         kind = backends.get(args.backend)
         model = local_model(args.model, args.model_sha256)
+        if not (Path(model) / "config.json").is_file():
+            what = "is not a model folder (it has no config.json)" if Path(model).is_dir() else "does not exist"
+            raise LadleError(f"--model {args.model}: {what}. Give a Hugging Face model folder or its URL in the store.")
         backend = kind.start(str(model), **kind.parse_options(args.option))
-    except (LadleError, ValueError) as err:
+    except (LadleError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     name = args.name or args.model.rstrip("/").rsplit("/", 1)[-1]
@@ -116,12 +140,20 @@ def run(args: argparse.Namespace, backend, app, name: str, model) -> int:
         access_log=True,
         timeout_graceful_shutdown=args.drain_timeout,
     )
+    server = draining_server_class()(config)
+    died = []
+
+    def engine_died() -> None:  # the engine process is gone: stop serving, and exit non-zero to be restarted
+        died.append(True)
+        server.should_exit = True
+
+    backend.on_death = engine_died
     try:
-        draining_server_class()(config).run()
+        server.run()
     finally:
         record.unlink(missing_ok=True)
         backend.close()
-    return 0
+    return 1 if died else 0
 
 
 if __name__ == "__main__":

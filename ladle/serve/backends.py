@@ -147,6 +147,13 @@ class Backend(ABC):
         """Requests waiting for a batch."""
         return 0
 
+    def cancel(self, job) -> None:
+        """The request's client went away: its generation stops at the next step."""
+        job.cancelled.set()
+
+    def report_batches(self, observe) -> None:  # noqa: B027 - optional: a backend without batches reports none
+        """Call ``observe(size)`` with the size of each generation batch (the server's batch histogram)."""
+
     def close(self) -> None:  # noqa: B027 - optional: most backends start no process of their own
         """Stop what the backend started (its server processes); the server calls it on the way out."""
 
@@ -161,26 +168,47 @@ class TransformersBackend(Backend):
     constrains_output = True
 
     def __init__(self, model_dir: str, max_batch: int = 32, kv_tokens: int = 0):
+        """The engine in this process, on its own thread (what the engine process of a server runs, and what
+        tests drive directly); ``start`` gives a server's split backend (``ladle.serve.client``)."""
         from transformers import AutoConfig
 
         from ladle.machine.placement import load_placed
         from ladle.serve.engine import Engine
 
+        self.check_options(max_batch, kv_tokens)
+        # transformers' own config: its attribute map reads every architecture's names (GPT-2's n_layer, ...).
+        config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
+        self.sized(config, max_batch, kv_tokens)
+        # One GPU, or the layers spread over every visible GPU when the weights and this KV cache do not fit one
+        # (the planner's rule).
+        model, self.tokenizer, device = load_placed(Path(model_dir), kv_cache_bytes(config, self.kv_tokens))
+        self.engine = Engine(model, self.tokenizer, device, max_batch, kv_tokens=self.kv_tokens)
+
+    @classmethod
+    def start(cls, model_dir: str, **options) -> Backend:
+        """A server's backend: the API here, the engine in a process of its own (``ladle.serve.client``)."""
+        from ladle.serve.client import EngineClient
+
+        cls.check_host()
+        return EngineClient(model_dir, **options)
+
+    @staticmethod
+    def check_options(max_batch: int, kv_tokens: int) -> None:
         if not 1 <= max_batch <= 1024:
             raise LadleError(f"max_batch = {max_batch}: must be 1..1024 (serve.max_batch_size).")
         if kv_tokens < 0:
             raise LadleError(f"kv_tokens = {kv_tokens}: must be >= 0 (serve.kv_cache_tokens; 0: derived).")
-        # transformers' own config: its attribute map reads every architecture's names (GPT-2's n_layer, ...).
-        config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
+
+    def sized(self, config, max_batch: int, kv_tokens: int) -> None:
+        """The server's bounds from the model's config: its context, vocabulary, batch and KV budget."""
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 2048)
         self.vocab_size = int(config.vocab_size)
         self.max_batch = max_batch
         # 0: every row may reach the model's context (the bound a standalone server has without a plan).
         self.kv_tokens = kv_tokens or max_batch * self.context_length
-        # One GPU, or the layers spread over every visible GPU when the weights and this KV cache do not fit one
-        # (the planner's rule).
-        model, self.tokenizer, device = load_placed(Path(model_dir), kv_cache_bytes(config, self.kv_tokens))
-        self.engine = Engine(model, self.tokenizer, device, max_batch, kv_tokens=self.kv_tokens)
+
+    def report_batches(self, observe) -> None:
+        self.engine.on_batch = observe
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=False).input_ids

@@ -85,6 +85,9 @@ class Job:
     decoded: int = 0  # characters the detokenizer gave, before any stop string cut ``text``
     finish: str | None = None
     generator: torch.Generator | None = None
+    key: int | None = None  # its name between a server's API and engine processes (``ladle.serve.wire``)
+    ids_sent: int = 0  # tokens the engine process has told the API process of ...
+    prompt_sent: bool = False  # ... and whether it sent ``prompt_logprobs``
 
     @property
     def adjusts(self) -> bool:

@@ -32,11 +32,11 @@ import os
 import random
 import signal
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
 
+from ladle.platform.processes import other_threads
 from ladle.platform.startup import quiet_collector
 
 WORKER = "ladle.train.worker"
@@ -192,16 +192,6 @@ def fork_rank(env: dict[str, str], worker_args: list[str]) -> int:
             sys.stderr.flush()
         finally:
             os._exit(code if 0 <= code < 256 else 1)
-
-
-def other_threads() -> list[str]:
-    """The names of this process's threads but the calling one (Linux; none elsewhere). A fork copies only the
-    calling thread: a lock another thread held (an allocator's, a pool's) would never be released in the rank."""
-    try:
-        tasks = [t for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
-        return [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in tasks]
-    except OSError:
-        return []
 
 
 def exec_rank(env: dict[str, str], worker_args: list[str]) -> int:

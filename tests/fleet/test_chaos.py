@@ -52,8 +52,10 @@ def gate(uri: str, source: str, n: int, score: float, canary: str | None = None)
 
 
 def servers() -> dict[str, set[int]]:
-    """The live ladle processes serving NAME on this machine: fronts and model servers, by pid."""
+    """The live ladle processes serving NAME on this machine: fronts and model servers, by pid (a server's engine
+    process, forked from it, shows its command line: it is counted as its server's)."""
     found: dict[str, set[int]] = {"fronts": set(), "servers": set()}
+    engines: set[int] = set()
     for proc in psutil.process_iter(["pid", "cmdline"]):
         line = " ".join(proc.info["cmdline"] or [])
         if f"--name {NAME}" not in line or proc.info["pid"] == os.getpid():
@@ -62,6 +64,8 @@ def servers() -> dict[str, set[int]]:
             found["fronts"].add(proc.info["pid"])
         elif "ladle.serve" in line and proc.status() != psutil.STATUS_ZOMBIE:
             found["servers"].add(proc.info["pid"])
+            engines.update(child.pid for child in proc.children())
+    found["servers"] -= engines
     return found
 
 

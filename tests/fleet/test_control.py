@@ -24,6 +24,7 @@ from ladle.fleet.deploy import wait_healthy
 from ladle.lifecycle import gate, promote
 from ladle.lifecycle import lock as registry_lock
 from ladle.platform.processes import free_port, stop_pid
+from ladle.serve import pool
 from tests.fleet.test_front_supervision import wait_for
 from tests.serve.running import Running
 
@@ -250,8 +251,7 @@ def test_a_new_front_adopts_a_dead_ones_server_and_a_second_front_is_refused(tin
     port, server_port = free_port(), free_port()
     argv = [sys.executable, "-m", "ladle.serve", "--model", str(tiny_model), "--name", "m", "--port", str(server_port)]
     log = tmp_path / "server.log"
-    with log.open("w") as out:
-        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = pool.launch(argv, log)  # forked from the suite's warm pool, as the deploy stage starts one
     url = f"http://127.0.0.1:{server_port}"
     front_log = tmp_path / "front.log"
     first = front_process("adopt", port, front_log)

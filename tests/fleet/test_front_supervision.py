@@ -1,6 +1,6 @@
 """The front heals the server behind it: a killed server is started again within seconds on the same address
 and answers, counted and logged; one that keeps dying is given up and the front answers 503 with the reason.
-Real processes: ``python -m ladle.serve`` on the demo's tiny model, killed with SIGKILL."""
+Real processes: ``python -m ladle.serve`` on the demo's tiny model, its engine process killed with SIGKILL."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import sys
 import time
 
 import httpx
+import psutil
 
 from ladle.fleet import front as router
 from ladle.fleet.deploy import wait_healthy
 from ladle.platform.processes import free_port, stop_pid
+from ladle.serve import pool
 from tests.serve.running import Running
 
 FAST = {"check_s": 0.2, "backoff_s": 0.1, "backoff_max_s": 0.5, "max_restarts": 3, "window_s": 60.0}
@@ -38,8 +40,7 @@ def test_a_killed_server_is_restarted_and_answers_again(tiny_model, tmp_path):
     port = free_port()
     argv = [sys.executable, "-m", "ladle.serve", "--model", str(tiny_model), "--name", "m", "--port", str(port)]
     log = tmp_path / "server.log"
-    with log.open("w") as out:
-        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = pool.launch(argv, log)  # forked from the suite's warm pool, as the deploy stage starts one
     url = f"http://127.0.0.1:{port}"
     wait_healthy(server, url, 120, log)
     upstream = {
@@ -54,8 +55,10 @@ def test_a_killed_server_is_restarted_and_answers_again(tiny_model, tmp_path):
     ask = {"messages": [{"role": "user", "content": "Add 2 and 3."}], "max_tokens": 4, "temperature": 0}
     try:
         before = httpx.post(f"{front.url}/v1/chat/completions", json=ask, timeout=60).json()
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(timeout=10)
+        # Its engine process dies: the server fails what it had in flight, exits 1, and the front starts it again.
+        (engine,) = psutil.Process(server.pid).children()
+        os.kill(engine.pid, signal.SIGKILL)
+        assert server.wait(timeout=30) == 1
         wait_for(
             lambda: httpx.get(f"{front.url}/ladle/metrics").text.count("ladle_front_restarts_total 1.0"),
             30,

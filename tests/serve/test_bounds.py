@@ -97,7 +97,7 @@ def test_oversized_bodies_get_413_before_they_are_read(backend):
 
 
 def test_a_full_queue_gets_429_and_a_late_request_503(backend, gated, monkeypatch):
-    from ladle.serve import server as server_module
+    from ladle.serve import routes as server_module
 
     compiled = []
     real = server_module.constraint_of

@@ -178,7 +178,9 @@ def test_the_kv_budget_holds_and_requests_wait_for_room(tokenizer, monkeypatch):
 
 def test_a_request_larger_than_the_budget_gets_a_400_naming_it(tiny_model):
     from ladle.serve.backends import TransformersBackend
-    from ladle.serve.server import ApiError, CompletionRequest, Settings, make_job
+    from ladle.serve.jobs import make_job
+    from ladle.serve.schema import ApiError, CompletionRequest
+    from ladle.serve.server import Settings
 
     backend = TransformersBackend(str(tiny_model), max_batch=2, kv_tokens=64)
     ids = backend.encode("hello there")

@@ -21,7 +21,7 @@ from ladle.serve.server import Settings, create_app
 from tests.serve.running import Running
 
 # The schema the server publishes, read from its app (routes only: nothing is served here).
-ROUTES_ONLY = SimpleNamespace(queue_depth=lambda: 0, name="-", engine=None, context_length=2048)
+ROUTES_ONLY = SimpleNamespace(queue_depth=lambda: 0, name="-", report_batches=lambda observe: None, context_length=2048)
 SCHEMA = schemathesis.openapi.from_dict(create_app(ROUTES_ONLY, "tiny").openapi())
 # LADLE_FUZZ_EXAMPLES: more examples for a longer hunt outside the suite (the suite's 25 are fixed, derandomized).
 EXAMPLES = settings(

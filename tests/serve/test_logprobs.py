@@ -11,7 +11,9 @@ import openai
 import pytest
 import torch
 
-from ladle.serve.server import ApiError, ChatRequest, CompletionRequest, Settings, make_job
+from ladle.serve.jobs import make_job
+from ladle.serve.schema import ApiError, ChatRequest, CompletionRequest
+from ladle.serve.server import Settings
 from tests.serve.running import Running
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]

@@ -11,7 +11,9 @@ import openai
 import pytest
 import torch
 
-from ladle.serve.server import ApiError, ChatRequest, Settings, make_job
+from ladle.serve.jobs import make_job
+from ladle.serve.schema import ApiError, ChatRequest
+from ladle.serve.server import Settings
 
 MESSAGES = [{"role": "user", "content": "Count to five please, slowly."}]
 

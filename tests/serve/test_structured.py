@@ -14,7 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from ladle.serve.server import ApiError, ChatRequest, ResponseFormat, constraint_of
+from ladle.serve.jobs import constraint_of
+from ladle.serve.schema import ApiError, ChatRequest, ResponseFormat
 from tests.serve.running import Running
 
 MESSAGES = [{"role": "user", "content": "pick one"}]

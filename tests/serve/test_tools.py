@@ -18,7 +18,9 @@ import pytest
 
 from ladle.serve import tools as tools_api
 from ladle.serve.backends import TransformersBackend
-from ladle.serve.server import ApiError, ChatRequest, Settings, constraint_of, create_app, tools_of
+from ladle.serve.jobs import constraint_of, tools_of
+from ladle.serve.schema import ApiError, ChatRequest
+from ladle.serve.server import Settings, create_app
 from tests.serve.running import Running
 from tests.templates import HERMES_TEMPLATE, TEMPLATES, with_template
 

@@ -1,0 +1,174 @@
+"""A model server is two processes: the API (``python -m ladle.serve``) and its engine, forked from it. Real
+processes on the demo's tiny model: answers through the split equal the engine driven in this process (greedy,
+with log-probabilities, echo, stop strings, structured output, streamed and whole); a hung-up stream stops the
+engine's work; SIGTERM drains a request in flight and leaves nothing; the engine killed fails its request with a
+503 and the server exits 1 to be restarted; the API killed takes the engine with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from ladle.platform.processes import stop_process
+from tests.helpers import start_server
+
+CASES = [
+    ("/v1/completions", {"prompt": "red blue green", "max_tokens": 12, "temperature": 0, "logprobs": 2}),
+    ("/v1/completions", {"prompt": "one two", "max_tokens": 6, "temperature": 0, "logprobs": 1, "echo": True}),
+    ("/v1/completions", {"prompt": "abc", "max_tokens": 10, "temperature": 0.8, "seed": 7}),
+    ("/v1/completions", {"prompt": "red blue green", "max_tokens": 12, "temperature": 0, "stop": ["e"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10, "temperature": 0}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "JSON please"}],
+            "max_tokens": 12,
+            "temperature": 0,
+            "response_format": {"type": "json_object"},
+        },
+    ),
+]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def engine_of(server) -> psutil.Process:
+    children = psutil.Process(server.pid).children()
+    assert len(children) == 1, children  # one engine process per server
+    return children[0]
+
+
+def without_ids(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+def streamed_text(url: str, path: str, body: dict) -> str:
+    text = []
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=60) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(text)
+
+
+@pytest.fixture(scope="module")
+def split(tiny_model, tmp_path_factory):
+    server, url = start_server(tiny_model, tmp_path_factory.mktemp("split") / "server.log", max_batch_size=8)
+    yield server, url
+    stop_process(server, 10, group=True)
+
+
+def test_answers_through_the_split_equal_the_engine_in_this_process(split, server):
+    proc, url = split
+    assert engine_of(proc).pid != proc.pid
+    for path, body in CASES:
+        here = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        there = httpx.post(f"{url}{path}", json=body, timeout=60)
+        assert here.status_code == there.status_code == 200, there.text
+        assert without_ids(there.json()) == without_ids(here.json())
+        whole = there.json()["choices"][0]
+        text = whole.get("text") if "text" in whole else whole["message"]["content"]
+        if not body.get("echo"):
+            assert streamed_text(url, path, body) == text
+    bad = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def steps(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("ladle_batch_size_count"):
+            return float(line.split()[-1])
+    raise AssertionError("no ladle_batch_size_count")
+
+
+def test_a_hung_up_stream_stops_the_engines_work(split):
+    _, url = split
+    body = {"prompt": "red", "max_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as answer:
+        next(answer.iter_lines())  # its first chunk; then the client hangs up
+    time.sleep(0.5)  # the cancel crosses to the engine, which drops the row at its next step
+    before = steps(url)
+    time.sleep(1.0)
+    assert steps(url) == before  # no step ran since: nobody generates the 2,000 tokens for nobody
+    assert httpx.get(f"{url}/metrics").text.count("ladle_cancelled_total 1.0") == 1
+
+
+def test_sigterm_drains_the_request_in_flight_and_leaves_nothing(split):
+    proc, url = split
+    engine = engine_of(proc)
+    with httpx.Client(timeout=60) as http:
+        body = {"prompt": "red", "max_tokens": 400, "temperature": 0, "stream": True}
+        with http.stream("POST", f"{url}/v1/completions", json=body) as answer:
+            lines = answer.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)  # to the API process; the engine serves the drain
+            lines = list(lines)
+    assert [x for x in lines if x][-1] == "data: [DONE]"
+    assert json.loads([x for x in lines if x.startswith("data: {")][-1][6:])["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(timeout=30) == 0
+    wait_for(lambda: gone(engine.pid), 10, "the engine outlived its server")
+
+
+def test_the_engine_killed_fails_its_request_and_the_server_exits_to_be_restarted(tiny_model, tmp_path):
+    proc, url = start_server(tiny_model, tmp_path / "server.log")
+    try:
+        engine = engine_of(proc)
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={"prompt": "red", "max_tokens": 1500, "stream": True}, timeout=60
+        ) as answer:
+            assert answer.status_code == 200
+            lines = answer.iter_lines()
+            next(lines)
+            os.kill(engine.pid, signal.SIGKILL)
+            rest = "".join(lines)
+        assert '"code": "engine_down"' in rest and "exited (code -9)" in rest
+        assert proc.wait(timeout=30) == 1  # red, then gone: the supervisor starts it again
+        assert "the engine process of this server exited (code -9)" in (tmp_path / "server.log").read_text()
+    finally:
+        stop_process(proc, 10, group=True)
+
+
+def test_the_api_process_killed_takes_its_engine_with_it(tiny_model, tmp_path):
+    proc, _ = start_server(tiny_model, tmp_path / "server.log")
+    engine = engine_of(proc)
+    os.kill(proc.pid, signal.SIGKILL)  # the API process alone, not its group
+    proc.wait(timeout=10)
+    wait_for(lambda: gone(engine.pid), 10, "the engine was orphaned")
+
+
+def test_a_server_forks_from_the_warm_pool_and_reports_its_exit_through_it(tmp_path):
+    from ladle.serve import pool
+
+    sock = os.environ[pool.ENV]  # the suite's pool (tests/conftest.py), started without waiting
+    wait_for(lambda: os.path.exists(sock), 120, "the suite's server pool never listened")
+    argv = [sys.executable, "-m", "ladle.serve", "--model", "/nonexistent", "--port", "1"]
+    started = pool.launch(argv, tmp_path / "warm.log")
+    assert isinstance(started, pool.Started)
+    assert started.wait(timeout=60) == 2  # main's exit status, carried back by the pool
+    assert "--model /nonexistent" in (tmp_path / "warm.log").read_text()
+    assert not psutil.pid_exists(started.pid) or gone(started.pid)
+
+    cold = pool.launch(argv, tmp_path / "cold.log", {**os.environ, pool.ENV: str(tmp_path / "no.sock")})
+    assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=60) == 2
+    assert "--model /nonexistent" in (tmp_path / "cold.log").read_text()
