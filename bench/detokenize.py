@@ -35,7 +35,7 @@ def window_decode(tokenizer, tokens: list[int]) -> str:
 
 
 def stream_decode(tokenizer, tokens: list[int]) -> str:
-    from ladle.serve.engine import Job, decode_next
+    from ladle.serve.rows import Job, decode_next
 
     job, text = Job(ids=[1], max_new_tokens=len(tokens)), ""
     for token in tokens:

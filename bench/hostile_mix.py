@@ -269,5 +269,6 @@ def run_once(args, tree: Path | None) -> dict:
     finally:
         served.stop()
 
+
 if __name__ == "__main__":
     main()

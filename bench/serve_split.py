@@ -5,6 +5,8 @@
 - Start to ``/ready`` of ``python -m ladle.serve`` on the demo's tiny model: started cold (a new interpreter, as
   before the pool), forked from a warm pool (``ladle.serve.pool``), and, with ``--compare``, cold from an earlier
   ladle's source tree (one process, no engine split). Medians of ``--starts``, run alternately.
+- The front's proxying: the same short requests (one token) one at a time, straight to the server and through
+  the front; the latency the front adds (median, p99) and its CPU per request.
 - The pipe between the API and engine processes (``ladle.serve.wire``): round trips of a ``Submit`` of a
   200-token prompt and a ``Report`` of 32 rows' events (one decode step of a full batch), one process each side.
 """
@@ -113,6 +115,37 @@ def pipe(rounds: int = 5000) -> dict:
     return out
 
 
+def proxy(rounds: int = 300) -> dict:
+    import psutil
+    from common import FrontOverServer
+
+    served = FrontOverServer().start()
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
+    out = {}
+    try:
+        with httpx.Client(timeout=30) as http:
+            for name, url in (("direct", served.url), ("through_front", served.front_url)):
+                for _ in range(20):
+                    http.post(f"{url}/v1/chat/completions", json=body).raise_for_status()
+                front = psutil.Process(served.front.pid)
+                cpu = sum(front.cpu_times()[:2])
+                times = []
+                for _ in range(rounds):
+                    began = time.perf_counter()
+                    http.post(f"{url}/v1/chat/completions", json=body).raise_for_status()
+                    times.append(time.perf_counter() - began)
+                times.sort()
+                out[name] = {
+                    "median_ms": round(1000 * statistics.median(times), 2),
+                    "p99_ms": round(1000 * times[int(0.99 * len(times))], 2),
+                    "front_cpu_ms_per_request": round(1000 * (sum(front.cpu_times()[:2]) - cpu) / rounds, 2),
+                }
+    finally:
+        served.stop()
+    out["front_adds_median_ms"] = round(out["through_front"]["median_ms"] - out["direct"]["median_ms"], 2)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare", type=Path, default=None)
@@ -120,6 +153,8 @@ def main() -> None:
     args = parser.parse_args()
     result = {"pipe": pipe()}
     print(result["pipe"], flush=True)
+    result["proxy"] = proxy()
+    print(result["proxy"], flush=True)
     result["start_to_ready"] = starts(args)
     print(result)
     print(f"saved {save('serve_split', result)}")

@@ -66,6 +66,9 @@ def one_thread_until_fork() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import setproctitle
+
+    setproctitle.getproctitle()  # set up before anything changes the environment: the engine renames itself
     one_thread_until_fork()
     parser = argparse.ArgumentParser(
         prog="python -m ladle.serve", description="Serve a model folder over an OpenAI-compatible API."

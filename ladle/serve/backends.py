@@ -133,7 +133,7 @@ class Backend(ABC):
 
     @abstractmethod
     def submit(self, job) -> None:
-        """Queue ``job`` (a ``ladle.serve.engine.Job``); its ``emit`` receives ``text``, then ``done`` or ``error``."""
+        """Queue ``job`` (a ``ladle.serve.rows.Job``); its ``emit`` receives ``text``, then ``done`` or ``error``."""
 
     def ready(self) -> bool:
         """Whether requests are being served (the model is loaded and its generation loop alive)."""

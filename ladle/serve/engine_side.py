@@ -35,17 +35,18 @@ HEARTBEAT_S = 0.25
 
 def die_with_parent() -> None:
     """SIGKILL this process when the process that started it dies (Linux; elsewhere the pipe's end of file
-    stops it), and name it ``ladle-engine`` where ``ps -o comm``, ``top`` and ``pgrep`` look (its command line
-    is its server's: it was forked from it)."""
+    stops it)."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        libc.prctl(15, b"ladle-engine")  # PR_SET_NAME
 
 
 def main(conn, model_dir: str, options: dict, parent: int) -> None:
     """The engine process's life: load, report ``Loaded`` (or ``LoadFailed``), then serve until the pipe closes."""
     die_with_parent()
+    import setproctitle
+
+    setproctitle.setproctitle(f"ladle-engine of {setproctitle.getproctitle()}")
     if os.getppid() != parent:  # the API process died before the line above took effect
         os._exit(0)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -101,7 +102,7 @@ class EngineSide:
                     job.cancelled.set()
 
     def submit(self, message: wire.Submit) -> None:
-        from ladle.serve.engine import Job
+        from ladle.serve.rows import Job
         from ladle.serve.structured import GrammarError
 
         key = message.key

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ladle.serve import tools as tools_api
 from ladle.serve.backends import Backend
-from ladle.serve.engine import Job
+from ladle.serve.rows import Job
 from ladle.serve.schema import ADJUSTMENTS, ECHO_LOGITS_BYTES, MIN_TEMPERATURE, ApiError, ChatRequest, Sampling
 from ladle.serve.settings import Settings
 

@@ -140,8 +140,11 @@ def alive(pid: int) -> bool:
 
 def preload() -> None:
     """What every server imports, imported once here (and frozen out of the collector's scans)."""
+    import setproctitle
+
     from ladle.platform.startup import quiet_collector
 
+    setproctitle.getproctitle()  # its set-up, while the environment is the process's own (a child replaces it)
     with quiet_collector():
         import llguidance  # noqa: F401
         import torch  # noqa: F401
@@ -182,6 +185,9 @@ def child(request: dict, listener: socket.socket, conn: socket.socket, others) -
         os.environ["OMP_NUM_THREADS"] = "1"  # what this process was loaded with; the engine sets its own
         os.chdir(request["cwd"])
         sys.argv = [sys.executable, *MODULE, *request["argv"]]
+        import setproctitle
+
+        setproctitle.setproctitle(" ".join(sys.argv))  # what ps shows: the server it is, not the pool it came from
         from ladle.serve.__main__ import main
 
         code = main(request["argv"])

@@ -19,7 +19,6 @@ from jinja2 import TemplateError
 
 from ladle.serve import tools as tools_api
 from ladle.serve.backends import Backend
-from ladle.serve.engine import Job
 from ladle.serve.jobs import (
     Tooling,
     check_prompt_chars,
@@ -31,6 +30,7 @@ from ladle.serve.jobs import (
 )
 from ladle.serve.metrics import Metrics
 from ladle.serve.replies import Reply, sse, stream_error, usage
+from ladle.serve.rows import Job
 from ladle.serve.schema import ApiError, ChatRequest, ClientGone, CompletionRequest, Sampling
 from ladle.serve.settings import Settings
 

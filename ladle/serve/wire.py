@@ -41,7 +41,7 @@ REQUEST_FIELDS = (
     "submitted",
     "deadline",
 )
-"""The fields of ``ladle.serve.engine.Job`` that a request sets; the rest are the engine's own bookkeeping."""
+"""The fields of ``ladle.serve.rows.Job`` that a request sets; the rest are the engine's own bookkeeping."""
 
 
 @dataclass(slots=True)

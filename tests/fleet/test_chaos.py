@@ -69,6 +69,14 @@ def servers() -> dict[str, set[int]]:
     return found
 
 
+def tree() -> list:
+    return [
+        (p.pid, p.ppid(), " ".join(p.cmdline())[:100])
+        for p in psutil.process_iter()
+        if "ladle" in " ".join(p.cmdline())
+    ]
+
+
 def front_upstream() -> dict:
     front = router.read_record(NAME)
     return champion.current_upstream(front)
@@ -160,7 +168,7 @@ def test_rollbacks_promotions_and_kills_at_once_leave_the_champion_serving(tmp_p
         assert {r[1] for r in traffic.results if r[0] > windows[-1][1]} == {best.version}
         live = servers()
         assert live["fronts"] == {router.read_record(NAME)["pid"]}
-        assert live["servers"] == {front_upstream()["pid"]}, (live, front_upstream())
+        assert live["servers"] == {front_upstream()["pid"]}, (live, front_upstream(), tree())
         assert records.alive(front_upstream())
     finally:
         if router.read_record(NAME):

@@ -18,8 +18,9 @@ import pytest
 
 from ladle.serve import engine as engine_module
 from ladle.serve.backends import TransformersBackend
-from ladle.serve.engine import Engine, Job
+from ladle.serve.engine import Engine
 from ladle.serve.limits import ServeLimits
+from ladle.serve.rows import Job
 from ladle.serve.server import Settings, create_app
 from tests.serve.running import Running
 
@@ -290,7 +291,7 @@ def test_an_arrival_that_fails_its_prefill_fails_alone(tiny_model, tokenizer):
 def test_incremental_detokenization_equals_a_whole_decode(tokenizer):
     import random
 
-    from ladle.serve.engine import decode_next
+    from ladle.serve.rows import decode_next
 
     rng = random.Random(0)
     texts = ["héllo wörld — naïve café ✓ 日本語 🙂", "  spaces\tand\nnewlines  ", "a" * 50]
@@ -307,7 +308,7 @@ def test_incremental_detokenization_equals_a_whole_decode(tokenizer):
 
 
 def test_a_stop_string_across_tokens_is_found_by_the_bounded_scan():
-    from ladle.serve.engine import find_stop
+    from ladle.serve.rows import find_stop
 
     text = "one two thr"
     assert find_stop(text, ["three"], len(text)) == -1

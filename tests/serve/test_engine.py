@@ -21,7 +21,8 @@ from transformers import (
 
 from ladle.errors import LadleError
 from ladle.serve import engine as engine_module
-from ladle.serve.engine import Engine, Job, check_cache_layers
+from ladle.serve.engine import Engine, check_cache_layers
+from ladle.serve.rows import Job
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog and runs away into the forest",

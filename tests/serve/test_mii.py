@@ -80,7 +80,7 @@ def test_serve_settings_reach_the_backend_that_accepts_them(tmp_path):
 def test_mii_serves_the_offline_greedy_answer(tiny_model):
     pytest.importorskip("mii", reason="needs the mii extra: pip install 'ladle[mii]'")
     from ladle.serve.backends import MiiBackend
-    from ladle.serve.engine import Job
+    from ladle.serve.rows import Job
     from tests.helpers import offline_greedy
 
     backend = MiiBackend.start(str(tiny_model), tensor_parallel=1, start_timeout_s=600)
@@ -263,7 +263,7 @@ def test_a_start_that_runs_out_of_time_leaves_no_process(fake_mii, monkeypatch):
 def test_each_deployment_gets_ports_of_its_own(fake_mii):
     """A champion swap starts the new deployment while the old one serves: their ports never meet."""
     from ladle.serve.backends import MiiBackend
-    from ladle.serve.engine import Job
+    from ladle.serve.rows import Job
 
     old = MiiBackend(str(fake_mii), tensor_parallel=1)
     new = MiiBackend(str(fake_mii), tensor_parallel=1)

@@ -132,7 +132,7 @@ def test_the_engines_detokenizer_streams_pieces_that_join_to_the_whole_decode(to
     """The engine's streamed text (tokenizers' DecodeStream), token by token, lone bytes among the words: no
     piece ends in half a character, and the pieces join to the whole decode; ``read_at`` counts the tokens
     whose text is out (their log-probabilities go with it)."""
-    from ladle.serve.engine import Job, decode_next
+    from ladle.serve.rows import Job, decode_next
 
     tokenizer = tokenizers[name]
     for ids in answers(tokenizer, 60, seed=2):
