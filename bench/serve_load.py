@@ -177,7 +177,7 @@ def main() -> None:
         default=None,
         help="an earlier ladle's source tree (git worktree add /tmp/before COMMIT): its batched server as a row too",
     )
-    parser.add_argument("--only", default=None, help="Comma-separated row names to run (default: all).")
+    parser.add_argument("--only", default=None, help="Row names to run, separated by semicolons (default: all).")
     args = parser.parse_args()
     model = args.model or newest_merged()
     from transformers import AutoTokenizer
@@ -193,7 +193,7 @@ def main() -> None:
     if args.compare:
         rows_to_run = {"ladle before (batched, 32)": rows_to_run["ladle (batched, 32)"], **rows_to_run}
     if args.only:
-        rows_to_run = {k: v for k, v in rows_to_run.items() if k in args.only.split(",")}
+        rows_to_run = {k: v for k, v in rows_to_run.items() if k in args.only.split(";")}
     for name, argv in rows_to_run.items():
         port = free_port()
         argv = [a if a != "0" else str(port) for a in argv]

@@ -15,6 +15,7 @@ if this one dies first.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -70,6 +71,7 @@ class EngineClient(TransformersBackend):
         self.seq = self.received = self.depth = 0
         self.healthy, self.dead = True, None
         self.observe_batch: Callable[[int], None] = lambda size: None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         ours, theirs = socket.socketpair()
         options = {"max_batch": max_batch, "kv_tokens": kv_tokens}
@@ -178,6 +180,8 @@ class EngineClient(TransformersBackend):
         if self.dead:
             job.emit("error", {"message": self.dead, "status": 503, "code": "engine_down"})
             return
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()  # the server's: submit is called on it
         job.key = next(self.keys)
         self.seq += 1
         self.jobs[job.key] = job
@@ -215,18 +219,30 @@ class EngineClient(TransformersBackend):
             self.depth, self.received, self.healthy = report.depth, report.received, report.healthy
             for size in report.batches:
                 self.observe_batch(size)
+            deliveries = []
             for key, kind, data in report.events:
                 job = self.jobs.get(key)
                 if job is None:  # cancelled here meanwhile
                     continue
-                job.tokens += data.pop("ids", ())
-                if "prompt_logprobs" in data:
-                    job.prompt_logprobs = data.pop("prompt_logprobs")
                 if kind in ("done", "error"):
                     self.jobs.pop(key, None)
-                job.emit(kind, data)
+                deliveries.append((job, kind, data))
+            if deliveries:  # one wake-up of the event loop per report, not one per request
+                self.loop.call_soon_threadsafe(self.deliver, deliveries)
         if self.dead is None:
             self.gone()
+
+    @staticmethod
+    def deliver(deliveries: list) -> None:
+        """On the event loop: each event to its request, its token ids first (tool calls are read from them)."""
+        for job, kind, data in deliveries:
+            job.tokens += data.pop("ids", ())
+            if "prompt_logprobs" in data:
+                job.prompt_logprobs = data.pop("prompt_logprobs")
+            if job.deliver is not None:
+                job.deliver((kind, data))
+            else:
+                job.emit(kind, data)
 
     def gone(self) -> None:
         """The engine process ended under us: fail what is in flight, turn red, and let the server exit."""

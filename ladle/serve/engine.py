@@ -72,6 +72,7 @@ class Engine:
         self.model, self.tokenizer, self.device, self.max_batch = model, tokenizer, device, max_batch
         self.kv_tokens = kv_tokens or max_batch * int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.on_batch = on_batch or (lambda size: None)
+        self.after_turn: Callable[[], None] = lambda: None  # after each turn: what it emitted can go out together
         self.waiting: deque[Job] = deque()  # taken from ``jobs``, in arrival order, not yet admitted
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
@@ -101,26 +102,33 @@ class Engine:
         while True:
             if not batch.jobs and not self.waiting:
                 self.waiting.append(self.jobs.get())  # idle: wait for work
-            while True:
-                try:
-                    self.waiting.append(self.jobs.get_nowait())
-                except queue.Empty:
-                    break
-            self.expire()
-            arrivals = self.admissible(batch)
-            if arrivals:
-                self.admit(batch, arrivals)
-            if not batch.jobs:
-                continue
-            self.on_batch(len(batch.jobs))
             try:
-                batch.step()
-            except Exception as exc:  # a failed step fails its requests, never the engine
-                self.count(exc)
-                fail(batch.jobs, exc)
-                batch = Batch(self)
-            else:
-                self.failures = 0
+                batch = self.turn(batch)
+            finally:
+                self.after_turn()
+
+    def turn(self, batch: Batch) -> Batch:
+        """Take what arrived, expire who waited too long, admit who fits, and run one decode step."""
+        while True:
+            try:
+                self.waiting.append(self.jobs.get_nowait())
+            except queue.Empty:
+                break
+        self.expire()
+        arrivals = self.admissible(batch)
+        if arrivals:
+            self.admit(batch, arrivals)
+        if not batch.jobs:
+            return batch
+        self.on_batch(len(batch.jobs))
+        try:
+            batch.step()
+        except Exception as exc:  # a failed step fails its requests, never the engine
+            self.count(exc)
+            fail(batch.jobs, exc)
+            return Batch(self)
+        self.failures = 0
+        return batch
 
     def admit(self, batch: Batch, arrivals: list[Job]) -> None:
         """Prefill the arrivals together; when that fails, each alone, so a request that cannot be prefilled

@@ -18,10 +18,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import queue
 import signal
 import threading
-from collections import deque
+import time
 
 from ladle.serve import wire
 
@@ -76,16 +75,21 @@ def main(conn, model_dir: str, options: dict, parent: int) -> None:
 
 
 class EngineSide:
-    """The engine's end of the pipe: jobs from ``Submit`` messages, their events batched into ``Report``s."""
+    """The engine's end of the pipe: jobs from ``Submit`` messages, their events batched into ``Report``s. The
+    engine thread sends each turn's events itself, at the end of the turn (one message, no hand-over to another
+    thread); a heartbeat thread reports the queue and health when the engine is idle."""
 
     def __init__(self, conn, backend) -> None:
-        self.conn, self.backend = conn, backend
+        self.conn, self.backend, self.engine = conn, backend, backend.engine
         self.jobs: dict[int, object] = {}
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.batches: deque[int] = deque()
+        self.events: list[tuple[int, str, dict]] = []
+        self.batches: list[int] = []
         self.received = 0
-        backend.engine.on_batch = self.batches.append
-        threading.Thread(target=self.report, name="ladle-engine-report", daemon=True).start()
+        self.lock = threading.Lock()  # one sender at a time: the engine thread, the heartbeat, the receiver
+        self.sent_at = time.monotonic()
+        self.engine.on_batch = self.record_batch
+        self.engine.after_turn = self.flush
+        threading.Thread(target=self.heartbeat, name="ladle-engine-heartbeat", daemon=True).start()
 
     def serve(self) -> None:
         """Take messages until the API process closes the pipe (or dies); then exit."""
@@ -113,9 +117,11 @@ class EngineSide:
             if message.grammar is not None:
                 job.constraint = self.backend.grammars().constraint(message.grammar)
         except GrammarError as exc:
+            self.received = message.seq
             job.emit("error", {"message": f"Invalid response_format: {exc}.", "status": 400, "param": exc.param})
-        else:
-            self.backend.submit(job)
+            self.flush()  # answered here, not by a turn of the engine
+            return
+        self.backend.submit(job)
         self.received = message.seq  # after the submit: the engine's depth counts it from here
 
     def post(self, key: int, job, kind: str, data: dict) -> None:
@@ -128,27 +134,34 @@ class EngineSide:
             data["prompt_logprobs"], job.prompt_sent = job.prompt_logprobs, True
         if kind in ("done", "error"):
             self.jobs.pop(key, None)
-        self.outbox.put((key, kind, data))
+        with self.lock:
+            self.events.append((key, kind, data))
 
-    def report(self) -> None:
-        """Send what the engine emitted, as soon as it did, all of it at once (one message per step, not per
-        row); a heartbeat when nothing did. The API process gone: exit."""
-        engine = self.backend.engine
-        while True:
-            events = []
-            with contextlib.suppress(queue.Empty):
-                events.append(self.outbox.get(timeout=HEARTBEAT_S))
-                while True:
-                    events.append(self.outbox.get_nowait())
-            batches = [self.batches.popleft() for _ in range(len(self.batches))]
-            report = wire.Report(events, engine.depth(), self.received, engine.healthy(), batches)
-            if not engine.alive():
-                report.healthy = False
+    def record_batch(self, size: int) -> None:
+        with self.lock:
+            self.batches.append(size)
+
+    def flush(self, heartbeat: bool = False) -> None:
+        """Send what was emitted since the last report, and the engine's state; the API process gone: exit."""
+        with self.lock:
+            if not (self.events or self.batches or heartbeat):
+                return
+            events, self.events = self.events, []
+            batches, self.batches = self.batches, []
+            healthy = self.engine.healthy() and self.engine.alive()
+            report = wire.Report(events, self.engine.depth(), self.received, healthy, batches)
             try:
                 self.conn.send(report)
             except (OSError, ValueError):
                 os._exit(0)
+            self.sent_at = time.monotonic()
 
+    def heartbeat(self) -> None:
+        """The state every ``HEARTBEAT_S`` while no turn reported (the engine idle, or in a long prefill)."""
+        while True:
+            time.sleep(HEARTBEAT_S)
+            if time.monotonic() - self.sent_at >= HEARTBEAT_S:
+                self.flush(heartbeat=True)
 
 if __name__ == "__main__":  # a new interpreter, when the API process could not fork (ladle.serve.client)
     import json

@@ -119,6 +119,7 @@ class Generation:
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         job.emit = lambda event, data: loop.call_soon_threadsafe(events.put_nowait, (event, data))
+        job.deliver = events.put_nowait
         self.backend.submit(job)
         reply = Reply(f"{prefix}-{uuid.uuid4().hex}", kind, self.settings.model, int(time.time()))
         watcher = asyncio.create_task(self.watch_disconnect(request, job, events))

@@ -38,6 +38,7 @@ class Job:
     constraint: Any = None  # ``ladle.serve.structured.Constraint``: the grammar its tokens must follow
     prompt_logprobs: list[dict] | None = None
     emit: Callable[[str, dict], None] = lambda kind, data: None
+    deliver: Callable[[tuple[str, dict]], None] | None = None  # on the server's event loop: ``emit`` without a hop
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # monotonic time by which it must have joined the batch (serve.limits)
