@@ -163,6 +163,7 @@ class EngineSide:
             if time.monotonic() - self.sent_at >= HEARTBEAT_S:
                 self.flush(heartbeat=True)
 
+
 if __name__ == "__main__":  # a new interpreter, when the API process could not fork (ladle.serve.client)
     import json
     import sys
