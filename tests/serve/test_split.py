@@ -191,3 +191,45 @@ def test_a_server_forks_from_the_warm_pool_and_reports_its_exit_through_it(tmp_p
     cold = pool.launch(argv, tmp_path / "cold.log", {**os.environ, pool.ENV: str(tmp_path / "no.sock")})
     assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=60) == 2
     assert "--model /nonexistent" in (tmp_path / "cold.log").read_text()
+
+
+def test_a_forced_tool_call_through_the_split_is_one_valid_call_whole_and_streamed(tiny_model, tmp_path):
+    """Calls are read from the answer's tokens (a call tag may be a special token), which the engine process sends
+    with each event, and the grammar that forces the call is compiled there: Hermes's template, whole and streamed."""
+    from tests.templates import TEMPLATES, with_template
+
+    folder = with_template(tiny_model, tmp_path / "hermes", TEMPLATES["hermes"])
+    proc, url = start_server(folder, tmp_path / "server.log")
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Lima"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    body = {
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [weather],
+        "tool_choice": "required",
+        "max_tokens": 200,
+        "temperature": 0,
+    }
+    try:
+        whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        assert whole["finish_reason"] == "tool_calls"
+        (call,) = whole["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Lima")
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as answer:
+            chunks = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+        calls = [c for x in chunks if x["choices"] for c in x["choices"][0]["delta"].get("tool_calls") or []]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("get_weather", call["function"]["arguments"])
+        ]
+    finally:
+        stop_process(proc, 10, group=True)
