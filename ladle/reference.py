@@ -68,13 +68,15 @@ def render() -> str:
     from ladle.fleet import front as router
     from ladle.lifecycle.events import EVENTS
     from ladle.serve import server
+    from ladle.serve.metrics import Metrics
+    from ladle.serve.schema import Sampling
 
     # Routes are listed, never served.
-    backend = SimpleNamespace(queue_depth=lambda: 0, name="-", engine=None, context_length=2048)
+    backend = SimpleNamespace(queue_depth=lambda: 0, name="-", report_batches=lambda observe: None, context_length=2048)
     model_server = server.create_app(backend, "MODEL")
     front = router.create_app("NAME", "-", {}, None)
     front_registry = front.state.supervisor.registry
-    server_registry = server.Metrics(backend, server.ROUTES).registry
+    server_registry = Metrics(backend, server.ROUTES).registry
     events = ["| event | when | payload |", "| --- | --- | --- |"]
     events += [f"| `{name}` | {when} | {payload} |" for name, (when, payload) in EVENTS.items()]
     lines = [
@@ -104,7 +106,7 @@ def render() -> str:
         "`POST /v1/chat/completions` takes `messages` (a list of `{role, content}`, at least one);",
         "`POST /v1/completions` takes `prompt` (a string). Both take:",
         "",
-        *fields(server.Sampling),
+        *fields(Sampling),
         "",
         "A field not listed is refused with HTTP 400 naming it (`unknown_parameter`), as is a value out of",
         "its limits; OpenAI fields this server does not implement answer `unsupported_parameter`.",

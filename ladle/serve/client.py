@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 
 from ladle.errors import LadleError
 from ladle.serve import wire
-from ladle.serve.backends import TransformersBackend
+from ladle.serve.transformers_backend import TransformersBackend
 
 LOAD_TIMEOUT_S = 3600.0
 """The longest the engine process may take to load the model (an 8B from a network disk takes minutes); past it

@@ -58,7 +58,7 @@ def main(conn, model_dir: str, options: dict, parent: int) -> None:
         torch.set_num_threads(int(threads))
     from ladle.errors import LadleError
     from ladle.platform.startup import quiet_collector
-    from ladle.serve.backends import TransformersBackend
+    from ladle.serve.transformers_backend import TransformersBackend
 
     try:
         with quiet_collector():

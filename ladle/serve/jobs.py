@@ -120,22 +120,22 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
             param="stop",
             code="stop_too_long",
         )
-    if len(ids) + limit > backend.context_length:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {backend.context_length} tokens; the prompt "
-            f"has {len(ids)} and max_tokens is {limit}. Shorten the prompt or lower max_tokens.",
-            param="messages" if isinstance(req, ChatRequest) else "prompt",
-            code="context_length_exceeded",
+    bounds = [(backend.context_length, f"This model's maximum context length is {backend.context_length} tokens")]
+    if backend.kv_tokens is not None:
+        bounds.append(
+            (
+                backend.kv_tokens,
+                f"This server's KV cache holds {backend.kv_tokens} tokens across its batch (serve.kv_cache_tokens)",
+            )
         )
-    if backend.kv_tokens is not None and len(ids) + limit > backend.kv_tokens:
-        raise ApiError(
-            400,
-            f"This server's KV cache holds {backend.kv_tokens} tokens across its batch (serve.kv_cache_tokens); "
-            f"the prompt has {len(ids)} and max_tokens is {limit}. Shorten the prompt or lower max_tokens.",
-            param="messages" if isinstance(req, ChatRequest) else "prompt",
-            code="context_length_exceeded",
-        )
+    for bound, what in bounds:
+        if len(ids) + limit > bound:
+            raise ApiError(
+                400,
+                f"{what}; the prompt has {len(ids)} and max_tokens is {limit}. Shorten the prompt or lower max_tokens.",
+                param="messages" if isinstance(req, ChatRequest) else "prompt",
+                code="context_length_exceeded",
+            )
     if not ids:
         raise ApiError(400, "the prompt is empty.", param="prompt")
     return Job(

@@ -76,12 +76,7 @@ class Started:
             request = {"argv": argv[3:], "log": str(log_path) if log_path else None, "env": env, "append": append}
             request["cwd"] = os.getcwd()
             conn.sendall(json.dumps(request).encode() + b"\n")
-            line = b""
-            while not line.endswith(b"\n"):
-                chunk = conn.recv(4096)
-                if not chunk:
-                    raise OSError("the pool closed the connection before it started the server")
-                line += chunk
+            line = read_line(conn, "the pool closed the connection before it started the server")
         except BaseException:
             conn.close()
             raise
@@ -127,6 +122,21 @@ class Started:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def read_line(conn: socket.socket, closed: str) -> bytes:
+    """One JSON line from ``conn`` (its timeout bounds the wait).
+
+    Raises:
+        OSError: ``closed``, when the other side closed before the line ended.
+    """
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise OSError(closed)
+        line += chunk
+    return line
 
 
 def alive(pid: int) -> bool:
@@ -237,13 +247,7 @@ def start(listener: socket.socket, waiting: dict[int, socket.socket]) -> None:
     conn, _ = listener.accept()
     conn.settimeout(CONNECT_TIMEOUT_S)
     try:
-        line = b""
-        while not line.endswith(b"\n"):
-            chunk = conn.recv(65536)
-            if not chunk:
-                raise OSError("the caller hung up")
-            line += chunk
-        request = json.loads(line)
+        request = json.loads(read_line(conn, "the caller hung up"))
         pid = os.fork()
         if pid == 0:
             child(request, listener, conn, list(waiting.values()))
