@@ -1,7 +1,7 @@
 """A model server is two processes: the API (``python -m ladle.serve``) and its engine, forked from it. Real
-processes on the demo's tiny model: answers through the split equal the engine driven in this process (greedy,
-with log-probabilities, echo, stop strings, structured output, streamed and whole); a hung-up stream stops the
-engine's work; SIGTERM drains a request in flight and leaves nothing; the engine killed fails its request with a
+processes on the demo's tiny model (with Hermes's tool-calling template): answers through the split equal the
+engine driven in this process (greedy, seeded, with log-probabilities, echo, stop strings, streamed and whole); a
+forced tool call is one valid call, whole and streamed; a hung-up stream stops the engine's work; SIGTERM drains a request in flight and leaves nothing; the engine killed fails its request with a
 503 and the server exits 1 to be restarted; the API killed takes the engine with it."""
 
 from __future__ import annotations
@@ -26,15 +26,6 @@ CASES = [
     ("/v1/completions", {"prompt": "abc", "max_tokens": 10, "temperature": 0.8, "seed": 7}),
     ("/v1/completions", {"prompt": "red blue green", "max_tokens": 12, "temperature": 0, "stop": ["e"]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10, "temperature": 0}),
-    (
-        "/v1/chat/completions",
-        {
-            "messages": [{"role": "user", "content": "JSON please"}],
-            "max_tokens": 12,
-            "temperature": 0,
-            "response_format": {"type": "json_object"},
-        },
-    ),
 ]
 
 
@@ -89,10 +80,30 @@ def streamed_text(url: str, path: str, body: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def split(tiny_model, tmp_path_factory):
-    server, url = start_server(tiny_model, tmp_path_factory.mktemp("split") / "server.log", max_batch_size=8)
+def hermes(tiny_model, tmp_path_factory):
+    """The tiny model with Hermes's tool-calling chat template."""
+    from tests.templates import TEMPLATES, with_template
+
+    return with_template(tiny_model, tmp_path_factory.mktemp("hermes") / "model", TEMPLATES["hermes"])
+
+
+@pytest.fixture(scope="module")
+def split(hermes, tmp_path_factory):
+    server, url = start_server(hermes, tmp_path_factory.mktemp("split") / "server.log", max_batch_size=8)
     yield server, url
     stop_process(server, 10, group=True)
+
+
+@pytest.fixture(scope="module")
+def server(hermes):
+    """The same model's engine driven in this process, behind the same app."""
+    from ladle.serve.backends import TransformersBackend
+    from ladle.serve.server import Settings, create_app
+    from tests.serve.running import Running
+
+    running = Running(create_app(TransformersBackend(str(hermes), max_batch=8), Settings("tiny", max_new_tokens=16)))
+    yield running
+    running.stop()
 
 
 def test_answers_through_the_split_equal_the_engine_in_this_process(split, server):
@@ -109,6 +120,42 @@ def test_answers_through_the_split_equal_the_engine_in_this_process(split, serve
             assert streamed_text(url, path, body) == text
     bad = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_forced_tool_call_through_the_split_is_one_valid_call_whole_and_streamed(split):
+    """Calls are read from the answer's tokens (a call tag may be a special token), which the engine process sends
+    with each event, and the grammar that forces the call is compiled there: Hermes's template, whole and streamed."""
+    _, url = split
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Lima"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    body = {
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [weather],
+        "tool_choice": "required",
+        "max_tokens": 200,
+        "temperature": 0,
+    }
+    whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Lima")
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as answer:
+        chunks = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+    calls = [c for x in chunks if x["choices"] for c in x["choices"][0]["delta"].get("tool_calls") or []]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", call["function"]["arguments"])
+    ]
 
 
 def steps(url: str) -> float:
@@ -191,45 +238,3 @@ def test_a_server_forks_from_the_warm_pool_and_reports_its_exit_through_it(tmp_p
     cold = pool.launch(argv, tmp_path / "cold.log", {**os.environ, pool.ENV: str(tmp_path / "no.sock")})
     assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=60) == 2
     assert "--model /nonexistent" in (tmp_path / "cold.log").read_text()
-
-
-def test_a_forced_tool_call_through_the_split_is_one_valid_call_whole_and_streamed(tiny_model, tmp_path):
-    """Calls are read from the answer's tokens (a call tag may be a special token), which the engine process sends
-    with each event, and the grammar that forces the call is compiled there: Hermes's template, whole and streamed."""
-    from tests.templates import TEMPLATES, with_template
-
-    folder = with_template(tiny_model, tmp_path / "hermes", TEMPLATES["hermes"])
-    proc, url = start_server(folder, tmp_path / "server.log")
-    weather = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"enum": ["Paris", "Lima"]}},
-                "required": ["city"],
-                "additionalProperties": False,
-            },
-        },
-    }
-    body = {
-        "messages": [{"role": "user", "content": "weather?"}],
-        "tools": [weather],
-        "tool_choice": "required",
-        "max_tokens": 200,
-        "temperature": 0,
-    }
-    try:
-        whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
-        assert whole["finish_reason"] == "tool_calls"
-        (call,) = whole["message"]["tool_calls"]
-        assert call["function"]["name"] == "get_weather"
-        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Lima")
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as answer:
-            chunks = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
-        calls = [c for x in chunks if x["choices"] for c in x["choices"][0]["delta"].get("tool_calls") or []]
-        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-            ("get_weather", call["function"]["arguments"])
-        ]
-    finally:
-        stop_process(proc, 10, group=True)
