@@ -78,7 +78,7 @@ class EngineClient(TransformersBackend):
         # Forked: the child has every library this process imported (a start costs the model's load). With other
         # threads running, a fork would copy locks they hold: a new interpreter then.
         self.forked = not other_threads()
-        self.proc = self.reader = None
+        self.proc = self.reader = self.code = None
         if self.forked:
             self.pid = self.fork(ours, theirs, model_dir, options)
         else:
@@ -131,14 +131,14 @@ class EngineClient(TransformersBackend):
         """The engine process's exit status once it ended (reaped here), else None."""
         if self.proc is not None:
             return self.proc.poll()
-        if getattr(self, "_code", None) is None:
+        if self.code is None:
             try:
                 done, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:
                 done, status = self.pid, 0
             if done == self.pid:
-                self._code = os.waitstatus_to_exitcode(status)
-        return getattr(self, "_code", None)
+                self.code = os.waitstatus_to_exitcode(status)
+        return self.code
 
     def wait_loaded(self, model_dir: str) -> wire.Loaded:
         """The engine's ``Loaded`` message, with a deadline.
