@@ -14,7 +14,8 @@ if [ "${1:-}" = "--carry" ]; then
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat -d .gpu/whl \
         prometheus-client==0.26.0 psutil==7.2.2 fsspec==2026.9.0 pyyaml==6.0.3 h11==0.16.0 click==8.5.1 \
         anyio==4.16.0 sniffio==1.3.1 idna==3.20 \
-        llguidance==1.9.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+        llguidance==1.9.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
+        setproctitle==1.3.8
     du -sh .gpu
     exit 0
 fi
