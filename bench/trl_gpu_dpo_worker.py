@@ -13,8 +13,6 @@ first two steps. ``--cpu``: float32, no Liger (a check of the script, not a meas
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
 import time
 
@@ -25,7 +23,7 @@ def main() -> None:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
-    from trl_gpu_worker import step_clock  # the SFT row's clock: the same seconds and tokens per step
+    from trl_gpu_worker import report, step_clock  # the SFT row's clock and result line: measured alike
 
     model_dir, data_file, out, steps, micro, max_length = sys.argv[1:7]
     cpu = "--cpu" in sys.argv[7:]
@@ -79,25 +77,14 @@ def main() -> None:
         trainer, clock = trainer_with(liger=False)
     began = time.perf_counter()
     trainer.train()
-    steady = [row["tokens"] / row["seconds"] for row in clock.rows[2:]] or [0.0]
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
-    print(
-        "TRL_RESULT "
-        + json.dumps(
-            {
-                "median_step_tokens_per_s": round(statistics.median(steady), 1),
-                "steps": clock.rows,
-                "losses": losses,
-                "train_s": round(time.perf_counter() - began, 1),
-                "peak_mib": round(peak, 1),
-                "liger": refused is None and not cpu,
-                "liger_refused": refused,
-                "padding_free": True,
-                "precompute_ref_log_probs": True,
-            }
-        ),
-        flush=True,
+    report(
+        trainer,
+        clock,
+        train_s=round(time.perf_counter() - began, 1),
+        liger=refused is None and not cpu,
+        liger_refused=refused,
+        padding_free=True,
+        precompute_ref_log_probs=True,
     )
 
 

@@ -87,24 +87,25 @@ def main() -> None:
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=lora, callbacks=[clock]
     )
     trainer.train()
+    report(
+        trainer,
+        clock,
+        load_s=round(loaded_s, 1),
+        liger=bool(args.use_liger_kernel),
+        padding_free=bool(args.padding_free),
+    )
+
+
+def report(trainer, clock, **extra) -> None:
+    """The ``TRL_RESULT`` line both TRL rows print: median steady tokens/s (the first two steps left out), each
+    step's clock, the losses and the peak memory, with what the row adds."""
+    import torch
+
     steady = [row["tokens"] / row["seconds"] for row in clock.rows[2:]] or [0.0]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
-    print(
-        "TRL_RESULT "
-        + json.dumps(
-            {
-                "median_step_tokens_per_s": round(statistics.median(steady), 1),
-                "steps": clock.rows,
-                "losses": losses,
-                "load_s": round(loaded_s, 1),
-                "peak_mib": round(peak, 1),
-                "liger": bool(args.use_liger_kernel),
-                "padding_free": bool(args.padding_free),
-            }
-        ),
-        flush=True,
-    )
+    result = {"median_step_tokens_per_s": round(statistics.median(steady), 1), "steps": clock.rows, "losses": losses}
+    print("TRL_RESULT " + json.dumps({**result, "peak_mib": round(peak, 1), **extra}), flush=True)
 
 
 if __name__ == "__main__":
