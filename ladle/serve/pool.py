@@ -39,6 +39,9 @@ CONNECT_TIMEOUT_S = 2.0
 
 MODULE = ["-m", "ladle.serve"]
 
+MAX_REQUEST_BYTES = 4 * 2**20
+"""The longest request line the pool reads (an argv and an environment; a typical one is a few kilobytes)."""
+
 
 def launch(argv: list[str], log_path: Path | None, env: dict[str, str] | None = None, append: bool = False):
     """Start a model server: forked from the pool named by ``LADLE_SERVE_POOL`` when one answers and ``argv`` is
@@ -128,7 +131,8 @@ def read_line(conn: socket.socket, closed: str) -> bytes:
     """One JSON line from ``conn`` (its timeout bounds the wait).
 
     Raises:
-        OSError: ``closed``, when the other side closed before the line ended.
+        OSError: ``closed``, when the other side closed before the line ended; or the line is over
+            ``MAX_REQUEST_BYTES``.
     """
     line = b""
     while not line.endswith(b"\n"):
@@ -136,6 +140,8 @@ def read_line(conn: socket.socket, closed: str) -> bytes:
         if not chunk:
             raise OSError(closed)
         line += chunk
+        if len(line) > MAX_REQUEST_BYTES:
+            raise OSError(f"a request line over {MAX_REQUEST_BYTES} bytes")
     return line
 
 

@@ -43,6 +43,13 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def engine_of(server) -> psutil.Process:
     children = psutil.Process(server.pid).children()
     assert len(children) == 1, children  # one engine process per server
@@ -238,3 +245,36 @@ def test_a_server_forks_from_the_warm_pool_and_reports_its_exit_through_it(tmp_p
     cold = pool.launch(argv, tmp_path / "cold.log", {**os.environ, pool.ENV: str(tmp_path / "no.sock")})
     assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=60) == 2
     assert "--model /nonexistent" in (tmp_path / "cold.log").read_text()
+
+
+def test_a_pool_killed_leaves_its_servers_serving_and_their_handles_working(tiny_model, tmp_path):
+    """The pool is a convenience, not a dependency: killed, the servers it forked go on answering, a handle on one
+    still polls and stops it (its exit status is lost with the pool: -1), and a new start is cold."""
+    from ladle.platform.processes import free_port
+    from ladle.serve import pool
+
+    sock = tmp_path / "pool.sock"
+    parent = subprocess.Popen([sys.executable, "-m", "ladle.serve.pool", "--socket", str(sock)])
+    started = None
+    try:
+        wait_for(sock.exists, 120, "the pool never listened")
+        port = free_port()
+        argv = [sys.executable, "-m", "ladle.serve", "--model", str(tiny_model), "--name", "m", "--port", str(port)]
+        started = pool.launch(argv, tmp_path / "server.log", {**os.environ, pool.ENV: str(sock)})
+        assert isinstance(started, pool.Started) and psutil.Process(started.pid).ppid() == parent.pid
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: answers(f"{url}/ready") or started.poll() is not None, 60, "the server never became ready")
+        engine = engine_of(started)
+        parent.kill()
+        parent.wait(10)
+        assert started.poll() is None  # the pool gone, the server is not
+        assert httpx.get(f"{url}/health").status_code == 200
+        started.terminate()
+        assert started.wait(timeout=30) == -1
+        wait_for(lambda: gone(engine.pid), 10, "the engine outlived its server")  # nobody's child now: checked here
+        cold = pool.launch([*argv[:3], "--help"], tmp_path / "cold.log", {**os.environ, pool.ENV: str(sock)})
+        assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=60) == 0  # nobody answers: a cold start
+    finally:
+        if started is not None and started.poll() is None:
+            started.kill()
+        stop_process(parent, 5)
