@@ -27,6 +27,7 @@ from ladle.tasks.prepare import prepare_cached, publish_report
 from ladle.tasks.probe import probe_task
 from ladle.tasks.promote import promote_task
 from ladle.tasks.train import train_task
+from ladle.train.rewards import RewardSet
 
 
 class Stopwatch:
@@ -125,11 +126,11 @@ def finetune(
         prepared = prepare_cached(config.data, inputs)
         publish_report(prepared, track)
         clock.lap("prepare")
-        result = train_task(config, plan, prepared, inputs.base_dir, run_url, track)
+        result = train_task(config, plan, prepared, inputs.base_dir, run_url, track, inputs.reward_files)
         clock.lap("train")
         merged = merge_task(inputs.base_dir, result, run_url)
         clock.lap("merge")
-        scores = evaluate_task(config.eval, inputs.base_dir, merged, prepared, track)
+        scores = evaluate_task(config.eval, inputs.base_dir, merged, prepared, track, RewardSet.of_run(config.training, inputs.reward_files))
         clock.lap("evaluate")
         endpoint = deploy_task(config.serving(), config.name, merged, prepared)
         clock.lap("deploy")

@@ -78,7 +78,7 @@ def finetune_recipe(
     recipe: RecipeName = "tiny-cpu",
     gpus: Literal["auto"] | int = "auto",
     data_path: str | None = None,
-    objective: Literal["sft", "dpo"] | None = None,
+    objective: Literal["sft", "dpo", "grpo"] | None = None,
     max_steps: int | None = None,
     lr: float | None = None,
     lora_r: int | None = None,
@@ -98,7 +98,7 @@ def finetune_recipe(
         recipe: A shipped recipe (`ladle recipes list`); its YAML is the starting config.
         gpus: 'auto' (every GPU the machine has, planned) or a count, 1..128.
         data_path: Training data: a file, folder, glob or fsspec URL (s3://bucket/train/*.jsonl). Empty: the recipe's.
-        objective: `sft` (conversations) or `dpo` (preference pairs: chosen and rejected). Empty: the recipe's.
+        objective: `sft` (conversations), `dpo` (preference pairs: chosen and rejected) or `grpo` (prompts, scored by the recipe's rewards). Empty: the recipe's.
         max_steps: Optimizer steps (-1: `training.epochs` passes). Empty: the recipe's.
         lr: Peak learning rate. Empty: the recipe's.
         lora_r: LoRA rank. Empty: the recipe's.

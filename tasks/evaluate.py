@@ -14,13 +14,19 @@ from ladle.lifecycle.evaluate import Evaluation, evaluate
 from ladle.lifecycle.merge import MergedModel
 from ladle.lifecycle.tracking import Tracking, log_evaluation
 from ladle.tasks.policy import retry_unless_user_error
+from ladle.train.rewards import RewardSet
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
 def evaluate_task(
-    eval_cfg: EvalConfig, base_dir: str, merged: MergedModel, prepared: PreparedDataset, tracking: Tracking
+    eval_cfg: EvalConfig,
+    base_dir: str,
+    merged: MergedModel,
+    prepared: PreparedDataset,
+    tracking: Tracking,
+    rewards: RewardSet | None = None,
 ) -> Evaluation:
-    result = evaluate(Path(base_dir), local_model_dir(merged), prepared, eval_cfg)
+    result = evaluate(Path(base_dir), local_model_dir(merged), prepared, eval_cfg, rewards)
     logger = get_run_logger()
     if result.note:
         logger.info(result.note)

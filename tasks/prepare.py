@@ -43,7 +43,12 @@ def prepare_cached(data: DataConfig, inputs: RunInputs, **call):
 )
 def prepare_task(data: DataConfig, inputs: RunInputs) -> PreparedDataset:
     prepared = prepare(
-        data, inputs.base, inputs.output, data_fingerprint=inputs.data_fingerprint, objective=inputs.objective
+        data,
+        inputs.base,
+        inputs.output,
+        data_fingerprint=inputs.data_fingerprint,
+        objective=inputs.objective,
+        reward_columns=inputs.reward_columns,
     )
     report = prepared.report
     get_run_logger().info(

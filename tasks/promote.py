@@ -20,6 +20,7 @@ from ladle.lifecycle.tracking import Tracking, client, metric_key
 from ladle.plan.inputs import RunInputs
 from ladle.plan.planner import Plan
 from ladle.tasks.policy import retry_unless_user_error
+from ladle.train.rewards import RewardSet
 from ladle.train.spec import TrainResult
 
 
@@ -29,6 +30,7 @@ def reference_scores(
     evaluation: Evaluation,
     current: promote.Version | None,
     base_dir: str | None = None,
+    reward_files: dict[str, str] | None = None,
 ) -> tuple[dict[str, float], str]:
     """What the new model must beat, on the same held-out set (and probe): the champion's scores, or the
     base's (preference accuracy against the same reference, the base this run tuned)."""
@@ -36,7 +38,8 @@ def reference_scores(
         return evaluation.base, "base model"
     reference = Path(base_dir) if base_dir else None
     # cached per (champion files, data)
-    scores, _ = score(model_dir_of(current), prepared, cfg.eval, reference=reference)
+    rewards = RewardSet.of_run(cfg.training, reward_files or {})  # grpo: held-out prompts scored by the rewards
+    scores, _ = score(model_dir_of(current), prepared, cfg.eval, reference=reference, rewards=rewards)
     return scores.values, f"champion v{current.version}"
 
 
@@ -104,7 +107,7 @@ def promote_task(
         name,
         merged.url,
         evaluation.model,
-        lambda champ: reference_scores(cfg, prepared, evaluation, champ, inputs.base_dir),
+        lambda champ: reference_scores(cfg, prepared, evaluation, champ, inputs.base_dir, inputs.reward_files),
         rule,
         run_id=tracking.run_id,
         tags=tags,

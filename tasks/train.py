@@ -53,7 +53,13 @@ def progress_relay(logger, min_interval_s: float = 2.0):
 # A retry resumes from the last complete checkpoint of the same run folder.
 @task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
 def train_task(
-    cfg: LadleConfig, plan: Plan, prepared: PreparedDataset, base_dir: str, run_url: str, tracking: Tracking
+    cfg: LadleConfig,
+    plan: Plan,
+    prepared: PreparedDataset,
+    base_dir: str,
+    run_url: str,
+    tracking: Tracking,
+    reward_files: dict[str, str] | None = None,
 ) -> TrainResult:
     logger = get_run_logger()
     spec = TrainSpec(
@@ -64,6 +70,7 @@ def train_task(
         run_url=run_url,
         tracking_uri=tracking.uri,
         mlflow_run_id=tracking.run_id,
+        reward_files=reward_files or {},
     )
     result = compute.get(cfg).run(
         spec,

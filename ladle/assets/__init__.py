@@ -119,6 +119,34 @@ def demo_preference_heldout_file() -> Path:
     return path
 
 
+PROMPT_ROWS = 480
+PROMPT_HELD_OUT = 64
+DEMO_PROMPT_SEED = 4321
+
+
+def demo_prompts_file() -> Path:
+    """``ladle://demo-prompts``: 480 prompt rows of the demo's colour tasks over lists of 5-6 items (its supervised
+    data has 2-4), for online RL (``training.objective: grpo``): the task as one user turn, and its right ``answer``
+    as a column the rewards check (``demo.long_rows``, ``demo.prompt_rows``)."""
+    path = ladle_home() / "assets" / f"demo-prompts-{ASSET_VERSION}.jsonl"
+    if not path.exists():
+        from ladle.assets.demo import long_rows, prompt_rows, write_jsonl
+
+        write_jsonl(path, prompt_rows(long_rows(PROMPT_ROWS + PROMPT_HELD_OUT, DEMO_PROMPT_SEED)[:PROMPT_ROWS]))
+    return path
+
+
+def demo_prompts_heldout_file() -> Path:
+    """``ladle://demo-prompts-heldout``: 64 more prompt rows of 5-6 items, none of them in ``ladle://demo-prompts``:
+    what the held-out reward is scored on."""
+    path = ladle_home() / "assets" / f"demo-prompts-heldout-{ASSET_VERSION}.jsonl"
+    if not path.exists():
+        from ladle.assets.demo import long_rows, prompt_rows, write_jsonl
+
+        write_jsonl(path, prompt_rows(long_rows(PROMPT_ROWS + PROMPT_HELD_OUT, DEMO_PROMPT_SEED)[PROMPT_ROWS:]))
+    return path
+
+
 def smollm2_file() -> str:
     from ladle.assets.gguf import shipped_smollm2
 
@@ -132,6 +160,8 @@ BUILTINS = {
     "demo-alpaca-heldout": demo_heldout_file,
     "demo-preference": demo_preference_file,
     "demo-preference-heldout": demo_preference_heldout_file,
+    "demo-prompts": demo_prompts_file,
+    "demo-prompts-heldout": demo_prompts_heldout_file,
     "smollm2-135m-instruct": smollm2_file,
 }
 

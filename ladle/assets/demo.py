@@ -97,6 +97,31 @@ def preference_rows(rows: list[dict], seed: int = DEMO_SEED) -> list[dict]:
     return out
 
 
+def long_rows(n: int, seed: int, lengths: tuple[int, int] = (5, 6)) -> list[dict]:
+    """Alpaca rows of the four colour tasks over lists of 5-6 items, which the demo's supervised data (2-4 items)
+    never shows: what the tiny model cannot do after supervised fine-tuning, every prompt distinct."""
+    rng = random.Random(seed)
+    instructions = list(TASKS)
+    rows: list[dict] = []
+    seen: set[tuple[str, str]] = set()
+    while len(rows) < n:
+        instruction = instructions[len(rows) % len(instructions)]
+        given, answer = TASKS[instruction]([rng.choice(COLOURS) for _ in range(rng.randint(*lengths))])
+        if (instruction, given) not in seen:
+            seen.add((instruction, given))
+            rows.append({"instruction": instruction, "input": given, "output": answer})
+    return rows
+
+
+def prompt_rows(rows: list[dict]) -> list[dict]:
+    """Prompt rows for online RL from alpaca task rows: the prompt as the SFT data asks it (one user turn of the
+    instruction and its input), and the right ``answer`` as a column for an exact-match reward."""
+    return [
+        {"prompt": [{"role": "user", "content": f"{row['instruction']}\n{row['input']}"}], "answer": row["output"]}
+        for row in rows
+    ]
+
+
 def write_demo_data(path: Path) -> Path:
     """Write the demo dataset as JSONL (atomically) and return its path."""
     return write_jsonl(path, demo_rows())

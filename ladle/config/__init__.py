@@ -171,6 +171,12 @@ class LadleConfig(Section):
                 f"eval.metric = preference_accuracy with training.objective = {t.objective}: only preference pairs "
                 "have it; set training.objective=dpo, or eval.metric=exact_match"
             )
+        if self.eval.metric == "reward" and t.objective != "grpo":
+            problems.append(
+                f"eval.metric = reward with training.objective = {t.objective}: only a grpo run has rewards to score "
+                "held-out prompts by; set training.objective=grpo, or eval.metric=exact_match"
+            )
+        problems += rl_problems(t)
         if pref.label_smoothing and pref.loss not in ("robust", "simpo"):
             problems.append(
                 f"training.preference.label_smoothing = {pref.label_smoothing}: the {pref.loss} loss has none; "
@@ -399,3 +405,40 @@ def _type_name(annotation: Any) -> str:
     return text.replace(
         "Annotated[int, FieldInfo(annotation=NoneType, required=True, metadata=[Ge(ge=1), Le(le=128)])]", "int 1..128"
     )
+
+
+def rl_problems(t) -> list[str]:
+    """What is wrong with ``training.rl`` for ``training.objective: grpo`` (nothing for other objectives)."""
+    rl = t.rl
+    if t.objective != "grpo":
+        return []
+    problems = []
+    if not rl.rewards:
+        problems.append(
+            "training.rl.rewards = []: grpo needs at least one reward function; add one, e.g. "
+            "rewards: [{fn: exact_match, args: {column: answer}}] or [\"my_rewards.py:score\"]"
+        )
+    if rl.num_generations > 1 and rl.temperature == 0:
+        problems.append(
+            f"training.rl.temperature = 0 with training.rl.num_generations = {rl.num_generations}: greedy sampling "
+            "gives every completion of a group the same tokens, so every advantage is zero and nothing is learned; "
+            "set training.rl.temperature above 0 (TRL's default is 1.0)"
+        )
+    if rl.num_generations < 2:
+        problems.append(
+            f"training.rl.num_generations = {rl.num_generations}: a group of one completion has no one to be "
+            "compared with (its advantage is always zero); set it to 2 or more (TRL's default is 8)"
+        )
+    if rl.loss == "cispo" and rl.epsilon_high is None:
+        problems.append(
+            "training.rl.loss = cispo with training.rl.epsilon_high = null: cispo caps the importance weight at "
+            "epsilon_high itself (not 1 + epsilon_high), and falling back to epsilon (0.2) would cap every weight "
+            "below 1; set training.rl.epsilon_high (ScaleRL recommends 5.0)"
+        )
+    if t.global_batch_size and t.global_batch_size % rl.num_generations:
+        problems.append(
+            f"training.global_batch_size = {t.global_batch_size}: with grpo it counts completions and must be a "
+            f"multiple of training.rl.num_generations = {rl.num_generations} (whole groups per step); set it to "
+            f"{max(1, t.global_batch_size // rl.num_generations) * rl.num_generations}"
+        )
+    return problems

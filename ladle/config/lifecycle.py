@@ -13,7 +13,7 @@ from ladle.section import Section
 from ladle.serve import backends
 from ladle.serve.limits import ServeLimits
 
-BUILTIN_METRICS = ("exact_match", "loss", "preference_accuracy")
+BUILTIN_METRICS = ("exact_match", "loss", "preference_accuracy", "reward")
 
 
 class ServeKubernetesConfig(KubernetesPods):
@@ -192,7 +192,8 @@ class EvalConfig(Section):
         description="The task metric scored on the held-out split for the base, the new model and the champion: "
         "`exact_match` (greedy answer equals the reference), `loss` (token-weighted eval loss; lower is better), "
         "`preference_accuracy` (training.objective: dpo; held-out pairs whose implicit reward ranks chosen above "
-        "rejected, against the run's reference, a tie counting half), "
+        "rejected, against the run's reference, a tie counting half), `reward` (training.objective: grpo; the mean "
+        "weighted reward of one greedy completion per held-out prompt, by the run's training.rl.rewards), "
         "or a Python entry point `module:function` called as `function(model_dir: pathlib.Path, "
         "conversations: list[list[dict]]) -> float`, each conversation ending with its reference turn.",
     )

@@ -19,13 +19,15 @@ class DataConfig(Section):
         "JSON, Parquet or CSV files (by suffix; .gz etc. decompressed), or `ladle://demo-alpaca` for the "
         "bundled generated demo set."
     )
-    format: Literal["auto", "alpaca", "sharegpt", "messages", "chatml", "text", "tokenized", "preference"] = Field(
+    format: Literal["auto", "alpaca", "sharegpt", "messages", "chatml", "text", "tokenized", "preference", "prompt"] = Field(
         "auto",
         description="Record format. `alpaca`: instruction/input/output; `sharegpt`: conversations of "
         "{from, value}; `messages`/`chatml`: messages of {role, content}; `text`: a `text` field; "
         "`tokenized`: `input_ids` (and optional `labels`); `preference` (training.objective: dpo): chosen and "
         "rejected, with a prompt (string or turns), as whole conversations sharing the prompt, or after ShareGPT "
-        "conversations. `auto` detects it from the first record.",
+        "conversations; `prompt` (training.objective: grpo): a `prompt` (a string, used as it is, or a message list, "
+        "rendered by the chat template with the assistant's turn opened), and any other columns, which the "
+        "rewards receive. `auto` detects it from the first record.",
     )
     eval_path: str | None = Field(
         None, description="Separate evaluation file (same format). null: split `eval_ratio` off the training data."
@@ -225,11 +227,105 @@ class PreferenceConfig(Section):
     )
 
 
+BUILTIN_REWARDS = ("exact_match", "json_schema", "regex", "length")
+"""Rewards ladle ships (``ladle.train.rewards``), named in ``training.rl.rewards`` by these names."""
+
+
+class RewardConfig(Section):
+    """One reward function of ``training.rl.rewards``: a TRL-style callable, or one of ladle's built-ins."""
+
+    fn: str = Field(
+        description="`path/to/file.py:function` (the file travels with the run), `package.module:function`, or a "
+        "built-in: `exact_match` (the completion, stripped, equals a column; `column`), `json_schema` (the "
+        "completion parses as JSON and validates against `schema`, or the JSON schema in a column), `regex` (the "
+        "completion matches `pattern` from its start), `length` (-(tokens beyond `max_tokens`) / max_tokens, 0 "
+        "within it). A function is called as TRL calls it: `fn(prompts=..., completions=..., "
+        "completion_ids=..., **columns)`, returning one float (or None: not applicable) per completion."
+    )
+    weight: float = Field(1.0, description="Weight of this reward in the sum each completion is scored by.")
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Built-ins' settings: exact_match {column}; json_schema {schema | column}; regex {pattern}; "
+        "length {max_tokens}. Empty for a user function.",
+    )
+
+
+class RLConfig(Section):
+    """Online reinforcement learning from checkable rewards (``training.objective: grpo``): the group of
+    completions sampled per prompt by ladle's own batching engine on the policy's live weights, the rewards
+    that score them, and the loss. Defaults are TRL 1.16's ``GRPOConfig``'s."""
+
+    num_generations: int = Field(
+        8, ge=1, le=1024, description="Completions sampled per prompt (the group whose rewards are compared)."
+    )
+    max_completion_tokens: int = Field(
+        512, ge=1, le=131072, description="Tokens sampled per completion at most (TRL's max_completion_length)."
+    )
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature of the rollouts.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of the rollouts. 1: off.")
+    top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens only. 0: off.")
+    loss: Literal["grpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
+        "dapo",
+        description="As TRL defines them. grpo: each completion's token mean, then the mean over completions; "
+        "dr_grpo: tokens summed over (completions x max_completion_tokens); dapo: the token mean over the whole "
+        "step; cispo: the clipped importance weight (not its gradient) times the log-probability (MiniMax-M1); "
+        "sapo: a sigmoid-softened trust region instead of clipping. TRL's bnpo normalises by each process's "
+        "micro-batch and so changes with the world size; dapo is its step-wide form.",
+    )
+    importance_sampling: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: a ratio per token (GRPO); sequence: the completion's mean log-ratio as one ratio for "
+        "all its tokens (GSPO).",
+    )
+    beta: float = Field(
+        0.0, ge=0.0, le=100.0, description="Weight of the KL to the reference (k3 estimator). 0: no reference pass."
+    )
+    epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="Lower clipping bound: ratios below 1 - epsilon clip.")
+    epsilon_high: float | None = Field(
+        None, gt=0.0, description="Upper clipping bound (DAPO's clip-higher; cispo: the ratio cap). null: epsilon."
+    )
+    sapo_temperature_pos: float = Field(1.0, gt=0.0, description="sapo: softness for positive advantages.")
+    sapo_temperature_neg: float = Field(1.05, gt=0.0, description="sapo: softness for negative advantages.")
+    num_iterations: int = Field(
+        1, ge=1, le=64, description="Policy updates per batch of rollouts (TRL's mu); above 1 the ratios move."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Advantages = reward - its group's mean, divided by the group's standard deviation (group), "
+        "the whole step's (batch), or not divided (none, Dr. GRPO).",
+    )
+    rewards: list[RewardConfig] = Field(
+        default_factory=list,
+        description="Reward functions, summed with their weights. A bare string is {fn: STRING}.",
+    )
+    logprob_check_every: int = Field(
+        1,
+        ge=0,
+        description="Steps between checks of the sampler against the trainer: the engine's log-probabilities of "
+        "the tokens it sampled beside the training forward's on the same tokens, logged as rollout_logprob_gap "
+        "(the largest absolute difference). 0: never.",
+    )
+
+    @field_validator("rewards", mode="before")
+    @classmethod
+    def _strings_are_functions(cls, value: object) -> object:
+        if isinstance(value, list):
+            return [{"fn": item} if isinstance(item, str) else item for item in value]
+        return value
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
 class TrainingConfig(Section):
-    objective: Literal["sft", "dpo"] = Field(
+    objective: Literal["sft", "dpo", "grpo"] = Field(
         "sft",
         description="sft: next-token cross-entropy on conversations; dpo: preference tuning on (prompt, chosen, "
-        "rejected) pairs with the loss in `training.preference` (DPO, IPO, robust DPO or SimPO).",
+        "rejected) pairs with the loss in `training.preference` (DPO, IPO, robust DPO or SimPO); grpo: online "
+        "reinforcement learning on prompts, completions sampled by ladle's engine and scored by "
+        "`training.rl.rewards` (GRPO, Dr. GRPO, DAPO, CISPO, SAPO, GSPO). With grpo, micro_batch_size and "
+        "global_batch_size count completions, as TRL's do.",
     )
     max_steps: int = Field(
         -1, ge=-1, description="Optimizer steps to run. -1: derive from `epochs` and the dataset size."
@@ -281,6 +377,9 @@ class TrainingConfig(Section):
     )
     preference: PreferenceConfig = Field(
         default_factory=PreferenceConfig, description="Preference tuning (objective: dpo): loss and reference."
+    )
+    rl: RLConfig = Field(
+        default_factory=RLConfig, description="Online RL (objective: grpo): group, sampling, rewards and loss."
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter settings.")
     quantization: QuantizationConfig = Field(

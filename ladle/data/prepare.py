@@ -323,6 +323,7 @@ def prepare(
     on_progress: Callable[[int], None] | None = None,
     data_fingerprint: str | None = None,
     objective: str = "sft",
+    reward_columns: list[str] | None = None,
 ) -> PreparedDataset:
     """Prepare (or find already prepared) the dataset for ``cfg``.
 
@@ -331,7 +332,8 @@ def prepare(
         data_fingerprint: ``fingerprint(cfg, tokenizer_dir, objective)`` when the caller has it (a run's
             ``RunInputs``): the data is then not read twice, and the set prepared is the one the run's lineage names.
         objective: ``training.objective``: ``dpo`` reads preference pairs into one row per pair
-            (``ladle.data.preference``).
+            (``ladle.data.preference``); ``grpo`` reads prompt rows (``ladle.data.prompts``).
+        reward_columns: grpo: the columns the rewards read, each checked present and named in the report.
 
     Raises:
         LadleError: a source is missing or unreadable, too many rows are bad, or nothing is usable.
@@ -342,6 +344,8 @@ def prepare(
         return PreparedDataset.model_validate(storage.read_json(storage.join(url, "manifest.json")))
     storage.remove(url)  # a partial folder from an interrupted attempt
     tokenizer = load_tokenizer(tokenizer_dir)
+    if objective == "grpo":
+        return finish_prompts(cfg, tokenizer, url, fp, reward_columns)
     files = sources.expand(cfg.path)
     fmt = resolve_format(cfg, files, objective)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -368,6 +372,29 @@ def prepare(
         shards={"train": collector.train.shards, "eval": collector.eval.shards},
         report=report,
         eval_samples=samples,
+    )
+    storage.write_json(storage.join(url, "manifest.json"), prepared.model_dump())
+    storage.mark_complete(url)
+    return prepared
+
+
+def finish_prompts(cfg: DataConfig, tokenizer, url: str, fp: str, reward_columns: list[str] | None) -> PreparedDataset:
+    """Prepare prompt rows (``ladle.data.prompts``) and mark the set complete."""
+    from ladle.data import prompts
+
+    report, shards = prompts.prepare_prompts(cfg, tokenizer, url, reward_columns)
+    storage.write_json(storage.join(url, "report.json"), report.model_dump())
+    title = f"{fp} (prompt lengths)"
+    storage.write_bytes(storage.join(url, "length_histogram.png"), histogram_png(report.length_histogram, title))
+    prepared = PreparedDataset(
+        url=url,
+        fingerprint=fp,
+        seq_len=cfg.seq_len,
+        train_rows=report.train_rows,
+        eval_rows=report.eval_rows,
+        shards=shards,
+        report=report,
+        eval_samples=None,
     )
     storage.write_json(storage.join(url, "manifest.json"), prepared.model_dump())
     storage.mark_complete(url)

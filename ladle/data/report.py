@@ -35,6 +35,11 @@ class DataReport(BaseModel):
     format: str
     sources: list[str] = Field(default_factory=list)
     length_histogram: dict = Field(default_factory=dict, description="Example lengths: bin edges and counts.")
+    reward_columns: list[str] | None = Field(
+        None,
+        description="Prompt rows (training.objective: grpo): the columns the rewards read by name; null when a "
+        "reward takes every column (**kwargs), or for other objectives.",
+    )
 
 
 class LengthHistogram:

@@ -240,6 +240,65 @@ def is_pairs(prepared: PreparedDataset) -> bool:
     return prepared.report.format == "preference"
 
 
+def is_prompts(prepared: PreparedDataset) -> bool:
+    return prepared.report.format == "prompt"
+
+
+def load_prompt_rows(prepared: PreparedDataset, limit: int) -> list[dict]:
+    """Up to ``limit`` held-out prompt rows (training.objective: grpo): ids, prompt and columns."""
+    from ladle.data.prompts import read_split
+
+    if limit <= 0:
+        return []
+    return read_split(prepared.url, prepared.shards.get("eval", []))[:limit]
+
+
+def shown_prompt(prompt) -> str:
+    return prompt if isinstance(prompt, str) else str(prompt[-1].get("content"))
+
+
+def reward_score(model_dir: Path, rows: list[dict], rewards, batch_size: int) -> Score:
+    """``reward``: the mean weighted reward of the model's greedy completion of each held-out prompt, scored by
+    the run's rewards as in training (a completion no reward applies to is left out of the mean)."""
+    import torch
+
+    from ladle.train import grpo
+
+    model, tokenizer, device = load_model(model_dir)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    completions: list[list[int]] = []
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        width = max(len(r["ids"]) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(batch):
+            ids[i, width - len(row["ids"]) :] = torch.tensor(row["ids"])
+            mask[i, width - len(row["ids"]) :] = 1
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=rewards.max_completion_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        for row in out[:, width:].tolist():
+            completions.append(row[: row.index(pad)] if pad in row else row)
+    loaded = rewards.loaded()
+    ro = grpo.Rollouts(rows, completions, [], [False] * len(rows))
+    table = grpo.score(loaded, tokenizer, ro)
+    summed = (table * torch.tensor([r.weight for r in loaded])).nansum(dim=1)
+    kept = summed[~torch.isnan(table).all(dim=1)]
+    texts = grpo.completions_of(tokenizer, rows, completions)
+    return Score(
+        values={"reward": round(float(kept.mean()), 4) if len(kept) else 0.0},
+        total=len(rows),
+        answers=[grpo.reward_fns.text_of(t) for t in texts[:5]],
+    )
+
+
 def eval_rows(prepared: PreparedDataset) -> dict | None:
     """The packed eval rows as tensors; None without any."""
     import torch
@@ -247,7 +306,7 @@ def eval_rows(prepared: PreparedDataset) -> dict | None:
     from ladle.data.packing import read_rows
 
     shards = prepared.shards.get("eval", [])
-    if not shards:
+    if not shards or is_prompts(prepared):  # prompt rows have no tokens to score a loss on
         return None
     parts = [read_rows(storage.read_bytes(storage.join(prepared.url, shard))) for shard in shards]
     return {key: torch.tensor([v for part in parts for v in part[key]], dtype=torch.long) for key in parts[0]}
@@ -356,7 +415,12 @@ def files_key(model_dir: Path) -> str:
 
 
 def model_key(
-    model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, examples: int, reference: Path | None = None
+    model_dir: Path,
+    prepared: PreparedDataset,
+    cfg: EvalConfig,
+    examples: int,
+    reference: Path | None = None,
+    rewards=None,
 ) -> str:
     """Identity of a score: the model's files, the data, the metric (and the pairs' reference model's files)."""
     probe = f"{probe_digest(cfg.probe)}/{cfg.probe_max_new_tokens}" if cfg.probe else "-"
@@ -365,11 +429,20 @@ def model_key(
         f"ladle-eval/{EVAL_VERSION}/{prepared.fingerprint}/{examples}/{cfg.metric}/{probe}/{against}".encode()
     )
     digest.update(files_key(model_dir).encode())
+    if rewards is not None:  # the rewards' settings and files decide the reward score
+        from ladle.train.rewards import digest as rewards_digest
+
+        digest.update(f"{rewards_digest(rewards.files, rewards.rewards)}/{rewards.max_completion_tokens}".encode())
     return digest.hexdigest()[:24]
 
 
 def score(
-    model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, cached: bool = True, reference: Path | None = None
+    model_dir: Path,
+    prepared: PreparedDataset,
+    cfg: EvalConfig,
+    cached: bool = True,
+    reference: Path | None = None,
+    rewards=None,
 ) -> tuple[Score, bool]:
     """``(scores of model_dir on the held-out split, whether they came from the cache)``.
 
@@ -377,12 +450,16 @@ def score(
     preference pairs with a ``reference`` model (the base the run tuned), ``preference_accuracy``.
     """
     samples = load_samples(prepared, cfg.max_examples)
+    prompt_rows = load_prompt_rows(prepared, cfg.max_examples) if is_prompts(prepared) and rewards else []
     reference = reference if is_pairs(prepared) and prepared.eval_rows else None
-    cache = ladle_home() / "eval-cache" / f"{model_key(model_dir, prepared, cfg, len(samples), reference)}.json"
+    key = model_key(model_dir, prepared, cfg, len(samples) or len(prompt_rows), reference, rewards)
+    cache = ladle_home() / "eval-cache" / f"{key}.json"
     if cached and cache.is_file():
         return Score.model_validate_json(cache.read_text()), True
     with one_load():  # the metric and the loss share one load of the model
         result = task_score(cfg, model_dir, samples) if samples else Score(values={})
+        if prompt_rows:
+            result = reward_score(model_dir, prompt_rows, rewards, cfg.batch_size)
         loss = eval_loss(model_dir, prepared)
         if cfg.probe:
             result.values["probe"], result.probe = probe_score(model_dir, cfg)
@@ -397,13 +474,17 @@ def score(
     return result, False
 
 
-def evaluate(base_dir: Path, model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig) -> Evaluation:
-    """The base's (cached) and the new model's scores on the same held-out split."""
+def evaluate(
+    base_dir: Path, model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, rewards=None
+) -> Evaluation:
+    """The base's (cached) and the new model's scores on the same held-out split; ``rewards``
+    (``ladle.train.rewards.RewardSet``, training.objective: grpo) score held-out prompts by their mean reward."""
     samples = load_samples(prepared, cfg.max_examples)
-    before, cached = score(base_dir, prepared, cfg, reference=base_dir)
-    after, _ = score(model_dir, prepared, cfg, cached=False, reference=base_dir)
+    prompt_rows = load_prompt_rows(prepared, cfg.max_examples) if is_prompts(prepared) and rewards else []
+    before, cached = score(base_dir, prepared, cfg, reference=base_dir, rewards=rewards)
+    after, _ = score(model_dir, prepared, cfg, cached=False, reference=base_dir, rewards=rewards)
     note = ""
-    if not samples:
+    if not samples and not prompt_rows:
         why = (
             "eval.max_examples = 0"
             if cfg.max_examples <= 0
@@ -413,6 +494,9 @@ def evaluate(base_dir: Path, model_dir: Path, prepared: PreparedDataset, cfg: Ev
     shown = [
         {"prompt": prompt_of(m)[-1]["content"], "expected": m[-1]["content"], "before": b, "after": a}
         for m, b, a in zip(samples, before.answers, after.answers, strict=False)
+    ] + [
+        {"prompt": shown_prompt(r["prompt"]), "expected": "(scored by the rewards)", "before": b, "after": a}
+        for r, b, a in zip(prompt_rows, before.answers, after.answers, strict=False)
     ]
     probe_shown = [
         {
@@ -429,7 +513,7 @@ def evaluate(base_dir: Path, model_dir: Path, prepared: PreparedDataset, cfg: Ev
         probe_shown=probe_shown,
         metric=cfg.metric,
         greater_is_better=cfg.higher_wins(),
-        examples=len(samples),
+        examples=len(samples) or len(prompt_rows),
         eval_rows=prepared.eval_rows,
         base=before.values,
         model=after.values,

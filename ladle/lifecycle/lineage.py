@@ -40,7 +40,12 @@ def parts(cfg: LadleConfig, data_fingerprint: str, base_dir: Path) -> dict:
     settings that decide the trained weights (``training.*`` but ``HOW_IT_RUNS``; LoRA and quantization
     included). Kept on each registered version (``PARTS_TAG``) so a later run can say what changed."""
     training = cfg.training.model_dump(mode="json", exclude=HOW_IT_RUNS)
-    return {"task": cfg.task, "data": data_fingerprint, "base": base_signature(base_dir), "training": training}
+    found = {"task": cfg.task, "data": data_fingerprint, "base": base_signature(base_dir), "training": training}
+    if cfg.training.objective == "grpo":  # what the rewards' files say decides the weights as much as their names
+        from ladle.train import rewards
+
+        found["rewards"] = rewards.digest(rewards.bundle(cfg.training.rl.rewards), cfg.training.rl.rewards)
+    return found
 
 
 def fingerprint_of(payload: dict) -> str:
@@ -75,6 +80,8 @@ def what_changed(before: dict | None, now: dict) -> list[str]:
         changed.append("data (files, tokenizer or data options)")
     if before.get("base") != now["base"]:
         changed.append("base weights")
+    if before.get("rewards") != now.get("rewards"):
+        changed.append("reward functions (their settings or files)")
     old, new = flatten(before.get("training") or {}), flatten(now["training"])
     changed += [
         f"{key} {old.get(key)!r} -> {new.get(key)!r}"

@@ -32,7 +32,11 @@ class RunInputs(BaseModel):
     data_fingerprint: str
     """The data's contents, tokenizer and options (``ladle.data.prepare.fingerprint``): names the prepared set."""
     objective: str = "sft"
-    """``training.objective``: what the prepared rows hold (conversations, or preference pairs)."""
+    """``training.objective``: what the prepared rows hold (conversations, preference pairs, or prompts)."""
+    reward_files: dict[str, str] = {}
+    """grpo: the text of every reward named by a file, read once here: it travels with the run to every rank."""
+    reward_columns: list[str] | None = None
+    """grpo: the data columns the rewards read by name (None: every column, or not grpo)."""
     lineage: dict
     """What the run's fingerprint is made of (``ladle.lifecycle.lineage.parts``)."""
     fingerprint: str
@@ -71,6 +75,12 @@ def resolve_inputs(cfg: LadleConfig) -> RunInputs:
     base = base_dir_of(cfg, version)
     data_fp = fingerprint(cfg.data, base, cfg.training.objective)
     parts = lineage.parts(cfg, data_fp, base)
+    reward_files, columns = {}, None
+    if cfg.training.objective == "grpo":
+        from ladle.train import rewards
+
+        reward_files = rewards.bundle(cfg.training.rl.rewards)
+        columns = rewards.columns_needed(cfg.training.rl.rewards, reward_files)
     uri, artifacts = tracking.tracking_uri(cfg)
     return RunInputs(
         base_dir=str(base),
@@ -78,6 +88,8 @@ def resolve_inputs(cfg: LadleConfig) -> RunInputs:
         output=storage.normalise(cfg.output),
         data_fingerprint=data_fp,
         objective=cfg.training.objective,
+        reward_files=reward_files,
+        reward_columns=columns,
         lineage=parts,
         fingerprint=lineage.fingerprint_of(parts),
         tracking_uri=uri,

@@ -244,7 +244,8 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         qlora=cfg.training.quantization.mode != "none",
         micro_batch=micro,
         # a preference pair's row holds both sides: 2 x seq_len tokens through every layer and the head
-        seq_len=cfg.data.seq_len * (2 if cfg.training.objective == "dpo" else 1),
+        # grpo: a completion's row is its prompt (up to seq_len) and up to max_completion_tokens sampled after it
+        seq_len=row_tokens(cfg),
         dtype_bytes=4 if target.dtype == "float32" else 2,
         checkpointing=cfg.training.gradient_checkpointing is True,  # auto: resolved by the plan before sizing
         gpus_per_node=target.processes_per_machine,
@@ -261,6 +262,17 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
     )
 
 
+def row_tokens(cfg: LadleConfig) -> int:
+    """Tokens of one training row through every layer: seq_len; a preference pair's two sides; a prompt and
+    its completion."""
+    t = cfg.training
+    if t.objective == "dpo":
+        return 2 * cfg.data.seq_len
+    if t.objective == "grpo":
+        return cfg.data.seq_len + t.rl.max_completion_tokens
+    return cfg.data.seq_len
+
+
 def size_candidates(cfg: LadleConfig, job: sizing.Job, interconnect: str, capacity: int) -> list[Sized]:
     """Every registered strategy's candidates for ``job``, fastest first, each sized with its options."""
     ranked = sorted(
@@ -274,6 +286,8 @@ def size_candidates(cfg: LadleConfig, job: sizing.Job, interconnect: str, capaci
         options = strategy.options(strategy.with_options(cfg, candidate.options))
         if cfg.training.objective == "dpo" and strategy.pairs_refusal(options):
             continue  # pairs train only where the whole forward runs on whole rows
+        if cfg.training.objective == "grpo" and strategy.rollouts_refusal(options):
+            continue  # rollouts sample where every rank holds whole weights
         est = strategy.estimate(job, options)
         out.append(Sized(candidate, est, est.fits(capacity)))
     return out

@@ -28,6 +28,7 @@ from ladle.plan.memory import (
 )
 from ladle.plan.model import DEFAULT_PORT, Decision, Plan
 from ladle.plan.preference import choose_reference
+from ladle.plan.rl import choose_rollouts
 from ladle.serve import backends
 from ladle.serve.backends import Backend
 from ladle.strategies import Strategy, Target
@@ -73,8 +74,10 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     eval_micro = choose_eval_micro(cfg, target, model, strategy, micro.value)
     serving = check_serving(cfg, model, target)
     reference = choose_reference(cfg, strategy, target, model)
+    rollouts = choose_rollouts(cfg, strategy, target, model, micro.value, global_batch)
     steps = (
-        world, nodes, recompute, chosen, layout, micro, batch, dtype, checks, memory, eval_micro, serving, reference
+        world, nodes, recompute, chosen, layout, micro, batch, dtype, checks, memory, eval_micro, serving, reference,
+        rollouts,
     )  # fmt: skip
     shape = shape_summary(model)
     plan = build_plan(

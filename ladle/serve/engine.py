@@ -67,6 +67,7 @@ class Engine:
         max_batch: int,
         on_batch: Callable[[int], None] | None = None,
         kv_tokens: int | None = None,
+        thread: bool = True,
     ):
         check_cache_layers(model.config)
         self.model, self.tokenizer, self.device, self.max_batch = model, tokenizer, device, max_batch
@@ -80,7 +81,8 @@ class Engine:
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.failures = 0  # steps failed in a row
         self.thread = threading.Thread(target=self.loop, name="ladle-engine", daemon=True)
-        self.thread.start()
+        if thread:  # without one, the caller drives it (``run``): a trainer's rollouts
+            self.thread.start()
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -106,6 +108,14 @@ class Engine:
                 batch = self.turn(batch)
             finally:
                 self.after_turn()
+
+    def run(self, jobs: list[Job]) -> None:
+        """Serve ``jobs`` to their ends on the calling thread (an engine made with ``thread=False``): all of them
+        waiting from the first turn, so the batches formed, and so the tokens drawn, depend only on the jobs."""
+        self.waiting.extend(jobs)
+        batch = Batch(self)
+        while self.waiting or batch.jobs:
+            batch = self.turn(batch)
 
     def turn(self, batch: Batch) -> Batch:
         """Take what arrived, expire who waited too long, admit who fits, and run one decode step."""
@@ -350,6 +360,9 @@ class Batch:
                 job.finish = "error"
                 job.emit("error", {"message": f"sampling failed: {type(exc).__name__}: {exc}"})
                 continue
+            if job.sampled is not None:  # a rollout: the token's log-probability as the trainer's forward scores it
+                job.sampled.append(float(torch.log_softmax(logits[row].float() / job.temperature, dim=-1)[token]))
+                job.chosen.append(token)
             entry = logprob_entry(self.engine.tokenizer, job, logits[row], token) if job.logprobs is not None else None
             stopper.advance(job, token, entry)
             if complete and job.finish is None:  # the grammar is complete: nothing may follow

@@ -25,6 +25,7 @@ class Job:
     max_new_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     presence_penalty: float = 0.0
@@ -51,6 +52,8 @@ class Job:
     decoded: int = 0  # characters the detokenizer gave, before any stop string cut ``text``
     finish: str | None = None
     generator: torch.Generator | None = None
+    sampled: list[float] | None = None  # a rollout's: each chosen token's log-probability at its temperature
+    chosen: list[int] = field(default_factory=list)  # with ``sampled``: every token chosen, EOS included
     key: int | None = None  # its name between a server's API and engine processes (``ladle.serve.wire``)
     ids_sent: int = 0  # tokens the engine process has told the API process of ...
     prompt_sent: bool = False  # ... and whether it sent ``prompt_logprobs``
@@ -137,8 +140,12 @@ def logprob_entry(tokenizer, job: Job, logits: torch.Tensor, token: int) -> dict
 
 
 def sample(job: Job, logits: torch.Tensor) -> int:
-    """One token from a row's logits by its request's temperature and top-p, drawn with its own generator."""
-    probs = torch.softmax(logits.float() / job.temperature, dim=-1)
+    """One token from a row's logits by its request's temperature, top-k and top-p, drawn with its own generator."""
+    scaled = logits.float() / job.temperature
+    if 0 < job.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, job.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
     if job.top_p < 1.0:
         ordered, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(ordered, dim=-1) - ordered < job.top_p

@@ -215,6 +215,19 @@ class Strategy(ABC):
             "log-probability is summed"
         )
 
+    def rollouts_refusal(self, options: Section | None) -> str | None:
+        """Why online RL (``training.objective: grpo``) cannot sample its rollouts under this strategy (None: it
+        can). ladle's engine samples inside each rank with a KV cache, on the rank's own copy of every weight:
+        the strategy must run the whole forward and keep whole parameters on each rank."""
+        if not self.runs_whole_forward(options):
+            return f"{self.name} does not run the model's whole forward on each rank, where the engine samples"
+        if self.shards_tensors:
+            return (
+                f"{self.name} keeps a shard of every weight on each rank; the engine samples with whole weights, "
+                "and gathering them for the rollouts is not built yet"
+            )
+        return None
+
     def logits_bytes(self, job: sizing.Job, options: Section | None) -> int:
         """The logits of one micro-batch and their float32 softmax (tokens x vocabulary); with the ends kept
         sharded, the vocabulary-parallel loss's chunks over this rank's rows."""

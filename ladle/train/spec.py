@@ -21,6 +21,10 @@ class TrainSpec(BaseModel):
     run_url: str = Field(description="Artifact-store folder of this pipeline run.")
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    reward_files: dict[str, str] = Field(
+        default_factory=dict,
+        description="grpo: the text of every reward named by a file, by its path as written (it travels with the run).",
+    )
 
 
 class TrainResult(BaseModel):
@@ -56,6 +60,11 @@ class TrainResult(BaseModel):
         None,
         description="Preference tuning: held-out rewards, margin and preference accuracy before and after "
         "(`eval_*_before`, `eval_*_after`); null for supervised fine-tuning.",
+    )
+    rl: dict[str, float] | None = Field(
+        None,
+        description="grpo: held-out mean reward before and after (`eval_reward_before`, `eval_reward_after`), the "
+        "first and last steps' mean rewards and the largest rollout_logprob_gap; null for other objectives.",
     )
     kernels: dict[str, str] = Field(
         default_factory=dict,

@@ -604,6 +604,10 @@ run loop in ``~AsyncAllreduceWork`` -> ``gil_scoped_acquire``, after rank 0 had 
 
 
 def run(spec: TrainSpec) -> TrainResult:
+    if spec.config.training.objective == "grpo":  # a step that samples its own data: ladle.train.grpo_run
+        from ladle.train import grpo_run
+
+        return grpo_run.run(spec)
     session = setup(spec)
     KEPT.append(session)
     tokens, seconds = train_loop(session)

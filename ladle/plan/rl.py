@@ -1,0 +1,66 @@
+"""The plan's decisions for online RL (``training.objective: grpo``): whether the strategy can sample rollouts,
+whether the step's completions make whole groups on every rank, and what the rollouts hold in memory, in GiB."""
+
+from __future__ import annotations
+
+from ladle import sizing
+from ladle.config import LadleConfig
+from ladle.plan.model import Decision
+from ladle.strategies import Strategy
+from ladle.strategies.base import Target
+
+
+def choose_rollouts(
+    cfg: LadleConfig, strategy: Strategy, target: Target, model: dict | None, micro: int, global_batch: int
+) -> Decision[None]:
+    """The rollouts' layout and memory, in words, with every problem that stops them."""
+    t = cfg.training
+    if t.objective != "grpo":
+        return Decision(None)
+    rl, problems = t.rl, []
+    why_not = strategy.rollouts_refusal(strategy.options(cfg))
+    if why_not:
+        problems.append(
+            f"training.objective = grpo with parallelism.strategy = {strategy.name}: {why_not}. Use ddp, zero1 or "
+            "zero2 (or parallelism.strategy=auto)."
+        )
+    world = target.world_size
+    if global_batch % rl.num_generations:
+        problems.append(
+            f"training.global_batch_size = {global_batch}: with grpo it counts completions and must be a multiple "
+            f"of training.rl.num_generations = {rl.num_generations}; set it to "
+            f"{max(1, global_batch // rl.num_generations) * rl.num_generations} or "
+            f"{(global_batch // rl.num_generations + 1) * rl.num_generations}"
+        )
+    local = global_batch // max(world, 1)
+    reasons = [
+        f"rollouts: {global_batch // max(rl.num_generations, 1)} prompt(s) x {rl.num_generations} completions per "
+        f"step, {local} sampled on each of {world} rank(s) by ladle's engine on the live weights (no copy, no "
+        f"reload); updates {micro} completion(s) per micro-batch, {rl.num_iterations} optimizer step(s) per batch"
+    ]
+    if model is not None:
+        reasons.append(rollout_memory(cfg, target, model, local, micro))
+    return Decision(None, tuple(reasons), problems=tuple(problems))
+
+
+def rollout_memory(cfg: LadleConfig, target: Target, model: dict, local: int, micro: int) -> str:
+    """What the rollouts add per rank, in words: the KV cache of every completion at full length, the log-probability
+    buffers, and one micro-batch's float32 logits of the completions."""
+    rl = cfg.training.rl
+    width = cfg.data.seq_len + rl.max_completion_tokens
+    try:
+        shape = sizing.shape_from_config(model)
+    except (KeyError, TypeError, ValueError):
+        return "rollout memory: not sized (the base's config.json lacks the shape)"
+    layers = int(model.get("num_hidden_layers") or 0)
+    heads = int(model.get("num_key_value_heads") or model.get("num_attention_heads") or 0)
+    head_dim = int(model.get("head_dim") or (model.get("hidden_size", 0) // max(1, model.get("num_attention_heads", 1))))
+    width_bytes = 4 if target.dtype == "float32" else 2
+    kv = local * width * layers * 2 * heads * head_dim * width_bytes
+    buffers = local * rl.max_completion_tokens * 4 * (1 + (rl.num_iterations > 1) + (rl.beta > 0))
+    logits = micro * (rl.max_completion_tokens + 1) * shape.vocab * 4 * 2  # the logits and their log-softmax
+    return (
+        f"rollout memory per rank: KV cache {sizing.gib(kv)} ({local} completions x {width} tokens x {layers} "
+        f"layers), log-probability buffers {sizing.gib(buffers)}, completion logits {sizing.gib(logits)} per "
+        "micro-batch"
+    )

@@ -1,0 +1,253 @@
+"""Online RL from checkable rewards (``training.objective: grpo``): rollouts by ladle's own batching engine on the
+policy's live weights, rewards, group advantages and the GRPO family's losses, as TRL 1.16's ``GRPOTrainer``
+defines them.
+
+A step:
+
+1. **Prompts.** ``global_batch_size / num_generations`` prompts, in the seeded order every objective reads rows
+   in (``ladle.train.schedule``); each is repeated ``num_generations`` times, and each rank takes its contiguous
+   slice of those completions (a group may span ranks, as in TRL).
+2. **Rollouts.** The rank's slice is sampled by ``ladle.serve.engine.Engine`` (continuous batching, a KV cache,
+   each completion its own seeded generator) driven on the training thread over the very modules being trained:
+   the peft model with its live adapters, or the full model; nothing is copied or reloaded. Each completion's seed
+   comes from (training.seed, step, its index), so a resumed step samples what the first attempt sampled.
+3. **Rewards.** Each reward is called on this rank's completions (TRL's convention, ``ladle.train.rewards``), the
+   table gathered from every rank, and the advantages computed over whole groups (``advantages``).
+4. **Update.** ``num_iterations`` optimizer steps over the rollouts, micro-batch by micro-batch: each completion's
+   per-token log-probabilities at the sampling temperature, the importance ratio against the rollout's (token or
+   sequence level), the loss type's clipping and normalisation (``per_token_loss``, ``reduce``), and the k3 KL to
+   the reference where ``beta`` > 0 (LoRA: the adapters disabled; a full fine-tune: a frozen copy).
+5. **Checks.** The first update's forward scores the very tokens the engine sampled, on the same weights: the
+   largest difference between the two log-probabilities is logged as ``rollout_logprob_gap`` (a sampler that
+   drifted from the trainer shows here first).
+
+Normalisation is over the whole step (all ranks), so the loss does not change with the world size or the
+micro-batch: grpo and sapo average each completion's token mean over the step's completions, dr_grpo divides the
+token sum by completions x max_completion_tokens, dapo and cispo by the step's completion tokens. With one process
+and one micro-batch every one equals TRL's (``tests/train/test_grpo.py`` holds them to it).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from ladle.config.training import RLConfig
+from ladle.serve.rows import Job
+from ladle.train import rewards as reward_fns
+from ladle.train import schedule
+
+SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class Rollouts:
+    """One step's completions on this rank, in order, and what sampling them cost."""
+
+    rows: list[dict]  # the prompt row of each completion (its prompt, columns and ids)
+    completion_ids: list[list[int]]
+    sampler_logps: list[list[float]]  # the engine's log-probability of each sampled token, at the temperature
+    truncated: list[bool]
+    seconds: float = 0.0
+    rewards: torch.Tensor | None = None  # [completions, rewards] of this rank (NaN: not applicable)
+    advantages: torch.Tensor | None = None  # [completions]
+    old_logps: torch.Tensor | None = None  # [completions, width]: where num_iterations > 1
+    ref_logps: torch.Tensor | None = None  # [completions, width]: where beta > 0
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(c) for c in self.completion_ids)
+
+
+def step_prompts(step: int, prompts: int, per_step: int, seed: int) -> list[int]:
+    """The prompt indices of ``step``: the seeded, epoch-shuffled order every objective reads rows in."""
+    return schedule.global_batch_rows(step, prompts, per_step, seed)
+
+
+def local_slice(total: int, rank: int, world: int) -> slice:
+    share = total // world
+    return slice(rank * share, (rank + 1) * share)
+
+
+def sample(engine, rows: list[dict], rl: RLConfig, seeds: list[int]) -> Rollouts:
+    """Complete ``rows`` (one completion each, repeated rows being a group) with ``engine`` on the calling thread.
+
+    Raises:
+        RuntimeError: the engine failed a completion (its message).
+    """
+    began = time.perf_counter()
+    failures: list[str] = []
+
+    def on_event(kind: str, data: dict) -> None:
+        if kind == "error":
+            failures.append(str(data.get("message")))
+
+    jobs = [
+        Job(
+            ids=list(row["ids"]),
+            max_new_tokens=rl.max_completion_tokens,
+            temperature=rl.temperature,
+            top_p=rl.top_p,
+            top_k=rl.top_k,
+            seed=seed,
+            sampled=[],
+            emit=on_event,
+        )
+        for row, seed in zip(rows, seeds, strict=True)
+    ]
+    engine.run(jobs)
+    if failures:
+        raise RuntimeError(f"rollout sampling failed: {failures[0]}")
+    return Rollouts(
+        rows=rows,
+        completion_ids=[list(job.chosen) for job in jobs],
+        sampler_logps=[list(job.sampled) for job in jobs],
+        truncated=[job.finish == "length" for job in jobs],
+        seconds=time.perf_counter() - began,
+    )
+
+
+def seeds_for(seed: int, step: int, indices: range) -> list[int]:
+    """Each completion's sampling seed: the same for the same (run seed, step, completion), on any attempt."""
+    return [(seed * SEED_STRIDE + step) * SEED_STRIDE + i for i in indices]
+
+
+def completions_of(tokenizer, rows: list[dict], completion_ids: list[list[int]]) -> list:
+    """The completions as TRL hands them to rewards: strings after string prompts, one assistant message after
+    message-list prompts (special tokens skipped)."""
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return [t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}] for row, t in zip(rows, texts, strict=True)]
+
+
+def score(loaded: list[reward_fns.Reward], tokenizer, ro: Rollouts) -> torch.Tensor:
+    """``[completions, rewards]``: each reward's value (NaN where it does not apply) on this rank's completions."""
+    prompts = [row["prompt"] for row in ro.rows]
+    completions = completions_of(tokenizer, ro.rows, ro.completion_ids)
+    names = sorted({k for row in ro.rows for k in row.get("columns", {})})
+    columns = {k: [row.get("columns", {}).get(k) for row in ro.rows] for k in names}
+    table = torch.full((len(ro.rows), len(loaded)), float("nan"), dtype=torch.float32)
+    for j, reward in enumerate(loaded):
+        values = reward(prompts, completions, ro.completion_ids, columns)
+        table[:, j] = torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
+    return table
+
+
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sample standard deviation ignoring NaN (Bessel-corrected, as TRL's ``nanstd``)."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True)
+    out = torch.sqrt(variance * count / (count - 1))
+    return out.squeeze(dim) if dim is not None else out.squeeze()
+
+
+def advantages(table: torch.Tensor, weights: torch.Tensor, group: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's ``sum_then_normalize``: weighted reward sum per completion (a completion no reward applies to is NaN),
+    minus its group's mean, divided by the group's (``group``) or the whole step's (``batch``) standard deviation
+    plus 1e-4, or not divided (``none``); NaN advantages become 0.
+
+    Returns:
+        the advantages and the summed rewards, both ``[completions]`` (the step's, every rank's).
+    """
+    summed = (table * weights.unsqueeze(0)).nansum(dim=1)
+    summed[torch.isnan(table).all(dim=1)] = float("nan")
+    grouped = summed.view(-1, group)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group)
+    if scale == "batch":
+        std = nanstd(summed).expand_as(summed)
+    else:
+        std = nanstd(grouped, dim=1).repeat_interleave(group)
+    adv = summed - mean
+    if scale != "none":
+        adv = adv / (std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0), summed
+
+
+# The loss -------------------------------------------------------------------------------------------------------
+
+
+def batch_inputs(rows: list[dict], completions: list[list[int]], pad: int, device) -> tuple[torch.Tensor, ...]:
+    """Prompts left-padded and completions right-padded: ``input_ids``, ``attention_mask``, the completion mask
+    (``[rows, width]``), and the width of the prompt part."""
+    width_p = max(len(r["ids"]) for r in rows)
+    width_c = max(1, max(len(c) for c in completions))
+    n = len(rows)
+    ids = torch.full((n, width_p + width_c), pad, dtype=torch.long)
+    mask = torch.zeros((n, width_p + width_c), dtype=torch.long)
+    cmask = torch.zeros((n, width_c), dtype=torch.float32)
+    for i, (row, comp) in enumerate(zip(rows, completions, strict=True)):
+        p = row["ids"]
+        ids[i, width_p - len(p) : width_p] = torch.tensor(p)
+        mask[i, width_p - len(p) : width_p] = 1
+        if comp:
+            ids[i, width_p : width_p + len(comp)] = torch.tensor(comp)
+            mask[i, width_p : width_p + len(comp)] = 1
+            cmask[i, : len(comp)] = 1
+    return ids.to(device), mask.to(device), cmask.to(device), width_p
+
+
+def token_logps(model, ids: torch.Tensor, mask: torch.Tensor, prompt_width: int, temperature: float) -> torch.Tensor:
+    """Each completion token's log-probability under ``model`` at ``temperature`` (``[rows, completion width]``),
+    from a forward of input ids and attention mask, as TRL's trainer scores them."""
+    width = ids.shape[1] - prompt_width
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=width + 1).logits
+    logits = logits[:, :-1, :].float() / temperature  # the logits before each completion token
+    targets = ids[:, prompt_width:]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def per_token_loss(
+    logps: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    cmask: torch.Tensor,
+    rl: RLConfig,
+    ref: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict]:
+    """TRL 1.16's per-token loss for ``rl.loss`` (and the KL term), and its clipping statistics' sums."""
+    log_ratio = logps - old
+    if rl.importance_sampling == "sequence":
+        log_ratio = ((log_ratio * cmask).sum(-1) / cmask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef = torch.exp(log_ratio)
+    adv = adv.unsqueeze(1)
+    low, high = 1 - rl.epsilon, 1 + rl.clip_high
+    if rl.loss == "cispo":
+        loss = -torch.clamp(coef, max=rl.clip_high).detach() * adv * logps
+    elif rl.loss == "sapo":
+        temps = torch.where(adv > 0, rl.sapo_temperature_pos, rl.sapo_temperature_neg)
+        loss = -(torch.sigmoid(temps * (coef - 1)) * 4 / temps) * adv
+    else:
+        loss = -torch.min(coef * adv, torch.clamp(coef, low, high) * adv)
+    stats = {}
+    with torch.no_grad():
+        clipped_low = ((coef < low) & (adv < 0)).float().expand_as(cmask)
+        clipped_high = ((coef > high) & (adv > 0)).float().expand_as(cmask)
+        stats["clipped"] = float(((clipped_low + clipped_high) * cmask).sum())
+    if rl.beta:
+        # k3's estimate of KL(policy || reference), times the importance ratio (TRL 1.16's default
+        # use_bias_correction_kl, after DeepSeek-V3.2: its gradient is then the unbiased reverse-KL gradient)
+        kl = (torch.exp(ref - logps) - (ref - logps) - 1) * coef
+        loss = loss + rl.beta * kl
+        stats["kl"] = float((kl.detach() * cmask).sum())
+    return loss, stats
+
+
+def reduce(loss: torch.Tensor, cmask: torch.Tensor, rl: RLConfig, completions: int, tokens: int) -> torch.Tensor:
+    """This micro-batch's share of the step's loss: its sum under the loss type's step-wide normaliser."""
+    if rl.loss in ("grpo", "sapo"):
+        return ((loss * cmask).sum(-1) / cmask.sum(-1).clamp(min=1.0)).sum() / completions
+    if rl.loss == "dr_grpo":
+        return (loss * cmask).sum() / (completions * rl.max_completion_tokens)
+    return (loss * cmask).sum() / max(tokens, 1)  # dapo, cispo
+
+
+def padded(values: list[list[float]], width: int) -> torch.Tensor:
+    out = torch.zeros((len(values), width), dtype=torch.float32)
+    for i, v in enumerate(values):
+        if v:
+            out[i, : len(v)] = torch.tensor(v[:width], dtype=torch.float32)
+    return out

@@ -1,0 +1,397 @@
+"""The training worker for ``training.objective: grpo``: the same process, launch, loading, strategy wrap,
+optimizer, checkpoints and outputs as every objective (``ladle.train.worker``), with a step that samples its own
+data (``ladle.train.grpo``).
+
+A step is one batch of rollouts and ``training.rl.num_iterations`` optimizer steps over it; ``training.max_steps``
+counts rollout steps, and the learning-rate schedule counts optimizer steps. A checkpoint is written after whole
+steps, and a resumed step samples the same completions (each one's seed is fixed by the run's seed, the step and
+its index) from the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from accelerate import Accelerator
+
+from ladle.data import prompts as prompt_data
+from ladle.serve.engine import Engine
+from ladle.serve.rows import Job
+from ladle.train import checkpoint, grpo, loading, schedule
+from ladle.train import rewards as reward_fns
+from ladle.train import worker as w
+from ladle.train.runtime.base import runtime_for
+from ladle.train.spec import TrainResult, TrainSpec
+
+
+@dataclass
+class RLSession:
+    spec: TrainSpec
+    accelerator: Accelerator
+    model: torch.nn.Module  # as wrapped by the strategy: what the update's forward and backward go through
+    policy: torch.nn.Module  # the Hugging Face (peft) model inside: what the engine samples with
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    tokenizer: object
+    engine: Engine
+    rewards: list[reward_fns.Reward]
+    train: list[dict]
+    evals: list[dict]
+    steps: int
+    start: int
+    reference: torch.nn.Module | None  # a frozen copy (full fine-tune with beta > 0); LoRA disables adapters
+    log: object
+    sharding: dict
+    kernels: dict
+    load_peak_mib: float
+    baseline_mib: float
+    losses: list[float] = field(default_factory=list)
+    eval_before: float = 0.0
+    reward_first: float = math.nan
+    reward_last: float = math.nan
+    gap_max: float = 0.0
+
+
+def setup(spec: TrainSpec) -> RLSession:
+    """Accelerator -> prompts -> rewards (checked before any weight loads) -> model (+LoRA) -> strategy wrap ->
+    engine over the live modules -> scheduler -> resume -> held-out reward before."""
+    from transformers import AutoTokenizer
+
+    plan, cfg = spec.plan, spec.config
+    rl = cfg.training.rl
+    runtime = runtime_for(plan.strategy)
+    w.one_process_group(plan)
+    accelerator = Accelerator(cpu=plan.device == "cpu", **runtime.accelerator_kwargs(plan))
+    if accelerator.num_processes != plan.world_size:
+        raise RuntimeError(
+            f"planned world size {plan.world_size} but the launcher started {accelerator.num_processes} process(es)"
+        )
+    w.warm_imports(runtime)
+    torch.manual_seed(cfg.training.seed)
+    loaded_rewards = reward_fns.load_all(rl.rewards, spec.reward_files)
+    train = prompt_data.read_split(spec.dataset.url, spec.dataset.shards["train"])
+    evals = prompt_data.read_split(spec.dataset.url, spec.dataset.shards.get("eval", []))
+    per_step = plan.global_batch_size // rl.num_generations
+    if len(train) < per_step:
+        raise RuntimeError(
+            f"{len(train)} training prompts cannot fill one step of {per_step} prompts (training.global_batch_size "
+            f"{plan.global_batch_size} / training.rl.num_generations {rl.num_generations})"
+        )
+    steps = schedule.total_steps(len(train), per_step, cfg.training.max_steps, cfg.training.epochs)
+    baseline = w.peak_memory_mib(accelerator)
+    model, pending, ran = w.load_model(spec, accelerator)
+    reference = None
+    model, optimizer = runtime.wrap(accelerator, model, lambda m: w.build_optimizer(m, cfg), plan, pending)
+    if leftover := loading.meta_parameters(model):
+        raise RuntimeError(f"{plan.strategy}: {len(leftover)} parameter(s) were never loaded, e.g. {leftover[0]}")
+    policy = runtime.hf_model(accelerator, model)
+    if rl.beta and not cfg.training.lora.enabled:
+        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    ran.update(
+        fused_loss="off: grpo scores each sampled token itself",
+        packed_attention="off: grpo rows are prompt and completion, padded and masked",
+        padding_free="off: grpo rows are prompt and completion, padded and masked",
+        rollouts="ladle's batching engine on the live weights, in this process",
+        reference=("adapters disabled" if cfg.training.lora.enabled else "a frozen copy") if rl.beta else "off (beta 0)",
+    )
+    sharding = runtime.check_applied(accelerator, model, plan)
+    tokenizer = AutoTokenizer.from_pretrained(spec.base_dir)
+    local = plan.global_batch_size // accelerator.num_processes
+    engine = Engine(policy, tokenizer, plan.device if plan.device == "cpu" else accelerator.device, local, thread=False)
+    w.release_freed_memory(accelerator)
+    load_peak = w.peak_memory_mib(accelerator)
+    scheduler = w.build_scheduler(optimizer, cfg, steps * rl.num_iterations)
+    state = checkpoint.load_latest(
+        accelerator, w.storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan, runtime
+    )
+    log = w.mlflow_logger(spec, accelerator)
+    s = RLSession(
+        spec, accelerator, model, policy, optimizer, scheduler, tokenizer, engine, loaded_rewards, train, evals,
+        steps, state.step if state else 0, reference, log, sharding, ran, load_peak, baseline,
+    )
+    if state:
+        s.losses, s.eval_before = list(state.losses), state.eval_before
+    else:
+        s.eval_before = -held_out_reward(s)
+        log({"eval_reward": -s.eval_before}, 0)
+    return s
+
+
+def held_out_reward(s: RLSession) -> float:
+    """The mean weighted reward of one greedy completion per held-out prompt (every rank's share gathered); NaN
+    without held-out prompts."""
+    from accelerate.utils import gather_object
+
+    acc, rl = s.accelerator, s.spec.config.training.rl
+    if not s.evals:
+        return math.nan
+    mine = s.evals[acc.process_index :: acc.num_processes]
+    values: list[float] = []
+    if mine:
+        jobs = [Job(ids=list(row["ids"]), max_new_tokens=rl.max_completion_tokens) for row in mine]
+        s.policy.eval()
+        s.engine.run(jobs)
+        s.policy.train()
+        ro = grpo.Rollouts(mine, [job.tokens for job in jobs], [], [job.finish == "length" for job in jobs])
+        table = grpo.score(s.rewards, s.tokenizer, ro)
+        weights = torch.tensor([r.weight for r in s.rewards])
+        summed = (table * weights).nansum(dim=1)
+        summed[torch.isnan(table).all(dim=1)] = float("nan")
+        values = [v for v in summed.tolist() if not math.isnan(v)]
+    every = gather_object([values]) if acc.num_processes > 1 else [values]
+    flat = [v for part in every for v in part]
+    return sum(flat) / len(flat) if flat else math.nan
+
+
+def rollout(s: RLSession, step: int) -> tuple[grpo.Rollouts, slice, torch.Tensor]:
+    """This rank's completions of ``step``, scored, with their advantages; the step's slice of this rank and the
+    every-rank reward table."""
+    acc, cfg, plan = s.accelerator, s.spec.config, s.spec.plan
+    rl = cfg.training.rl
+    per_step = plan.global_batch_size // rl.num_generations
+    chosen = grpo.step_prompts(step, len(s.train), per_step, cfg.training.seed)
+    every = [s.train[i] for i in chosen for _ in range(rl.num_generations)]
+    mine = grpo.local_slice(len(every), acc.process_index, acc.num_processes)
+    s.policy.eval()  # no dropout while sampling; the engine runs under no_grad
+    ro = grpo.sample(s.engine, every[mine], rl, grpo.seeds_for(cfg.training.seed, step, range(mine.start, mine.stop)))
+    s.policy.train()
+    table = grpo.score(s.rewards, s.tokenizer, ro)
+    gathered = acc.gather(table.to(acc.device)).cpu() if acc.num_processes > 1 else table
+    weights = torch.tensor([r.weight for r in s.rewards], dtype=torch.float32)
+    adv, summed = grpo.advantages(gathered, weights, rl.num_generations, rl.scale_rewards)
+    ro.rewards, ro.advantages = table, adv[mine]
+    ro.stats = reward_stats(s, gathered, summed, rl.num_generations)
+    return ro, mine, gathered
+
+
+def reward_stats(s: RLSession, table: torch.Tensor, summed: torch.Tensor, group: int) -> dict[str, float]:
+    """Each reward's mean and spread over the step, the weighted sum's, and the fraction of groups whose rewards
+    are all equal (they teach nothing)."""
+    stats = {}
+    for j, reward in enumerate(s.rewards):
+        column = table[:, j]
+        stats[f"reward/{reward.name}/mean"] = float(torch.nanmean(column))
+        stats[f"reward/{reward.name}/std"] = float(grpo.nanstd(column)) if column.numel() > 1 else 0.0
+    stats["reward"] = float(torch.nanmean(summed))
+    stats["reward_std"] = float(grpo.nanstd(summed)) if summed.numel() > 1 else 0.0
+    spread = grpo.nanstd(summed.view(-1, group), dim=1)
+    stats["frac_reward_zero_std"] = float(torch.isclose(spread, torch.zeros_like(spread)).float().mean())
+    return {k: (0.0 if math.isnan(v) else v) for k, v in stats.items()}
+
+
+def frozen_logps(s: RLSession, model, ro: grpo.Rollouts, micros: list[list[int]], adapters_off: bool) -> torch.Tensor:
+    """Log-probabilities of the completions under ``model`` without gradients, micro-batch by micro-batch."""
+    device, rl = s.accelerator.device, s.spec.config.training.rl
+    width = max(1, max(len(c) for c in ro.completion_ids))
+    out = torch.zeros((len(ro.rows), width), dtype=torch.float32)
+    pad = s.engine.pad
+    for rows in micros:
+        ids, mask, cmask, pw = grpo.batch_inputs([ro.rows[i] for i in rows], [ro.completion_ids[i] for i in rows], pad, device)
+        context = model.disable_adapter() if adapters_off else torch.no_grad()
+        with torch.no_grad(), context:
+            logps = grpo.token_logps(model, ids, mask, pw, rl.temperature).cpu()
+        out[rows, : logps.shape[1]] = logps
+    return out
+
+
+def update(s: RLSession, ro: grpo.Rollouts, iteration: int, check: bool) -> dict[str, float]:
+    """One optimizer step over this rank's completions (``micro_batch_size`` at a time); the step's loss and
+    statistics (every rank's)."""
+    acc, cfg, plan = s.accelerator, s.spec.config, s.spec.plan
+    rl, runtime = cfg.training.rl, runtime_for(plan.strategy)
+    n_local = len(ro.rows)
+    micros = [list(range(i, min(i + plan.micro_batch_size, n_local))) for i in range(0, n_local, plan.micro_batch_size)]
+    counts = torch.tensor([ro.tokens, n_local], dtype=torch.float64, device=acc.device)
+    tokens_all, completions_all = (int(v) for v in acc.reduce(counts, "sum").tolist())
+    world = acc.num_processes
+    sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "gap": 0.0}
+    for m, rows in enumerate(micros):
+        ids, mask, cmask, pw = grpo.batch_inputs(
+            [ro.rows[i] for i in rows], [ro.completion_ids[i] for i in rows], s.engine.pad, acc.device
+        )
+        last = m == len(micros) - 1
+        with runtime.no_sync(acc, s.model) if not last else nullcontext():
+            logps = grpo.token_logps(s.model, ids, mask, pw, rl.temperature)
+            width = logps.shape[1]
+            old = ro.old_logps[rows, :width].to(acc.device) if ro.old_logps is not None else logps.detach()
+            ref = ro.ref_logps[rows, :width].to(acc.device) if ro.ref_logps is not None else None
+            adv = ro.advantages[rows].to(acc.device)
+            per_token, stats = grpo.per_token_loss(logps, old, adv, cmask, rl, ref)
+            loss = grpo.reduce(per_token, cmask, rl, completions_all, tokens_all)
+            runtime.backward(acc, s.model, loss * world, boundary=last)
+        sums["loss"] += float(loss.detach())
+        sums["clipped"] += stats["clipped"]
+        sums["kl"] += stats.get("kl", 0.0)
+        if check:
+            sampled = grpo.padded([ro.sampler_logps[i] for i in rows], width).to(acc.device)
+            gap = ((logps.detach() - sampled).abs() * cmask).max()
+            sums["gap"] = max(sums["gap"], float(gap))
+    totals = torch.tensor([sums["loss"], sums["clipped"], sums["kl"]], dtype=torch.float64, device=acc.device)
+    loss_all, clipped_all, kl_all = acc.reduce(totals, "sum").tolist()
+    if not math.isfinite(loss_all):
+        raise w.NonFiniteLoss(
+            f"the grpo loss of step {len(s.losses) + 1} (iteration {iteration + 1}) is {loss_all}: its gradients were "
+            "not applied and the run stops (a retry resumes from its last complete checkpoint). Lower training.lr, "
+            "or check the rewards for extreme values."
+        )
+    runtime.optimizer_step(acc, s.model, s.optimizer, cfg.training.max_grad_norm)
+    s.scheduler.step()
+    out = {"loss": loss_all, "clip_ratio": clipped_all / max(tokens_all, 1)}
+    if rl.beta:
+        out["kl"] = kl_all / max(tokens_all, 1)
+    if check:
+        gap = torch.tensor([sums["gap"]], dtype=torch.float64, device=acc.device)
+        out["rollout_logprob_gap"] = float(acc.reduce(gap, "max")[0]) if world > 1 else sums["gap"]
+    return out
+
+
+def train_step(s: RLSession, step: int) -> dict[str, float]:
+    """Rollouts, rewards, advantages and ``num_iterations`` updates; what to log of the step."""
+    rl = s.spec.config.training.rl
+    plan = s.spec.plan
+    ro, _, _ = rollout(s, step)
+    began = time.perf_counter()
+    n_local = len(ro.rows)
+    micros = [list(range(i, min(i + plan.micro_batch_size, n_local))) for i in range(0, n_local, plan.micro_batch_size)]
+    if rl.num_iterations > 1:  # the ratio's denominator: the weights that sampled, before this step's updates
+        ro.old_logps = frozen_logps(s, s.policy, ro, micros, adapters_off=False)
+    if rl.beta:
+        lora = s.spec.config.training.lora.enabled
+        ro.ref_logps = frozen_logps(s, s.policy if lora else s.reference, ro, micros, adapters_off=lora)
+    check = rl.logprob_check_every > 0 and step % rl.logprob_check_every == 0
+    metrics: dict[str, float] = {}
+    for iteration in range(rl.num_iterations):
+        got = update(s, ro, iteration, check and iteration == 0)
+        if iteration == 0:
+            metrics.update(got)
+        else:
+            metrics[f"loss_iteration_{iteration + 1}"] = got["loss"]
+    update_s = time.perf_counter() - began
+    counts = torch.tensor(
+        [ro.tokens, len(ro.rows), sum(ro.truncated), ro.seconds, max((len(c) for c in ro.completion_ids), default=0)],
+        dtype=torch.float64,
+        device=s.accelerator.device,
+    )
+    total = s.accelerator.reduce(counts[:4].clone(), "sum").tolist()
+    longest = float(s.accelerator.reduce(counts[4:].clone(), "max")[0]) if s.accelerator.num_processes > 1 else float(counts[4])
+    tokens, completions, truncated, gen_s = total
+    gen_s /= s.accelerator.num_processes  # ranks sample at once: the step waited about their mean
+    metrics.update(ro.stats)
+    metrics.update(
+        completion_length=tokens / max(completions, 1),
+        completion_length_max=longest,
+        truncated_fraction=truncated / max(completions, 1),
+        generation_s=gen_s,
+        update_s=update_s,
+        generation_tokens_per_s=tokens / gen_s if gen_s else 0.0,
+        completion_tokens=tokens,
+    )
+    return metrics
+
+
+def train_loop(s: RLSession) -> tuple[int, float]:
+    acc, cfg = s.accelerator, s.spec.config
+    ckpt_root = w.storage.join(s.spec.run_url, "checkpoints")
+    w.emit(
+        acc,
+        "start",
+        steps=s.steps,
+        world_size=acc.num_processes,
+        resumed_from=s.start,
+        strategy=s.spec.plan.strategy,
+        backend=str(acc.state.distributed_type),
+        kernels=s.kernels,
+        eval_loss=s.eval_before,
+    )
+    s.model.train()
+    tokens, seconds = 0, 0.0
+    for step in range(s.start, s.steps):
+        began = time.perf_counter()
+        m = train_step(s, step)
+        w.release_freed_memory(acc, at_most_every_s=w.TRIM_EVERY_S)
+        elapsed = time.perf_counter() - began
+        tokens, seconds = tokens + int(m["completion_tokens"]), seconds + elapsed
+        s.losses.append(m["loss"])
+        s.reward_first = m["reward"] if math.isnan(s.reward_first) else s.reward_first
+        s.reward_last = m["reward"]
+        s.gap_max = max(s.gap_max, m.get("rollout_logprob_gap", 0.0))
+        lr = s.scheduler.get_last_lr()[0]
+        step_tps = m["completion_tokens"] / elapsed
+        s.log({"train_loss": m["loss"], "lr": lr, "tokens_per_s": step_tps, **m}, step + 1)
+        shown = ("reward", "reward_std", "rollout_logprob_gap", "clip_ratio", "kl", "completion_length", "generation_s", "update_s")
+        w.emit(
+            acc,
+            "step",
+            step=step + 1,
+            steps=s.steps,
+            loss=round(m["loss"], 6),
+            lr=lr,
+            tokens_per_s=round(step_tps, 1),
+            elapsed_s=round(seconds, 3),
+            **{k: round(m[k], 6) for k in shown if k in m},
+        )
+        if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < s.steps:
+            s.log({"eval_reward": held_out_reward(s)}, step + 1)
+        if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
+            checkpoint.save(
+                acc, ckpt_root, step + 1, s.model, s.optimizer, s.scheduler, s.losses, s.eval_before,
+                s.spec.plan, runtime_for(s.spec.plan.strategy),
+            )
+    return tokens, seconds
+
+
+def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
+    acc = s.accelerator
+    after = held_out_reward(s)
+    s.log({"eval_reward": after}, s.steps)
+    adapter_url, model_url = w.save_outputs(acc, s.model, s.spec)
+    losses = s.losses
+    nan_free = lambda v: 0.0 if math.isnan(v) else v  # noqa: E731 (JSON has no NaN)
+    result = TrainResult(
+        strategy=s.spec.plan.strategy,
+        world_size=acc.num_processes,
+        backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else "none",
+        steps=s.steps,
+        resumed_from_step=s.start,
+        train_losses=losses,
+        train_loss_first=losses[0] if losses else 0.0,
+        train_loss_last=losses[-1] if losses else 0.0,
+        eval_loss_before=nan_free(s.eval_before),
+        eval_loss_after=nan_free(-after),
+        real_tokens=tokens,
+        tokens_per_s=tokens / seconds if seconds else 0.0,
+        train_seconds=seconds,
+        adapter_url=adapter_url,
+        model_url=model_url,
+        sharding=s.sharding,
+        peak_memory_mib=w.peak_memory_mib(acc),
+        load_peak_memory_mib=s.load_peak_mib,
+        baseline_memory_mib=s.baseline_mib,
+        weights_dtype=s.spec.plan.dtype if s.spec.plan.device == "cuda" else "float32",
+        rl={
+            "eval_reward_before": nan_free(-s.eval_before),
+            "eval_reward_after": nan_free(after),
+            "reward_first_step": nan_free(s.reward_first),
+            "reward_last_step": nan_free(s.reward_last),
+            "rollout_logprob_gap_max": s.gap_max,
+        },
+        kernels=s.kernels,
+    )
+    if acc.is_main_process:
+        w.storage.write_json(w.storage.join(s.spec.run_url, "train_result.json"), result.model_dump())
+    w.emit(acc, "done", **result.model_dump(exclude={"train_losses"}))
+    acc.wait_for_everyone()
+    acc.end_training()
+    return result
+
+
+def run(spec: TrainSpec) -> TrainResult:
+    session = setup(spec)
+    w.KEPT.append(session)
+    tokens, seconds = train_loop(session)
+    return finish(session, tokens, seconds)

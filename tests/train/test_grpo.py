@@ -1,0 +1,309 @@
+"""Online RL (``training.objective: grpo``): the loss against TRL's own ``GRPOTrainer``, the rewards as TRL calls
+them, and real runs whose rollouts come from ladle's engine on the live weights.
+
+On a fixed batch of prompts, completions, advantages and old/reference log-probabilities, ladle's loss and LoRA
+gradients equal ``GRPOTrainer._compute_loss`` (trl 1.16, float32, 1e-5 relative) for every loss type ladle
+offers, with token- and sequence-level (GSPO) importance sampling and with the KL term. The runs share one launch
+of 2 processes (DDP and ZeRO-2 beside one process), a resume, and the refusals.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ladle.config import build_config
+from ladle.config.training import RLConfig
+from ladle.errors import ConfigError
+from ladle.train import grpo
+from ladle.train import rewards as reward_fns
+from tests.helpers import launch_all
+from tests.train.test_preference import tiny_lora_model, word_tokenizer
+
+PROMPTS = [[1, 5, 6, 7], [1, 11, 12]]  # two prompts, two completions each (EOS = 2 ends a completion)
+COMPLETIONS = [[8, 9, 2], [10, 2], [13, 14, 15, 16], [17, 2]]
+MAX_COMPLETION = 4
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def trl_trainer(tmp_path_factory):
+    """TRL's GRPOTrainer over a LoRA model whose adapters are not zero (so the gradients are not trivial)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path_factory.mktemp("trl")),
+        report_to=[],
+        use_cpu=True,
+        per_device_train_batch_size=len(COMPLETIONS),
+        num_generations=2,
+        max_completion_length=MAX_COMPLETION,
+        temperature=TEMPERATURE,
+        bf16=False,
+    )
+    trainer = GRPOTrainer(
+        model=tiny_lora_model(),
+        reward_funcs=[lambda prompts, completions, **kwargs: [0.0] * len(prompts)],
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": "5 6 7"}] * 4),  # never read: the batch below
+        processing_class=word_tokenizer(),
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=g))
+    return trainer
+
+
+def fixed_batch():
+    """The batch both sides score: rows, advantages, and old and reference log-probabilities a little off the
+    policy's (so ratios clip and the KL is not zero)."""
+    rows = [{"ids": PROMPTS[i // 2], "prompt": "p", "columns": {}} for i in range(len(COMPLETIONS))]
+    ids, mask, cmask, width = grpo.batch_inputs(rows, COMPLETIONS, 0, "cpu")
+    g = torch.Generator().manual_seed(7)
+    adv = torch.tensor([1.2, -1.2, 0.7, -0.7])
+    shift = 0.4 * torch.randn(cmask.shape, generator=g)
+    return rows, ids, mask, cmask, width, adv, shift
+
+
+def trl_loss_and_grads(trainer, rl: RLConfig, old: torch.Tensor | None, ref: torch.Tensor | None):
+    trainer.loss_type, trainer.importance_sampling_level, trainer.beta = rl.loss, rl.importance_sampling, rl.beta
+    trainer.epsilon_low, trainer.epsilon_high = rl.epsilon, rl.clip_high
+    trainer.args.sapo_temperature_pos, trainer.args.sapo_temperature_neg = (
+        rl.sapo_temperature_pos,
+        rl.sapo_temperature_neg,
+    )
+    rows, ids, mask, cmask, width, adv, _ = fixed_batch()
+    inputs = {
+        "prompt_ids": ids[:, :width],
+        "prompt_mask": mask[:, :width],
+        "completion_ids": ids[:, width:],
+        "completion_mask": cmask.long(),
+        "advantages": adv,
+        "num_items_in_batch": cmask.sum(),
+    }
+    if old is not None:
+        inputs["old_per_token_logps"] = old
+    if ref is not None:
+        inputs["ref_per_token_logps"] = ref
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    value = trainer._compute_loss(model, inputs)
+    value.backward()
+    return float(value), grads(model)
+
+
+def ladle_loss_and_grads(model, rl: RLConfig, old: torch.Tensor | None, ref: torch.Tensor | None):
+    rows, ids, mask, cmask, width, adv, _ = fixed_batch()
+    model.zero_grad(set_to_none=True)
+    logps = grpo.token_logps(model, ids, mask, width, rl.temperature)
+    per_token, _ = grpo.per_token_loss(logps, logps.detach() if old is None else old, adv, cmask, rl, ref)
+    value = grpo.reduce(per_token, cmask, rl, len(COMPLETIONS), int(cmask.sum()))
+    value.backward()
+    return float(value), grads(model)
+
+
+def grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+CASES = {
+    "dapo": {},
+    "grpo": {"loss": "grpo"},
+    "dr_grpo": {"loss": "dr_grpo"},
+    "gspo": {"loss": "grpo", "importance_sampling": "sequence"},
+    "cispo": {"loss": "cispo", "epsilon_high": 1.1},
+    "sapo": {"loss": "sapo"},
+    "dapo+kl+clip_higher": {"beta": 0.04, "epsilon_high": 0.28},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_and_lora_gradients_equal_trl_grpo_trainer(trl_trainer, case):
+    rl = RLConfig(temperature=TEMPERATURE, max_completion_tokens=MAX_COMPLETION, **CASES[case])
+    model = trl_trainer.model
+    _, ids, mask, cmask, width, _, shift = fixed_batch()
+    with torch.no_grad():
+        current = grpo.token_logps(model, ids, mask, width, TEMPERATURE)
+    old = (current - shift) * cmask  # ratios away from 1: some clip
+    ref = (current + shift.flip(0)) * cmask if rl.beta else None
+    expected, expected_grads = trl_loss_and_grads(trl_trainer, rl, old, ref)
+    value, got = ladle_loss_and_grads(model, rl, old, ref)
+    assert value == pytest.approx(expected, rel=1e-5)
+    assert expected_grads.keys() == got.keys() and got
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_advantages_are_trls_group_normalised_rewards_and_none_is_excluded():
+    table = torch.tensor([[1.0, float("nan")], [0.0, 1.0], [0.5, float("nan")], [float("nan"), float("nan")]])
+    adv, summed = grpo.advantages(table, torch.tensor([1.0, 2.0]), group=2, scale="group")
+    assert summed[:3].tolist() == [1.0, 2.0, 0.5] and torch.isnan(summed[3])
+    std = float(torch.tensor([1.0, 2.0]).std())  # Bessel-corrected, as TRL's nanstd
+    assert adv[:2].tolist() == pytest.approx([(-0.5) / (std + 1e-4), 0.5 / (std + 1e-4)])
+    assert adv[2:].tolist() == [0.0, 0.0]  # a lone scorable completion, and one no reward applies to
+    flat, _ = grpo.advantages(table[:2], torch.tensor([1.0, 2.0]), group=2, scale="none")
+    assert flat.tolist() == pytest.approx([-0.5, 0.5])
+
+
+# Rewards ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_reward_written_for_trl_runs_unchanged_with_the_datas_columns(tmp_path):
+    source = (
+        "def exact(prompts, completions, answer, **kwargs):\n"
+        "    return [1.0 if c[0]['content'].strip() == a else 0.0 for c, a in zip(completions, answer)]\n"
+        "def named_only(completions, answer):\n"
+        "    return [float(len(c) == len(a)) for c, a in zip(completions, answer)]\n"
+    )
+    (tmp_path / "my_rewards.py").write_text(source)
+    cfg = RLConfig(rewards=["my_rewards.py:exact", "my_rewards.py:named_only"]).rewards
+    files = reward_fns.bundle(cfg, root=tmp_path)
+    assert files == {"my_rewards.py": source}
+    loaded = reward_fns.load_all(cfg, files)
+    completions = [[{"role": "assistant", "content": " 4 "}], [{"role": "assistant", "content": "5"}]]
+    assert loaded[0](["q", "q"], completions, [[1], [2]], {"answer": ["4", "4"]}) == [1.0, 0.0]
+    assert reward_fns.columns_needed(cfg, files) is None  # exact takes **kwargs: every column
+    assert reward_fns.columns_needed(cfg[1:], files) == ["answer"]
+    assert reward_fns.digest(files, cfg) != reward_fns.digest({"my_rewards.py": source + "#"}, cfg)
+
+
+def test_built_in_rewards():
+    made = RLConfig(
+        rewards=[
+            {"fn": "exact_match", "args": {"column": "answer"}},
+            {"fn": "regex", "args": {"pattern": r"\d+$"}},
+            {"fn": "json_schema", "args": {"schema": {"type": "object", "required": ["a"]}}},
+            {"fn": "length", "args": {"max_tokens": 2}},
+        ]
+    ).rewards
+    exact, regex, schema, length = reward_fns.load_all(made, {})
+    texts = ["42", '{"a": 1}', "x 7"]
+    assert exact(texts, texts, [[1]] * 3, {"answer": ["42", "{}", "x"]}) == [1.0, 0.0, 0.0]
+    assert regex(texts, texts, [[1]] * 3, {}) == [1.0, 0.0, 0.0]
+    assert schema(texts, texts, [[1]] * 3, {}) == [0.0, 1.0, 0.0]
+    assert length(texts, texts, [[1], [1, 2, 3], [1, 2, 3, 4]], {}) == [0.0, -0.5, -1.0]
+
+
+@pytest.mark.parametrize(
+    ("source", "entry", "message"),
+    [
+        (None, "no_such_module_here:fn", "cannot import it (ModuleNotFoundError"),
+        ("def f(x):\n    return [0.0]\n", "r.py:f", "has the signature (x); a reward is called as TRL calls it"),
+        ("def f(prompts, completions, **k):\n    raise ValueError('boom')\n", "r.py:f", "f raised ValueError: boom"),
+        ("def f(prompts, completions, **k):\n    return [1.0]\n", "r.py:f", "f returned 1 values for 2 completions"),
+        ("def f(prompts, completions, **k):\n    return ['a', 1]\n", "r.py:f", "f returned 'a' for completion 0"),
+        ("def g(prompts, completions, **k):\n    return []\n", "r.py:f", "r.py has no function 'f'"),
+        (None, "exact_match", "exact_match has args {}; it takes args: {column: NAME}"),
+    ],
+)
+def test_a_bad_reward_is_one_error_naming_it(tmp_path, source, entry, message):
+    files = {"r.py": source} if source else {}
+    cfg = RLConfig(rewards=[entry]).rewards
+    with pytest.raises(reward_fns.RewardError) as caught:
+        reward_fns.load_all(cfg, files)[0](["p", "p"], ["a", "b"], [[1], [2]], {})
+    assert message in str(caught.value)
+    assert str(caught.value).startswith("training.rl.rewards")
+
+
+def test_config_refuses_what_cannot_learn():
+    base = {"base": "ladle://tiny-llama", "data": {"path": "x.jsonl"}}
+    cases = {
+        "training.rl.temperature = 0 with training.rl.num_generations = 4": {"temperature": 0, "num_generations": 4},
+        "training.rl.rewards = []: grpo needs at least one reward": {"rewards": []},
+        "training.rl.loss = cispo with training.rl.epsilon_high = null": {"loss": "cispo"},
+    }
+    for message, rl in cases.items():
+        rl = {"rewards": ["exact_match"], **rl}
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            build_config({**base, "training": {"objective": "grpo", "rl": rl}}, [])
+    with pytest.raises(ConfigError, match="training.global_batch_size = 10: with grpo it counts completions"):
+        build_config({**base, "training": {"objective": "grpo", "global_batch_size": 10, "rl": {"rewards": ["x:y"]}}}, [])
+    with pytest.raises(ConfigError, match="eval.metric = reward with training.objective = sft"):
+        build_config({**base, "eval": {"metric": "reward"}}, [])
+
+
+# Runs ------------------------------------------------------------------------------------------------------------
+
+REWARD_FILE = "def shorter(prompts, completions, completion_ids, **kwargs):\n    return [1.0 - len(c) / 8 for c in completion_ids]\n"
+
+
+def prompt_file(root: Path) -> Path:
+    from ladle.assets.demo import demo_rows
+
+    path = root / "prompts.jsonl"
+    rows = demo_rows(96)
+    lines = [{"prompt": [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}], "answer": r["output"]} for r in rows]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def grpo_spec(strategy: str, root: Path, *overrides: str, processes: int = 2):
+    from tests.helpers import train_spec
+
+    (root / "shorter.py").write_text(REWARD_FILE)
+    cfg = build_config(
+        {
+            "base": "ladle://tiny-llama",
+            "data": {"path": str(prompt_file(root)), "seq_len": 64},
+            "parallelism": {"strategy": strategy, "cpu_processes": processes},
+            "training": {
+                "objective": "grpo",
+                "max_steps": 4,
+                "lr": 1e-2,
+                "scheduler": "constant",
+                "micro_batch_size": 4,
+                "global_batch_size": 16,
+                "lora": {"target_modules": "all-linear", "modules_to_save": ["lm_head"]},
+                "rl": {
+                    "num_generations": 4,
+                    "max_completion_tokens": 8,
+                    "rewards": [str(root / "shorter.py") + ":shorter", {"fn": "exact_match", "args": {"column": "answer"}}],
+                },
+            },
+        },
+        list(overrides),
+    )
+    spec = train_spec(cfg, root, f"{strategy}-{processes}" + "".join(overrides))
+    return spec.model_copy(update={"reward_files": reward_fns.bundle(cfg.training.rl.rewards)})
+
+
+def test_rollouts_by_the_engine_match_the_trainer_and_strategies_agree(tmp_path):
+    """One process, two under DDP and two under ZeRO-2 sample the same completions (each one's seed is its index
+    in the step) and reach the same losses; the engine's log-probabilities of what it sampled equal the training
+    forward's on the same weights, and the run stops with its checkpoint when a reward breaks."""
+    specs = {
+        "one": grpo_spec("ddp", tmp_path, processes=1),
+        "ddp": grpo_spec("ddp", tmp_path),
+        "zero2": grpo_spec("zero2", tmp_path),
+    }
+    results = launch_all(specs)
+    one = results["one"]
+    assert one.world_size == 1 and results["ddp"].world_size == 2 and results["zero2"].strategy == "zero2"
+    assert one.rl["rollout_logprob_gap_max"] < 1e-4
+    assert any(loss != 0 for loss in one.train_losses)  # the groups' rewards differed: something was learned
+    for name in ("ddp", "zero2"):
+        assert results[name].train_losses == pytest.approx(one.train_losses, rel=1e-4, abs=1e-6), name
+        assert results[name].rl["rollout_logprob_gap_max"] < 1e-4
+    assert one.kernels["rollouts"].startswith("ladle's batching engine on the live weights")
+    assert one.adapter_url
+
+
+def test_planner_refuses_sharded_weights_for_rollouts(tmp_path):
+    from ladle.machine.topology import probe
+    from ladle.plan.planner import make_plan
+
+    model = json.loads((Path(grpo_spec("ddp", tmp_path).base_dir) / "config.json").read_text())
+    cfg = grpo_spec("ddp", tmp_path).config
+    for strategy in ("zero3", "fsdp2"):
+        bad = build_config(cfg.model_dump(mode="json"), [f"parallelism.strategy={strategy}"])
+        with pytest.raises(ConfigError, match=f"training.objective = grpo with parallelism.strategy = {strategy}"):
+            make_plan(bad, probe(env={}, query_output=""), model=model)
+    plan = make_plan(cfg, probe(env={}, query_output=""), model=model)
+    assert any(r.startswith("rollout memory per rank: KV cache") for r in plan.reasons)
