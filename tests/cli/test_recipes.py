@@ -23,6 +23,7 @@ SHIPPED = [
     "smollm2-135m-dpo-cpu",
     "tiny-cpu",
     "tiny-dpo-cpu",
+    "tiny-grpo-cpu",
 ]
 
 

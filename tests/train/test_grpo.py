@@ -18,6 +18,7 @@ import torch
 from ladle.config import build_config
 from ladle.config.training import RLConfig
 from ladle.errors import ConfigError
+from ladle.platform import storage
 from ladle.train import grpo
 from ladle.train import rewards as reward_fns
 from tests.helpers import launch_all
@@ -231,7 +232,11 @@ def test_config_refuses_what_cannot_learn():
 
 # Runs ------------------------------------------------------------------------------------------------------------
 
-REWARD_FILE = "def shorter(prompts, completions, completion_ids, **kwargs):\n    return [1.0 - len(c) / 8 for c in completion_ids]\n"
+REWARD_FILE = (  # the random tiny model's completions differ in it from the first step: every group has a signal
+    "def digits(prompts, completions, **kwargs):\n"
+    "    texts = [c[0]['content'] for c in completions]\n"
+    "    return [sum(ch.isdigit() for ch in t) / max(1, len(t)) for t in texts]\n"
+)
 
 
 def prompt_file(root: Path) -> Path:
@@ -247,7 +252,7 @@ def prompt_file(root: Path) -> Path:
 def grpo_spec(strategy: str, root: Path, *overrides: str, processes: int = 2):
     from tests.helpers import train_spec
 
-    (root / "shorter.py").write_text(REWARD_FILE)
+    (root / "digits.py").write_text(REWARD_FILE)
     cfg = build_config(
         {
             "base": "ladle://tiny-llama",
@@ -256,6 +261,7 @@ def grpo_spec(strategy: str, root: Path, *overrides: str, processes: int = 2):
             "training": {
                 "objective": "grpo",
                 "max_steps": 4,
+                "checkpoint_every": 2,
                 "lr": 1e-2,
                 "scheduler": "constant",
                 "micro_batch_size": 4,
@@ -264,7 +270,7 @@ def grpo_spec(strategy: str, root: Path, *overrides: str, processes: int = 2):
                 "rl": {
                     "num_generations": 4,
                     "max_completion_tokens": 8,
-                    "rewards": [str(root / "shorter.py") + ":shorter", {"fn": "exact_match", "args": {"column": "answer"}}],
+                    "rewards": [str(root / "digits.py") + ":digits", {"fn": "exact_match", "args": {"column": "answer"}}],
                 },
             },
         },
@@ -274,25 +280,36 @@ def grpo_spec(strategy: str, root: Path, *overrides: str, processes: int = 2):
     return spec.model_copy(update={"reward_files": reward_fns.bundle(cfg.training.rl.rewards)})
 
 
-def test_rollouts_by_the_engine_match_the_trainer_and_strategies_agree(tmp_path):
-    """One process, two under DDP and two under ZeRO-2 sample the same completions (each one's seed is its index
-    in the step) and reach the same losses; the engine's log-probabilities of what it sampled equal the training
-    forward's on the same weights, and the run stops with its checkpoint when a reward breaks."""
-    specs = {
-        "one": grpo_spec("ddp", tmp_path, processes=1),
-        "ddp": grpo_spec("ddp", tmp_path),
-        "zero2": grpo_spec("zero2", tmp_path),
-    }
+def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_samples_the_same(tmp_path):
+    """One process and two under ZeRO-2 sample the same completions (each one's seed is its index in the step) and
+    reach the same losses; the engine's log-probabilities of what it sampled equal the training forward's on the
+    same weights; resumed from its step-2 checkpoint, a run samples and learns what it did the first time."""
+    from ladle.train.checkpoint import complete_steps, step_dir
+    from ladle.train.run import TrainingFailed, launch
+
+    specs = {"one": grpo_spec("ddp", tmp_path, processes=1), "zero2": grpo_spec("zero2", tmp_path)}
     results = launch_all(specs)
-    one = results["one"]
-    assert one.world_size == 1 and results["ddp"].world_size == 2 and results["zero2"].strategy == "zero2"
-    assert one.rl["rollout_logprob_gap_max"] < 1e-4
-    assert any(loss != 0 for loss in one.train_losses)  # the groups' rewards differed: something was learned
-    for name in ("ddp", "zero2"):
-        assert results[name].train_losses == pytest.approx(one.train_losses, rel=1e-4, abs=1e-6), name
-        assert results[name].rl["rollout_logprob_gap_max"] < 1e-4
+    one, two = results["one"], results["zero2"]
+    assert one.world_size == 1 and two.world_size == 2 and two.strategy == "zero2"
+    assert one.rl["rollout_logprob_gap_max"] < 1e-4 and two.rl["rollout_logprob_gap_max"] < 1e-4
+    assert all(loss != 0 for loss in one.train_losses)  # every step's groups' rewards differed
+    assert two.train_losses == pytest.approx(one.train_losses, rel=1e-4, abs=1e-6)
     assert one.kernels["rollouts"].startswith("ladle's batching engine on the live weights")
-    assert one.adapter_url
+    assert one.adapter_url and one.rl["eval_reward_after"] != one.rl["eval_reward_before"]
+
+    root = storage.join(specs["one"].run_url, "checkpoints")
+    assert complete_steps(root) == [2, 4]
+    storage.remove(storage.join(step_dir(root, 4), "_COMPLETE"))  # as if killed after step 2's checkpoint
+    storage.remove(storage.join(specs["one"].run_url, "train_result.json"))
+    broken = specs["one"].model_copy(deep=True)
+    (path,) = [p for p in broken.reward_files]
+    broken.reward_files[path] = REWARD_FILE.replace("    texts =", "    raise KeyError('score')\n    texts =")
+    with pytest.raises(TrainingFailed, match=r"training.rl.rewards: digits raised KeyError: 'score' \(on 16 completions\)"):
+        launch(broken)  # resumes at step 2, and step 3's reward raises: the run stops, its checkpoint kept
+    assert complete_steps(root) == [2]
+    resumed = launch(specs["one"])
+    assert resumed.resumed_from_step == 2
+    assert resumed.train_losses == pytest.approx(one.train_losses, rel=1e-5, abs=1e-7)
 
 
 def test_planner_refuses_sharded_weights_for_rollouts(tmp_path):
