@@ -56,7 +56,11 @@ def ladle_config(base: str, tmp: Path, steps: int, seed: int):
     return build_config(
         {
             "base": base,
-            "data": {"path": str(resolve_builtin("ladle://demo-prompts", "data.path")), "seq_len": 64, "eval_ratio": 0.0},
+            "data": {
+                "path": str(resolve_builtin("ladle://demo-prompts", "data.path")),
+                "seq_len": 64,
+                "eval_ratio": 0.0,
+            },
             "output": str(tmp),
             "parallelism": {"strategy": "ddp", "cpu_processes": 2},
             "training": {
@@ -116,7 +120,11 @@ def run_trl(base: str, tmp: Path, steps: int, rep: int) -> dict:
     began = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - began
-    ranks = [json.loads(line.removeprefix("TRL_RESULT ")) for line in done.stdout.splitlines() if line.startswith("TRL_RESULT ")]
+    ranks = [
+        json.loads(line.removeprefix("TRL_RESULT "))
+        for line in done.stdout.splitlines()
+        if line.startswith("TRL_RESULT ")
+    ]
     if done.returncode != 0 or len(ranks) != 2:
         raise SystemExit(f"TRL run failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
     lead = next(r for r in ranks if r["rank"] == 0)

@@ -130,7 +130,14 @@ def finetune(
         clock.lap("train")
         merged = merge_task(inputs.base_dir, result, run_url)
         clock.lap("merge")
-        scores = evaluate_task(config.eval, inputs.base_dir, merged, prepared, track, RewardSet.of_run(config.training, inputs.reward_files))
+        scores = evaluate_task(
+            config.eval,
+            inputs.base_dir,
+            merged,
+            prepared,
+            track,
+            RewardSet.of_run(config.training, inputs.reward_files),
+        )
         clock.lap("evaluate")
         endpoint = deploy_task(config.serving(), config.name, merged, prepared)
         clock.lap("deploy")

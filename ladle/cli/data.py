@@ -30,6 +30,7 @@ def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSO
             storage.normalise(cfg.output),
             on_progress=lambda rows: progress.update(task, rows=rows),
             objective=cfg.training.objective,
+            reward_columns=reward_columns(cfg),
         )
     report = prepared.report.model_dump()
     if as_json:
@@ -43,6 +44,15 @@ def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSO
     console.print(table)
     for item in report["dropped"][:20]:
         console.print(f"  line {item['line']} of {item['source']}: {item['reason']}", highlight=False)
+
+
+def reward_columns(cfg) -> list[str] | None:
+    """grpo: the columns the rewards read (checked present in every row, named in the report)."""
+    if cfg.training.objective != "grpo":
+        return None
+    from ladle.train import rewards
+
+    return rewards.columns_needed(cfg.training.rl.rewards, rewards.bundle(cfg.training.rl.rewards))
 
 
 @app.command("inspect")

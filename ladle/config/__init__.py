@@ -416,7 +416,7 @@ def rl_problems(t) -> list[str]:
     if not rl.rewards:
         problems.append(
             "training.rl.rewards = []: grpo needs at least one reward function; add one, e.g. "
-            "rewards: [{fn: exact_match, args: {column: answer}}] or [\"my_rewards.py:score\"]"
+            'rewards: [{fn: exact_match, args: {column: answer}}] or ["my_rewards.py:score"]'
         )
     if rl.num_generations > 1 and rl.temperature == 0:
         problems.append(

@@ -19,15 +19,17 @@ class DataConfig(Section):
         "JSON, Parquet or CSV files (by suffix; .gz etc. decompressed), or `ladle://demo-alpaca` for the "
         "bundled generated demo set."
     )
-    format: Literal["auto", "alpaca", "sharegpt", "messages", "chatml", "text", "tokenized", "preference", "prompt"] = Field(
-        "auto",
-        description="Record format. `alpaca`: instruction/input/output; `sharegpt`: conversations of "
-        "{from, value}; `messages`/`chatml`: messages of {role, content}; `text`: a `text` field; "
-        "`tokenized`: `input_ids` (and optional `labels`); `preference` (training.objective: dpo): chosen and "
-        "rejected, with a prompt (string or turns), as whole conversations sharing the prompt, or after ShareGPT "
-        "conversations; `prompt` (training.objective: grpo): a `prompt` (a string, used as it is, or a message list, "
-        "rendered by the chat template with the assistant's turn opened), and any other columns, which the "
-        "rewards receive. `auto` detects it from the first record.",
+    format: Literal["auto", "alpaca", "sharegpt", "messages", "chatml", "text", "tokenized", "preference", "prompt"] = (
+        Field(
+            "auto",
+            description="Record format. `alpaca`: instruction/input/output; `sharegpt`: conversations of "
+            "{from, value}; `messages`/`chatml`: messages of {role, content}; `text`: a `text` field; "
+            "`tokenized`: `input_ids` (and optional `labels`); `preference` (training.objective: dpo): chosen and "
+            "rejected, with a prompt (string or turns), as whole conversations sharing the prompt, or after ShareGPT "
+            "conversations; `prompt` (training.objective: grpo): a `prompt` (a string, used as it is, or a message list, "
+            "rendered by the chat template with the assistant's turn opened), and any other columns, which the "
+            "rewards receive. `auto` detects it from the first record.",
+        )
     )
     eval_path: str | None = Field(
         None, description="Separate evaluation file (same format). null: split `eval_ratio` off the training data."

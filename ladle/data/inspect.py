@@ -12,6 +12,7 @@ from ladle.data import sources
 from ladle.data.formats import RowError
 from ladle.data.prepare import iter_samples, load_tokenizer, resolve_format, tokenize_samples
 from ladle.data.tokenize import IGNORE
+from ladle.errors import LadleError
 from ladle.platform import storage
 
 
@@ -43,6 +44,11 @@ def inspect(cfg: DataConfig, n: int = 3, objective: str = "sft") -> dict:
 def mask_rows(cfg: DataConfig, tokenizer_dir: Path, n: int = 3, objective: str = "sft") -> list[dict]:
     """The first ``n`` usable records tokenized exactly as for training (a preference pair: its row, the chosen
     side then the rejected side), each token with its trained flag."""
+    if objective == "grpo":
+        raise LadleError(
+            "training.objective = grpo: prompt rows carry no trained tokens (grpo trains on the completions it "
+            "samples); use `ladle data inspect` to see the parsed prompts and their columns."
+        )
     tokenizer = load_tokenizer(tokenizer_dir)
     files = sources.expand(cfg.path)
     fmt = resolve_format(cfg, files, objective)

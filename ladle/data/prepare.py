@@ -22,6 +22,7 @@ from ladle.data import sources
 from ladle.data.formats import FORMATS, Chat, RowError, Sample, Text, detect_format
 from ladle.data.packing import SplitWriter
 from ladle.data.preference import Pair, PairExample, pair_key, parse_pair, tokenize_pairs
+from ladle.data.prompts import parse_row as parse_prompt_row
 from ladle.data.report import DataReport, LengthHistogram, histogram_png
 from ladle.data.tokenize import IGNORE, Example, TooLong, tokenize_batch
 from ladle.errors import LadleError
@@ -34,7 +35,7 @@ BATCH = 512
 # Held-out conversations kept verbatim for the evaluate stage (exact match of greedy answers).
 EVAL_SAMPLES_MAX = 1000
 
-PARSERS = {**FORMATS, "preference": parse_pair}
+PARSERS = {**FORMATS, "preference": parse_pair, "prompt": parse_prompt_row}
 """Every ``data.format`` but ``auto``, by name: one row into a sample (a pair for ``preference``)."""
 
 __all__ = ["IGNORE", "Example", "PreparedDataset", "prepare", "fingerprint", "check_not_empty", "iter_samples"]
@@ -94,6 +95,10 @@ def resolve_format(cfg: DataConfig, files: list[str], objective: str = "sft") ->
     Raises:
         LadleError: preference pairs for SFT, other rows for DPO, or auto-detection finds no known format.
     """
+    if objective == "grpo":
+        from ladle.data.prompts import check_format
+
+        return check_format(cfg, files)
     pairs = objective == "dpo"
     if cfg.format != "auto" and (cfg.format == "preference") != pairs:
         raise LadleError(

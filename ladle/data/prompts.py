@@ -13,7 +13,7 @@ Each split is one JSONL shard: ``{"ids": [...], "prompt": <as given>, "columns":
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from dataclasses import dataclass
 
 from ladle.config.training import DataConfig
 from ladle.data import sources
@@ -23,6 +23,23 @@ from ladle.errors import LadleError
 from ladle.platform import storage
 
 SHARD = {"train": "prompts-train.jsonl", "eval": "prompts-eval.jsonl"}
+
+
+@dataclass
+class PromptRow:
+    """A prompt row as parsed (what ``ladle data inspect`` shows)."""
+
+    prompt: str | list[dict]
+    columns: dict
+
+
+def parse_row(row: dict) -> PromptRow:
+    """``parse`` as the other formats' parsers are called (``ladle.data.prepare.PARSERS``).
+
+    Raises:
+        RowError: no usable prompt, or a column that is not JSON.
+    """
+    return PromptRow(*parse(row, None))
 
 
 def check_format(cfg: DataConfig, files: list[str]) -> str:
@@ -168,4 +185,3 @@ def read_split(dataset_url: str, shards: list[str]) -> list[dict]:
         text = storage.read_bytes(storage.join(dataset_url, shard)).decode("utf-8")
         rows += [json.loads(line) for line in text.splitlines() if line]
     return rows
-

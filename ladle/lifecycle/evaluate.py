@@ -474,9 +474,7 @@ def score(
     return result, False
 
 
-def evaluate(
-    base_dir: Path, model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, rewards=None
-) -> Evaluation:
+def evaluate(base_dir: Path, model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, rewards=None) -> Evaluation:
     """The base's (cached) and the new model's scores on the same held-out split; ``rewards``
     (``ladle.train.rewards.RewardSet``, training.objective: grpo) score held-out prompts by their mean reward."""
     samples = load_samples(prepared, cfg.max_examples)

@@ -19,9 +19,12 @@ def decide(
     dtype: str,
     compile_asked: str | None = None,
     whole_forward: bool | None = None,
+    rows: str = "packed",
 ) -> tuple[dict, list[str]]:
     """The plan's fast paths for ``strategy`` (its name) on ``device``: a dict the worker reads, and one reason
-    each. ``compile_asked``: the strategy's own option that asks for compiled blocks (``Strategy.compile_asked``);
+    each. ``rows``: ``packed`` rows of examples, or grpo's ``rollouts`` (a prompt and its completion per row, padded
+    and masked, each sampled token scored by the trainer itself: no fused loss, no joining, no packed attention).
+    ``compile_asked``: the strategy's own option that asks for compiled blocks (``Strategy.compile_asked``);
     ``whole_forward``: whether each rank runs the whole forward with the strategy's options (its trait when not
     given)."""
     cuda = device == "cuda"
@@ -87,6 +90,12 @@ def decide(
     else:
         by_example = "on" if kernels.packed_attention else "off"
         by_example_why = f"{by_example} (training.kernels.packed_attention)"
+    if rows == "rollouts":
+        rollout_why = "off: grpo rows are a prompt and its completion, padded and masked"
+        loss, loss_why = "off", "off: grpo scores each sampled token itself"
+        joined, joined_why, by_example, by_example_why = False, rollout_why, "off", rollout_why
+        if compile_on and not compile_asked:  # the engine decodes through the same blocks, one shape per step
+            compile_on, why = False, "off: grpo's rollouts decode through the blocks with a cache that grows each token"
     lora_compute = kernels.lora_compute
     sixteen = dtype != "float32"
     decided = {

@@ -171,6 +171,7 @@ def build_plan(
         target.dtype,
         compile_asked=strategy.compile_asked(options),
         whole_forward=strategy.runs_whole_forward(options),
+        rows="rollouts" if cfg.training.objective == "grpo" else "packed",
     )
     plan.reasons += why
     plan.launcher_config, resolved = strategy.configure(cfg, plan)

@@ -54,7 +54,9 @@ def rollout_memory(cfg: LadleConfig, target: Target, model: dict, local: int, mi
         return "rollout memory: not sized (the base's config.json lacks the shape)"
     layers = int(model.get("num_hidden_layers") or 0)
     heads = int(model.get("num_key_value_heads") or model.get("num_attention_heads") or 0)
-    head_dim = int(model.get("head_dim") or (model.get("hidden_size", 0) // max(1, model.get("num_attention_heads", 1))))
+    head_dim = int(
+        model.get("head_dim") or (model.get("hidden_size", 0) // max(1, model.get("num_attention_heads", 1)))
+    )
     width_bytes = 4 if target.dtype == "float32" else 2
     kv = local * width * layers * 2 * heads * head_dim * width_bytes
     buffers = local * rl.max_completion_tokens * 4 * (1 + (rl.num_iterations > 1) + (rl.beta > 0))

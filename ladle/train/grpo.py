@@ -30,7 +30,6 @@ and one micro-batch every one equals TRL's (``tests/train/test_grpo.py`` holds t
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -120,7 +119,10 @@ def completions_of(tokenizer, rows: list[dict], completion_ids: list[list[int]])
     """The completions as TRL hands them to rewards: strings after string prompts, one assistant message after
     message-list prompts (special tokens skipped)."""
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return [t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}] for row, t in zip(rows, texts, strict=True)]
+    return [
+        t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
+        for row, t in zip(rows, texts, strict=True)
+    ]
 
 
 def score(loaded: list[reward_fns.Reward], tokenizer, ro: Rollouts) -> torch.Tensor:

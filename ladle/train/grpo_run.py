@@ -97,7 +97,9 @@ def setup(spec: TrainSpec) -> RLSession:
         packed_attention="off: grpo rows are prompt and completion, padded and masked",
         padding_free="off: grpo rows are prompt and completion, padded and masked",
         rollouts="ladle's batching engine on the live weights, in this process",
-        reference=("adapters disabled" if cfg.training.lora.enabled else "a frozen copy") if rl.beta else "off (beta 0)",
+        reference=("adapters disabled" if cfg.training.lora.enabled else "a frozen copy")
+        if rl.beta
+        else "off (beta 0)",
     )
     sharding = runtime.check_applied(accelerator, model, plan)
     tokenizer = AutoTokenizer.from_pretrained(spec.base_dir)
@@ -111,8 +113,25 @@ def setup(spec: TrainSpec) -> RLSession:
     )
     log = w.mlflow_logger(spec, accelerator)
     s = RLSession(
-        spec, accelerator, model, policy, optimizer, scheduler, tokenizer, engine, loaded_rewards, train, evals,
-        steps, state.step if state else 0, reference, log, sharding, ran, load_peak, baseline,
+        spec,
+        accelerator,
+        model,
+        policy,
+        optimizer,
+        scheduler,
+        tokenizer,
+        engine,
+        loaded_rewards,
+        train,
+        evals,
+        steps,
+        state.step if state else 0,
+        reference,
+        log,
+        sharding,
+        ran,
+        load_peak,
+        baseline,
     )
     if state:
         s.losses, s.eval_before = list(state.losses), state.eval_before
@@ -191,7 +210,9 @@ def frozen_logps(s: RLSession, model, ro: grpo.Rollouts, micros: list[list[int]]
     out = torch.zeros((len(ro.rows), width), dtype=torch.float32)
     pad = s.engine.pad
     for rows in micros:
-        ids, mask, cmask, pw = grpo.batch_inputs([ro.rows[i] for i in rows], [ro.completion_ids[i] for i in rows], pad, device)
+        ids, mask, cmask, pw = grpo.batch_inputs(
+            [ro.rows[i] for i in rows], [ro.completion_ids[i] for i in rows], pad, device
+        )
         context = model.disable_adapter() if adapters_off else torch.no_grad()
         with torch.no_grad(), context:
             logps = grpo.token_logps(model, ids, mask, pw, rl.temperature).cpu()
@@ -278,7 +299,11 @@ def train_step(s: RLSession, step: int) -> dict[str, float]:
         device=s.accelerator.device,
     )
     total = s.accelerator.reduce(counts[:4].clone(), "sum").tolist()
-    longest = float(s.accelerator.reduce(counts[4:].clone(), "max")[0]) if s.accelerator.num_processes > 1 else float(counts[4])
+    longest = (
+        float(s.accelerator.reduce(counts[4:].clone(), "max")[0])
+        if s.accelerator.num_processes > 1
+        else float(counts[4])
+    )
     tokens, completions, truncated, gen_s = total
     gen_s /= s.accelerator.num_processes  # ranks sample at once: the step waited about their mean
     metrics.update(ro.stats)
@@ -323,7 +348,16 @@ def train_loop(s: RLSession) -> tuple[int, float]:
         lr = s.scheduler.get_last_lr()[0]
         step_tps = m["completion_tokens"] / elapsed
         s.log({"train_loss": m["loss"], "lr": lr, "tokens_per_s": step_tps, **m}, step + 1)
-        shown = ("reward", "reward_std", "rollout_logprob_gap", "clip_ratio", "kl", "completion_length", "generation_s", "update_s")
+        shown = (
+            "reward",
+            "reward_std",
+            "rollout_logprob_gap",
+            "clip_ratio",
+            "kl",
+            "completion_length",
+            "generation_s",
+            "update_s",
+        )
         w.emit(
             acc,
             "step",
@@ -339,8 +373,16 @@ def train_loop(s: RLSession) -> tuple[int, float]:
             s.log({"eval_reward": held_out_reward(s)}, step + 1)
         if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
             checkpoint.save(
-                acc, ckpt_root, step + 1, s.model, s.optimizer, s.scheduler, s.losses, s.eval_before,
-                s.spec.plan, runtime_for(s.spec.plan.strategy),
+                acc,
+                ckpt_root,
+                step + 1,
+                s.model,
+                s.optimizer,
+                s.scheduler,
+                s.losses,
+                s.eval_before,
+                s.spec.plan,
+                runtime_for(s.spec.plan.strategy),
             )
     return tokens, seconds
 

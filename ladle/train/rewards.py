@@ -210,7 +210,9 @@ def accepted(entry: str, fn: Callable) -> tuple[bool, frozenset[str]]:
         raise RewardError(f"training.rl.rewards: fn = {entry!r}: no signature to check ({exc})") from exc
     any_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     named = frozenset(n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-    required = {n for n, p in params.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    required = {
+        n for n, p in params.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
     # TRL passes prompts= too, so a TRL reward takes it (or **kwargs); ladle passes only what a function names,
     # so one that reads just the completions and a column runs as well.
     if ("completions" not in named and not any_kw) or any(p.kind is p.POSITIONAL_ONLY for p in params.values()):
@@ -280,7 +282,9 @@ def exact_match(column: str) -> Callable:
     def score(completions, **kwargs):
         if column not in kwargs:
             raise KeyError(f"the data has no column {column!r} (columns: {sorted(kwargs)})")
-        return [float(text_of(c).strip() == str(ref).strip()) for c, ref in zip(completions, kwargs[column], strict=True)]
+        return [
+            float(text_of(c).strip() == str(ref).strip()) for c, ref in zip(completions, kwargs[column], strict=True)
+        ]
 
     return score
 

@@ -74,7 +74,8 @@ def test_metric_settings_are_checked_with_the_fix():
     assert cfg.gate_metric() == "loss" and not cfg.eval.higher_wins()
     assert load_config(RECIPE, ["eval.metric=my_pkg.metrics:bleu"]).eval.higher_wins()
     with pytest.raises(
-        ConfigError, match="eval.metric = 'bleu': use one of exact_match, loss, preference_accuracy, reward or an entry point"
+        ConfigError,
+        match="eval.metric = 'bleu': use one of exact_match, loss, preference_accuracy, reward or an entry point",
     ):
         load_config(RECIPE, ["eval.metric=bleu"])
     with pytest.raises(ConfigError, match=r"promote.metric = 'bleu': only `loss` and eval.metric \('exact_match'\)"):

@@ -225,7 +225,9 @@ def test_config_refuses_what_cannot_learn():
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
             build_config({**base, "training": {"objective": "grpo", "rl": rl}}, [])
     with pytest.raises(ConfigError, match="training.global_batch_size = 10: with grpo it counts completions"):
-        build_config({**base, "training": {"objective": "grpo", "global_batch_size": 10, "rl": {"rewards": ["x:y"]}}}, [])
+        build_config(
+            {**base, "training": {"objective": "grpo", "global_batch_size": 10, "rl": {"rewards": ["x:y"]}}}, []
+        )
     with pytest.raises(ConfigError, match="eval.metric = reward with training.objective = sft"):
         build_config({**base, "eval": {"metric": "reward"}}, [])
 
@@ -244,7 +246,10 @@ def prompt_file(root: Path) -> Path:
 
     path = root / "prompts.jsonl"
     rows = demo_rows(96)
-    lines = [{"prompt": [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}], "answer": r["output"]} for r in rows]
+    lines = [
+        {"prompt": [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}], "answer": r["output"]}
+        for r in rows
+    ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
@@ -270,7 +275,10 @@ def grpo_spec(strategy: str, root: Path, *overrides: str, processes: int = 2):
                 "rl": {
                     "num_generations": 4,
                     "max_completion_tokens": 8,
-                    "rewards": [str(root / "digits.py") + ":digits", {"fn": "exact_match", "args": {"column": "answer"}}],
+                    "rewards": [
+                        str(root / "digits.py") + ":digits",
+                        {"fn": "exact_match", "args": {"column": "answer"}},
+                    ],
                 },
             },
         },
@@ -302,9 +310,11 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
     storage.remove(storage.join(step_dir(root, 4), "_COMPLETE"))  # as if killed after step 2's checkpoint
     storage.remove(storage.join(specs["one"].run_url, "train_result.json"))
     broken = specs["one"].model_copy(deep=True)
-    (path,) = [p for p in broken.reward_files]
+    (path,) = list(broken.reward_files)
     broken.reward_files[path] = REWARD_FILE.replace("    texts =", "    raise KeyError('score')\n    texts =")
-    with pytest.raises(TrainingFailed, match=r"training.rl.rewards: digits raised KeyError: 'score' \(on 16 completions\)"):
+    with pytest.raises(
+        TrainingFailed, match=r"training.rl.rewards: digits raised KeyError: 'score' \(on 16 completions\)"
+    ):
         launch(broken)  # resumes at step 2, and step 3's reward raises: the run stops, its checkpoint kept
     assert complete_steps(root) == [2]
     resumed = launch(specs["one"])
@@ -324,3 +334,30 @@ def test_planner_refuses_sharded_weights_for_rollouts(tmp_path):
             make_plan(bad, probe(env={}, query_output=""), model=model)
     plan = make_plan(cfg, probe(env={}, query_output=""), model=model)
     assert any(r.startswith("rollout memory per rank: KV cache") for r in plan.reasons)
+
+
+def test_prompt_data_is_checked_for_prompts_and_the_rewards_columns(tmp_path, tiny_model):
+    from ladle.data.prepare import prepare
+    from ladle.errors import LadleError
+
+    data = tmp_path / "rows.jsonl"
+    base = {"base": "ladle://tiny-llama", "data": {"path": str(data)}}
+    cfg = build_config({**base, "training": {"objective": "grpo", "rl": {"rewards": ["exact_match"]}}}, [])
+    data.write_text(json.dumps({"instruction": "Say hi", "output": "hi"}) + "\n")
+    with pytest.raises(
+        LadleError, match=r"training.objective = grpo needs rows with a `prompt`.*\['instruction', 'output'\]"
+    ):
+        prepare(cfg.data, tiny_model, str(tmp_path / "out"), objective="grpo")
+    rows = [{"prompt": "2+2=", "answer": "4"}, {"prompt": [{"role": "user", "content": "3+3="}]}, {"prompt": ""}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows * 40))
+    with pytest.raises(LadleError, match=r"rows are unusable|unusable") as caught:
+        prepare(cfg.data, tiny_model, str(tmp_path / "out"), objective="grpo")
+    assert "empty prompt" in str(caught.value)
+    cfg = build_config(cfg.model_dump(mode="json"), ["data.max_bad_fraction=0.5"])
+    with pytest.raises(
+        LadleError, match=r"training.rl.rewards read the column\(s\) \['answer'\], which some prompt rows lack"
+    ):
+        prepare(cfg.data, tiny_model, str(tmp_path / "out2"), objective="grpo", reward_columns=["answer"])
+    prepared = prepare(cfg.data, tiny_model, str(tmp_path / "out3"), objective="grpo", reward_columns=[])
+    assert prepared.report.format == "prompt" and prepared.report.invalid_rows == 40
+    assert prepared.train_rows + prepared.eval_rows == 80
