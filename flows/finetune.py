@@ -18,6 +18,7 @@ from ladle.lifecycle import lineage, promote, retraining, tracking
 from ladle.plan.inputs import RunInputs
 from ladle.platform import storage
 from ladle.platform.secrets import install_log_redaction, redact_url
+from ladle.rewards import RewardSet
 from ladle.tasks.deploy import deploy_task
 from ladle.tasks.evaluate import evaluate_task
 from ladle.tasks.inputs import inputs_task
@@ -27,7 +28,6 @@ from ladle.tasks.prepare import prepare_cached, publish_report
 from ladle.tasks.probe import probe_task
 from ladle.tasks.promote import promote_task
 from ladle.tasks.train import train_task
-from ladle.train.rewards import RewardSet
 
 
 class Stopwatch:

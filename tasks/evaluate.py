@@ -13,8 +13,8 @@ from ladle.fleet.deploy import local_model_dir
 from ladle.lifecycle.evaluate import Evaluation, evaluate
 from ladle.lifecycle.merge import MergedModel
 from ladle.lifecycle.tracking import Tracking, log_evaluation
+from ladle.rewards import RewardSet
 from ladle.tasks.policy import retry_unless_user_error
-from ladle.train.rewards import RewardSet
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)

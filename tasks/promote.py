@@ -19,8 +19,8 @@ from ladle.lifecycle.merge import MergedModel
 from ladle.lifecycle.tracking import Tracking, client, metric_key
 from ladle.plan.inputs import RunInputs
 from ladle.plan.planner import Plan
+from ladle.rewards import RewardSet
 from ladle.tasks.policy import retry_unless_user_error
-from ladle.train.rewards import RewardSet
 from ladle.train.spec import TrainResult
 
 

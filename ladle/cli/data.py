@@ -50,7 +50,7 @@ def reward_columns(cfg) -> list[str] | None:
     """grpo: the columns the rewards read (checked present in every row, named in the report)."""
     if cfg.training.objective != "grpo":
         return None
-    from ladle.train import rewards
+    from ladle import rewards
 
     return rewards.columns_needed(cfg.training.rl.rewards, rewards.bundle(cfg.training.rl.rewards))
 

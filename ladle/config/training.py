@@ -230,7 +230,7 @@ class PreferenceConfig(Section):
 
 
 BUILTIN_REWARDS = ("exact_match", "json_schema", "regex", "length")
-"""Rewards ladle ships (``ladle.train.rewards``), named in ``training.rl.rewards`` by these names."""
+"""Rewards ladle ships (``ladle.rewards``), named in ``training.rl.rewards`` by these names."""
 
 
 class RewardConfig(Section):

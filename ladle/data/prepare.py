@@ -387,7 +387,15 @@ def finish_prompts(cfg: DataConfig, tokenizer, url: str, fp: str, reward_columns
     """Prepare prompt rows (``ladle.data.prompts``) and mark the set complete."""
     from ladle.data import prompts
 
-    report, shards = prompts.prepare_prompts(cfg, tokenizer, url, reward_columns)
+    held_out = lambda file_index, position: is_eval(cfg.seed, file_index, position, cfg.eval_ratio)  # noqa: E731
+    report, splits, missing = prompts.collect(cfg, tokenizer, reward_columns, held_out)
+    check_usable(cfg, report)
+    if missing:
+        raise LadleError(
+            f"data.path = {cfg.path!r}: training.rl.rewards read the column(s) {sorted(missing)}, which some "
+            "prompt rows lack. Add them to every row, or change the rewards."
+        )
+    shards = prompts.write(url, splits)
     storage.write_json(storage.join(url, "report.json"), report.model_dump())
     title = f"{fp} (prompt lengths)"
     storage.write_bytes(storage.join(url, "length_histogram.png"), histogram_png(report.length_histogram, title))

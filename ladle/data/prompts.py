@@ -1,5 +1,5 @@
 """Prompt rows for online RL (``training.objective: grpo``, ``data.format: prompt``): a ``prompt`` and any other
-columns, which the rewards receive (``ladle.train.rewards``).
+columns, which the rewards receive (``ladle.rewards``).
 
 The prompt is a string, used as it is (TRL's standard form), or a message list rendered through the chat template
 with the assistant's turn opened (TRL's conversational form; ``data.system_prompt`` goes first where it has no
@@ -13,6 +13,7 @@ Each split is one JSONL shard: ``{"ids": [...], "prompt": <as given>, "columns":
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ladle.config.training import DataConfig
@@ -98,20 +99,18 @@ def render(tokenizer, prompt: str | list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def is_eval_row(seed: int, file_index: int, position: int, ratio: float) -> bool:
-    from ladle.data.prepare import is_eval
-
-    return is_eval(seed, file_index, position, ratio)
-
-
-def prepare_prompts(cfg: DataConfig, tokenizer, url: str, reward_columns: list[str] | None) -> tuple[DataReport, dict]:
-    """Read, check, render and write the prompt rows of both splits; the report and the shards by split.
+def collect(
+    cfg: DataConfig, tokenizer, reward_columns: list[str] | None, held_out: Callable[[int, int], bool]
+) -> tuple[DataReport, dict[str, list[str]], set[str]]:
+    """Read, check and render the prompt rows of both splits: the report, each split's JSONL lines, and the
+    columns the rewards read that some row lacks. ``held_out(file_index, position)``: whether a row of
+    ``data.path`` goes to the eval split (the seeded split every format uses).
+    ``reward_columns``: the columns the rewards read by name, each checked present; None: a reward takes every
+    column (``**kwargs``), and the report names every column the rows have.
 
     Raises:
         LadleError: nothing usable, or more bad rows than ``data.max_bad_fraction`` (``check_usable``).
     """
-    from ladle.data.prepare import check_usable
-
     files = sources.expand(cfg.path)
     check_format(cfg, files)
     eval_files = sources.expand(cfg.eval_path, "data.eval_path") if cfg.eval_path else []
@@ -120,6 +119,7 @@ def prepare_prompts(cfg: DataConfig, tokenizer, url: str, reward_columns: list[s
     dropped: list[dict] = []
     hist = LengthHistogram(cfg.seq_len)
     missing_columns: set[str] = set()
+    seen_columns: set[str] = set()
     for side, group in ((None, files), ("eval", eval_files)):
         for file_index, source in enumerate(group):
             for position, row in sources.iter_records(source):
@@ -138,9 +138,8 @@ def prepare_prompts(cfg: DataConfig, tokenizer, url: str, reward_columns: list[s
                     dropped.append({"line": position, "reason": str(err), "source": source})
                     continue
                 missing_columns |= set(reward_columns or ()) - set(columns)
-                to_eval = side == "eval" or (
-                    not cfg.eval_path and is_eval_row(cfg.seed, file_index, position, cfg.eval_ratio)
-                )
+                seen_columns |= set(columns)
+                to_eval = side == "eval" or (not cfg.eval_path and held_out(file_index, position))
                 line = json.dumps({"ids": ids, "prompt": prompt, "columns": columns}, ensure_ascii=False)
                 splits["eval" if to_eval else "train"].append(line)
                 counts["tokens"] += len(ids)
@@ -165,17 +164,16 @@ def prepare_prompts(cfg: DataConfig, tokenizer, url: str, reward_columns: list[s
         format="prompt",
         sources=files + eval_files,
         length_histogram=hist.as_dict(),
-        reward_columns=reward_columns,
+        reward_columns=sorted(seen_columns) if reward_columns is None else reward_columns,
     )
-    check_usable(cfg, report)
-    if missing_columns:
-        raise LadleError(
-            f"data.path = {cfg.path!r}: training.rl.rewards read the column(s) {sorted(missing_columns)}, which "
-            "some prompt rows lack. Add them to every row, or change the rewards."
-        )
+    return report, splits, missing_columns
+
+
+def write(url: str, splits: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Each split as one JSONL shard under ``url``; the shards by split."""
     for name, lines in splits.items():
         storage.write_bytes(storage.join(url, SHARD[name]), "".join(line + "\n" for line in lines).encode())
-    return report, {name: [SHARD[name]] for name in splits}
+    return {name: [SHARD[name]] for name in splits}
 
 
 def read_split(dataset_url: str, shards: list[str]) -> list[dict]:

@@ -37,8 +37,8 @@ class DataReport(BaseModel):
     length_histogram: dict = Field(default_factory=dict, description="Example lengths: bin edges and counts.")
     reward_columns: list[str] | None = Field(
         None,
-        description="Prompt rows (training.objective: grpo): the columns the rewards read by name; null when a "
-        "reward takes every column (**kwargs), or for other objectives.",
+        description="Prompt rows (training.objective: grpo): the columns the rewards receive: those they read by "
+        "name, or every column the rows have when a reward takes **kwargs. null for other objectives.",
     )
 
 

@@ -262,7 +262,7 @@ def reward_score(model_dir: Path, rows: list[dict], rewards, batch_size: int) ->
     the run's rewards as in training (a completion no reward applies to is left out of the mean)."""
     import torch
 
-    from ladle.train import grpo
+    from ladle import rewards as reward_fns
 
     model, tokenizer, device = load_model(model_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -287,15 +287,13 @@ def reward_score(model_dir: Path, rows: list[dict], rewards, batch_size: int) ->
         for row in out[:, width:].tolist():
             completions.append(row[: row.index(pad)] if pad in row else row)
     loaded = rewards.loaded()
-    ro = grpo.Rollouts(rows, completions, [], [False] * len(rows))
-    table = grpo.score(loaded, tokenizer, ro)
-    summed = (table * torch.tensor([r.weight for r in loaded])).nansum(dim=1)
-    kept = summed[~torch.isnan(table).all(dim=1)]
-    texts = grpo.completions_of(tokenizer, rows, completions)
+    summed = reward_fns.weighted_sum(loaded, reward_fns.table(loaded, tokenizer, rows, completions))
+    kept = summed[~torch.isnan(summed)]
+    texts = reward_fns.completions_of(tokenizer, rows, completions)
     return Score(
         values={"reward": round(float(kept.mean()), 4) if len(kept) else 0.0},
         total=len(rows),
-        answers=[grpo.reward_fns.text_of(t) for t in texts[:5]],
+        answers=[reward_fns.text_of(t) for t in texts[:5]],
     )
 
 
@@ -430,7 +428,7 @@ def model_key(
     )
     digest.update(files_key(model_dir).encode())
     if rewards is not None:  # the rewards' settings and files decide the reward score
-        from ladle.train.rewards import digest as rewards_digest
+        from ladle.rewards import digest as rewards_digest
 
         digest.update(f"{rewards_digest(rewards.files, rewards.rewards)}/{rewards.max_completion_tokens}".encode())
     return digest.hexdigest()[:24]
@@ -476,7 +474,7 @@ def score(
 
 def evaluate(base_dir: Path, model_dir: Path, prepared: PreparedDataset, cfg: EvalConfig, rewards=None) -> Evaluation:
     """The base's (cached) and the new model's scores on the same held-out split; ``rewards``
-    (``ladle.train.rewards.RewardSet``, training.objective: grpo) score held-out prompts by their mean reward."""
+    (``ladle.rewards.RewardSet``, training.objective: grpo) score held-out prompts by their mean reward."""
     samples = load_samples(prepared, cfg.max_examples)
     prompt_rows = load_prompt_rows(prepared, cfg.max_examples) if is_prompts(prepared) and rewards else []
     before, cached = score(base_dir, prepared, cfg, reference=base_dir, rewards=rewards)

@@ -42,7 +42,7 @@ def parts(cfg: LadleConfig, data_fingerprint: str, base_dir: Path) -> dict:
     training = cfg.training.model_dump(mode="json", exclude=HOW_IT_RUNS)
     found = {"task": cfg.task, "data": data_fingerprint, "base": base_signature(base_dir), "training": training}
     if cfg.training.objective == "grpo":  # what the rewards' files say decides the weights as much as their names
-        from ladle.train import rewards
+        from ladle import rewards
 
         found["rewards"] = rewards.digest(rewards.bundle(cfg.training.rl.rewards), cfg.training.rl.rewards)
     return found

@@ -77,7 +77,7 @@ def resolve_inputs(cfg: LadleConfig) -> RunInputs:
     parts = lineage.parts(cfg, data_fp, base)
     reward_files, columns = {}, None
     if cfg.training.objective == "grpo":
-        from ladle.train import rewards
+        from ladle import rewards
 
         reward_files = rewards.bundle(cfg.training.rl.rewards)
         columns = rewards.columns_needed(cfg.training.rl.rewards, reward_files)

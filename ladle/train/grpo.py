@@ -11,7 +11,7 @@ A step:
    each completion its own seeded generator) driven on the training thread over the very modules being trained:
    the peft model with its live adapters, or the full model; nothing is copied or reloaded. Each completion's seed
    comes from (training.seed, step, its index), so a resumed step samples what the first attempt sampled.
-3. **Rewards.** Each reward is called on this rank's completions (TRL's convention, ``ladle.train.rewards``), the
+3. **Rewards.** Each reward is called on this rank's completions (TRL's convention, ``ladle.rewards``), the
    table gathered from every rank, and the advantages computed over whole groups (``advantages``).
 4. **Update.** ``num_iterations`` optimizer steps over the rollouts, micro-batch by micro-batch: each completion's
    per-token log-probabilities at the sampling temperature, the importance ratio against the rollout's (token or
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ladle import rewards as reward_fns
 from ladle.config.training import RLConfig
 from ladle.serve.rows import Job
-from ladle.train import rewards as reward_fns
 from ladle.train import schedule
 
 SEED_STRIDE = 1_000_003
@@ -115,27 +115,9 @@ def seeds_for(seed: int, step: int, indices: range) -> list[int]:
     return [(seed * SEED_STRIDE + step) * SEED_STRIDE + i for i in indices]
 
 
-def completions_of(tokenizer, rows: list[dict], completion_ids: list[list[int]]) -> list:
-    """The completions as TRL hands them to rewards: strings after string prompts, one assistant message after
-    message-list prompts (special tokens skipped)."""
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return [
-        t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
-        for row, t in zip(rows, texts, strict=True)
-    ]
-
-
 def score(loaded: list[reward_fns.Reward], tokenizer, ro: Rollouts) -> torch.Tensor:
     """``[completions, rewards]``: each reward's value (NaN where it does not apply) on this rank's completions."""
-    prompts = [row["prompt"] for row in ro.rows]
-    completions = completions_of(tokenizer, ro.rows, ro.completion_ids)
-    names = sorted({k for row in ro.rows for k in row.get("columns", {})})
-    columns = {k: [row.get("columns", {}).get(k) for row in ro.rows] for k in names}
-    table = torch.full((len(ro.rows), len(loaded)), float("nan"), dtype=torch.float32)
-    for j, reward in enumerate(loaded):
-        values = reward(prompts, completions, ro.completion_ids, columns)
-        table[:, j] = torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
-    return table
+    return reward_fns.table(loaded, tokenizer, ro.rows, ro.completion_ids)
 
 
 def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:

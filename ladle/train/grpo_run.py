@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import torch
 from accelerate import Accelerator
 
+from ladle import rewards as reward_fns
 from ladle.data import prompts as prompt_data
+from ladle.platform import storage
 from ladle.serve.engine import Engine
 from ladle.serve.rows import Job
-from ladle.train import checkpoint, grpo, loading, schedule
-from ladle.train import rewards as reward_fns
-from ladle.train import worker as w
+from ladle.train import checkpoint, common, grpo, loading, schedule
 from ladle.train.runtime.base import runtime_for
 from ladle.train.spec import TrainResult, TrainSpec
 
@@ -65,13 +65,13 @@ def setup(spec: TrainSpec) -> RLSession:
     plan, cfg = spec.plan, spec.config
     rl = cfg.training.rl
     runtime = runtime_for(plan.strategy)
-    w.one_process_group(plan)
+    common.one_process_group(plan)
     accelerator = Accelerator(cpu=plan.device == "cpu", **runtime.accelerator_kwargs(plan))
     if accelerator.num_processes != plan.world_size:
         raise RuntimeError(
             f"planned world size {plan.world_size} but the launcher started {accelerator.num_processes} process(es)"
         )
-    w.warm_imports(runtime)
+    common.warm_imports(runtime)
     torch.manual_seed(cfg.training.seed)
     loaded_rewards = reward_fns.load_all(rl.rewards, spec.reward_files)
     train = prompt_data.read_split(spec.dataset.url, spec.dataset.shards["train"])
@@ -83,10 +83,10 @@ def setup(spec: TrainSpec) -> RLSession:
             f"{plan.global_batch_size} / training.rl.num_generations {rl.num_generations})"
         )
     steps = schedule.total_steps(len(train), per_step, cfg.training.max_steps, cfg.training.epochs)
-    baseline = w.peak_memory_mib(accelerator)
-    model, pending, ran = w.load_model(spec, accelerator)
+    baseline = common.peak_memory_mib(accelerator)
+    model, pending, ran = common.load_model(spec, accelerator)
     reference = None
-    model, optimizer = runtime.wrap(accelerator, model, lambda m: w.build_optimizer(m, cfg), plan, pending)
+    model, optimizer = runtime.wrap(accelerator, model, lambda m: common.build_optimizer(m, cfg), plan, pending)
     if leftover := loading.meta_parameters(model):
         raise RuntimeError(f"{plan.strategy}: {len(leftover)} parameter(s) were never loaded, e.g. {leftover[0]}")
     policy = runtime.hf_model(accelerator, model)
@@ -105,13 +105,13 @@ def setup(spec: TrainSpec) -> RLSession:
     tokenizer = AutoTokenizer.from_pretrained(spec.base_dir)
     local = plan.global_batch_size // accelerator.num_processes
     engine = Engine(policy, tokenizer, plan.device if plan.device == "cpu" else accelerator.device, local, thread=False)
-    w.release_freed_memory(accelerator)
-    load_peak = w.peak_memory_mib(accelerator)
-    scheduler = w.build_scheduler(optimizer, cfg, steps * rl.num_iterations)
+    common.release_freed_memory(accelerator)
+    load_peak = common.peak_memory_mib(accelerator)
+    scheduler = common.build_scheduler(optimizer, cfg, steps * rl.num_iterations)
     state = checkpoint.load_latest(
-        accelerator, w.storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan, runtime
+        accelerator, storage.join(spec.run_url, "checkpoints"), model, optimizer, scheduler, plan, runtime
     )
-    log = w.mlflow_logger(spec, accelerator)
+    log = common.mlflow_logger(spec, accelerator)
     s = RLSession(
         spec,
         accelerator,
@@ -156,11 +156,8 @@ def held_out_reward(s: RLSession) -> float:
         s.policy.eval()
         s.engine.run(jobs)
         s.policy.train()
-        ro = grpo.Rollouts(mine, [job.tokens for job in jobs], [], [job.finish == "length" for job in jobs])
-        table = grpo.score(s.rewards, s.tokenizer, ro)
-        weights = torch.tensor([r.weight for r in s.rewards])
-        summed = (table * weights).nansum(dim=1)
-        summed[torch.isnan(table).all(dim=1)] = float("nan")
+        table = reward_fns.table(s.rewards, s.tokenizer, mine, [job.tokens for job in jobs])
+        summed = reward_fns.weighted_sum(s.rewards, table)
         values = [v for v in summed.tolist() if not math.isnan(v)]
     every = gather_object([values]) if acc.num_processes > 1 else [values]
     flat = [v for part in every for v in part]
@@ -255,7 +252,7 @@ def update(s: RLSession, ro: grpo.Rollouts, iteration: int, check: bool) -> dict
     totals = torch.tensor([sums["loss"], sums["clipped"], sums["kl"]], dtype=torch.float64, device=acc.device)
     loss_all, clipped_all, kl_all = acc.reduce(totals, "sum").tolist()
     if not math.isfinite(loss_all):
-        raise w.NonFiniteLoss(
+        raise common.NonFiniteLoss(
             f"the grpo loss of step {len(s.losses) + 1} (iteration {iteration + 1}) is {loss_all}: its gradients were "
             "not applied and the run stops (a retry resumes from its last complete checkpoint). Lower training.lr, "
             "or check the rewards for extreme values."
@@ -321,8 +318,8 @@ def train_step(s: RLSession, step: int) -> dict[str, float]:
 
 def train_loop(s: RLSession) -> tuple[int, float]:
     acc, cfg = s.accelerator, s.spec.config
-    ckpt_root = w.storage.join(s.spec.run_url, "checkpoints")
-    w.emit(
+    ckpt_root = storage.join(s.spec.run_url, "checkpoints")
+    common.emit(
         acc,
         "start",
         steps=s.steps,
@@ -338,7 +335,7 @@ def train_loop(s: RLSession) -> tuple[int, float]:
     for step in range(s.start, s.steps):
         began = time.perf_counter()
         m = train_step(s, step)
-        w.release_freed_memory(acc, at_most_every_s=w.TRIM_EVERY_S)
+        common.release_freed_memory(acc, at_most_every_s=common.TRIM_EVERY_S)
         elapsed = time.perf_counter() - began
         tokens, seconds = tokens + int(m["completion_tokens"]), seconds + elapsed
         s.losses.append(m["loss"])
@@ -358,7 +355,7 @@ def train_loop(s: RLSession) -> tuple[int, float]:
             "generation_s",
             "update_s",
         )
-        w.emit(
+        common.emit(
             acc,
             "step",
             step=step + 1,
@@ -391,7 +388,7 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
     acc = s.accelerator
     after = held_out_reward(s)
     s.log({"eval_reward": after}, s.steps)
-    adapter_url, model_url = w.save_outputs(acc, s.model, s.spec)
+    adapter_url, model_url = common.save_outputs(acc, s.model, s.spec)
     losses = s.losses
     nan_free = lambda v: 0.0 if math.isnan(v) else v  # noqa: E731 (JSON has no NaN)
     result = TrainResult(
@@ -411,7 +408,7 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
         adapter_url=adapter_url,
         model_url=model_url,
         sharding=s.sharding,
-        peak_memory_mib=w.peak_memory_mib(acc),
+        peak_memory_mib=common.peak_memory_mib(acc),
         load_peak_memory_mib=s.load_peak_mib,
         baseline_memory_mib=s.baseline_mib,
         weights_dtype=s.spec.plan.dtype if s.spec.plan.device == "cuda" else "float32",
@@ -425,8 +422,8 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
         kernels=s.kernels,
     )
     if acc.is_main_process:
-        w.storage.write_json(w.storage.join(s.spec.run_url, "train_result.json"), result.model_dump())
-    w.emit(acc, "done", **result.model_dump(exclude={"train_losses"}))
+        storage.write_json(storage.join(s.spec.run_url, "train_result.json"), result.model_dump())
+    common.emit(acc, "done", **result.model_dump(exclude={"train_losses"}))
     acc.wait_for_everyone()
     acc.end_training()
     return result
@@ -434,6 +431,6 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
 
 def run(spec: TrainSpec) -> TrainResult:
     session = setup(spec)
-    w.KEPT.append(session)
+    common.KEPT.append(session)
     tokens, seconds = train_loop(session)
     return finish(session, tokens, seconds)

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from ladle import rewards as reward_fns
 from ladle.config import build_config
 from ladle.config.training import RLConfig
 from ladle.errors import ConfigError
 from ladle.platform import storage
 from ladle.train import grpo
-from ladle.train import rewards as reward_fns
 from tests.helpers import launch_all
 from tests.train.test_preference import tiny_lora_model, word_tokenizer
 
@@ -291,7 +291,8 @@ def grpo_spec(strategy: str, root: Path, *overrides: str, processes: int = 2):
 def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_samples_the_same(tmp_path):
     """One process and two under ZeRO-2 sample the same completions (each one's seed is its index in the step) and
     reach the same losses; the engine's log-probabilities of what it sampled equal the training forward's on the
-    same weights; resumed from its step-2 checkpoint, a run samples and learns what it did the first time."""
+    same weights; resumed from its step-2 checkpoint, a run samples and learns what it did the first time, and a
+    reward that raises stops it with the reward named and that checkpoint kept."""
     from ladle.train.checkpoint import complete_steps, step_dir
     from ladle.train.run import TrainingFailed, launch
 
@@ -309,17 +310,21 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
     assert complete_steps(root) == [2, 4]
     storage.remove(storage.join(step_dir(root, 4), "_COMPLETE"))  # as if killed after step 2's checkpoint
     storage.remove(storage.join(specs["one"].run_url, "train_result.json"))
+    # Resumed with a reward that breaks at its second call (step 4): step 3 is sampled and learned as the first time,
+    # then the run stops with the reward named, its step-2 checkpoint kept.
     broken = specs["one"].model_copy(deep=True)
     (path,) = list(broken.reward_files)
-    broken.reward_files[path] = REWARD_FILE.replace("    texts =", "    raise KeyError('score')\n    texts =")
+    broken.reward_files[path] = REWARD_FILE.replace(
+        "    texts =", "    CALLS.append(1)\n    if len(CALLS) == 2:\n        raise KeyError('score')\n    texts ="
+    ).replace("def digits", "CALLS = []\ndef digits")
+    steps: list[dict] = []
     with pytest.raises(
         TrainingFailed, match=r"training.rl.rewards: digits raised KeyError: 'score' \(on 16 completions\)"
     ):
-        launch(broken)  # resumes at step 2, and step 3's reward raises: the run stops, its checkpoint kept
+        launch(broken, on_progress=lambda e: steps.append(e) if e["event"] == "step" else None)
+    assert [e["step"] for e in steps] == [3]
+    assert steps[0]["loss"] == pytest.approx(one.train_losses[2], rel=1e-5, abs=1e-6)
     assert complete_steps(root) == [2]
-    resumed = launch(specs["one"])
-    assert resumed.resumed_from_step == 2
-    assert resumed.train_losses == pytest.approx(one.train_losses, rel=1e-5, abs=1e-7)
 
 
 def test_planner_refuses_sharded_weights_for_rollouts(tmp_path):

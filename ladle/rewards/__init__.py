@@ -239,6 +239,41 @@ def columns_needed(cfg_rewards: list[RewardConfig], files: dict[str, str]) -> li
     return sorted(names)
 
 
+def completions_of(tokenizer, rows: list[dict], completion_ids: list[list[int]]) -> list:
+    """The completions as TRL hands them to rewards: strings after string prompts, one assistant message after
+    message-list prompts (special tokens skipped)."""
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return [
+        t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
+        for row, t in zip(rows, texts, strict=True)
+    ]
+
+
+def table(loaded: list[Reward], tokenizer, rows: list[dict], completion_ids: list[list[int]]):
+    """``[completions, rewards]`` (a float32 tensor): each reward's value on the completions of ``rows`` (each row
+    a prepared prompt row: its prompt and columns), NaN where it does not apply."""
+    import torch
+
+    prompts = [row["prompt"] for row in rows]
+    completions = completions_of(tokenizer, rows, completion_ids)
+    names = sorted({k for row in rows for k in row.get("columns", {})})
+    columns = {k: [row.get("columns", {}).get(k) for row in rows] for k in names}
+    out = torch.full((len(rows), len(loaded)), float("nan"), dtype=torch.float32)
+    for j, reward in enumerate(loaded):
+        values = reward(prompts, completions, completion_ids, columns)
+        out[:, j] = torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
+    return out
+
+
+def weighted_sum(loaded: list[Reward], values):
+    """Each completion's weighted sum of its rewards (NaN where none applies), from ``table``'s output."""
+    import torch
+
+    summed = (values * torch.tensor([r.weight for r in loaded], dtype=torch.float32)).nansum(dim=1)
+    summed[torch.isnan(values).all(dim=1)] = float("nan")
+    return summed
+
+
 # Built-ins -------------------------------------------------------------------------------------------------------
 
 
