@@ -32,10 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save, train_spec  # noqa: E402
 
+from ladle import rewards  # noqa: E402
 from ladle.assets import resolve_builtin  # noqa: E402
 from ladle.config import build_config  # noqa: E402
 from ladle.machine.topology import probe  # noqa: E402
-from ladle.train import rewards  # noqa: E402
 from ladle.train.run import free_port, launch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

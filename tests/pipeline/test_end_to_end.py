@@ -94,14 +94,14 @@ def test_preference_tuning_starts_from_the_champion_and_records_it(local_run):
 
 
 def test_grpo_starts_from_the_champion_learns_what_it_could_not_and_is_promoted(local_run):
-    """The shipped GRPO recipe after the demo (30 of its 60 steps): rollouts by ladle's engine inside the training
+    """The shipped GRPO recipe after the demo (16 of its 60 steps): rollouts by ladle's engine inside the training
     processes, scored by a reward written as TRL calls one and by exact match; the held-out prompts' mean reward
     (lists longer than the supervised data showed) rises, gates promotion against the demo's champion, and every
     step's rewards, KL-free loss parts and the sampler-trainer gap are in MLflow."""
     from mlflow.tracking import MlflowClient
 
     recipe = str(ROOT / "recipes" / "tiny-grpo-cpu.yaml")
-    done = run_cli("run", recipe, "--json", "--set", f"output={local_run.output}", "--set", "training.max_steps=30")
+    done = run_cli("run", recipe, "--json", "--set", f"output={local_run.output}", "--set", "training.max_steps=16")
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     before, after = summary["eval_before"]["reward"], summary["eval_after"]["reward"]
@@ -114,7 +114,7 @@ def test_grpo_starts_from_the_champion_learns_what_it_could_not_and_is_promoted(
         name: [m.value for m in client.get_metric_history(run.info.run_id, name)]
         for name in ("reward/items_in_place/mean", "reward/exact_match/mean", "rollout_logprob_gap", "clip_ratio")
     }
-    assert all(len(values) == 30 for values in history.values()), {k: len(v) for k, v in history.items()}
+    assert all(len(values) == 16 for values in history.values()), {k: len(v) for k, v in history.items()}
     assert max(history["rollout_logprob_gap"]) < 1e-4
     (version,) = [v for v in client.search_model_versions("name='tiny-grpo-cpu'") if v.run_id == run.info.run_id]
     assert version.tags["ladle.base_version"] == "tiny-cpu v1"
