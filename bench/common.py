@@ -158,3 +158,32 @@ class FrontOverServer:
         stop_pid(self.front.pid, 20, group=True)
         for pid in {self.server.pid, (current or {}).get("pid")} - {None}:
             stop_pid(pid, 20, group=True)
+
+
+def launch_trl(script: Path, args: list[str]) -> tuple[list[dict], float]:
+    """A TRL worker script on 2 CPU processes under ``accelerate launch --multi_gpu`` (gloo), each rank printing one
+    ``TRL_RESULT {json}`` line; every rank's result and the wall seconds.
+
+    Raises:
+        SystemExit: the run failed, with its output's tail.
+    """
+    import subprocess
+    import time
+
+    from ladle.platform.processes import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)), "TOKENIZERS_PARALLELISM": "false"}
+    argv = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
+        "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
+        str(script), *args,
+    ]  # fmt: skip
+    began = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - began
+    prefix = "TRL_RESULT "
+    ranks = [json.loads(line.removeprefix(prefix)) for line in done.stdout.splitlines() if line.startswith(prefix)]
+    if done.returncode != 0 or len(ranks) != 2:
+        raise SystemExit(f"TRL run failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+    return ranks, wall

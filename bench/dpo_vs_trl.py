@@ -24,23 +24,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save, train_spec  # noqa: E402
+from common import launch_trl, save, train_spec  # noqa: E402
 
 from ladle.assets import resolve_base, tiny_model_dir  # noqa: E402
 from ladle.assets.demo import demo_rows, preference_rows  # noqa: E402
 from ladle.config import build_config  # noqa: E402
 from ladle.machine.topology import probe  # noqa: E402
 from ladle.plan.planner import plan_estimate  # noqa: E402
-from ladle.train.run import free_port, launch  # noqa: E402
+from ladle.train.run import launch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SEQ_LEN = 64
@@ -114,24 +112,20 @@ def run_ladle(pairs: Path, tmp: Path, steps: int, rep: int, model: str) -> dict:
 
 def run_trl(chat: Path, tmp: Path, steps: int, rep: int, model: str, precompute: bool) -> dict:
     base, lr, ends = MODELS[model]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)), "TOKENIZERS_PARALLELISM": "false"}
-    argv = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
-        "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
-        str(HERE / "trl_dpo_worker.py"), base(), str(chat), str(tmp / f"trl-{rep}-{precompute}"), str(steps), "4",
-        str(SEQ_LEN), str(lr), str(precompute).lower(), ",".join(ends) or "none",
-    ]  # fmt: skip
-    began = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - began
-    ranks = [
-        json.loads(line.removeprefix("TRL_RESULT "))
-        for line in done.stdout.splitlines()
-        if line.startswith("TRL_RESULT ")
-    ]
-    if done.returncode != 0 or len(ranks) != 2:
-        raise SystemExit(f"TRL run failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+    ranks, wall = launch_trl(
+        HERE / "trl_dpo_worker.py",
+        [
+            base(),
+            str(chat),
+            str(tmp / f"trl-{rep}-{precompute}"),
+            str(steps),
+            "4",
+            str(SEQ_LEN),
+            str(lr),
+            str(precompute).lower(),
+            ",".join(ends) or "none",
+        ],
+    )
     lead = next(r for r in ranks if r["rank"] == 0)
     return {**lead, "peak_mib": max(r["peak_mib"] for r in ranks), "wall_s": wall}
 

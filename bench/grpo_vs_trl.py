@@ -21,22 +21,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save, train_spec  # noqa: E402
+from common import launch_trl, save, train_spec  # noqa: E402
 
 from ladle import rewards  # noqa: E402
 from ladle.assets import resolve_builtin  # noqa: E402
 from ladle.config import build_config  # noqa: E402
 from ladle.machine.topology import probe  # noqa: E402
-from ladle.train.run import free_port, launch  # noqa: E402
+from ladle.train.run import launch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 GROUP, PER_STEP, LENGTH, LR = 8, 128, 12, 3e-3
@@ -109,24 +107,20 @@ def run_ladle(base: str, tmp: Path, steps: int, rep: int) -> dict:
 def run_trl(base: str, tmp: Path, steps: int, rep: int) -> dict:
     data = tmp / "prompts.jsonl"
     data.write_text(Path(resolve_builtin("ladle://demo-prompts", "data.path")).read_text())
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)), "TOKENIZERS_PARALLELISM": "false"}
-    argv = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
-        "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
-        str(HERE / "trl_grpo_worker.py"), base, str(data), str(tmp / f"trl-{rep}"), str(steps), str(PER_STEP // 2),
-        str(GROUP), str(LENGTH), str(LR), str(rep),
-    ]  # fmt: skip
-    began = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - began
-    ranks = [
-        json.loads(line.removeprefix("TRL_RESULT "))
-        for line in done.stdout.splitlines()
-        if line.startswith("TRL_RESULT ")
-    ]
-    if done.returncode != 0 or len(ranks) != 2:
-        raise SystemExit(f"TRL run failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+    ranks, wall = launch_trl(
+        HERE / "trl_grpo_worker.py",
+        [
+            base,
+            str(data),
+            str(tmp / f"trl-{rep}"),
+            str(steps),
+            str(PER_STEP // 2),
+            str(GROUP),
+            str(LENGTH),
+            str(LR),
+            str(rep),
+        ],
+    )
     lead = next(r for r in ranks if r["rank"] == 0)
     tokens = int(sum(length * PER_STEP for length in lead["mean_lengths"]))
     return {

@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 
 from ladle.platform import storage
-from ladle.train import kernels, loading, preference, saving
+from ladle.train import checkpoint, kernels, loading, preference, saving
 from ladle.train.runtime.base import inner, runtime_for
 from ladle.train.spec import PROGRESS_PREFIX, TrainSpec
 
@@ -251,3 +251,40 @@ can deadlock the rank: DDP's reducer holds a gloo process group, whose destructo
 thread while holding the GIL, and that thread may still be destroying its last collective's work, which releases
 Python tensors and so waits for the GIL (seen under load: rank 1 stuck in ``~ProcessGroupGloo`` -> ``join``, the
 run loop in ``~AsyncAllreduceWork`` -> ``gil_scoped_acquire``, after rank 0 had finished)."""
+
+
+def emit_start(session) -> None:
+    """The run's ``start`` line (``session``: either objective's: ``Session`` or ``RLSession``)."""
+    acc = session.accelerator
+    emit(
+        acc,
+        "start",
+        steps=session.steps,
+        world_size=acc.num_processes,
+        resumed_from=session.start,
+        strategy=session.spec.plan.strategy,
+        backend=str(acc.state.distributed_type),
+        kernels=session.kernels,
+        eval_loss=session.eval_before,
+    )
+
+
+def checkpoint_if_due(session, steps_done: int) -> None:
+    """Write a resumable checkpoint after ``steps_done`` steps when ``training.checkpoint_every`` says so
+    (collective: every rank calls it)."""
+    every = session.spec.config.training.checkpoint_every
+    if not every or steps_done % every:
+        return
+    plan = session.spec.plan
+    checkpoint.save(
+        session.accelerator,
+        storage.join(session.spec.run_url, "checkpoints"),
+        steps_done,
+        session.model,
+        session.optimizer,
+        session.scheduler,
+        session.losses,
+        session.eval_before,
+        plan,
+        runtime_for(plan.strategy),
+    )

@@ -318,18 +318,7 @@ def train_step(s: RLSession, step: int) -> dict[str, float]:
 
 def train_loop(s: RLSession) -> tuple[int, float]:
     acc, cfg = s.accelerator, s.spec.config
-    ckpt_root = storage.join(s.spec.run_url, "checkpoints")
-    common.emit(
-        acc,
-        "start",
-        steps=s.steps,
-        world_size=acc.num_processes,
-        resumed_from=s.start,
-        strategy=s.spec.plan.strategy,
-        backend=str(acc.state.distributed_type),
-        kernels=s.kernels,
-        eval_loss=s.eval_before,
-    )
+    common.emit_start(s)
     s.model.train()
     tokens, seconds = 0, 0.0
     for step in range(s.start, s.steps):
@@ -368,19 +357,7 @@ def train_loop(s: RLSession) -> tuple[int, float]:
         )
         if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < s.steps:
             s.log({"eval_reward": held_out_reward(s)}, step + 1)
-        if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
-            checkpoint.save(
-                acc,
-                ckpt_root,
-                step + 1,
-                s.model,
-                s.optimizer,
-                s.scheduler,
-                s.losses,
-                s.eval_before,
-                s.spec.plan,
-                runtime_for(s.spec.plan.strategy),
-            )
+        common.checkpoint_if_due(s, step + 1)
     return tokens, seconds
 
 

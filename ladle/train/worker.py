@@ -47,7 +47,9 @@ from ladle.train.common import (
     NonFiniteLoss,
     build_optimizer,
     build_scheduler,
+    checkpoint_if_due,
     emit,
+    emit_start,
     load_model,
     mlflow_logger,
     one_process_group,
@@ -286,19 +288,8 @@ def train_loop(s: Session) -> tuple[int, float]:
         real tokens processed and seconds spent in the steps.
     """
     plan, cfg, acc = s.spec.plan, s.spec.config, s.accelerator
-    ckpt_root = storage.join(s.spec.run_url, "checkpoints")
     rows = len(s.train["input_ids"])
-    emit(
-        acc,
-        "start",
-        steps=s.steps,
-        world_size=acc.num_processes,
-        resumed_from=s.start,
-        strategy=plan.strategy,
-        backend=str(acc.state.distributed_type),
-        kernels=s.kernels,
-        eval_loss=s.eval_before,
-    )
+    emit_start(s)
     s.model.train()
     tokens, seconds = 0, 0.0
     for step in range(s.start, s.steps):
@@ -326,19 +317,7 @@ def train_loop(s: Session) -> tuple[int, float]:
         )
         if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < s.steps:
             s.log(eval_metrics(acc, s.model, s.evals, s.spec, s.loss_fn), step + 1)
-        if cfg.training.checkpoint_every and (step + 1) % cfg.training.checkpoint_every == 0:
-            checkpoint.save(
-                acc,
-                ckpt_root,
-                step + 1,
-                s.model,
-                s.optimizer,
-                s.scheduler,
-                s.losses,
-                s.eval_before,
-                plan,
-                runtime_for(plan.strategy),
-            )
+        checkpoint_if_due(s, step + 1)
     return tokens, seconds
 
 
