@@ -153,3 +153,14 @@ def test_own_data_on_a_recipe_is_scored_on_its_own_held_out_rows(tmp_path):
         str(ROOT / "recipes" / "models" / "llama-3.2-1b"),
     )
     assert "note: data.path was set on the command line" in " ".join(shown.stderr.split())
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")))
+def test_every_shipped_recipe_validates(recipe):
+    """Each recipe is a valid config, its rewards importable where it names some (they ship with ladle)."""
+    from ladle import rewards
+
+    cfg = load_config(ROOT / "recipes" / f"{recipe}.yaml")
+    assert cfg.name == recipe
+    if cfg.training.objective == "grpo":
+        assert rewards.load_all(cfg.training.rl.rewards, rewards.bundle(cfg.training.rl.rewards))
