@@ -288,3 +288,14 @@ def checkpoint_if_due(session, steps_done: int) -> None:
         plan,
         runtime_for(plan.strategy),
     )
+
+
+def report_done(accelerator: Accelerator, spec: TrainSpec, result):
+    """Rank 0 writes ``result`` where the launcher reads it and prints the ``done`` line; every rank then waits for
+    the others and ends the run. Returns ``result``."""
+    if accelerator.is_main_process:
+        storage.write_json(storage.join(spec.run_url, "train_result.json"), result.model_dump())
+    emit(accelerator, "done", **result.model_dump(exclude={"train_losses"}))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return result

@@ -398,12 +398,7 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
         },
         kernels=s.kernels,
     )
-    if acc.is_main_process:
-        storage.write_json(storage.join(s.spec.run_url, "train_result.json"), result.model_dump())
-    common.emit(acc, "done", **result.model_dump(exclude={"train_losses"}))
-    acc.wait_for_everyone()
-    acc.end_training()
-    return result
+    return common.report_done(acc, s.spec, result)
 
 
 def run(spec: TrainSpec) -> TrainResult:

@@ -36,8 +36,10 @@ class TrainResult(BaseModel):
     train_losses: list[float]
     train_loss_first: float
     train_loss_last: float
-    eval_loss_before: float
-    eval_loss_after: float
+    eval_loss_before: float = Field(
+        description="Held-out loss before training; grpo: the negative held-out mean reward (0 without eval prompts)."
+    )
+    eval_loss_after: float = Field(description="The same after training.")
     real_tokens: int = Field(description="Non-padding tokens processed by this run's steps (all ranks).")
     tokens_per_s: float = Field(description="Real tokens per second over the training steps.")
     train_seconds: float

@@ -55,6 +55,7 @@ from ladle.train.common import (
     one_process_group,
     peak_memory_mib,
     release_freed_memory,
+    report_done,
     save_outputs,
     warm_imports,
     write_line,
@@ -359,12 +360,7 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
         preference=pairs,
         kernels=s.kernels,
     )
-    if acc.is_main_process:
-        storage.write_json(storage.join(s.spec.run_url, "train_result.json"), result.model_dump())
-    emit(acc, "done", **result.model_dump(exclude={"train_losses"}))
-    acc.wait_for_everyone()
-    acc.end_training()
-    return result
+    return report_done(acc, s.spec, result)
 
 
 def run(spec: TrainSpec) -> TrainResult:
