@@ -16,6 +16,12 @@ def serve(
         backends.REGISTRY.first().name, "--backend", help=" | ".join(backends.REGISTRY) + ": the inference backend."
     ),
     option: list[str] = typer.Option([], "--option", help="A backend option, NAME=VALUE (e.g. tensor_parallel=2)."),
+    adapter: list[str] = typer.Option(
+        [],
+        "--adapter",
+        help="NAME=PATH: a LoRA adapter of MODEL served unmerged beside it as OpenAI model NAME (repeatable). "
+        "Requests for different adapters share one batch.",
+    ),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     api_key_env: str | None = typer.Option(
@@ -36,6 +42,7 @@ def serve(
     except LadleError as err:
         raise LadleError(str(err).replace("base =", "MODEL =")) from None
     extra = [arg for item in option for arg in ("--option", item)]
+    extra += [arg for item in adapter for arg in ("--adapter", item)]
     argv = ["--model", str(folder), "--backend", kind.name, *extra, "--host", host, "--port", str(port)]
     if api_key_env:
         from ladle.serve.server import api_key_from_env

@@ -85,6 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default=None, help="Model id reported by the API (default: the folder name).")
     parser.add_argument("--backend", default=next(iter(backends.REGISTRY)), choices=list(backends.REGISTRY))
     parser.add_argument("--option", action="append", default=[], help="A backend option, NAME=VALUE (repeatable).")
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="A LoRA adapter served beside the model, unmerged, as OpenAI model NAME (repeatable; a local folder or a "
+        "store URL). More can be added while serving: POST /v1/adapters.",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-new-tokens", type=int, default=32, help="Default max_tokens of a request.")
@@ -127,7 +135,32 @@ def start(args: argparse.Namespace):
         print(f"error: {err}", file=sys.stderr)
         return 2
     name = args.name or args.model.rstrip("/").rsplit("/", 1)[-1]
-    return backend, create_app(backend, Settings(name, args.max_new_tokens, key, limits)), name, model
+    try:
+        catalog = served_adapters(backend, name, args.adapter)
+    except (LadleError, ValueError, OSError) as err:
+        backend.close()
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return backend, create_app(backend, Settings(name, args.max_new_tokens, key, limits), catalog), name, model
+
+
+def served_adapters(backend, name: str, items: list[str]):
+    """The catalog of ``--adapter NAME=PATH`` items, each checked against the base and registered with the engine.
+
+    Raises:
+        LadleError: a malformed item, a backend without adapters, or an adapter that does not fit the base.
+    """
+    from ladle.serve.adapters import BaseWeights, Catalog
+    from ladle.serve.server import adapter_folder
+
+    catalog = Catalog(name, BaseWeights.of(backend.model_dir) if backend.serves_adapters else None)
+    for item in items:
+        adapter, sep, path = item.partition("=")
+        if not sep or not adapter or not path:
+            raise LadleError(f"--adapter {item!r}: expected NAME=PATH (the OpenAI model name, then the folder).")
+        version, _ = catalog.add(adapter, str(adapter_folder(path)))
+        backend.add_adapter(version.key, version.info.path, version.info.bytes)
+    return catalog
 
 
 def run(args: argparse.Namespace, backend, app, name: str, model) -> int:

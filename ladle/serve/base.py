@@ -34,6 +34,9 @@ class Backend(ABC):
     has ``grammars()`` (``ladle.serve.structured.Grammars``)."""
     shards_model: ClassVar[bool] = False
     """It splits one replica over ``serve.tensor_parallel`` GPUs (the planner sizes it per device)."""
+    serves_adapters: ClassVar[bool] = False
+    """It serves LoRA adapters unmerged beside its base, requests for different ones in one batch
+    (``ladle.serve.adapters``); such a backend has ``model_dir``, ``add_adapter`` and ``drop_adapter``."""
 
     @classmethod
     def host_problems(cls, has_cuda: bool, installed_here: bool = True) -> list[str]:

@@ -57,12 +57,15 @@ class TextGrammars:
 class EngineClient(TransformersBackend):
     """The transformers backend, its engine in a child process; what the server sees is the same ``Backend``."""
 
-    def __init__(self, model_dir: str, max_batch: int = 32, kv_tokens: int = 0):
+    def __init__(
+        self, model_dir: str, max_batch: int = 32, kv_tokens: int = 0, max_adapters: int = 8, adapters_mb: float = 0.0
+    ):
         from transformers import AutoConfig
 
         from ladle.platform.processes import other_threads
 
-        self.check_options(max_batch, kv_tokens)
+        self.check_options(max_batch, kv_tokens, max_adapters, adapters_mb)
+        self.model_dir = model_dir
         config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
         self.sized(config, max_batch, kv_tokens)
         self.on_death: Callable[[], None] | None = None
@@ -74,7 +77,12 @@ class EngineClient(TransformersBackend):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         ours, theirs = socket.socketpair()
-        options = {"max_batch": max_batch, "kv_tokens": kv_tokens}
+        options = {
+            "max_batch": max_batch,
+            "kv_tokens": kv_tokens,
+            "max_adapters": max_adapters,
+            "adapters_mb": adapters_mb,
+        }
         # Forked: the child has every library this process imported (a start costs the model's load). With other
         # threads running, a fork would copy locks they hold: a new interpreter then.
         self.forked = not other_threads()
@@ -187,6 +195,12 @@ class EngineClient(TransformersBackend):
         self.jobs[job.key] = job
         grammar = job.constraint if isinstance(job.constraint, GrammarText) else None
         self.outbox.put(wire.Submit.of(job, job.key, self.seq, grammar))
+
+    def add_adapter(self, key: str, path: str, size: int) -> None:
+        self.outbox.put(wire.Adapter(key, path, size))
+
+    def drop_adapter(self, key: str) -> None:
+        self.outbox.put(wire.Adapter(key))
 
     def cancel(self, job) -> None:
         job.cancelled.set()

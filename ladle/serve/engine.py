@@ -68,8 +68,10 @@ class Engine:
         on_batch: Callable[[int], None] | None = None,
         kv_tokens: int | None = None,
         thread: bool = True,
+        adapters=None,
     ):
         check_cache_layers(model.config)
+        self.adapters = adapters  # ``ladle.serve.adapters.Slots``: LoRA adapters rows may run on; None: the model only
         self.model, self.tokenizer, self.device, self.max_batch = model, tokenizer, device, max_batch
         self.kv_tokens = kv_tokens or max_batch * int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.on_batch = on_batch or (lambda size: None)
@@ -172,10 +174,18 @@ class Engine:
             job.finish = "error"
             if not job.cancelled.is_set():
                 waited = now - job.submitted
+                slots = self.adapters
+                if job.adapter is not None and slots is not None and job.adapter not in slots.loaded:
+                    why = (
+                        f"for its adapter to be loaded: all {len(slots.loaded)} loaded adapters have requests running "
+                        f"(serve.adapters.max_loaded = {slots.max_loaded})"
+                    )
+                else:
+                    why = "for a place in the batch"
                 job.emit(
                     "error",
                     {
-                        "message": f"the request waited {waited:.1f} s for a place in the batch and was not "
+                        "message": f"the request waited {waited:.1f} s {why} and was not "
                         "served (serve.limits.queue_timeout_s); retry later",
                         "status": 503,
                         "code": "queue_timeout",
@@ -187,6 +197,7 @@ class Engine:
         holds the batch with them to the end of every row. A job that does not fit waits, and so does everyone
         behind it (no request is passed over for ever by shorter ones)."""
         arrivals: list[Job] = []
+        held: list[Job] = []  # their adapter has no slot now: they keep their place, the others go on
         while self.waiting and len(batch.jobs) + len(arrivals) < self.max_batch:
             job = self.waiting[0]
             if job.cancelled.is_set():
@@ -194,8 +205,36 @@ class Engine:
                 continue
             if (batch.jobs or arrivals) and batch.projected_tokens([*arrivals, job]) > self.kv_tokens:
                 break
-            arrivals.append(self.waiting.popleft())
+            self.waiting.popleft()
+            placed = self.place(job, batch.jobs, arrivals)
+            if placed:
+                arrivals.append(job)
+            elif placed is False:
+                held.append(job)
+        self.waiting.extendleft(reversed(held))
         return arrivals
+
+    def place(self, job: Job, running: list[Job], arrivals: list[Job]) -> bool | None:
+        """Whether ``job``'s adapter is loaded (loading it if the budget allows); False: not now (it waits,
+        and past its deadline it is answered 503); None: it never will be (the job was answered)."""
+        if job.adapter is None:
+            return True
+        if self.adapters is None:
+            job.finish = "error"
+            job.emit("error", {"message": "this engine serves no adapters", "status": 400})
+            return None
+        try:
+            return self.adapters.place(job.adapter, {j.adapter for j in (*running, *arrivals) if j.adapter})
+        except LadleError as exc:
+            job.finish = "error"
+            job.emit("error", {"message": str(exc), "status": 503, "code": "adapter_unavailable"})
+            return None
+
+    def forward(self, jobs: list[Job], **inputs):
+        """The model's forward over rows of ``jobs``, each on its own adapter when adapters are served."""
+        if self.adapters is None:
+            return self.model(**inputs)
+        return self.adapters.model(**inputs, **self.adapters.names([job.adapter for job in jobs]))
 
 
 def fail(jobs: list[Job], exc: Exception) -> None:
@@ -250,7 +289,7 @@ class Batch:
         those that have not already ended."""
         from transformers import DynamicCache
 
-        model, device = self.engine.model, self.engine.device
+        device = self.engine.device
         for job in jobs:
             if job.echo and job.logprobs is not None and job.prompt_logprobs is None:
                 job.prompt_logprobs = self.prompt_logprobs(job)
@@ -263,7 +302,8 @@ class Batch:
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache()  # no config: every layer full width (see the module's docstring)
         with torch.no_grad():
-            logits = model(
+            logits = self.engine.forward(
+                jobs,
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
                 position_ids=positions.to(device),
@@ -285,7 +325,7 @@ class Batch:
         (the server bounded their size: ``echo_logits_bytes``)."""
         tokenizer = self.engine.tokenizer
         with torch.no_grad():
-            logits = self.engine.model(input_ids=torch.tensor([job.ids], device=self.engine.device)).logits[0]
+            logits = self.engine.forward([job], input_ids=torch.tensor([job.ids], device=self.engine.device)).logits[0]
         entries = [{**token_entry(tokenizer, job.ids[0], None), "top_logprobs": None}]
         for position, token in enumerate(job.ids[1:]):
             entries.append(logprob_entry(tokenizer, job, logits[position], token))
@@ -312,11 +352,12 @@ class Batch:
 
     def step(self) -> None:
         """One decode step for every row, then drop the rows that ended."""
-        model, device = self.engine.model, self.engine.device
+        device = self.engine.device
         self.mask = torch.cat([self.mask, torch.ones((len(self.jobs), 1), dtype=torch.long)], dim=1)
         positions = self.mask.sum(dim=1, keepdim=True) - 1
         with torch.no_grad():
-            logits = model(
+            logits = self.engine.forward(
+                self.jobs,
                 input_ids=self.last.to(device),
                 attention_mask=self.mask.to(device),
                 position_ids=positions.to(device),

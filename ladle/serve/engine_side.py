@@ -100,6 +100,11 @@ class EngineSide:
                 os._exit(0)
             if isinstance(message, wire.Submit):
                 self.submit(message)
+            elif isinstance(message, wire.Adapter):
+                if message.path is None:
+                    self.backend.drop_adapter(message.key)
+                else:
+                    self.backend.add_adapter(message.key, message.path, message.size)
             elif isinstance(message, wire.Cancel):
                 job = self.jobs.pop(message.key, None)
                 if job is not None:

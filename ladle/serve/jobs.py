@@ -60,16 +60,8 @@ def make_job(req: Sampling, ids: list[int], backend: Backend, settings: Settings
     """The engine's job for a validated request.
 
     Raises:
-        ApiError: another model, ``n`` > 1, or a prompt and completion longer than the context.
+        ApiError: ``n`` > 1, or a prompt and completion longer than the context.
     """
-    if req.model not in (None, settings.model):
-        raise ApiError(
-            404,
-            f"The model '{req.model}' does not exist; this server serves '{settings.model}'.",
-            param="model",
-            code="model_not_found",
-            kind="not_found_error",
-        )
     if req.seed is not None and not backend.supports_seed:
         raise not_on_backend("seed", backend, "samples without per-request seeds")
     if req.n != 1:

@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 
 from ladle.serve import tools as tools_api
+from ladle.serve.adapters import Catalog
 from ladle.serve.backends import Backend
 from ladle.serve.jobs import (
     Tooling,
@@ -38,8 +39,8 @@ from ladle.serve.settings import Settings
 class Generation:
     """``POST /v1/completions`` and ``/v1/chat/completions`` over one backend."""
 
-    def __init__(self, backend: Backend, settings: Settings, metrics: Metrics):
-        self.backend, self.settings, self.metrics = backend, settings, metrics
+    def __init__(self, backend: Backend, settings: Settings, metrics: Metrics, catalog: Catalog):
+        self.backend, self.settings, self.metrics, self.catalog = backend, settings, metrics, catalog
         self.limits = settings.limits
         self.prompt_chars = self.limits.prompt_chars(backend.context_length)
 
@@ -112,7 +113,9 @@ class Generation:
         self, request: Request, req: Sampling, ids: list[int], kind: str, prefix: str, tooling: Tooling | None = None
     ):
         self.refuse_when_full()  # again: the queue may have filled while this request was tokenized
+        adapter = self.adapter_of(req.model)
         job = make_job(req, ids, self.backend, self.settings)
+        job.adapter = adapter
         job.constraint = await asyncio.to_thread(constraint_of, req, self.backend, tooling)
         started, route = time.monotonic(), request.url.path
         job.deadline = job.submitted + self.limits.queue_timeout_s
@@ -121,7 +124,7 @@ class Generation:
         job.emit = lambda event, data: loop.call_soon_threadsafe(events.put_nowait, (event, data))
         job.deliver = events.put_nowait
         self.backend.submit(job)
-        reply = Reply(f"{prefix}-{uuid.uuid4().hex}", kind, self.settings.model, int(time.time()))
+        reply = Reply(f"{prefix}-{uuid.uuid4().hex}", kind, req.model or self.settings.model, int(time.time()))
         watcher = asyncio.create_task(self.watch_disconnect(request, job, events))
         try:
             first = await self.next_event(events)
@@ -149,6 +152,26 @@ class Generation:
             text = req.prompt + text
             logprobs = None if logprobs is None else [*(job.prompt_logprobs or []), *logprobs]
         return reply.whole(text, done, logprobs)
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The engine's key of the adapter ``model`` names (None: the base).
+
+        Raises:
+            ApiError: 404 in OpenAI's shape, naming what is served.
+        """
+        try:
+            return self.catalog.resolve(model)
+        except KeyError:
+            served = f"'{self.settings.model}'"
+            if self.catalog:
+                served += " and its adapters (GET /v1/models lists them)"
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist; this server serves {served}.",
+                param="model",
+                code="model_not_found",
+                kind="not_found_error",
+            ) from None
 
     async def watch_disconnect(self, request: Request, job: Job, events: asyncio.Queue) -> None:
         """Cancel ``job`` when its client hangs up before the answer is sent (uvicorn keeps the handler running,

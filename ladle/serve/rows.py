@@ -54,6 +54,7 @@ class Job:
     generator: torch.Generator | None = None
     sampled: list[float] | None = None  # a rollout's: each chosen token's log-probability at its temperature
     chosen: list[int] = field(default_factory=list)  # with ``sampled``: every token chosen, EOS included
+    adapter: str | None = None  # the engine's key of the LoRA adapter it runs on (``ladle.serve.adapters``); None: base
     key: int | None = None  # its name between a server's API and engine processes (``ladle.serve.wire``)
     ids_sent: int = 0  # tokens the engine process has told the API process of ...
     prompt_sent: bool = False  # ... and whether it sent ``prompt_logprobs``

@@ -123,6 +123,17 @@ class ResponseFormat(BaseModel):
         return {"type": self.type, "json_schema": schema}
 
 
+class AdapterRequest(BaseModel):
+    """``POST /v1/adapters``: one version of a LoRA adapter to serve beside the base."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="What the OpenAI `model` field says to use it.")
+    path: str = Field(description="The adapter folder (peft's save_pretrained): a local path or a store URL.")
+    version: str = Field("1", description="Its version label (`name@VERSION` addresses it).")
+    aliases: list[str] = Field(default_factory=list, description="Other labels (`champion`, `challenger`).")
+    default: bool = Field(True, description="`name` alone addresses this version from now on.")
+
+
 class Sampling(BaseModel):
     """The sampling fields both endpoints share, as the OpenAI API names them."""
 

@@ -15,7 +15,9 @@ made into the engine's job), ``routes`` (the completion routes), ``replies`` (re
 
 from __future__ import annotations
 
+import asyncio
 import os
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,11 +25,13 @@ from fastapi.responses import Response
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException
 
+from ladle.errors import LadleError
+from ladle.serve.adapters import BaseWeights, Catalog
 from ladle.serve.backends import Backend
 from ladle.serve.guard import Guard
 from ladle.serve.metrics import Metrics
 from ladle.serve.routes import Generation
-from ladle.serve.schema import ApiError, ClientGone, validation_error
+from ladle.serve.schema import AdapterRequest, ApiError, ClientGone, validation_error
 from ladle.serve.settings import Settings
 
 __all__ = ["OPEN_PATHS", "ROUTES", "Settings", "api_key_from_env", "create_app"]
@@ -36,12 +40,17 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """Routes a probe or a scraper reads without the API key."""
 
 
-ROUTES = frozenset({*OPEN_PATHS, "/v1/models", "/v1/completions", "/v1/chat/completions"})
+ROUTES = frozenset({*OPEN_PATHS, "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/adapters"})
 
 
-def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
-    """The API app serving ``backend`` (``settings``: a ``Settings``, or just the model id)."""
+def create_app(backend: Backend, settings: Settings | str, catalog: Catalog | None = None) -> FastAPI:
+    """The API app serving ``backend`` (``settings``: a ``Settings``, or just the model id), with the LoRA adapters
+    of ``catalog`` beside its base (made here when the backend serves adapters)."""
     settings = Settings(settings) if isinstance(settings, str) else settings
+    if catalog is None:
+        catalog = Catalog(
+            settings.model, BaseWeights.of(backend.model_dir) if getattr(backend, "serves_adapters", False) else None
+        )
     app = FastAPI(title="ladle inference server")
     metrics = Metrics(backend, ROUTES)
     backend.report_batches(metrics.batch.observe)
@@ -53,8 +62,9 @@ def create_app(backend: Backend, settings: Settings | str) -> FastAPI:
         open_paths=OPEN_PATHS,
         refused=metrics.count,
     )
-    add_probe_routes(app, backend, settings, metrics)
-    Generation(backend, settings, metrics).add_to(app)
+    add_probe_routes(app, backend, settings, metrics, catalog)
+    add_adapter_routes(app, backend, catalog)
+    Generation(backend, settings, metrics, catalog).add_to(app)
     return app
 
 
@@ -85,7 +95,7 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return await api_error(request, ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
 
 
-def add_probe_routes(app: FastAPI, backend: Backend, settings: Settings, metrics: Metrics) -> None:
+def add_probe_routes(app: FastAPI, backend: Backend, settings: Settings, metrics: Metrics, catalog: Catalog) -> None:
     """Liveness, readiness, metrics and the model list. The probes run on the event loop itself (they only read
     flags): no hop through a thread pool that a burst of requests may have filled."""
 
@@ -118,11 +128,66 @@ def add_probe_routes(app: FastAPI, backend: Backend, settings: Settings, metrics
 
     @app.get("/v1/models")
     def models() -> dict:
-        """OpenAI's model list: the one model served."""
+        """OpenAI's model list: the base, then each adapter by name and by ``name@version`` / ``name@alias``."""
+        return {"object": "list", "data": catalog.listing()}
+
+
+def add_adapter_routes(app: FastAPI, backend: Backend, catalog: Catalog) -> None:
+    """``GET /v1/adapters`` (what is served), ``POST /v1/adapters`` (register a version: loaded on first use,
+    without a restart) and ``DELETE /v1/adapters/{name}`` (``?version=``); the API key guards them as it does
+    generation."""
+
+    @app.get("/v1/adapters")
+    def listed() -> dict:
+        return {"object": "list", "base": catalog.base_name, "data": catalog.described()}
+
+    @app.post("/v1/adapters")
+    async def add(body: AdapterRequest) -> dict:
+        try:
+            path = await asyncio.to_thread(adapter_folder, body.path)
+            version, dropped = await asyncio.to_thread(
+                catalog.add, body.name, str(path), body.version, body.aliases, body.default
+            )
+        except LadleError as exc:
+            raise ApiError(400, str(exc), param="path", code="invalid_adapter") from None
+        backend.add_adapter(version.key, version.info.path, version.info.bytes)
+        for key in dropped:
+            backend.drop_adapter(key)
         return {
-            "object": "list",
-            "data": [{"id": settings.model, "object": "model", "created": 0, "owned_by": "ladle"}],
+            "name": body.name,
+            "version": version.label,
+            "aliases": sorted(version.aliases),
+            "rank": version.info.rank,
         }
+
+    @app.delete("/v1/adapters/{name:path}")
+    def remove(name: str, version: str | None = None) -> dict:
+        try:
+            dropped = catalog.remove(name, version)
+        except LadleError as exc:
+            raise ApiError(404, str(exc), param="name", code="model_not_found") from None
+        for key in dropped:
+            backend.drop_adapter(key)
+        return {"name": name, "version": version, "deleted": True}
+
+
+def adapter_folder(path: str) -> Path:
+    """A local folder for the adapter at ``path``: itself, or its copy when it is a URL of the artifact store.
+
+    Raises:
+        LadleError: the copy failed.
+    """
+    import hashlib
+
+    from ladle.assets import ladle_home
+    from ladle.platform import storage
+
+    if storage.is_local(path):
+        return storage.local_path(path)
+    try:
+        return storage.cached_copy(path, ladle_home() / "adapters" / hashlib.sha256(path.encode()).hexdigest()[:16])
+    except (OSError, ValueError) as exc:
+        raise LadleError(f"adapter {path}: could not copy it from the artifact store: {exc}") from None
 
 
 def api_key_from_env(name: str | None) -> str | None:

@@ -16,32 +16,50 @@ class TransformersBackend(Backend):
     name = "transformers"
     title = "transformers"
     summary = "Hugging Face generate on CPU or GPU, concurrent requests batched"
-    options = {"max_batch": int, "kv_tokens": int}
+    options = {"max_batch": int, "kv_tokens": int, "max_adapters": int, "adapters_mb": float}
     constrains_output = True
+    serves_adapters = True
 
-    def __init__(self, model_dir: str, max_batch: int = 32, kv_tokens: int = 0):
+    def __init__(
+        self, model_dir: str, max_batch: int = 32, kv_tokens: int = 0, max_adapters: int = 8, adapters_mb: float = 0.0
+    ):
         """The engine in this process, on its own thread (what the engine process of a server runs, and what
         tests drive directly)."""
         from transformers import AutoConfig
 
         from ladle.machine.placement import load_placed
+        from ladle.serve.adapters import Slots
         from ladle.serve.engine import Engine
 
-        self.check_options(max_batch, kv_tokens)
+        self.check_options(max_batch, kv_tokens, max_adapters, adapters_mb)
+        self.model_dir = model_dir
         # transformers' own config: its attribute map reads every architecture's names (GPT-2's n_layer, ...).
         config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
         self.sized(config, max_batch, kv_tokens)
         # One GPU, or the layers spread over every visible GPU when the weights and this KV cache do not fit one
         # (the planner's rule).
         model, self.tokenizer, device = load_placed(Path(model_dir), kv_cache_bytes(config, self.kv_tokens))
-        self.engine = Engine(model, self.tokenizer, device, max_batch, kv_tokens=self.kv_tokens)
+        self.slots = Slots(model, max_adapters, adapters_mb)
+        self.engine = Engine(model, self.tokenizer, device, max_batch, kv_tokens=self.kv_tokens, adapters=self.slots)
 
     @staticmethod
-    def check_options(max_batch: int, kv_tokens: int) -> None:
+    def check_options(max_batch: int, kv_tokens: int, max_adapters: int = 8, adapters_mb: float = 0.0) -> None:
         if not 1 <= max_batch <= 1024:
             raise LadleError(f"max_batch = {max_batch}: must be 1..1024 (serve.max_batch_size).")
         if kv_tokens < 0:
             raise LadleError(f"kv_tokens = {kv_tokens}: must be >= 0 (serve.kv_cache_tokens; 0: derived).")
+        if not 1 <= max_adapters <= 1024:
+            raise LadleError(f"max_adapters = {max_adapters}: must be 1..1024 (serve.adapters.max_loaded).")
+        if adapters_mb < 0:
+            raise LadleError(f"adapters_mb = {adapters_mb}: must be >= 0 (serve.adapters.max_mb; 0: no cap).")
+
+    def add_adapter(self, key: str, path: str, size: int) -> None:
+        """Register a LoRA adapter under the engine's ``key`` (loaded when a request first needs it)."""
+        self.slots.register(key, path, size)
+
+    def drop_adapter(self, key: str) -> None:
+        """Forget ``key``: unloaded once no running row uses it."""
+        self.slots.forget(key)
 
     def sized(self, config, max_batch: int, kv_tokens: int) -> None:
         """The server's bounds from the model's config: its context, vocabulary, batch and KV budget."""

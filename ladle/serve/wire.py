@@ -6,7 +6,7 @@ They talk over one duplex ``multiprocessing`` pipe (a Unix socket pair, messages
 thread of its own that only moves messages, so neither the event loop nor the decode loop ever waits on the
 other's socket:
 
-    API -> engine   Submit (one request), Cancel (its client went away)
+    API -> engine   Submit (one request), Cancel (its client went away), Adapter (register or forget one)
     engine -> API   Loaded (the model is up) or LoadFailed, then Report (events, queue depth, health) per step
 
 Why a pipe, not ZeroMQ or shared memory: the traffic is one small message per request and one per decode step
@@ -40,6 +40,7 @@ REQUEST_FIELDS = (
     "echo",
     "submitted",
     "deadline",
+    "adapter",
 )
 """The fields of ``ladle.serve.rows.Job`` that a request sets; the rest are the engine's own bookkeeping."""
 
@@ -64,6 +65,16 @@ class Cancel:
     """The request's client went away: drop it (no further event is sent for it)."""
 
     key: int
+
+
+@dataclass(slots=True)
+class Adapter:
+    """Register the LoRA adapter at ``path`` under ``key`` (loaded when a request first needs it), or, with
+    ``path`` None, forget ``key`` (unloaded once no running row uses it)."""
+
+    key: str
+    path: str | None = None
+    size: int = 0
 
 
 @dataclass(slots=True)

@@ -1,0 +1,391 @@
+"""Many LoRA adapters served unmerged on one base: which adapters a server knows (``Catalog``, in the API
+process), whether an adapter folder fits the base (``inspect``), and which adapters the engine holds in memory
+(``Slots``, in the engine process).
+
+Requests for different adapters share the engine's batch and its KV cache: each forward passes peft's
+``adapter_names`` (one name per row, ``__base__`` for the base), so every LoRA layer adds each adapter's
+``B(A(x))`` to its own rows only. Chosen over a grouped LoRA product (punica's SGMV, S-LoRA) because peft's
+mixed-batch forward computes exactly what the trained adapter computes, in the model's dtype, with no kernel of
+our own to keep correct on every architecture; its cost is one small matmul pair per adapter present in the
+batch per LoRA layer (measured in ``bench/adapters.py``).
+
+Naming: an adapter is registered under a ``name`` (what the OpenAI ``model`` field says) and a ``version`` label,
+with optional ``aliases`` (``champion``, ``challenger``); ``name`` alone is its default version, ``name@3`` or
+``name@challenger`` addresses one version. The engine knows each registered version by a ``key`` of its own
+(``a1``, ``a2``, ...), so a new version of ``name`` loads beside the old one, the rows running on the old one
+finish on it, and the old one is unloaded once nothing addresses it and no row runs on it: a swap without a
+failed request.
+
+Memory: the engine holds at most ``max_loaded`` adapters and ``max_mb`` of their weights, evicting the least
+recently used adapter that no running row uses; an adapter that cannot be placed now (every slot holds an adapter
+whose rows are running) waits for a slot like a request waits for a batch row, and past the queue's deadline gets
+503 with ``Retry-After``, never an out-of-memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ladle.errors import LadleError
+
+RECORD = "ladle-base.json"
+"""Written beside a trained adapter: the signature of the base it was trained on (``lineage.base_signature``)."""
+
+BASE = "__base__"
+"""peft's name of the base in a mixed batch."""
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def write_record(adapter_dir: Path, base_dir: Path, base: str) -> None:
+    """Record in ``adapter_dir`` which base it was trained on: its signature and how the config named it."""
+    from ladle.lifecycle.lineage import base_signature
+
+    record = {"base_signature": base_signature(Path(base_dir)), "base": base}
+    (Path(adapter_dir) / RECORD).write_text(json.dumps(record, indent=1), encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class BaseWeights:
+    """What an adapter is checked against: the base's signature and each weight's shape (safetensors headers)."""
+
+    folder: str
+    signature: str
+    shapes: dict[str, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, folder: str | Path) -> BaseWeights:
+        from ladle.lifecycle.lineage import base_signature
+        from ladle.train.loading import Checkpoint
+
+        checkpoint = Checkpoint(Path(folder))
+        shapes = {name: tuple(stored.shape) for name, stored in checkpoint.tensors.items()}
+        return cls(str(folder), base_signature(Path(folder)), shapes)
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    path: str
+    rank: int
+    targets: tuple[str, ...]
+    bytes: int
+    base_signature: str | None  # None: trained elsewhere, no record of its base (its shapes were checked)
+
+
+def inspect(path: str | Path, base: BaseWeights) -> AdapterInfo:
+    """Whether the LoRA adapter at ``path`` can be served on ``base`` in a mixed batch, and what it holds.
+
+    Raises:
+        LadleError: not a peft LoRA folder, trained on another base (both signatures named), a DoRA adapter (peft
+            cannot mix it into a batch), or a tensor whose module or shape the base does not have.
+    """
+    from safetensors import safe_open
+
+    folder = Path(path)
+    config_file, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights.is_file():
+        raise LadleError(
+            f"adapter {path}: not a LoRA adapter folder (it needs adapter_config.json and adapter_model.safetensors, "
+            "as peft's save_pretrained writes them)."
+        )
+    settings = json.loads(config_file.read_text(encoding="utf-8"))
+    if settings.get("peft_type") != "LORA":
+        raise LadleError(
+            f"adapter {path}: peft_type {settings.get('peft_type')!r}; only LoRA adapters share a batch. Merge it "
+            "and serve it as a model of its own (promote.merge: true)."
+        )
+    if settings.get("use_dora"):
+        raise LadleError(
+            f"adapter {path}: a DoRA adapter (use_dora: true), which peft cannot mix into a batch with other "
+            "adapters. Merge it and serve it as a model of its own (promote.merge: true)."
+        )
+    recorded = None
+    if (folder / RECORD).is_file():
+        recorded = json.loads((folder / RECORD).read_text(encoding="utf-8")).get("base_signature")
+        if recorded and recorded != base.signature:
+            raise LadleError(
+                f"adapter {path}: trained on a base with signature {recorded[:16]}, but this server's base "
+                f"{base.folder} has signature {base.signature[:16]}. Serve it on the base it was trained on."
+            )
+    targets: set[str] = set()
+    with safe_open(weights, framework="pt") as handle:
+        for key in handle.keys():  # noqa: SIM118 - safe_open has no iteration
+            name = key.removeprefix("base_model.model.")
+            shape = tuple(handle.get_slice(key).get_shape())
+            if ".lora_A." in name or ".lora_B." in name:
+                module = name.split(".lora_")[0]
+                target = base.shapes.get(module + ".weight")
+                if target is None:
+                    raise LadleError(
+                        f"adapter {path}: adapts {module}, which the base {base.folder} does not have (its "
+                        "target_modules name layers of another architecture)."
+                    )
+                rows, cols = target[0], target[-1]
+                fits = shape[-1] == cols if ".lora_A." in name else shape[0] == rows
+                if len(target) != 2 or not fits:
+                    raise LadleError(
+                        f"adapter {path}: {name} has shape {list(shape)}, which does not fit {module} of the base "
+                        f"(shape {list(target)}): it was trained on another base."
+                    )
+                targets.add(module.rsplit(".", 1)[-1])
+            elif base.shapes.get(name) != shape:  # modules_to_save: a whole tensor of the base replaced
+                raise LadleError(
+                    f"adapter {path}: replaces {name} (shape {list(shape)}), which the base {base.folder} has "
+                    f"{'as ' + str(list(base.shapes[name])) if name in base.shapes else 'not'}: trained on another base."
+                )
+    if not targets:
+        raise LadleError(f"adapter {path}: holds no LoRA weights.")
+    size = sum(file.stat().st_size for file in folder.glob("adapter_model.*"))
+    return AdapterInfo(str(folder), int(settings.get("r", 0)), tuple(sorted(targets)), size, recorded)
+
+
+@dataclass
+class Version:
+    key: str
+    label: str
+    info: AdapterInfo
+    aliases: set[str] = field(default_factory=set)
+
+
+class Catalog:
+    """The adapters a server answers for, by name, in the API process (thread-safe: the admin routes and the
+    completion routes read and change it from the event loop and its threads)."""
+
+    def __init__(self, base_name: str, base: BaseWeights | None):
+        self.base_name, self.base = base_name, base
+        self.lock = threading.Lock()
+        self.names: dict[str, dict[str, Version]] = {}  # name -> label -> version
+        self.default: dict[str, str] = {}  # name -> label of the version ``name`` alone addresses
+        self.keys = (f"a{n}" for n in itertools.count(1))
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def add(
+        self, name: str, path: str, version: str = "1", aliases: list[str] | None = None, default: bool = True
+    ) -> tuple[Version, list[str]]:
+        """Register version ``version`` of adapter ``name`` from ``path`` (checked against the base first).
+        Returns the new version and the keys that no name addresses any more (the engine drops them).
+
+        Raises:
+            LadleError: a bad name, version or alias, or an adapter that does not fit the base (``inspect``).
+        """
+        if self.base is None:
+            raise LadleError("this server's backend does not serve adapters (serve.backend = transformers does).")
+        if not NAME.match(name) or "@" in name or name == self.base_name:
+            raise LadleError(
+                f"adapter name {name!r}: must be 1-128 characters of letters, digits, '.', '_', '-', '/', must not "
+                f"contain '@' and must differ from the base's name {self.base_name!r}."
+            )
+        for label in [version, *(aliases or [])]:
+            if not LABEL.match(label):
+                raise LadleError(
+                    f"adapter {name}: version or alias {label!r} must be 1-64 letters, digits, '.', '_', '-'."
+                )
+        info = inspect(path, self.base)
+        with self.lock:
+            versions = self.names.setdefault(name, {})
+            added = Version(next(self.keys), version, info, set(aliases or []))
+            replaced = versions.pop(version, None)
+            for other in versions.values():  # an alias names one version at a time
+                other.aliases -= added.aliases
+            versions[version] = added
+            if default or name not in self.default or self.default[name] not in versions:
+                self.default[name] = version
+            return added, self.unaddressed([replaced] if replaced else [])
+
+    def remove(self, name: str, version: str | None = None) -> list[str]:
+        """Forget ``name`` (every version, or one); returns the keys to drop.
+
+        Raises:
+            LadleError: no such adapter or version.
+        """
+        with self.lock:
+            versions = self.names.get(name)
+            if versions is None or (version is not None and version not in versions):
+                raise LadleError(f"adapter {name}{'@' + version if version else ''}: not served here.")
+            gone = list(versions.values()) if version is None else [versions.pop(version)]
+            if version is None or not versions:
+                self.names.pop(name, None)
+                self.default.pop(name, None)
+            elif self.default[name] == version:
+                self.default[name] = next(iter(versions))
+            return [v.key for v in gone]
+
+    def unaddressed(self, versions: list[Version]) -> list[str]:
+        return [v.key for v in versions]
+
+    def resolve(self, model: str | None) -> str | None:
+        """The engine key that the OpenAI ``model`` field addresses; None for the base.
+
+        Raises:
+            KeyError: naming nothing served here (the route answers OpenAI's 404).
+        """
+        if model in (None, self.base_name):
+            return None
+        name, _, label = model.partition("@")
+        with self.lock:
+            versions = self.names.get(name)
+            if versions is None:
+                raise KeyError(model)
+            if not label:
+                return versions[self.default[name]].key
+            for version in versions.values():
+                if label in (version.label, f"v{version.label}") or label in version.aliases:
+                    return version.key
+        raise KeyError(model)
+
+    def listing(self) -> list[dict]:
+        """Every addressable model id, the base first: what ``/v1/models`` lists."""
+        entries = [{"id": self.base_name, "object": "model", "created": 0, "owned_by": "ladle"}]
+        with self.lock:
+            for name, versions in sorted(self.names.items()):
+                default = versions[self.default[name]]
+                entries.append(self.entry(name, default))
+                for version in versions.values():
+                    for label in sorted({version.label, *version.aliases}):
+                        entries.append(self.entry(f"{name}@{label}", version))
+        return entries
+
+    def entry(self, model_id: str, version: Version) -> dict:
+        return {
+            "id": model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ladle",
+            "parent": self.base_name,
+            "version": version.label,
+            "aliases": sorted(version.aliases),
+            "rank": version.info.rank,
+        }
+
+    def described(self) -> list[dict]:
+        """Each adapter with its versions: ``GET /v1/adapters``."""
+        with self.lock:
+            return [
+                {
+                    "name": name,
+                    "default": self.default[name],
+                    "versions": [
+                        {
+                            "version": v.label,
+                            "aliases": sorted(v.aliases),
+                            "path": v.info.path,
+                            "rank": v.info.rank,
+                            "targets": list(v.info.targets),
+                            "bytes": v.info.bytes,
+                            "base_signature": v.info.base_signature,
+                        }
+                        for v in versions.values()
+                    ],
+                }
+                for name, versions in sorted(self.names.items())
+            ]
+
+
+class Slots:
+    """The adapters loaded in the engine's model (engine thread only, but ``register``/``forget``, which any
+    thread may call): at most ``max_loaded`` and ``max_mb`` of weights, least recently used evicted first."""
+
+    def __init__(self, model, max_loaded: int = 8, max_mb: float = 0.0):
+        self.base, self.peft = model, None
+        self.max_loaded, self.max_bytes = max_loaded, int(max_mb * 2**20)
+        self.known: dict[str, tuple[str, int]] = {}  # key -> (folder, bytes)
+        self.loaded: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
+        self.lock = threading.Lock()
+        self.loads = 0
+
+    @property
+    def model(self):
+        return self.peft if self.peft is not None else self.base
+
+    def register(self, key: str, folder: str, size: int) -> None:
+        with self.lock:
+            self.known[key] = (folder, size)
+
+    def forget(self, key: str) -> None:
+        with self.lock:
+            self.known.pop(key, None)
+
+    def names(self, keys: list[str | None]) -> dict:
+        """The forward's keyword for rows of these adapters (None: the base); nothing while none is loaded."""
+        if self.peft is None:
+            return {}
+        return {"adapter_names": [key or BASE for key in keys]}
+
+    def place(self, key: str, busy: set[str]) -> bool:
+        """Make ``key`` loaded, evicting least recently used adapters outside ``busy``; False when it cannot be
+        placed now (the budget is held by adapters that running rows use).
+
+        Raises:
+            LadleError: ``key`` is not registered (any more), or its folder does not load.
+        """
+        if key in self.loaded:
+            self.loaded.move_to_end(key)
+            return True
+        with self.lock:
+            entry = self.known.get(key)
+        if entry is None:
+            raise LadleError(f"adapter {key} is no longer served here (a newer version replaced it); retry.")
+        folder, size = entry
+        if self.max_bytes and size > self.max_bytes:
+            raise LadleError(f"adapter {folder}: {size / 2**20:.1f} MiB alone exceeds serve.adapters.max_mb.")
+        self.sweep(busy)
+        while len(self.loaded) >= self.max_loaded or (
+            self.max_bytes and sum(self.loaded.values()) + size > self.max_bytes
+        ):
+            victim = next((k for k in self.loaded if k not in busy), None)
+            if victim is None:
+                return False
+            self.unload(victim)
+        self.load(key, folder, size)
+        self.sweep(busy | {key})
+        return True
+
+    def sweep(self, busy: set[str]) -> None:
+        """Unload what is loaded but no longer registered and used by no running row."""
+        with self.lock:
+            stale = [k for k in self.loaded if k not in self.known and k not in busy]
+        for key in stale:
+            self.unload(key)
+
+    def load(self, key: str, folder: str, size: int) -> None:
+        from peft import PeftModel
+
+        try:
+            if self.peft is None:
+                self.peft = PeftModel.from_pretrained(self.base, folder, adapter_name=key, is_trainable=False)
+            elif key not in self.peft.peft_config:  # (the last one unloaded may still be there: ``unload``)
+                self.peft.load_adapter(folder, adapter_name=key, is_trainable=False)
+        except Exception as exc:  # noqa: BLE001 - the folder changed since it was checked: this adapter fails alone
+            raise LadleError(f"adapter {folder} did not load: {type(exc).__name__}: {exc}") from None
+        self.peft.eval()
+        self.loaded[key] = size
+        self.loads += 1
+        for stale in [k for k in self.peft.peft_config if k not in self.loaded]:
+            self.delete(stale)
+
+    def unload(self, key: str) -> None:
+        """Delete ``key``'s weights. peft cannot run with no adapter once it wraps the model, so the last one's
+        weights stay (unaddressed) until the next load deletes them: with ``max_loaded = 1`` two adapters are in
+        memory for the moment of a swap."""
+        self.loaded.pop(key, None)
+        if len(self.peft.peft_config) > 1:
+            self.delete(key)
+
+    def delete(self, key: str) -> None:
+        """peft's delete, then an adapter that exists made the active one (peft may leave the deleted one named
+        active, and its forward looks the active one up even when every row names its own)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Adapter X was active which is now deleted": rows name their own
+            self.peft.delete_adapter(key)
+            if self.peft.active_adapter not in self.peft.peft_config:
+                self.peft.set_adapter(next(iter(self.peft.peft_config)))
