@@ -57,6 +57,25 @@ class ServeKubernetesConfig(KubernetesPods):
 BACKEND_PREAMBLE = "Inference backend. "
 
 
+class ServeAdaptersConfig(Section):
+    max_loaded: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="LoRA adapters a server holds in memory beside its base (transformers backend). A request for "
+        "another is served once the least recently used adapter without running requests is unloaded; while every "
+        "loaded adapter has requests running it waits, and past serve.limits.queue_timeout_s gets 503 with "
+        "Retry-After.",
+    )
+    max_mb: float = Field(
+        0.0,
+        ge=0,
+        le=1_000_000,
+        description="Cap on the loaded adapters' weights, in MiB (evicting as max_loaded does). 0: no cap but "
+        "max_loaded.",
+    )
+
+
 class ServeConfig(Section):
     backend: str = Field(
         default_factory=lambda: backends.REGISTRY.first().name,  # the first registered: runs anywhere
@@ -138,6 +157,11 @@ class ServeConfig(Section):
     )
     kubernetes: ServeKubernetesConfig = Field(
         default_factory=ServeKubernetesConfig, description="Options of serve.target kubernetes."
+    )
+    adapters: ServeAdaptersConfig = Field(
+        default_factory=ServeAdaptersConfig,
+        description="LoRA adapters served unmerged beside the base (`promote.merge: false`, `ladle serve --adapter`): "
+        "how many the server holds in memory at once.",
     )
     limits: ServeLimits = Field(
         default_factory=ServeLimits,

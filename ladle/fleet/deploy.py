@@ -59,6 +59,8 @@ def backend_options(cfg: ServeConfig) -> dict:
         "tensor_parallel": cfg.tensor_parallel,
         "replica_num": cfg.replica_num,
         "start_timeout_s": cfg.start_timeout_s,
+        "max_adapters": cfg.adapters.max_loaded,
+        "adapters_mb": cfg.adapters.max_mb,
     }
 
 

@@ -303,10 +303,6 @@ class Slots:
         self.lock = threading.Lock()
         self.loads = 0
 
-    @property
-    def model(self):
-        return self.peft if self.peft is not None else self.base
-
     def register(self, key: str, folder: str, size: int) -> None:
         with self.lock:
             self.known[key] = (folder, size)
@@ -352,6 +348,8 @@ class Slots:
 
     def sweep(self, busy: set[str]) -> None:
         """Unload what is loaded but no longer registered and used by no running row."""
+        if len(self.known) >= len(self.loaded) and all(k in self.known for k in self.loaded):
+            return
         with self.lock:
             stale = [k for k in self.loaded if k not in self.known and k not in busy]
         for key in stale:

@@ -196,6 +196,8 @@ class Engine:
         """The waiting jobs that join now: in arrival order, while the batch has a row free and the KV budget
         holds the batch with them to the end of every row. A job that does not fit waits, and so does everyone
         behind it (no request is passed over for ever by shorter ones)."""
+        if self.adapters is not None:  # versions nothing addresses any more go once their rows have ended
+            self.adapters.sweep({job.adapter for job in batch.jobs if job.adapter})
         arrivals: list[Job] = []
         held: list[Job] = []  # their adapter has no slot now: they keep their place, the others go on
         while self.waiting and len(batch.jobs) + len(arrivals) < self.max_batch:
@@ -232,9 +234,9 @@ class Engine:
 
     def forward(self, jobs: list[Job], **inputs):
         """The model's forward over rows of ``jobs``, each on its own adapter when adapters are served."""
-        if self.adapters is None:
+        if self.adapters is None or self.adapters.peft is None:  # no adapter loaded yet: the model as it is
             return self.model(**inputs)
-        return self.adapters.model(**inputs, **self.adapters.names([job.adapter for job in jobs]))
+        return self.adapters.peft(**inputs, **self.adapters.names([job.adapter for job in jobs]))
 
 
 def fail(jobs: list[Job], exc: Exception) -> None:

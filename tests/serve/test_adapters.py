@@ -1,0 +1,310 @@
+"""Many LoRA adapters on one base (``ladle.serve.adapters``): requests for different adapters share one batch and
+each gets exactly its merged model's greedy answer (float32, same tokens, log-probabilities within 1e-4), with
+fewer slots than adapters (least recently used evicted, reloaded on demand); a new version swaps in while a request
+on the old one finishes on it; a budget that cannot hold an adapter answers 503, never an out-of-memory; and an
+adapter that does not fit the base is refused naming why. Then the same through a real two-process server and the
+OpenAI SDK: ``/v1/models``, the ``model`` field, 404 in OpenAI's shape, streamed and whole, structured output per
+adapter, and an adapter added while traffic runs with no failed request."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from ladle.errors import LadleError
+from ladle.serve.adapters import RECORD, BaseWeights, Catalog, inspect
+from ladle.serve.rows import Job
+from ladle.serve.transformers_backend import TransformersBackend
+from tests.serve.adapter_kit import SHAPES, make_adapter, make_set
+
+PROMPTS = ["red blue green", "one two three four", "x y", "the colour of"]
+
+
+@pytest.fixture(scope="module")
+def kit(tiny_model, tmp_path_factory):
+    return make_set(tiny_model, tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def merged(kit, tiny_model):
+    """Each adapter's merged model, and the base, served alone: the references."""
+    engines = {name: TransformersBackend(str(folder), max_batch=8) for name, (_, folder) in kit.items()}
+    engines[None] = TransformersBackend(str(tiny_model), max_batch=8)
+    return engines
+
+
+def submit(backend, prompt: str, adapter: str | None = None, **fields) -> tuple[Job, threading.Event, dict]:
+    done, end = threading.Event(), {}
+
+    def emit(kind, data):
+        if kind in ("done", "error"):
+            end[kind] = data
+            done.set()
+
+    ids = backend.tokenizer(prompt, add_special_tokens=False).input_ids
+    job = Job(ids=ids, max_new_tokens=fields.pop("max_new_tokens", 12), adapter=adapter, emit=emit, **fields)
+    backend.submit(job)
+    return job, done, end
+
+
+def finished(job_done_end) -> Job:
+    job, done, end = job_done_end
+    assert done.wait(60), "no answer within 60 s"
+    assert "done" in end, end
+    return job
+
+
+def registered(backend, catalog: Catalog, kit) -> dict[str | None, str | None]:
+    keys: dict[str | None, str | None] = {None: None}
+    for name, (folder, _) in kit.items():
+        version, _ = catalog.add(name, str(folder))
+        backend.add_adapter(version.key, version.info.path, version.info.bytes)
+        keys[name] = version.key
+    return keys
+
+
+def test_mixed_adapters_in_one_batch_answer_as_their_merged_models_with_fewer_slots_than_adapters(
+    kit, merged, tiny_model
+):
+    backend = TransformersBackend(str(tiny_model), max_batch=8, max_adapters=2)
+    batches: list[int] = []
+    backend.report_batches(batches.append)
+    keys = registered(backend, Catalog("tiny", BaseWeights.of(tiny_model)), kit)
+    names = [None, *SHAPES]
+    sent = [(name, prompt, submit(backend, prompt, keys[name], logprobs=1)) for prompt in PROMPTS for name in names]
+    answers = [(name, prompt, finished(job)) for name, prompt, job in sent]
+    assert max(batches) > 2, f"requests of different adapters never shared a batch: {batches}"
+    evicted = next(name for name in SHAPES if keys[name] not in backend.slots.loaded)
+    answers.append((evicted, PROMPTS[0], finished(submit(backend, PROMPTS[0], keys[evicted], logprobs=1))))
+    assert backend.slots.loads > len(SHAPES), "two slots for three adapters: one was evicted and loaded again"
+    assert len(backend.slots.loaded) <= 2
+    for name, prompt, job in answers:
+        alone = finished(submit(merged[name], prompt, logprobs=1))
+        assert job.tokens == alone.tokens, (name, prompt)
+        gap = max(
+            abs(a["logprob"] - b["logprob"]) for a, b in zip(job.token_logprobs, alone.token_logprobs, strict=True)
+        )
+        assert gap < 1e-4, (name, prompt, gap)
+    distinct = {tuple(job.tokens) for name, prompt, job in answers if prompt == PROMPTS[0]}
+    assert len(distinct) == len(names), "every adapter changes the answer (else the check above proves nothing)"
+
+
+def test_a_new_version_swaps_in_while_a_request_on_the_old_one_finishes_on_it(kit, merged, tiny_model):
+    backend = TransformersBackend(str(tiny_model), max_batch=8, max_adapters=4)
+    catalog = Catalog("tiny", BaseWeights.of(tiny_model))
+    first, _ = catalog.add("bot", str(kit["red"][0]), version="1")
+    backend.add_adapter(first.key, first.info.path, first.info.bytes)
+    long = submit(backend, PROMPTS[0], catalog.resolve("bot"), max_new_tokens=60, logit_bias={2: -100.0})
+    while not long[0].tokens:
+        time.sleep(0.01)
+    second, dropped = catalog.add("bot", str(kit["blue"][0]), version="2")
+    assert dropped == []  # version 1 stays addressable as bot@1
+    backend.add_adapter(second.key, second.info.path, second.info.bytes)
+    now = finished(submit(backend, PROMPTS[0], catalog.resolve("bot")))
+    assert now.tokens == finished(submit(merged["blue"], PROMPTS[0])).tokens
+    assert catalog.resolve("bot@1") == first.key and catalog.resolve("bot@v2") == second.key
+    old = finished(long)
+    assert old.tokens[:12] == finished(submit(merged["red"], PROMPTS[0], logit_bias={2: -100.0})).tokens
+    for key in catalog.remove("bot", "1"):
+        backend.drop_adapter(key)
+    finished(submit(backend, PROMPTS[1], catalog.resolve("bot")))  # a turn after the drop: the old one is unloaded
+    assert first.key not in backend.slots.loaded and second.key in backend.slots.loaded
+    with pytest.raises(KeyError):
+        catalog.resolve("bot@1")
+
+
+def test_an_adapter_the_budget_cannot_hold_gets_503_and_a_held_one_waits_for_a_slot(kit, tiny_model):
+    small = TransformersBackend(str(tiny_model), max_batch=4, max_adapters=1, adapters_mb=0.001)
+    keys = registered(small, Catalog("tiny", BaseWeights.of(tiny_model)), kit)
+    job, done, end = submit(small, PROMPTS[0], keys["red"])
+    assert done.wait(30) and end["error"]["status"] == 503
+    assert "serve.adapters.max_mb" in end["error"]["message"]
+    assert finished(submit(small, PROMPTS[0])).tokens  # the base still serves
+
+    one = TransformersBackend(str(tiny_model), max_batch=4, max_adapters=1)
+    keys = registered(one, Catalog("tiny", BaseWeights.of(tiny_model)), kit)
+    running = submit(one, PROMPTS[0], keys["red"], max_new_tokens=40, logit_bias={2: -100.0})
+    while not running[0].tokens:
+        time.sleep(0.01)
+    late = submit(one, PROMPTS[0], keys["blue"])
+    late[0].deadline = time.monotonic() + 0.05  # its slot is held by the running request past this deadline
+    assert late[1].wait(30) and late[2]["error"]["status"] == 503
+    assert "serve.adapters.max_loaded = 1" in late[2]["error"]["message"]
+    waits = submit(one, PROMPTS[0], keys["green"])  # no deadline: served once the running request ends
+    assert finished(running).tokens and finished(waits).tokens
+
+
+def test_adapters_that_do_not_fit_the_base_are_refused_naming_why(kit, tiny_model, tmp_path):
+    base = BaseWeights.of(tiny_model)
+    catalog = Catalog("tiny", base)
+    foreign = shutil.copytree(kit["red"][0], tmp_path / "foreign")
+    (foreign / RECORD).write_text(json.dumps({"base_signature": "f" * 64}))
+    with pytest.raises(
+        LadleError, match=f"signature ffffffffffffffff, but this server's base .* {base.signature[:16]}"
+    ):
+        catalog.add("foreign", str(foreign))
+    dora = shutil.copytree(kit["red"][0], tmp_path / "dora")
+    settings = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**settings, "use_dora": True}))
+    with pytest.raises(LadleError, match=r"DoRA .*\(promote.merge: true\)"):
+        inspect(dora, base)
+    unrecorded = make_adapter(tiny_model, tmp_path / "bare", 4, ["q_proj"], 5, record=False)
+    assert inspect(unrecorded, base).base_signature is None  # trained elsewhere: accepted on its shapes
+    wrong = BaseWeights(base.folder, base.signature, {k: (v[0] + 1, *v[1:]) for k, v in base.shapes.items()})
+    with pytest.raises(LadleError, match="does not fit .* trained on another base"):
+        inspect(unrecorded, wrong)
+    missing = BaseWeights(base.folder, base.signature, {k: v for k, v in base.shapes.items() if "q_proj" not in k})
+    with pytest.raises(LadleError, match="adapts model.layers.0.self_attn.q_proj, which the base"):
+        inspect(unrecorded, missing)
+    with pytest.raises(LadleError, match="not a LoRA adapter folder"):
+        inspect(tiny_model, base)
+    for bad in ("tiny", "a@b", ""):
+        with pytest.raises(LadleError, match="adapter name"):
+            catalog.add(bad, str(unrecorded))
+    with pytest.raises(KeyError):
+        catalog.resolve("nobody")
+
+
+@pytest.fixture(scope="module")
+def split(kit, tiny_model, tmp_path_factory):
+    """A real server (API and engine processes) over the tiny base with two adapters from the command line."""
+    import subprocess
+    import sys
+
+    from ladle.platform.processes import free_port, stop_process
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("split-adapters") / "server.log"
+    argv = [sys.executable, "-m", "ladle.serve", "--model", str(tiny_model), "--name", "tiny", "--port", str(port)]
+    argv += ["--adapter", f"red={kit['red'][0]}", "--adapter", f"blue={kit['blue'][0]}"]
+    argv += ["--option", "max_adapters=2", "--max-new-tokens", "12"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        stop_process(proc, grace_s=20, group=True)
+
+
+def chat(client, model: str, text: str, **extra):
+    settings = {"max_tokens": 12, "temperature": 0, **extra}
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], **settings)
+
+
+def test_through_the_server_the_model_field_picks_the_adapter_whole_and_streamed(split, merged, kit):
+    client = openai.OpenAI(base_url=f"{split}/v1", api_key="unused", max_retries=0)
+    listed = {m.id for m in client.models.list().data}
+    assert {"tiny", "red", "blue", "red@1", "blue@1"} <= listed
+    reference = {name: openai_reference(merged[name], PROMPTS[0]) for name in ("red", "blue", None)}
+    results: dict[tuple, list] = {}
+
+    def ask(model: str, stream: bool) -> None:  # each answer as its tokens' bytes (the tiny model's text is not UTF-8)
+        if stream:
+            chunks = chat(client, model, PROMPTS[0], stream=True, logprobs=True)
+            results[model, stream] = [
+                t.bytes for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+            ]
+        else:
+            answer = chat(client, model, PROMPTS[0], logprobs=True)
+            assert answer.model == model
+            results[model, stream] = [t.bytes for t in answer.choices[0].logprobs.content]
+
+    threads = [threading.Thread(target=ask, args=(m, s)) for m in ("red", "blue", "tiny") for s in (False, True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(results) == 6
+    for (model, _), tokens in results.items():
+        assert tokens == reference[None if model == "tiny" else model], model
+    assert len({json.dumps(v) for v in results.values()}) == 3, "each adapter changes the answer"
+
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "blue"]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    for model in ("red", "blue"):
+        shaped = chat(
+            client,
+            model,
+            "a colour as JSON",
+            max_tokens=100,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        )
+        assert json.loads(shaped.choices[0].message.content)["colour"] in ("red", "blue")
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        chat(client, "purple", "hi")
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+
+
+def test_an_adapter_added_and_removed_under_traffic_fails_no_request(split, merged, kit):
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def traffic(model: str) -> None:
+        with httpx.Client(timeout=60) as http:
+            while not stop.is_set():
+                body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0}
+                answer = http.post(f"{split}/v1/completions", json=body)
+                if answer.status_code != 200:
+                    errors.append(answer.text)
+
+    threads = [threading.Thread(target=traffic, args=(m,)) for m in ("red", "blue", "tiny")]
+    for thread in threads:
+        thread.start()
+    try:
+        added = httpx.post(
+            f"{split}/v1/adapters",
+            json={"name": "green", "path": str(kit["green"][0]), "version": "3", "aliases": ["champion"]},
+            timeout=30,
+        )
+        assert added.status_code == 200, added.text
+        body = {"model": "green@champion", "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0}
+        answer = httpx.post(f"{split}/v1/completions", json=body, timeout=60).json()
+        expected = finished(submit(merged["green"], PROMPTS[1], max_new_tokens=6))
+        assert answer["choices"][0]["text"] == expected.text
+        refused = httpx.post(f"{split}/v1/adapters", json={"name": "odd", "path": str(kit["red"][1])}, timeout=30)
+        assert refused.status_code == 400 and "not a LoRA adapter folder" in refused.json()["error"]["message"]
+        assert httpx.delete(f"{split}/v1/adapters/green", timeout=30).status_code == 200
+        assert httpx.post(f"{split}/v1/completions", json=body, timeout=30).status_code == 404
+        described = httpx.get(f"{split}/v1/adapters", timeout=30).json()
+        assert [a["name"] for a in described["data"]] == ["blue", "red"]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    assert errors == []
+
+
+def openai_reference(backend, text: str) -> list[list[int]]:
+    """The merged model's greedy chat answer, as each token's bytes."""
+    ids = backend.encode_chat([{"role": "user", "content": text}])
+    done, end = threading.Event(), {}
+
+    def emit(kind, data):
+        if kind in ("done", "error"):
+            end[kind] = data
+            done.set()
+
+    job = Job(ids=ids, max_new_tokens=12, logprobs=0, emit=emit)
+    backend.submit(job)
+    assert done.wait(60) and "done" in end
+    return [entry["bytes"] for entry in job.token_logprobs]
