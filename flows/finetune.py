@@ -139,7 +139,7 @@ def finetune(
             RewardSet.of_run(config.training, inputs.reward_files),
         )
         clock.lap("evaluate")
-        endpoint = deploy_task(config.serving(), config.name, merged, prepared)
+        endpoint = deploy_task(config.serving(), config.name, merged, prepared, result, config.promote, inputs.base_dir)
         clock.lap("deploy")
         decision = (
             promote_task(config, inputs, merged, prepared, scores, endpoint, result, plan, track, flow_run_id)
@@ -164,6 +164,8 @@ def finetune(
         "answer": endpoint.answer,
         "expected": endpoint.expected,
         "answer_correct": endpoint.answer_correct,
+        "parity": endpoint.parity.model_dump() if endpoint.parity else None,
+        "served_unmerged": endpoint.unmerged,
         "mlflow_run_id": track.run_id,
         "mlflow_tracking_uri": redact_url(track.uri),
         "flow_run_id": flow_run_id,

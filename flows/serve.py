@@ -50,10 +50,10 @@ def serve_champion(
     logger = get_run_logger()
     if version:
         logger.info("event: %s v%s became champion", name, version)
-    served = champion.reconcile(uri, name, cfg.serving(), cfg.promote.canary)
-    logger.info(served.message())
-    if served.action != "unchanged":
+    served, line = champion.serve_registered(uri, name, cfg)
+    logger.info(line)
+    if served["action"] != "unchanged":
         create_link_artifact(
-            key="served", link=served.front_url, description=f"{name} v{served.version} ({served.action})"
+            key="served", link=served["front_url"], description=f"{name} v{served['version']} ({served['action']})"
         )
-    return Completed(message=served.message(), data=served.model_dump())
+    return Completed(message=line, data=served)

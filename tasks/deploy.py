@@ -1,21 +1,79 @@
-"""Prefect task: start the inference server and check it answers."""
+"""Prefect task: start the inference server, check it answers and that it computes what training did."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact
 
-from ladle.config import ServeConfig
+from ladle.config import PromoteConfig, ServeConfig
 from ladle.data.prepare import PreparedDataset
 from ladle.fleet.deploy import Endpoint, deploy
+from ladle.lifecycle import parity
 from ladle.lifecycle.evaluate import load_samples
 from ladle.lifecycle.merge import MergedModel
+from ladle.serve import backends
 from ladle.tasks.policy import retry_unless_user_error
+from ladle.train.spec import TrainResult
+
+
+def parity_check(merged: MergedModel, result: TrainResult, promote: PromoteConfig, base_dir: str, unmerged: bool):
+    """``(url, model, headers) -> Parity`` against the training process's log-probabilities of the probe, or the
+    saved weights' when the strategy split its forward (see ``ladle.lifecycle.parity``); None without probe rows."""
+    rows = [parity.ProbeRow.model_validate(row) for row in result.parity_probe]
+    if not rows:
+        return None
+    tolerance = promote.parity_tolerance or parity.TOLERANCE[result.weights_dtype]
+
+    def measure(url: str, model: str, headers: dict) -> parity.Parity:
+        from transformers import AutoTokenizer
+
+        from ladle.fleet.deploy import local_model_dir
+
+        if result.parity_logps is not None:
+            reference, how = result.parity_logps, "training process"
+        else:  # the strategy split one forward over ranks: the weights it saved, loaded as transformers does
+            how = f"saved weights ({result.strategy} splits the training forward over ranks)"
+            if unmerged:
+                adapter = MergedModel(url=merged.adapter_url, sha256=merged.adapter_sha256, parameters=0)
+                reference = parity.saved_logps(base_dir, rows, local_model_dir(adapter))
+            else:
+                reference = parity.saved_logps(local_model_dir(merged), rows)
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+        return parity.check(url, model, rows, reference, how, tolerance, tokenizer, headers)
+
+    return measure
 
 
 @task(name="deploy-server", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
-def deploy_task(serving: ServeConfig, name: str, merged: MergedModel, prepared: PreparedDataset) -> Endpoint:
-    endpoint = deploy(merged, serving, name, held_out=load_samples(prepared, 1))
+def deploy_task(
+    serving: ServeConfig,
+    name: str,
+    merged: MergedModel,
+    prepared: PreparedDataset,
+    result: TrainResult | None = None,
+    promote: PromoteConfig | None = None,
+    base_dir: str | None = None,
+) -> Endpoint:
+    unmerged = promote is not None and not promote.merge and merged.adapter_url is not None
+    check = None
+    if result is not None and promote is not None and base_dir is not None:
+        check = parity_check(merged, result, promote, base_dir, unmerged)
+        if check is not None and not backends.get(serving.backend).supports_logprobs:
+            why = f"not measured: the {serving.backend} backend returns no log-probabilities"
+
+            def check(url, model, headers):
+                return parity.Parity(ok=None, reference="-", where=why)
+
+    endpoint = deploy(
+        merged,
+        serving,
+        name,
+        held_out=load_samples(prepared, 1),
+        base_dir=Path(base_dir) if unmerged else None,
+        parity_of=check,
+    )
     logger = get_run_logger()
     verdict = (
         ""
@@ -23,6 +81,20 @@ def deploy_task(serving: ServeConfig, name: str, merged: MergedModel, prepared: 
         else f" (expected {endpoint.expected!r}: {'correct' if endpoint.answer_correct else 'wrong'})"
     )
     logger.info("smoke request %r answered %r%s", endpoint.prompt, endpoint.answer, verdict)
+    if endpoint.parity is not None:
+        p = endpoint.parity
+        if p.ok:
+            logger.info(
+                "parity: the server computes what training did (%d answer tokens of %d held-out conversations, "
+                "max |difference| %.3g <= %g, reference: %s)",
+                p.answer_tokens,
+                p.rows,
+                p.max_abs,
+                p.tolerance,
+                p.reference,
+            )
+        else:
+            logger.warning("parity: the served model is not the trained one: %s", p.where)
     if endpoint.running:
         create_link_artifact(
             key="endpoint", link=endpoint.url, description=f"{endpoint.backend} server, pid {endpoint.pid}"

@@ -10,7 +10,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
-from ladle.fleet.champion import model_dir_of
+from ladle.fleet.champion import full_model_dir_of
 from ladle.fleet.deploy import Endpoint
 from ladle.lifecycle import gate, lineage, promote
 from ladle.lifecycle.evaluate import Evaluation, score
@@ -39,7 +39,7 @@ def reference_scores(
     reference = Path(base_dir) if base_dir else None
     # cached per (champion files, data)
     rewards = RewardSet.of_run(cfg.training, reward_files or {})  # grpo: held-out prompts scored by the rewards
-    scores, _ = score(model_dir_of(current), prepared, cfg.eval, reference=reference, rewards=rewards)
+    scores, _ = score(full_model_dir_of(current), prepared, cfg.eval, reference=reference, rewards=rewards)
     return scores.values, f"champion v{current.version}"
 
 
@@ -94,6 +94,23 @@ def promote_task(
     name = inputs.registered_model
     tags = lineage_tags(cfg, inputs, merged, evaluation, result, plan, flow_run_id)
     tags["ladle.smoke_answer_correct"] = str(endpoint.answer_correct)
+    source = merged.url
+    if not cfg.promote.merge and merged.adapter_url:  # the adapter itself, served on a server of its base
+        source = merged.adapter_url
+        tags.update(
+            {
+                "ladle.kind": "adapter",
+                "ladle.model_sha256": merged.adapter_sha256 or "",
+                "ladle.merged_sha256": merged.sha256,
+                "ladle.merged_url": merged.url,
+                "ladle.base_signature": merged.base_signature or "",
+            }
+        )
+    parity_failure = None
+    if endpoint.parity is not None:
+        tags["ladle.parity"] = endpoint.parity.model_dump_json()
+        if endpoint.parity.ok is False and cfg.promote.parity:
+            parity_failure = endpoint.parity.where
     metric = cfg.gate_metric()
     rule = gate.Rule(
         metric=metric,
@@ -101,11 +118,12 @@ def promote_task(
         min_improvement=cfg.promote.min_improvement,
         max_probe_drop=cfg.promote.max_probe_drop,
         canary=canary_plan(cfg),
+        parity_failure=parity_failure,
     )
     version, decision, current = gate.gate_and_promote(
         tracking.uri,
         name,
-        merged.url,
+        source,
         evaluation.model,
         lambda champ: reference_scores(cfg, prepared, evaluation, champ, inputs.base_dir, inputs.reward_files),
         rule,

@@ -50,6 +50,21 @@ def progress_relay(logger, min_interval_s: float = 2.0):
     return relay
 
 
+def parity_probe(cfg: LadleConfig, prepared: PreparedDataset, base_dir: str):
+    """The held-out conversations the served model is compared on (``ladle.lifecycle.parity``), as training
+    tokenizes them; none for grpo (its held-out rows are prompts without answers)."""
+    from pathlib import Path
+
+    from ladle.data.prepare import load_tokenizer
+    from ladle.lifecycle import parity
+    from ladle.lifecycle.evaluate import load_samples
+
+    if cfg.training.objective == "grpo":
+        return []
+    conversations = load_samples(prepared, 4 * parity.PROBE_ROWS)
+    return parity.probe(load_tokenizer(Path(base_dir)), conversations, cfg.data) if conversations else []
+
+
 # A retry resumes from the last complete checkpoint of the same run folder.
 @task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
 def train_task(
@@ -71,6 +86,7 @@ def train_task(
         tracking_uri=tracking.uri,
         mlflow_run_id=tracking.run_id,
         reward_files=reward_files or {},
+        parity_probe=[row.model_dump() for row in parity_probe(cfg, prepared, base_dir)],
     )
     result = compute.get(cfg).run(
         spec,
@@ -79,4 +95,4 @@ def train_task(
         on_command=lambda command: logger.info("launch: %s", command),
     )
     log_loss_curve(tracking, result.train_losses, result.eval_loss_before, result.eval_loss_after)
-    return result
+    return result.model_copy(update={"parity_probe": spec.parity_probe})

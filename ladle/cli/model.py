@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 
 import typer
@@ -63,16 +64,25 @@ def list_(name: str = NAME, uri: str | None = URI, config: str | None = CONFIG_O
             "flow_run_id": v.tags.get("ladle.flow_run_id"),
             "created": datetime.datetime.fromtimestamp(v.created_ms / 1000, datetime.UTC).isoformat(timespec="seconds"),
             "source": v.source,
+            "kind": v.tags.get("ladle.kind", "merged"),
+            "base_signature": v.tags.get("ladle.base_signature"),
+            "parity": json.loads(v.tags["ladle.parity"]) if "ladle.parity" in v.tags else None,
         }
         for v in found
     ]
     check = retraining.retraining_check(store, name)
+    held = None
+    if any(row["kind"] == "adapter" for row in rows):
+        from ladle.fleet.adapters import holders
+
+        held = holders().get(name)
     if as_json:
         print_json(
             {
                 "model": name,
                 "champion_history": promote.history(store, name),
                 "last_retraining_check": check,
+                "served_on": held,
                 "versions": rows,
             }
         )
@@ -91,6 +101,9 @@ def list_(name: str = NAME, uri: str | None = URI, config: str | None = CONFIG_O
             row["created"],
         )
     console.print(table)
+    if held is not None:
+        versions = ", ".join(f"v{v} ({', '.join(a) or 'no alias'})" for v, a in held["versions"].items())
+        console.print(f"served on {held['base']} at {held['front_url']}: {versions}", highlight=False)
     if check is not None:
         when = datetime.datetime.fromtimestamp(check["at"], datetime.UTC).isoformat(timespec="seconds")
         console.print(
@@ -180,17 +193,18 @@ def serve(
     set_: list[str] = SET,
     as_json: bool = JSON,
 ) -> None:
-    """Serve the champion on serve.front_port, or swap the front to it: start, check, switch, drain the old."""
+    """Serve the champion on serve.front_port, or swap the front to it: start, check, switch, drain the old. An
+    adapter (promote.merge: false) goes on the server of its base, beside that base's other adapters."""
     from ladle.fleet import champion
     from ladle.lifecycle import tracking
 
     cfg = load(config, set_, None, None)
     uri, _ = tracking.tracking_uri(cfg)
-    served = champion.reconcile(uri, cfg.tracking.registered_model or cfg.name, cfg.serving(), cfg.promote.canary)
+    served, line = champion.serve_registered(uri, cfg.tracking.registered_model or cfg.name, cfg)
     if as_json:
-        print_json(served.model_dump())
+        print_json(served)
         return
-    console.print(served.message(), highlight=False)
+    console.print(line, highlight=False)
 
 
 @app.command("status")

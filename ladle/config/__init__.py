@@ -40,6 +40,7 @@ from ladle.config.training import (
 )
 from ladle.errors import ConfigError, LadleError
 from ladle.section import Section
+from ladle.serve import backends
 
 __all__ = [
     "BUILTIN_METRICS",
@@ -177,6 +178,28 @@ class LadleConfig(Section):
                 "held-out prompts by; set training.objective=grpo, or eval.metric=exact_match"
             )
         problems += rl_problems(t)
+        if not self.promote.merge:
+            if not t.lora.enabled:
+                problems.append(
+                    "promote.merge = false with training.lora.enabled = false: a full fine-tune has no adapter to "
+                    "register unmerged; set training.lora.enabled=true, or promote.merge=true"
+                )
+            if not backends.get(self.serve.backend).serves_adapters:
+                problems.append(
+                    f"promote.merge = false with serve.backend = {self.serve.backend}: that backend serves no "
+                    "adapters beside a base; set serve.backend=transformers, or promote.merge=true"
+                )
+            if self.promote.canary is not None:
+                problems.append(
+                    "promote.merge = false with promote.canary: an adapter's canary is not available yet (adapters "
+                    "are promoted by the gate, and served versions follow the registry's aliases); remove "
+                    "promote.canary, or set promote.merge=true"
+                )
+            if self.serve.target == "kubernetes":
+                problems.append(
+                    "promote.merge = false with serve.target = kubernetes: adapters are served on this machine's "
+                    "base servers only for now; set serve.target=local, or promote.merge=true"
+                )
         if pref.label_smoothing and pref.loss not in ("robust", "simpo"):
             problems.append(
                 f"training.preference.label_smoothing = {pref.label_smoothing}: the {pref.loss} loss has none; "

@@ -291,6 +291,26 @@ class CanaryConfig(Section):
 
 
 class PromoteConfig(Section):
+    merge: bool = Field(
+        True,
+        description="Register the model merged into a full copy of the base (served by a server of its own). false: "
+        "register the LoRA adapter itself, with the signature of the base it was trained on, served unmerged on a "
+        "server of that base beside other adapters (`ladle model serve` puts it there; "
+        "docs/howto/adapters.md). Evaluation scores the same weights either way.",
+    )
+    parity: bool = Field(
+        True,
+        description="Before promotion, the server's log-probabilities of held-out answers must equal the trained "
+        "model's forward in the training process, and its chat template must give the prompt tokens training "
+        "used; a mismatch blocks promotion and says where the two differ. false: measured and reported, not gated.",
+    )
+    parity_tolerance: float | None = Field(
+        None,
+        gt=0,
+        le=10,
+        description="Largest per-token log-probability difference the parity gate allows. null: 1e-4 for weights "
+        "trained in float32, 0.25 for 16-bit ones.",
+    )
     metric: str | None = Field(
         None,
         description="Score that decides promotion: `loss` or `eval.metric`'s name. null: `eval.metric`.",

@@ -130,6 +130,23 @@ def model_dir_of(version: promote.Version):
         raise LadleError(f"v{version.version}: {exc}") from None
 
 
+def full_model_dir_of(version: promote.Version):
+    """A full model of the version on local disk: its folder, or for an adapter (``promote.merge: false``) the
+    merged copy its run scored (``ladle.merged_url``), for scoring it or training from it."""
+    if version.tags.get("ladle.kind") != "adapter":
+        return model_dir_of(version)
+    url, sha = version.tags.get("ladle.merged_url"), version.tags.get("ladle.merged_sha256")
+    if not url or not sha:
+        raise LadleError(
+            f"{version.name} v{version.version} is an adapter registered without its merged copy (tags "
+            "ladle.merged_url, ladle.merged_sha256); register it again from its run."
+        )
+    try:
+        return local_model_dir(MergedModel(url=url, sha256=sha, parameters=0))
+    except ValueError as exc:
+        raise LadleError(f"v{version.version}: {exc}") from None
+
+
 def start_version(name: str, version: promote.Version, cfg: ServeConfig) -> tuple[subprocess.Popen, str, Path]:
     """Start ``version`` on a free port; ready and answering (its process, URL and log), or stopped and
     ``SwapFailed``."""
@@ -195,6 +212,24 @@ def reconcile(uri: str, name: str, cfg: ServeConfig, canary: CanaryConfig | None
             "canary": state,
         }
     )
+
+
+def serve_registered(uri: str, name: str, cfg) -> tuple[dict, str]:
+    """``ladle model serve`` of config ``cfg``: an adapter champion on its base's server
+    (``ladle.fleet.adapters``), any other behind a front of its own (``reconcile``). Returns what is served and a
+    line saying so."""
+    wanted = promote.champion(uri, name)
+    if wanted is not None and wanted.tags.get("ladle.kind") == "adapter":
+        from ladle.fleet import adapters
+
+        served = adapters.reconcile(uri, name, cfg, wanted)
+        line = (
+            f"{name} v{served['version']}: served on {served['base']} ({served['action']}) at {served['front_url']} "
+            f"as model {name!r}; that server holds {len(served['adapters'])} adapter(s)"
+        )
+        return served, line
+    served = reconcile(uri, name, cfg.serving(), cfg.promote.canary)
+    return served.model_dump(), served.message()
 
 
 def serve_champion(uri: str, name: str, cfg: ServeConfig) -> Serving:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,7 @@ from ladle.assets import ladle_home
 from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.lifecycle.merge import MergedModel
+from ladle.lifecycle.parity import Parity
 from ladle.platform import storage
 from ladle.platform.processes import free_port, stop_process
 from ladle.serve import backends, pool
@@ -31,6 +33,8 @@ class Endpoint(BaseModel):
     answer_correct: bool | None = Field(None, description="answer == expected (surrounding whitespace aside).")
     running: bool
     log: str = Field(description="Server log file.")
+    parity: Parity | None = Field(None, description="Whether the server computes what training did (null: off).")
+    unmerged: bool = Field(False, description="The adapter was served unmerged on its base (promote.merge: false).")
 
 
 class DeployFailed(RuntimeError):
@@ -64,7 +68,7 @@ def backend_options(cfg: ServeConfig) -> dict:
     }
 
 
-def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int) -> list[str]:
+def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int, extra: list[str] | None = None) -> list[str]:
     argv = [
         sys.executable,
         "-m",
@@ -92,7 +96,7 @@ def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int) -> list
             argv += ["--option", f"{option}={value}"]
     if cfg.api_key_env:
         argv += ["--api-key-env", cfg.api_key_env]
-    return argv
+    return argv + list(extra or [])
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
@@ -125,9 +129,15 @@ def smoke_conversation(cfg: ServeConfig, held_out: list[list[dict]]) -> tuple[li
 
 
 def start_server(
-    model_dir: Path, name: str, cfg: ServeConfig, port: int, log_path: Path | None = None
+    model_dir: Path,
+    name: str,
+    cfg: ServeConfig,
+    port: int,
+    log_path: Path | None = None,
+    extra: list[str] | None = None,
 ) -> tuple[subprocess.Popen, str, Path]:
-    """Start ``python -m ladle.serve`` in its own session; returns ``(process, URL, log file)`` at once."""
+    """Start ``python -m ladle.serve`` (with ``extra`` arguments) in its own session; returns ``(process, URL, log
+    file)`` at once."""
     url = f"http://{cfg.host}:{port}"
     # A server that outlives this process must not write into a pipe nobody reads.
     log_path = log_path or ladle_home() / "served" / f"{name}-{port}.log"
@@ -135,27 +145,43 @@ def start_server(
     # Forked from a warm pool when LADLE_SERVE_POOL names one (ladle.serve.pool); its own session either way, so
     # whatever it spawns (its engine, MII's servers) stops with its process group.
     proc = pool.launch(
-        server_argv(model_dir, name, cfg, port), log_path, {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        server_argv(model_dir, name, cfg, port, extra), log_path, {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     )
     return proc, url, log_path
 
 
-def deploy(merged: MergedModel, cfg: ServeConfig, name: str, held_out: list[list[dict]] | None = None) -> Endpoint:
-    """Serve ``merged``, check it answers, and stop it unless ``cfg.keep_running``.
+def deploy(
+    merged: MergedModel,
+    cfg: ServeConfig,
+    name: str,
+    held_out: list[list[dict]] | None = None,
+    base_dir: Path | None = None,
+    parity_of: Callable[[str, str, dict], Parity] | None = None,
+) -> Endpoint:
+    """Serve ``merged``, check it answers (and, with ``parity_of``, that it computes what training did), and stop it
+    unless ``cfg.keep_running``. With ``base_dir``, the adapter is served unmerged on that base, as model ``name``.
 
     Args:
         held_out: eval conversations; the first is the smoke request when ``serve.smoke_prompt`` is null.
+        parity_of: ``(url, model name, headers) -> Parity`` (``ladle.lifecycle.parity``).
 
     Raises:
         LadleError: the backend cannot run on this host.
         DeployFailed: the server did not become healthy or the smoke request failed.
     """
     backends.get(cfg.backend).check_host()
-    proc, url, log_path = start_server(local_model_dir(merged), name, cfg, cfg.port or free_port())
+    port = cfg.port or free_port()
+    if base_dir is not None:
+        adapter = local_model_dir(MergedModel(url=merged.adapter_url, sha256=merged.adapter_sha256, parameters=0))
+        served = ["--adapter", f"{name}={adapter}"]
+        proc, url, log_path = start_server(Path(base_dir), "base", cfg, port, extra=served)
+    else:
+        proc, url, log_path = start_server(local_model_dir(merged), name, cfg, port)
     messages, expected = smoke_conversation(cfg, held_out or [])
     try:
         wait_healthy(proc, url, cfg.health_timeout_s, log_path)
         answer = smoke(url, name, cfg, messages)
+        parity = parity_of(url, name, auth_headers(cfg)) if parity_of is not None else None
     except BaseException:
         stop_process(proc, grace_s=20, group=True)
         raise
@@ -173,14 +199,19 @@ def deploy(merged: MergedModel, cfg: ServeConfig, name: str, held_out: list[list
         answer_correct=correct,
         running=cfg.keep_running,
         log=str(log_path),
+        parity=parity,
+        unmerged=base_dir is not None,
     )
+
+
+def auth_headers(cfg: ServeConfig) -> dict:
+    return {"Authorization": f"Bearer {os.environ[cfg.api_key_env]}"} if cfg.api_key_env else {}
 
 
 def smoke(url: str, name: str, cfg: ServeConfig, messages: list[dict]) -> str:
     """One greedy chat completion; returns the reply text."""
     body = {"model": name, "messages": messages, "max_tokens": cfg.max_new_tokens, "temperature": 0}
-    headers = {"Authorization": f"Bearer {os.environ[cfg.api_key_env]}"} if cfg.api_key_env else {}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth_headers(cfg), timeout=120)
     if response.status_code != 200:
         raise DeployFailed(f"smoke request got HTTP {response.status_code}: {response.text[:500]}")
     return response.json()["choices"][0]["message"]["content"]

@@ -114,6 +114,17 @@ def guard_probe(
     return decision.model_copy(update={**fields, "reason": f"{decision.reason}; {numbers} (may fall by {max_drop:g})"})
 
 
+def guard_parity(decision: Decision, failure: str | None) -> Decision:
+    """The gate's ``decision``, held back when the served model is not the trained one (``failure`` says where)."""
+    if failure is None or not decision.promoted:
+        return decision
+    reason = (
+        f"not promoted: the served model is not the trained one ({failure}); the task gate alone said: "
+        f"{decision.reason}"
+    )
+    return decision.model_copy(update={"promoted": False, "reason": reason})
+
+
 class Rule(BaseModel):
     """What a new version must do to replace the champion (``eval.metric``, ``promote.*``)."""
 
@@ -126,6 +137,9 @@ class Rule(BaseModel):
     """The general-ability probe may fall by at most this much (None: not guarded)."""
     canary: str | None = None
     """How the canary runs, in words (None: no canary, the gate promotes)."""
+    parity_failure: str | None = None
+    """Where the served model differs from the trained one (``ladle.lifecycle.parity``); None: it does not, or the
+    check was not made or does not gate."""
 
 
 def gate_and_promote(
@@ -163,6 +177,7 @@ def gate_and_promote(
             metric, rule.greater_is_better, scores.get(metric), reference.get(metric), against, rule.min_improvement
         )
         decision = guard_probe(decision, scores.get("probe"), reference.get("probe"), rule.max_probe_drop)
+        decision = guard_parity(decision, rule.parity_failure)
         if rule.canary is not None:
             decision = to_canary(decision, rule.canary)
         with champion_lock(uri, name, f"the gate of v{version.version}"):

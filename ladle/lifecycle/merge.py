@@ -22,6 +22,10 @@ class MergedModel(BaseModel):
     url: str = Field(description="Folder of the merged model in the artifact store.")
     sha256: str = Field(description="Hash of the merged weights file(s).")
     parameters: int
+    adapter_url: str | None = Field(None, description="The LoRA adapter it was merged from (null: a full fine-tune).")
+    adapter_sha256: str | None = Field(None, description="Hash of the adapter's weights file.")
+    base_signature: str | None = Field(None, description="Signature of the base the adapter was trained on.")
+    weights_dtype: str = Field("float32", description="The dtype the weights were trained in.")
 
 
 def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype: str = "float32") -> int:
@@ -140,4 +144,19 @@ def merge(base_dir: Path, result: TrainResult, run_url: str) -> MergedModel:
             params = count_saved(out)
         storage.remove(url)
         storage.upload_dir(out, url)
-        return MergedModel(url=url, sha256=storage.weights_hash(out), parameters=params)
+        adapter_fields = {}
+        if result.adapter_url:
+            from ladle.lifecycle.lineage import base_signature
+
+            adapter_fields = {
+                "adapter_url": result.adapter_url,
+                "adapter_sha256": storage.weights_hash(adapter),
+                "base_signature": base_signature(Path(base_dir)),
+            }
+        return MergedModel(
+            url=url,
+            sha256=storage.weights_hash(out),
+            parameters=params,
+            weights_dtype=result.weights_dtype,
+            **adapter_fields,
+        )

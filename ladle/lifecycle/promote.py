@@ -111,6 +111,23 @@ def champion(uri: str, name: str) -> Version | None:
         raise unreachable(uri, exc, f"reading {name}@{CHAMPION}") from None
 
 
+def aliased(uri: str, name: str) -> dict[str, Version]:
+    """The versions aliased ``champion`` and ``challenger`` (those present), by alias.
+
+    Raises:
+        LadleError: the registry failed (a missing model or alias is just absent).
+    """
+    found = {}
+    mlflow = client(uri)
+    for alias in (CHAMPION, CHALLENGER):
+        try:
+            found[alias] = as_version(mlflow.get_model_version_by_alias(name, alias))
+        except Exception as exc:  # noqa: BLE001 - "not found" for both a missing model and a missing alias
+            if not absent(exc):
+                raise unreachable(uri, exc, f"reading {name}@{alias}") from None
+    return found
+
+
 def versions(uri: str, name: str) -> list[Version]:
     """Every version of ``name``, newest first (empty when the model does not exist)."""
     mlflow = client(uri)

@@ -149,9 +149,9 @@ def base_dir_of(cfg: LadleConfig, version=None) -> Path:
         version = registered_version(cfg)
     if version is None:
         return resolve_base(cfg.base, cfg.training.dtype)
-    from ladle.fleet.champion import model_dir_of
+    from ladle.fleet.champion import full_model_dir_of
 
-    folder = model_dir_of(version)
+    folder = full_model_dir_of(version)
     if not (folder / "config.json").is_file():
         raise LadleError(
             f"base = {cfg.base!r}: {version.name} v{version.version}'s files at {version.source} hold no model "

@@ -93,6 +93,20 @@ def main(argv: list[str] | None = None) -> int:
         help="A LoRA adapter served beside the model, unmerged, as OpenAI model NAME (repeatable; a local folder or a "
         "store URL). More can be added while serving: POST /v1/adapters.",
     )
+    parser.add_argument(
+        "--adapters-file",
+        default=None,
+        help="JSON file of adapter name -> registered model bindings, read at start and added to by "
+        "POST /v1/adapters/bind (a restart with the same command serves the same adapters).",
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="The MLflow store whose aliases registry-bound adapters follow (default: $MLFLOW_TRACKING_URI).",
+    )
+    parser.add_argument(
+        "--adapter-sync-s", type=float, default=10.0, help="Seconds between reads of the registry's aliases."
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-new-tokens", type=int, default=32, help="Default max_tokens of a request.")
@@ -136,31 +150,54 @@ def start(args: argparse.Namespace):
         return 2
     name = args.name or args.model.rstrip("/").rsplit("/", 1)[-1]
     try:
-        catalog = served_adapters(backend, name, args.adapter)
+        catalog, sync = served_adapters(backend, name, args)
     except (LadleError, ValueError, OSError) as err:
         backend.close()
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return backend, create_app(backend, Settings(name, args.max_new_tokens, key, limits), catalog), name, model
+    app = create_app(backend, Settings(name, args.max_new_tokens, key, limits), catalog, sync)
+    return backend, app, name, model
 
 
-def served_adapters(backend, name: str, items: list[str]):
-    """The catalog of ``--adapter NAME=PATH`` items, each checked against the base and registered with the engine.
+def served_adapters(backend, name: str, args: argparse.Namespace):
+    """The catalog of the ``--adapter`` items (``NAME=PATH``: checked against the base and registered with the
+    engine; ``NAME=models:/REGISTERED``: bound to a registered model) and, with bindings, the registry sync that
+    serves their aliased versions (run once before the server answers, then every ``--adapter-sync-s``).
 
     Raises:
-        LadleError: a malformed item, a backend without adapters, or an adapter that does not fit the base.
+        LadleError: a malformed item, a backend without adapters, or an adapter folder that does not fit the base.
     """
+    import os
+
+    from ladle.serve.adapter_sync import Bindings, RegistrySync, parse_binding
     from ladle.serve.adapters import BaseWeights, Catalog
     from ladle.serve.server import adapter_folder
 
     catalog = Catalog(name, BaseWeights.of(backend.model_dir) if backend.serves_adapters else None)
-    for item in items:
+    bound = {}
+    for item in args.adapter:
         adapter, sep, path = item.partition("=")
         if not sep or not adapter or not path:
-            raise LadleError(f"--adapter {item!r}: expected NAME=PATH (the OpenAI model name, then the folder).")
+            raise LadleError(f"--adapter {item!r}: expected NAME=PATH or NAME=models:/REGISTERED_MODEL.")
+        catalog.check_name(adapter)
+        binding = parse_binding(item)
+        if binding is not None:
+            bound[binding[0]] = binding[1]
+            continue
         version, _ = catalog.add(adapter, str(adapter_folder(path)))
         backend.add_adapter(version.key, version.info.path, version.info.bytes)
-    return catalog
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not (bound or args.adapters_file or args.tracking_uri):
+        return catalog, None
+    if uri is None:
+        raise LadleError("--adapter NAME=models:/...: no MLflow store; pass --tracking-uri or set MLFLOW_TRACKING_URI.")
+    bindings = Bindings(args.adapters_file, bound)
+    for adapter, _ in bindings.items():
+        catalog.check_name(adapter)
+    sync = RegistrySync(catalog, backend, uri, bindings, args.adapter_sync_s)
+    sync.once()  # before the first request: what the registry says, or /ready names what is missing
+    sync.start()
+    return catalog, sync
 
 
 def run(args: argparse.Namespace, backend, app, name: str, model) -> int:

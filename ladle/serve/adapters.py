@@ -164,10 +164,21 @@ class Catalog:
         self.lock = threading.Lock()
         self.names: dict[str, dict[str, Version]] = {}  # name -> label -> version
         self.default: dict[str, str] = {}  # name -> label of the version ``name`` alone addresses
+        self.problems: dict[str, str] = {}  # name -> why a version the registry names is not served (``/ready``)
         self.keys = (f"a{n}" for n in itertools.count(1))
 
     def __bool__(self) -> bool:
         return bool(self.names)
+
+    def check_name(self, name: str) -> None:
+        """Raises: LadleError: the backend serves no adapters, or ``name`` cannot name one."""
+        if self.base is None:
+            raise LadleError("this server's backend does not serve adapters (serve.backend = transformers does).")
+        if not NAME.match(name) or "@" in name or name == self.base_name:
+            raise LadleError(
+                f"adapter name {name!r}: must be 1-128 characters of letters, digits, '.', '_', '-', '/', must not "
+                f"contain '@' and must differ from the base's name {self.base_name!r}."
+            )
 
     def add(
         self, name: str, path: str, version: str = "1", aliases: list[str] | None = None, default: bool = True
@@ -178,13 +189,7 @@ class Catalog:
         Raises:
             LadleError: a bad name, version or alias, or an adapter that does not fit the base (``inspect``).
         """
-        if self.base is None:
-            raise LadleError("this server's backend does not serve adapters (serve.backend = transformers does).")
-        if not NAME.match(name) or "@" in name or name == self.base_name:
-            raise LadleError(
-                f"adapter name {name!r}: must be 1-128 characters of letters, digits, '.', '_', '-', '/', must not "
-                f"contain '@' and must differ from the base's name {self.base_name!r}."
-            )
+        self.check_name(name)
         for label in [version, *(aliases or [])]:
             if not LABEL.match(label):
                 raise LadleError(
@@ -222,6 +227,21 @@ class Catalog:
 
     def unaddressed(self, versions: list[Version]) -> list[str]:
         return [v.key for v in versions]
+
+    def labels(self, name: str) -> dict[str, set[str]]:
+        """Each registered version of ``name`` and its aliases (empty when ``name`` is not served)."""
+        with self.lock:
+            return {label: set(v.aliases) for label, v in self.names.get(name, {}).items()}
+
+    def relabel(self, name: str, version: str, aliases: set[str], default: bool) -> None:
+        """Give a registered version other aliases (and make it ``name``'s default), without loading it again."""
+        with self.lock:
+            versions = self.names[name]
+            for other in versions.values():
+                other.aliases -= aliases
+            versions[version].aliases = set(aliases)
+            if default:
+                self.default[name] = version
 
     def resolve(self, model: str | None) -> str | None:
         """The engine key that the OpenAI ``model`` field addresses; None for the base.

@@ -32,7 +32,7 @@ from ladle.serve.jobs import (
 from ladle.serve.metrics import Metrics
 from ladle.serve.replies import Reply, sse, stream_error, usage
 from ladle.serve.rows import Job
-from ladle.serve.schema import ApiError, ChatRequest, ClientGone, CompletionRequest, Sampling
+from ladle.serve.schema import ApiError, ChatRequest, ClientGone, CompletionRequest, Sampling, TokenizeRequest
 from ladle.serve.settings import Settings
 
 
@@ -47,6 +47,33 @@ class Generation:
     def add_to(self, app: FastAPI) -> None:
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
+        app.post("/tokenize")(self.tokenize)
+
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        """vLLM's ``/tokenize``: the token ids a request's prompt or messages become here (the chat template with
+        its generation prompt unless ``add_generation_prompt`` is false), which is how the parity gate checks that
+        the server renders conversations as training did."""
+        self.adapter_of(req.model)  # a model that is not served is a 404, as for generation
+        if req.prompt is not None:
+            check_prompt_chars(len(req.prompt), self.prompt_chars, "prompt")
+            ids = await asyncio.to_thread(self.backend.encode, req.prompt)
+        else:
+            check_prompt_chars(sum(len(m.content or "") for m in req.messages), self.prompt_chars, "messages")
+            messages = tools_api.template_messages(req.messages)
+            listed = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            try:
+                ids = await asyncio.to_thread(self.render, messages, listed, req.add_generation_prompt)
+            except TemplateError as exc:
+                raise ApiError(
+                    400, f"The model's chat template refused these messages: {exc}.", param="messages"
+                ) from None
+        return {"count": len(ids), "max_model_len": self.backend.context_length, "tokens": ids}
+
+    def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> list[int]:
+        if generation_prompt:
+            return self.backend.encode_chat(messages, tools)
+        tokenizer = self.backend.tokenizer
+        return self.backend.encode(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False))
 
     async def completions(self, req: CompletionRequest, request: Request):
         """OpenAI's text completion (``prompt``), streamed as server-sent events with ``stream: true``."""

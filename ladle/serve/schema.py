@@ -134,6 +134,14 @@ class AdapterRequest(BaseModel):
     default: bool = Field(True, description="`name` alone addresses this version from now on.")
 
 
+class BindRequest(BaseModel):
+    """``POST /v1/adapters/bind``: serve a registered model's champion and challenger as adapter ``name``."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="What the OpenAI `model` field says to use it.")
+    registered_model: str = Field(description="The registered model (its versions are LoRA adapters of this base).")
+
+
 class Sampling(BaseModel):
     """The sampling fields both endpoints share, as the OpenAI API names them."""
 
@@ -220,6 +228,23 @@ class ChatRequest(Sampling):
     @property
     def alternatives(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a prompt, or chat messages through the model's template, as token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[tools_api.Tool] | None = Field(None, max_length=128)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        return self
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:

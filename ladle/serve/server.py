@@ -31,7 +31,7 @@ from ladle.serve.backends import Backend
 from ladle.serve.guard import Guard
 from ladle.serve.metrics import Metrics
 from ladle.serve.routes import Generation
-from ladle.serve.schema import AdapterRequest, ApiError, ClientGone, validation_error
+from ladle.serve.schema import AdapterRequest, ApiError, BindRequest, ClientGone, validation_error
 from ladle.serve.settings import Settings
 
 __all__ = ["OPEN_PATHS", "ROUTES", "Settings", "api_key_from_env", "create_app"]
@@ -40,12 +40,13 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """Routes a probe or a scraper reads without the API key."""
 
 
-ROUTES = frozenset({*OPEN_PATHS, "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/adapters"})
+ROUTES = frozenset({*OPEN_PATHS, "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/adapters", "/tokenize"})
 
 
-def create_app(backend: Backend, settings: Settings | str, catalog: Catalog | None = None) -> FastAPI:
+def create_app(backend: Backend, settings: Settings | str, catalog: Catalog | None = None, sync=None) -> FastAPI:
     """The API app serving ``backend`` (``settings``: a ``Settings``, or just the model id), with the LoRA adapters
-    of ``catalog`` beside its base (made here when the backend serves adapters)."""
+    of ``catalog`` beside its base (made here when the backend serves adapters), those bound to registered models
+    kept current by ``sync`` (``ladle.serve.adapter_sync.RegistrySync``)."""
     settings = Settings(settings) if isinstance(settings, str) else settings
     if catalog is None:
         catalog = Catalog(
@@ -63,7 +64,7 @@ def create_app(backend: Backend, settings: Settings | str, catalog: Catalog | No
         refused=metrics.count,
     )
     add_probe_routes(app, backend, settings, metrics, catalog)
-    add_adapter_routes(app, backend, catalog)
+    add_adapter_routes(app, backend, catalog, sync)
     Generation(backend, settings, metrics, catalog).add_to(app)
     return app
 
@@ -119,6 +120,9 @@ def add_probe_routes(app: FastAPI, backend: Backend, settings: Settings, metrics
                 "every step fails)",
                 kind="server_error",
             )
+        if catalog.problems:  # a version the registry names is not served here: this replica is not what it says
+            named = "; ".join(f"{problem}" for problem in catalog.problems.values())
+            raise ApiError(503, f"adapters not served as the registry says: {named}", kind="server_error")
         return {"status": "ready", "model": settings.model, "max_batch": backend.max_batch}
 
     @app.get("/metrics")
@@ -132,14 +136,37 @@ def add_probe_routes(app: FastAPI, backend: Backend, settings: Settings, metrics
         return {"object": "list", "data": catalog.listing()}
 
 
-def add_adapter_routes(app: FastAPI, backend: Backend, catalog: Catalog) -> None:
+def add_adapter_routes(app: FastAPI, backend: Backend, catalog: Catalog, sync=None) -> None:
     """``GET /v1/adapters`` (what is served), ``POST /v1/adapters`` (register a version: loaded on first use,
-    without a restart) and ``DELETE /v1/adapters/{name}`` (``?version=``); the API key guards them as it does
-    generation."""
+    without a restart), ``DELETE /v1/adapters/{name}`` (``?version=``), and for adapters bound to registered models
+    ``POST /v1/adapters/bind`` (serve one more registered model's champion and challenger) and
+    ``POST /v1/adapters/sync`` (read the registry's aliases now); the API key guards them as it does generation."""
 
     @app.get("/v1/adapters")
     def listed() -> dict:
-        return {"object": "list", "base": catalog.base_name, "data": catalog.described()}
+        state = sync.state() if sync is not None else None
+        return {"object": "list", "base": catalog.base_name, "data": catalog.described(), "registry": state}
+
+    @app.post("/v1/adapters/sync")
+    async def synced() -> dict:
+        if sync is None:
+            raise ApiError(400, "no adapter of this server is bound to a registered model", code="no_bindings")
+        return await asyncio.to_thread(sync.once)
+
+    @app.post("/v1/adapters/bind")
+    async def bind(body: BindRequest) -> dict:
+        if sync is None:
+            raise ApiError(
+                400,
+                "this server was started without --tracking-uri, so it cannot follow registered models",
+                code="no_registry",
+            )
+        try:
+            catalog.check_name(body.name)
+        except LadleError as exc:
+            raise ApiError(400, str(exc), param="name") from None
+        sync.bindings.add(body.name, body.registered_model)
+        return await asyncio.to_thread(sync.once)
 
     @app.post("/v1/adapters")
     async def add(body: AdapterRequest) -> dict:

@@ -156,6 +156,10 @@ def save_outputs(accelerator, model, spec: TrainSpec) -> tuple[str | None, str |
             saving.write_model_files(unwrapped, parts, Path(tmp), shard_bytes, main)
         if main:
             AutoTokenizer.from_pretrained(spec.base_dir).save_pretrained(tmp)
+            if kind == "adapter":  # which base it was trained on: a server of another base refuses it
+                from ladle.serve.adapters import write_record
+
+                write_record(Path(tmp), Path(spec.base_dir), spec.config.base)
             storage.remove(url)
             storage.upload_dir(tmp, url)
     accelerator.wait_for_everyone()

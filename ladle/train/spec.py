@@ -21,6 +21,11 @@ class TrainSpec(BaseModel):
     run_url: str = Field(description="Artifact-store folder of this pipeline run.")
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    parity_probe: list[dict] = Field(
+        default_factory=list,
+        description="Held-out conversations as training tokenized them (``ladle.lifecycle.parity.ProbeRow``): the "
+        "training process records its model's log-probabilities of them at the end, which the server must match.",
+    )
     reward_files: dict[str, str] = Field(
         default_factory=dict,
         description="grpo: the text of every reward named by a file, by its path as written (it travels with the run).",
@@ -67,6 +72,14 @@ class TrainResult(BaseModel):
         None,
         description="grpo: held-out mean reward before and after (`eval_reward_before`, `eval_reward_after`), the "
         "first and last steps' mean rewards and the largest rollout_logprob_gap; null for other objectives.",
+    )
+    parity_probe: list[dict] = Field(
+        default_factory=list, description="The probe rows those are of (the spec's, set by the launching task)."
+    )
+    parity_logps: list[list[float]] | None = Field(
+        None,
+        description="Each parity probe row's per-token log-probabilities by the trained model, in the training "
+        "process (null: no probe rows, or the strategy splits one forward over ranks).",
     )
     kernels: dict[str, str] = Field(
         default_factory=dict,

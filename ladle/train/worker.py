@@ -332,6 +332,7 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
     if isinstance(s.loss_fn, preference.PairLoss):
         pairs = {f"{k}_after": v for k, v in after.items() if k != "eval_loss"}
         pairs.update({f"{k}_before": v for k, v in (s.eval_stats_before or {}).items()})
+    parity_logps = training_parity(acc, s.model, s.spec)
     adapter_url, model_url = save_outputs(acc, s.model, s.spec)
     padding_free.report(s.kernels, s.model)
     sequence_parallel.report(s.kernels, s.model)
@@ -358,9 +359,21 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
         baseline_memory_mib=s.baseline_mib,
         weights_dtype=s.spec.plan.dtype if s.spec.plan.device == "cuda" else "float32",
         preference=pairs,
+        parity_logps=parity_logps,
         kernels=s.kernels,
     )
     return report_done(acc, s.spec, result)
+
+
+def training_parity(acc, model, spec: TrainSpec) -> list[list[float]] | None:
+    """The trained model's log-probabilities of the parity probe (``ladle.lifecycle.parity``), every rank."""
+    from ladle import strategies
+    from ladle.lifecycle.parity import ProbeRow, training_logps
+
+    strategy = strategies.get(spec.plan.strategy)
+    whole = strategy.runs_whole_forward(strategy.options(spec.config))
+    rows = [ProbeRow.model_validate(row) for row in spec.parity_probe]
+    return training_logps(acc, model, rows, whole)
 
 
 def run(spec: TrainSpec) -> TrainResult:
