@@ -96,6 +96,9 @@ def reconcile(uri: str, name: str, cfg: LadleConfig, champion: promote.Version) 
             raise LadleError(f"{base}: the front did not take the new server: {switched.text[:500]}", exit_code=1)
         upstream, action = current_upstream(front), "started"
     headers = {"Authorization": f"Bearer {_key(serve)}"} if serve.api_key_env else {}
+    before = served_version(upstream["url"], name, headers) if action == "bound" else None
+    if before is not None:
+        action = "unchanged" if before == champion.version else "swapped"
     answer = httpx.post(
         upstream["url"] + "/v1/adapters/bind",
         json={"name": name, "registered_model": name},
@@ -118,6 +121,7 @@ def reconcile(uri: str, name: str, cfg: LadleConfig, champion: promote.Version) 
     return {
         "model": name,
         "version": champion.version,
+        "previous_version": before,
         "action": action,
         "base": base,
         "base_signature": signature,

@@ -180,7 +180,18 @@ class RegistrySync:
             raise LadleError(
                 "a merged model, not an adapter: serve it on a server of its own (`ladle model serve` of its config)"
             )
+        from ladle.platform import storage
+
         try:
-            return model_dir_of(version)
+            folder = model_dir_of(version)
         except (OSError, ValueError) as exc:
             raise LadleError(f"its files could not be fetched: {exc}") from None
+        tagged = version.tags.get("ladle.model_sha256", "")
+        if storage.is_local(version.source) and storage.FULL_DIGEST.fullmatch(tagged):  # a store's copy was checked
+            found = storage.weights_hash(folder)
+            if found != tagged:
+                raise LadleError(
+                    f"its weights at {version.source} hash to {found[:16]}, not the registered {tagged[:16]} "
+                    "(ladle.model_sha256): they changed since it was registered"
+                )
+        return folder

@@ -31,6 +31,10 @@ def check_summary(summary: dict, steps: int) -> None:
     assert 0.0 <= summary["eval_accuracy_after"] <= 1.0
     assert summary["expected"] is not None
     assert summary["answer_correct"] == (summary["answer"].strip() == summary["expected"].strip())
+    # The served model is the trained one: its held-out log-probabilities equal the training process's forward.
+    found = summary["parity"]
+    assert found["ok"] is True and found["reference"] == "training process", found
+    assert found["answer_tokens"] > 0 and found["max_abs"] <= 1e-4, found
 
 
 def check_served_answer_is_offline_greedy(summary: dict, max_new_tokens: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from ladle.platform import storage
@@ -70,18 +71,25 @@ def test_checkpoints_are_complete(local_run):
     assert complete_steps(storage.join(summary["output_url"], "checkpoints")) == [150, 200]
 
 
-def test_preference_tuning_starts_from_the_champion_and_records_it(local_run):
-    """The shipped DPO recipe after the demo, in the demo's output (its registry): the base is the demo's champion
-    (``models:/tiny-cpu@champion``), the run records which version, logs the pair metrics per step, and is gated
-    on held-out preference accuracy against that champion."""
+def test_preference_tuning_starts_from_the_champion_and_is_served_as_an_adapter_of_it(local_run, tmp_path):
+    """The shipped DPO recipe after the demo, in the demo's output (its registry), registering its adapter unmerged
+    (``promote.merge=false``): the base is the demo's champion (``models:/tiny-cpu@champion``), the run records
+    which version, logs the pair metrics per step, is gated on held-out preference accuracy against that champion
+    and on parity (the adapter served on its base computes what training did). ``ladle model serve`` then puts it
+    on a server of that base behind a front, says so in its JSON, and ``ladle model list`` shows which server holds
+    which version."""
     from mlflow.tracking import MlflowClient
 
+    from ladle.platform.processes import free_port
+
     recipe = str(ROOT / "recipes" / "tiny-dpo-cpu.yaml")
-    done = run_cli("run", recipe, "--json", "--set", f"output={local_run.output}")
+    sets = ["--set", f"output={local_run.output}", "--set", "promote.merge=false"]
+    done = run_cli("run", recipe, "--json", *sets)
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert "promoted: preference_accuracy" in summary["promotion"], summary["promotion"]
     assert summary["promotion"].startswith("promoted")
+    assert summary["served_unmerged"] is True and summary["parity"]["ok"] is True, summary["parity"]
     client = MlflowClient(summary["mlflow_tracking_uri"])
     run = client.get_run(summary["mlflow_run_id"])
     assert run.data.params["config.base"] == "models:/tiny-cpu@champion"
@@ -90,7 +98,31 @@ def test_preference_tuning_starts_from_the_champion_and_records_it(local_run):
     assert run.data.metrics["eval_preference_accuracy"] > 0.5
     (version,) = [v for v in client.search_model_versions("name='tiny-dpo-cpu'") if v.run_id == run.info.run_id]
     assert version.tags["ladle.base_version"] == "tiny-cpu v1"
+    assert version.tags["ladle.kind"] == "adapter" and version.source.endswith("/adapter")
     assert client.get_model_version_by_alias("tiny-dpo-cpu", "champion").version == version.version
+
+    home = {"LADLE_HOME": str(tmp_path / "home")}
+    serve = [*sets, "--set", f"serve.front_port={free_port()}"]
+    served = run_cli("model", "serve", recipe, "--json", *serve, env=home)
+    assert served.returncode == 0, served.stderr[-4000:]
+    where = json.loads(served.stdout.strip().splitlines()[-1])
+    try:
+        assert where["action"] == "started" and where["base"].startswith("base-")
+        assert where["adapters"] == [
+            {"name": "tiny-dpo-cpu", "versions": {str(version.version): ["challenger", "champion"]}}
+        ]
+        body = {"model": "tiny-dpo-cpu", "messages": [{"role": "user", "content": summary["prompt"]}], "max_tokens": 16}
+        answer = httpx.post(f"{where['front_url']}/v1/chat/completions", json={**body, "temperature": 0}, timeout=60)
+        assert answer.json()["choices"][0]["message"]["content"] == summary["answer"]
+        again = json.loads(run_cli("model", "serve", recipe, "--json", *serve, env=home).stdout.splitlines()[-1])
+        assert again["action"] == "unchanged" and again["server_pid"] == where["server_pid"]
+        store = summary["mlflow_tracking_uri"]
+        listed = run_cli("model", "list", "tiny-dpo-cpu", "--json", "--tracking-uri", store, env=home)
+        held = json.loads(listed.stdout)["served_on"]
+        assert held["base"] == where["base"] and held["versions"] == {str(version.version): ["challenger", "champion"]}
+    finally:
+        stopped = run_cli("model", "stop", where["base"], env=home)
+        assert stopped.returncode == 0, stopped.stderr[-2000:]
 
 
 def test_grpo_starts_from_the_champion_learns_what_it_could_not_and_is_promoted(local_run):

@@ -9,9 +9,11 @@ adapter, and an adapter added while traffic runs with no failed request."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -172,8 +174,9 @@ def test_adapters_that_do_not_fit_the_base_are_refused_naming_why(kit, tiny_mode
 
 
 @pytest.fixture(scope="module")
-def split(kit, tiny_model, tmp_path_factory):
-    """A real server (API and engine processes) over the tiny base with two adapters from the command line."""
+def split(kit, tiny_model, tmp_path_factory, registry):
+    """A real server (API and engine processes) over the tiny base with two adapters from the command line and one
+    bound to the registry's model ``bot`` (its bindings in a file: ``split.bindings``)."""
     import subprocess
     import sys
 
@@ -183,7 +186,9 @@ def split(kit, tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("split-adapters") / "server.log"
     argv = [sys.executable, "-m", "ladle.serve", "--model", str(tiny_model), "--name", "tiny", "--port", str(port)]
     argv += ["--adapter", f"red={kit['red'][0]}", "--adapter", f"blue={kit['blue'][0]}"]
-    argv += ["--option", "max_adapters=2", "--max-new-tokens", "12"]
+    argv += ["--option", "max_adapters=2", "--max-new-tokens", "12", "--adapter", "bot=models:/bot"]
+    bindings = log.parent / "bindings.json"
+    argv += ["--tracking-uri", registry, "--adapters-file", str(bindings), "--adapter-sync-s", "600"]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -196,7 +201,7 @@ def split(kit, tiny_model, tmp_path_factory):
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        yield url
+        yield SimpleNamespace(url=url, argv=argv, bindings=bindings)
     finally:
         stop_process(proc, grace_s=20, group=True)
 
@@ -207,6 +212,7 @@ def chat(client, model: str, text: str, **extra):
 
 
 def test_through_the_server_the_model_field_picks_the_adapter_whole_and_streamed(split, merged, kit):
+    split = split.url
     client = openai.OpenAI(base_url=f"{split}/v1", api_key="unused", max_retries=0)
     listed = {m.id for m in client.models.list().data}
     assert {"tiny", "red", "blue", "red@1", "blue@1"} <= listed
@@ -256,6 +262,7 @@ def test_through_the_server_the_model_field_picks_the_adapter_whole_and_streamed
 
 
 def test_an_adapter_added_and_removed_under_traffic_fails_no_request(split, merged, kit):
+    split = split.url
     errors: list[str] = []
     stop = threading.Event()
 
@@ -286,7 +293,7 @@ def test_an_adapter_added_and_removed_under_traffic_fails_no_request(split, merg
         assert httpx.delete(f"{split}/v1/adapters/green", timeout=30).status_code == 200
         assert httpx.post(f"{split}/v1/completions", json=body, timeout=30).status_code == 404
         described = httpx.get(f"{split}/v1/adapters", timeout=30).json()
-        assert [a["name"] for a in described["data"]] == ["blue", "red"]
+        assert [a["name"] for a in described["data"]] == ["blue", "bot", "red"]
     finally:
         stop.set()
         for thread in threads:
@@ -308,3 +315,108 @@ def openai_reference(backend, text: str) -> list[list[int]]:
     backend.submit(job)
     assert done.wait(60) and "done" in end
     return [entry["bytes"] for entry in job.token_logprobs]
+
+
+# -- adapters bound to registered models ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def registry(kit, tiny_model, tmp_path_factory):
+    """A SQLite MLflow registry with model ``bot``: v1 the red adapter (champion), v2 the blue one (challenger),
+    registered as ``promote.merge: false`` registers them."""
+    from ladle.lifecycle import promote
+    from ladle.lifecycle.lineage import base_signature
+    from ladle.platform import storage
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('adapter-registry') / 'mlflow.db'}"
+    signature = base_signature(tiny_model)
+    for name in ("red", "blue"):
+        folder = kit[name][0]
+        tags = {"ladle.kind": "adapter", "ladle.model_sha256": storage.weights_hash(folder)}
+        promote.register(uri, "bot", str(folder), None, {**tags, "ladle.base_signature": signature})
+    promote.promote(uri, "bot", "1", "the first")
+    return uri
+
+
+def start(argv: list[str], log) -> tuple:
+    import subprocess
+
+    with log.open("a") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = "http://127.0.0.1:" + argv[argv.index("--port") + 1]
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+def answer_tokens(url: str, model: str) -> list:
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def test_a_server_bound_to_a_registered_model_serves_its_aliases_and_a_replica_or_restart_the_same(
+    split, registry, kit, merged, tiny_model, tmp_path
+):
+    """The registry is the truth: champion and challenger by name, a promotion and a rollback served after a sync,
+    a version whose files were altered named by /ready while the rest serves, and a second server (or the same one
+    after SIGKILL) started from the bindings file alone serves the same versions."""
+    import signal
+    import sys
+
+    from ladle.lifecycle import promote
+    from ladle.platform.processes import free_port, stop_process
+
+    def reference(name):
+        return [
+            e["token"] for e in finished(submit(merged[name], PROMPTS[0], max_new_tokens=8, logprobs=0)).token_logprobs
+        ]
+
+    red, blue = reference("red"), reference("blue")
+    url, log = split.url, tmp_path / "replica.log"
+    common = [sys.executable, "-m", "ladle.serve", "--model", str(tiny_model), "--name", "tiny"]
+    common += ["--tracking-uri", registry, "--adapters-file", str(split.bindings), "--adapter-sync-s", "600"]
+    replica = None
+    try:
+        assert answer_tokens(url, "bot") == red and answer_tokens(url, "bot@challenger") == blue
+        assert answer_tokens(url, "bot@v2") == blue
+        promote.promote(registry, "bot", "2", "better")
+        state = httpx.post(f"{url}/v1/adapters/sync", timeout=60).json()
+        assert state["last_error"] is None and state["problems"] == {}
+        assert answer_tokens(url, "bot") == blue and answer_tokens(url, "bot@champion") == blue
+        promote.rollback(registry, "bot", "1")
+        httpx.post(f"{url}/v1/adapters/sync", timeout=60)
+        assert answer_tokens(url, "bot") == red
+
+        altered = shutil.copytree(kit["green"][0], tmp_path / "altered")
+        tags = {"ladle.kind": "adapter", "ladle.model_sha256": "0" * 64}  # not its weights' hash
+        third = promote.register(registry, "bot", str(altered), None, tags)  # now the challenger
+        state = httpx.post(f"{url}/v1/adapters/sync", timeout=60).json()
+        assert f"bot v{third.version} (challenger)" in state["problems"]["bot"]
+        ready = httpx.get(f"{url}/ready", timeout=10)
+        assert ready.status_code == 503 and f"bot v{third.version} (challenger)" in ready.text
+        assert answer_tokens(url, "bot") == red  # the rest keeps serving
+
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(registry).set_registered_model_alias("bot", "challenger", "2")
+        httpx.post(f"{url}/v1/adapters/sync", timeout=60)
+        assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
+
+        replica, replica_url = start([*common, "--port", str(free_port())], log)  # the bindings file alone
+        assert answer_tokens(replica_url, "bot") == red and answer_tokens(replica_url, "bot@challenger") == blue
+        os.killpg(replica.pid, signal.SIGKILL)
+        replica.wait(30)
+        argv = replica.args
+        replica, replica_url = start(argv, log)  # restarted as a supervisor restarts it: same command
+        assert answer_tokens(replica_url, "bot") == red
+        assert httpx.get(f"{replica_url}/v1/adapters", timeout=10).json()["registry"]["bindings"] == {"bot": "bot"}
+    finally:
+        if replica is not None:
+            stop_process(replica, grace_s=20, group=True)

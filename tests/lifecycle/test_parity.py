@@ -1,0 +1,72 @@
+"""The parity gate (``ladle.lifecycle.parity``) against a real server: the base served and scored from its saved
+weights agrees within 1e-4; the same server held to an adapter's log-probabilities (weights that are not the
+served ones) fails naming the answer token that differs most; a probe tokenized with a doubled BOS (what a
+template or tokenizer mismatch looks like) fails naming the first prompt token that differs; and a failed check
+holds back a promotion the gate would otherwise make."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from ladle.lifecycle import gate, parity
+from ladle.serve.backends import TransformersBackend
+from ladle.serve.server import Settings, create_app
+from tests.serve.adapter_kit import make_adapter
+from tests.serve.running import Running
+
+CONVERSATIONS = [
+    [
+        {"role": "user", "content": f"{row['instruction']}\n{row['input']}"},
+        {"role": "assistant", "content": row["output"]},
+    ]
+    for row in (
+        {"instruction": "Translate the colours to numbers.", "input": "blue red blue", "output": "1 0 1"},
+        {"instruction": "What is the last colour?", "input": "red red green", "output": "green"},
+        {"instruction": "Repeat the list.", "input": "orange white", "output": "orange white"},
+    )
+]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tokenizer):
+    running = Running(create_app(TransformersBackend(str(tiny_model), max_batch=4), Settings("tiny")))
+    rows = parity.probe(tokenizer, CONVERSATIONS, SimpleNamespace(train_on="response", seq_len=256))
+    yield running.url, rows
+    running.stop()
+
+
+def test_the_served_base_equals_its_saved_weights(served, tiny_model, tokenizer):
+    url, rows = served
+    assert len(rows) == parity.PROBE_ROWS and all(row.answer for row in rows)
+    found = parity.check(url, "tiny", rows, parity.saved_logps(tiny_model, rows), "saved weights", 1e-4, tokenizer)
+    assert found.ok is True and found.max_abs < 1e-4 and found.answer_tokens == sum(len(r.answer) for r in rows)
+
+
+def test_other_weights_fail_naming_the_token_that_differs_most(served, tiny_model, tokenizer, tmp_path):
+    url, rows = served
+    adapter = make_adapter(tiny_model, tmp_path / "adapter", 4, ["q_proj", "v_proj"], 7)
+    other = parity.saved_logps(tiny_model, rows, adapter)
+    found = parity.check(url, "tiny", rows, other, "training process", 1e-4, tokenizer)
+    assert found.ok is False and found.max_abs > 1e-4
+    assert found.where.startswith("weights: held-out conversation") and "answer token" in found.where
+
+
+def test_a_doubled_bos_fails_as_a_template_mismatch(served, tiny_model, tokenizer):
+    url, rows = served
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1
+    doubled = [row.model_copy(update={"ids": [bos, *row.ids], "prompt_tokens": row.prompt_tokens + 1}) for row in rows]
+    found = parity.check(url, "tiny", doubled, [[0.0] * len(r.ids) for r in doubled], "t", 1e-4, tokenizer)
+    assert found.ok is False and found.where.startswith("template: held-out conversation 0")
+    assert f"training {bos} {tokenizer.decode([bos])!r}" in found.where  # the doubled token, by id and text
+
+
+def test_a_parity_failure_holds_back_a_promotion():
+    decision = gate.decide("exact_match", True, 0.9, 0.1, "base model", 0.0)
+    assert decision.promoted
+    held = gate.guard_parity(decision, "weights: token 3 differs")
+    assert not held.promoted and "not the trained one (weights: token 3 differs)" in held.reason
+    assert gate.guard_parity(decision, None) == decision
+    assert json.loads(parity.Parity(ok=None, reference="-").model_dump_json())["ok"] is None
