@@ -2,12 +2,13 @@
 process), whether an adapter folder fits the base (``inspect``), and which adapters the engine holds in memory
 (``Slots``, in the engine process).
 
-Requests for different adapters share the engine's batch and its KV cache: each forward passes peft's
-``adapter_names`` (one name per row, ``__base__`` for the base), so every LoRA layer adds each adapter's
-``B(A(x))`` to its own rows only. Chosen over a grouped LoRA product (punica's SGMV, S-LoRA) because peft's
-mixed-batch forward computes exactly what the trained adapter computes, in the model's dtype, with no kernel of
-our own to keep correct on every architecture; its cost is one small matmul pair per adapter present in the
-batch per LoRA layer (measured in ``bench/adapters.py``).
+Requests for different adapters share the engine's batch and its KV cache: the loaded adapters live inside the
+base's linear layers as one grouped LoRA product (``ladle.serve.multi_lora``), and each forward says which adapter
+each row runs on, so every layer adds each row's own adapter's ``B(s A x)`` and nothing else. Chosen over peft's
+mixed-adapter batches (``adapter_names``), which compute the same thing with a gather, two matmuls and a
+scatter-add per adapter present per layer and a forward hook per LoRA module per call: with 8 adapters of
+SmolLM2-135M on a CPU, peft's way served 0.32x the merged model's tokens/s, the grouped product MEASURED
+(``bench/adapters.py``, ``bench/RESULTS.md``).
 
 Naming: an adapter is registered under a ``name`` (what the OpenAI ``model`` field says) and a ``version`` label,
 with optional ``aliases`` (``champion``, ``challenger``); ``name`` alone is its default version, ``name@3`` or
@@ -24,11 +25,11 @@ whose rows are running) waits for a slot like a request waits for a batch row, a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
 import threading
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +38,6 @@ from ladle.errors import LadleError
 
 RECORD = "ladle-base.json"
 """Written beside a trained adapter: the signature of the base it was trained on (``lineage.base_signature``)."""
-
-BASE = "__base__"
-"""peft's name of the base in a mixed batch."""
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -84,8 +82,7 @@ def inspect(path: str | Path, base: BaseWeights) -> AdapterInfo:
     """Whether the LoRA adapter at ``path`` can be served on ``base`` in a mixed batch, and what it holds.
 
     Raises:
-        LadleError: not a peft LoRA folder, trained on another base (both signatures named), a DoRA adapter (peft
-            cannot mix it into a batch), or a tensor whose module or shape the base does not have.
+        LadleError: not a peft LoRA folder, trained on another base (both signatures named), a DoRA adapter, or a tensor whose module or shape the base does not have.
     """
     from safetensors import safe_open
 
@@ -102,10 +99,19 @@ def inspect(path: str | Path, base: BaseWeights) -> AdapterInfo:
             f"adapter {path}: peft_type {settings.get('peft_type')!r}; only LoRA adapters share a batch. Merge it "
             "and serve it as a model of its own (promote.merge: true)."
         )
+    for key, why in (
+        ("fan_in_fan_out", "adapts Conv1D layers (fan_in_fan_out)"),
+        ("alpha_pattern", "scales modules by an alpha_pattern"),
+    ):
+        if settings.get(key):
+            raise LadleError(
+                f"adapter {path}: {why}, which the batched adapter product does not hold. Merge it and serve it as "
+                "a model of its own (promote.merge: true)."
+            )
     if settings.get("use_dora"):
         raise LadleError(
-            f"adapter {path}: a DoRA adapter (use_dora: true), which peft cannot mix into a batch with other "
-            "adapters. Merge it and serve it as a model of its own (promote.merge: true)."
+            f"adapter {path}: a DoRA adapter (use_dora: true), whose update depends on the merged weight's norm and "
+            "so cannot share the batched adapter product. Merge it and serve it as a model of its own (promote.merge: true)."
         )
     recorded = None
     if (folder / RECORD).is_file():
@@ -136,10 +142,11 @@ def inspect(path: str | Path, base: BaseWeights) -> AdapterInfo:
                         f"(shape {list(target)}): it was trained on another base."
                     )
                 targets.add(module.rsplit(".", 1)[-1])
-            elif base.shapes.get(name) != shape:  # modules_to_save: a whole tensor of the base replaced
+            else:  # modules_to_save, an embedding's LoRA, a bias: not a low-rank update of a linear layer
                 raise LadleError(
-                    f"adapter {path}: replaces {name} (shape {list(shape)}), which the base {base.folder} has "
-                    f"{'as ' + str(list(base.shapes[name])) if name in base.shapes else 'not'}: trained on another base."
+                    f"adapter {path}: holds {name}, which is not a LoRA weight of a linear layer (a whole tensor "
+                    "replaced by modules_to_save, or an embedding's LoRA): the batched adapter product holds linear "
+                    "layers' LoRA only. Merge it and serve it as a model of its own (promote.merge: true)."
                 )
     if not targets:
         raise LadleError(f"adapter {path}: holds no LoRA weights.")
@@ -313,10 +320,15 @@ class Catalog:
 
 class Slots:
     """The adapters loaded in the engine's model (engine thread only, but ``register``/``forget``, which any
-    thread may call): at most ``max_loaded`` and ``max_mb`` of weights, least recently used evicted first."""
+    thread may call): at most ``max_loaded`` and ``max_mb`` of weights, least recently used evicted first. Loaded
+    adapters run as one grouped LoRA product (``ladle.serve.multi_lora``)."""
 
     def __init__(self, model, max_loaded: int = 8, max_mb: float = 0.0):
-        self.base, self.peft = model, None
+        from ladle.serve.multi_lora import MultiLora
+
+        self.base = model
+        self.lora: MultiLora | None = None  # made on the first load: a model that serves none is left untouched
+        self.make = lambda: MultiLora(model)
         self.max_loaded, self.max_bytes = max_loaded, int(max_mb * 2**20)
         self.known: dict[str, tuple[str, int]] = {}  # key -> (folder, bytes)
         self.loaded: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
@@ -331,11 +343,11 @@ class Slots:
         with self.lock:
             self.known.pop(key, None)
 
-    def names(self, keys: list[str | None]) -> dict:
-        """The forward's keyword for rows of these adapters (None: the base); nothing while none is loaded."""
-        if self.peft is None:
-            return {}
-        return {"adapter_names": [key or BASE for key in keys]}
+    def rows_of(self, keys: list[str | None]):
+        """A context in which each row of a forward runs on its adapter (None: the base)."""
+        if self.lora is None or not self.loaded:
+            return contextlib.nullcontext()
+        return self.lora.rows_of(keys)
 
     def place(self, key: str, busy: set[str]) -> bool:
         """Make ``key`` loaded, evicting least recently used adapters outside ``busy``; False when it cannot be
@@ -363,12 +375,11 @@ class Slots:
                 return False
             self.unload(victim)
         self.load(key, folder, size)
-        self.sweep(busy | {key})
         return True
 
     def sweep(self, busy: set[str]) -> None:
         """Unload what is loaded but no longer registered and used by no running row."""
-        if len(self.known) >= len(self.loaded) and all(k in self.known for k in self.loaded):
+        if all(k in self.known for k in self.loaded):
             return
         with self.lock:
             stale = [k for k in self.loaded if k not in self.known and k not in busy]
@@ -376,34 +387,16 @@ class Slots:
             self.unload(key)
 
     def load(self, key: str, folder: str, size: int) -> None:
-        from peft import PeftModel
-
+        if self.lora is None:
+            self.lora = self.make()
         try:
-            if self.peft is None:
-                self.peft = PeftModel.from_pretrained(self.base, folder, adapter_name=key, is_trainable=False)
-            elif key not in self.peft.peft_config:  # (the last one unloaded may still be there: ``unload``)
-                self.peft.load_adapter(folder, adapter_name=key, is_trainable=False)
+            self.lora.add(key, folder)
         except Exception as exc:  # noqa: BLE001 - the folder changed since it was checked: this adapter fails alone
+            self.lora.remove(key)
             raise LadleError(f"adapter {folder} did not load: {type(exc).__name__}: {exc}") from None
-        self.peft.eval()
         self.loaded[key] = size
         self.loads += 1
-        for stale in [k for k in self.peft.peft_config if k not in self.loaded]:
-            self.delete(stale)
 
     def unload(self, key: str) -> None:
-        """Delete ``key``'s weights. peft cannot run with no adapter once it wraps the model, so the last one's
-        weights stay (unaddressed) until the next load deletes them: with ``max_loaded = 1`` two adapters are in
-        memory for the moment of a swap."""
         self.loaded.pop(key, None)
-        if len(self.peft.peft_config) > 1:
-            self.delete(key)
-
-    def delete(self, key: str) -> None:
-        """peft's delete, then an adapter that exists made the active one (peft may leave the deleted one named
-        active, and its forward looks the active one up even when every row names its own)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Adapter X was active which is now deleted": rows name their own
-            self.peft.delete_adapter(key)
-            if self.peft.active_adapter not in self.peft.peft_config:
-                self.peft.set_adapter(next(iter(self.peft.peft_config)))
+        self.lora.remove(key)

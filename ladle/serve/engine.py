@@ -234,9 +234,10 @@ class Engine:
 
     def forward(self, jobs: list[Job], **inputs):
         """The model's forward over rows of ``jobs``, each on its own adapter when adapters are served."""
-        if self.adapters is None or self.adapters.peft is None:  # no adapter loaded yet: the model as it is
+        if self.adapters is None:
             return self.model(**inputs)
-        return self.adapters.peft(**inputs, **self.adapters.names([job.adapter for job in jobs]))
+        with self.adapters.rows_of([job.adapter for job in jobs]):
+            return self.model(**inputs)
 
 
 def fail(jobs: list[Job], exc: Exception) -> None:

@@ -164,3 +164,19 @@ def test_every_shipped_recipe_validates(recipe):
     assert cfg.name == recipe
     if cfg.training.objective == "grpo":
         assert rewards.load_all(cfg.training.rl.rewards, rewards.bundle(cfg.training.rl.rewards))
+
+
+@pytest.mark.parametrize(
+    ("sets", "fragment"),
+    [
+        (["training.lora.enabled=false"], "training.lora.enabled = false: a full fine-tune has no adapter"),
+        (["serve.backend=mii"], "serve.backend = mii: that backend serves no adapters"),
+        (["promote.canary={weight: 0.2, duration_s: 60}"], "an adapter's canary is not available yet"),
+        (["serve.target=kubernetes"], "serve.target = kubernetes: adapters are served on this machine's"),
+    ],
+)
+def test_an_unmerged_adapter_refuses_what_cannot_serve_it(sets, fragment):
+    with pytest.raises(ConfigError) as info:
+        build_config(MINIMAL, ["promote.merge=false", *sets])
+    assert fragment in str(info.value) and "promote.merge=true" in str(info.value)
+    assert build_config(MINIMAL, ["promote.merge=false"]).promote.merge is False

@@ -1,0 +1,171 @@
+"""A grouped LoRA product: every loaded adapter inside the base's linear layers at once, each batch row taking only
+its own adapter's update.
+
+Each adapted linear layer keeps its base weights and, side by side, every loaded adapter's ``A`` (scaled by its
+``alpha / r``) and ``B``: ``A_cat`` is ``[R, in]`` and ``B_cat`` ``[out, R]``, ``R`` the ranks of the adapters
+that adapt this layer, summed, with ``owner[R]`` naming the adapter of each rank column. A forward over rows of
+several adapters computes
+
+    y = base(x) + ((x @ A_cat.T) * mask) @ B_cat.T,    mask[row, col] = owner[col] == adapter[row]
+
+two matmuls and a multiply per layer whatever the number of adapters in the batch, where peft's mixed batch runs,
+per layer and per adapter present, a gather, two matmuls and a scatter-add, plus a forward hook on every LoRA
+module per call (``bench/adapters.py`` measures both). The product does ``n`` times the LoRA arithmetic for ``n``
+adapters present (each row against every adapter's columns, masked), which is small beside the base's own
+matmuls at serving ranks, and it is the same arithmetic for a decode step as for a prefill.
+
+Exactness: each row's update is its adapter's ``B (s A x)`` (the other columns contribute exact zeros), in the
+model's dtype; greedy answers equal the merged model's (tested, float32).
+
+What it holds: LoRA on linear layers (any rank per module, rsLoRA). A DoRA adapter, one that adapts an
+embedding, replaces whole tensors (``modules_to_save``), uses ``alpha_pattern`` or Conv1D layers
+(``fan_in_fan_out``) is refused when registered (``ladle.serve.adapters.inspect``), naming why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class MultiLoraLinear(nn.Module):
+    """A base ``nn.Linear`` with every loaded adapter's update beside it."""
+
+    def __init__(self, base: nn.Linear, group: MultiLora):
+        super().__init__()
+        self.base = base
+        object.__setattr__(self, "group", group)  # not a submodule: the group is shared by every layer
+        self.a_cat: torch.Tensor | None = None  # [R, in]: each adapter's s A, one after another
+        self.b_cat: torch.Tensor | None = None  # [out, R]
+        self.layout: tuple[tuple[int, int], ...] = ()  # (adapter id, rank) of each block of columns, in order
+
+    @property
+    def weight(self):  # what code reading a linear layer's weight expects (its dtype, its device)
+        return self.base.weight
+
+    def add(self, adapter: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        if self.a_cat is None:
+            self.a_cat, self.b_cat = a, b
+        else:
+            self.a_cat, self.b_cat = torch.cat([self.a_cat, a]), torch.cat([self.b_cat, b], dim=1)
+        self.layout = (*self.layout, (adapter, a.shape[0]))
+
+    def remove(self, adapter: int) -> None:
+        if adapter not in {owner for owner, _ in self.layout}:
+            return
+        keep, start = [], 0
+        for owner, rank in self.layout:
+            if owner != adapter:
+                keep.append(torch.arange(start, start + rank, device=self.a_cat.device))
+            start += rank
+        self.layout = tuple(block for block in self.layout if block[0] != adapter)
+        if not keep:
+            self.a_cat = self.b_cat = None
+            return
+        index = torch.cat(keep)
+        self.a_cat, self.b_cat = self.a_cat[index].contiguous(), self.b_cat[:, index].contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.a_cat is None or self.group.rows is None:
+            return y
+        mask = self.group.mask(self.layout, x.dim())  # [rows, 1..., R], None when no row runs on these adapters
+        if mask is None:
+            return y
+        h = (x.to(self.a_cat.dtype) @ self.a_cat.T) * mask
+        return y + (h @ self.b_cat.T).to(y.dtype)
+
+
+class MultiLora:
+    """The adapters inside one model, by the engine's keys; ``rows`` says which adapter each row of the next
+    forward runs on."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.layers: dict[str, MultiLoraLinear] = {}
+        self.ids: dict[str, int] = {}  # key -> adapter id (0, 1, ...; -1: the base)
+        self.free: list[int] = []
+        self.rows: torch.Tensor | None = None
+        self.masks: dict[tuple, torch.Tensor | None] = {}  # per forward: one mask per column layout
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    def add(self, key: str, folder: str | Path) -> None:
+        """Load the adapter at ``folder`` under ``key`` (its tensors checked against the layers they adapt).
+
+        Raises:
+            ValueError: a tensor names a module the model does not have, or has a shape that does not fit it.
+        """
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        settings = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+        tensors = load_file(folder / "adapter_model.safetensors", device="cpu")
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors.items():
+            module, _, part = name.removeprefix("base_model.model.").partition(".lora_")
+            if part.split(".")[0] not in ("A", "B"):
+                raise ValueError(f"{name}: not a LoRA linear weight (ladle.serve.adapters.inspect refuses these)")
+            pairs.setdefault(module, {})[part.split(".")[0]] = tensor
+        adapter = self.free.pop() if self.free else len(self.ids)
+        staged = []
+        for module, parts in pairs.items():
+            a, b = parts["A"], parts["B"]
+            rank = a.shape[0]
+            scale = settings["lora_alpha"] / (math.sqrt(rank) if settings.get("use_rslora") else rank)
+            layer = self.layer(module)
+            if a.shape[1] != layer.base.in_features or b.shape[0] != layer.base.out_features:
+                raise ValueError(f"{module}: adapter shapes {list(a.shape)}, {list(b.shape)} do not fit the layer")
+            staged.append((layer, (a.float() * scale).to(self.device, self.dtype), b.to(self.device, self.dtype)))
+        for layer, a, b in staged:
+            layer.add(adapter, a, b)
+        self.ids[key] = adapter
+
+    def remove(self, key: str) -> None:
+        adapter = self.ids.pop(key, None)
+        if adapter is None:
+            return
+        for layer in self.layers.values():
+            layer.remove(adapter)
+        self.free.append(adapter)
+
+    def layer(self, name: str) -> MultiLoraLinear:
+        """The wrapper of linear layer ``name`` (installed on first use)."""
+        if name in self.layers:
+            return self.layers[name]
+        parent_name, _, child = name.rpartition(".")
+        parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        base = getattr(parent, child, None)
+        if not isinstance(base, nn.Linear):
+            raise ValueError(f"{name}: not a linear layer of the model ({type(base).__name__})")
+        wrapper = MultiLoraLinear(base, self)
+        setattr(parent, child, wrapper)
+        self.layers[name] = wrapper
+        return wrapper
+
+    def mask(self, layout: tuple[tuple[int, int], ...], dims: int) -> torch.Tensor | None:
+        """Which columns of a layer with ``layout`` each row of this forward keeps (1) or drops (0), shaped to
+        multiply a ``dims``-dimensional activation; None when no row runs on any of its adapters. Made once per
+        forward per layout: layers that hold the same adapters share it."""
+        key = (layout, dims)
+        if key not in self.masks:
+            owner = torch.cat([torch.full((rank,), adapter, device=self.device) for adapter, rank in layout])
+            keep = owner[None, :] == self.rows[:, None]
+            shape = (self.rows.shape[0], *([1] * (dims - 2)), owner.shape[0])
+            self.masks[key] = keep.to(self.dtype).view(shape) if bool(keep.any()) else None
+        return self.masks[key]
+
+    @contextlib.contextmanager
+    def rows_of(self, keys: list[str | None]):
+        """During the block, row ``i`` of a forward runs on adapter ``keys[i]`` (None: the base)."""
+        self.rows = torch.tensor([self.ids[k] if k is not None else -1 for k in keys], device=self.device)
+        self.masks = {}
+        try:
+            yield
+        finally:
+            self.rows, self.masks = None, {}
