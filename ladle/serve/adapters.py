@@ -5,10 +5,9 @@ process), whether an adapter folder fits the base (``inspect``), and which adapt
 Requests for different adapters share the engine's batch and its KV cache: the loaded adapters live inside the
 base's linear layers as one grouped LoRA product (``ladle.serve.multi_lora``), and each forward says which adapter
 each row runs on, so every layer adds each row's own adapter's ``B(s A x)`` and nothing else. Chosen over peft's
-mixed-adapter batches (``adapter_names``), which compute the same thing with a gather, two matmuls and a
-scatter-add per adapter present per layer and a forward hook per LoRA module per call: with 8 adapters of
-SmolLM2-135M on a CPU, peft's way served 0.32x the merged model's tokens/s, the grouped product MEASURED
-(``bench/adapters.py``, ``bench/RESULTS.md``).
+mixed-adapter batches (``adapter_names``), which compute the same thing with a gather, two matmuls and a scatter-add per adapter present per layer and a forward hook per LoRA module per call: with 8
+adapters of SmolLM2-135M on a CPU and 32 clients, peft's way served 0.32x the merged model's tokens/s and the
+grouped product 0.53x (0.81x with every answer run to the same length; ``bench/adapters.py``).
 
 Naming: an adapter is registered under a ``name`` (what the OpenAI ``model`` field says) and a ``version`` label,
 with optional ``aliases`` (``champion``, ``challenger``); ``name`` alone is its default version, ``name@3`` or
