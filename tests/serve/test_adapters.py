@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from ladle.errors import LadleError
@@ -409,14 +410,68 @@ def test_a_server_bound_to_a_registered_model_serves_its_aliases_and_a_replica_o
         httpx.post(f"{url}/v1/adapters/sync", timeout=60)
         assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
 
-        replica, replica_url = start([*common, "--port", str(free_port())], log)  # the bindings file alone
+        # A second replica, or this one restarted as a supervisor restarts it: a start whose command line names
+        # no adapter, the bindings file and the registry saying what to serve.
+        replica, replica_url = start([*common, "--port", str(free_port())], log)
         assert answer_tokens(replica_url, "bot") == red and answer_tokens(replica_url, "bot@challenger") == blue
-        os.killpg(replica.pid, signal.SIGKILL)
-        replica.wait(30)
-        argv = replica.args
-        replica, replica_url = start(argv, log)  # restarted as a supervisor restarts it: same command
-        assert answer_tokens(replica_url, "bot") == red
         assert httpx.get(f"{replica_url}/v1/adapters", timeout=10).json()["registry"]["bindings"] == {"bot": "bot"}
+        engine = psutil.Process(replica.pid).children()[0]
+        os.killpg(replica.pid, signal.SIGKILL)  # killed outright: its engine goes with it
+        replica.wait(30)
+        engine.wait(30)
+        replica = None
     finally:
         if replica is not None:
             stop_process(replica, grace_s=20, group=True)
+
+
+def test_a_forced_tool_call_through_an_adapter_is_one_valid_call_whole_and_streamed(kit, tiny_model, tmp_path):
+    """Tools per adapter: the base with Hermes's tool-calling template (the same weights, so the adapters fit it),
+    a forced call through adapter ``red``: one call of the named function with arguments its schema accepts."""
+    from ladle.serve.server import Settings, create_app
+    from tests.serve.running import Running
+    from tests.templates import TEMPLATES, with_template
+
+    hermes = with_template(tiny_model, tmp_path / "hermes", TEMPLATES["hermes"])
+    backend = TransformersBackend(str(hermes), max_batch=4)
+    catalog = Catalog("tiny", BaseWeights.of(hermes))
+    version, _ = catalog.add("red", str(kit["red"][0]))
+    backend.add_adapter(version.key, version.info.path, version.info.bytes)
+    running = Running(create_app(backend, Settings("tiny", max_new_tokens=16), catalog))
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Lima"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    body = {
+        "model": "red",
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [weather],
+        "tool_choice": "required",
+        "max_tokens": 200,
+        "temperature": 0,
+    }
+    try:
+        whole = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        assert whole["finish_reason"] == "tool_calls"
+        (call,) = whole["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Lima")
+        with httpx.stream(
+            "POST", f"{running.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60
+        ) as answer:
+            chunks = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+        calls = [c for x in chunks if x["choices"] for c in x["choices"][0]["delta"].get("tool_calls") or []]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("get_weather", call["function"]["arguments"])
+        ]
+        assert backend.slots.loaded  # it ran on the adapter
+    finally:
+        running.stop()
