@@ -13,9 +13,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact
 from prefect.states import Completed
 
-from ladle.fleet import champion
+from ladle.fleet import adapters
 from ladle.flows.recipe import RecipeName, recipe_config
 from ladle.lifecycle import tracking
+from ladle.plan.inputs import base_dir_of
 from ladle.platform.secrets import install_log_redaction
 from ladle.platform.startup import flow_run_process
 
@@ -50,7 +51,7 @@ def serve_champion(
     logger = get_run_logger()
     if version:
         logger.info("event: %s v%s became champion", name, version)
-    served, line = champion.serve_registered(uri, name, cfg)
+    served, line = adapters.serve_registered(uri, name, cfg, lambda: base_dir_of(cfg))
     logger.info(line)
     if served["action"] != "unchanged":
         create_link_artifact(

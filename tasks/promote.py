@@ -10,9 +10,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from ladle.config import LadleConfig
 from ladle.data.prepare import PreparedDataset
-from ladle.fleet.champion import full_model_dir_of
 from ladle.fleet.deploy import Endpoint
 from ladle.lifecycle import gate, lineage, promote
+from ladle.lifecycle.copies import full_model_dir_of
 from ladle.lifecycle.evaluate import Evaluation, score
 from ladle.lifecycle.events import CANARY, emit_canary, emit_promoted
 from ladle.lifecycle.merge import MergedModel

@@ -195,12 +195,15 @@ def serve(
 ) -> None:
     """Serve the champion on serve.front_port, or swap the front to it: start, check, switch, drain the old. An
     adapter (promote.merge: false) goes on the server of its base, beside that base's other adapters."""
-    from ladle.fleet import champion
+    from ladle.fleet import adapters
     from ladle.lifecycle import tracking
 
     cfg = load(config, set_, None, None)
     uri, _ = tracking.tracking_uri(cfg)
-    served, line = champion.serve_registered(uri, cfg.tracking.registered_model or cfg.name, cfg)
+    from ladle.plan.inputs import base_dir_of
+
+    name = cfg.tracking.registered_model or cfg.name
+    served, line = adapters.serve_registered(uri, name, cfg, lambda: base_dir_of(cfg))
     if as_json:
         print_json(served)
         return

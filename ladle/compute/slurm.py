@@ -15,6 +15,7 @@ Prefect cancel raises in the flow-run process) cancels the job with ``scancel``.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import shutil
@@ -27,6 +28,7 @@ from pathlib import Path
 from ladle.compute.base import ComputeTarget
 from ladle.errors import LadleError
 from ladle.platform import storage
+from ladle.train.preempt import PREEMPTED
 
 UNKNOWN_S = 120.0
 """Seconds a job's state may stay unreadable (a controller restarting, a transient RPC failure) before the follow
@@ -133,10 +135,14 @@ class SlurmTarget(ComputeTarget):
     def script(self, spec_url: str, plan, log_file: Path) -> str:
         """The batch script for ``plan``: one ``ladle launch`` per node."""
         nodes = plan.num_machines
+        grace = math.ceil(self.cfg.training.preempt_grace_s)
         directives = [
             f"--job-name=ladle-{self.cfg.name}",
             *self.placement(nodes, self.gpus_per_node(plan), self.opts.time_limit),
             f"--output={log_file}",
+            "--open-mode=append",  # a requeued job's output goes on after the first run's
+            "--requeue",
+            f"--signal=USR1@{grace}",  # before the time limit: checkpoint and requeue (ladle.train.preempt)
             *self.opts.sbatch_args,
         ]
         port = (
@@ -156,8 +162,17 @@ class SlurmTarget(ComputeTarget):
                 *node_address_script(),
                 f"main_port={port}",
                 'echo "ladle: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $main_address:$main_port"',
+                "code=0",
                 f"srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
-                f'  {shlex.join(launch)} --main-address "$main_address" --main-port "$main_port"',
+                f'  {shlex.join(launch)} --main-address "$main_address" --main-port "$main_port" || code=$?',
+                "# 75: the ranks were told to stop (SIGUSR1 before the time limit, SIGTERM on preemption) and",
+                "# checkpointed their step; the job goes back to the queue and resumes from that checkpoint.",
+                f'if [ "$code" -eq {PREEMPTED} ]; then',
+                '  echo "ladle: job $SLURM_JOB_ID checkpointed when told to stop; requeueing it"',
+                '  scontrol requeue "$SLURM_JOB_ID"',
+                "  exit 0",
+                "fi",
+                'exit "$code"',
                 "",
             ]
         )
@@ -228,6 +243,7 @@ class SlurmTarget(ComputeTarget):
         ``finished``: whether the job's result is written, for a job the controller has already forgotten."""
         follower, last_reason, start = LogFollower(log), None, time.monotonic()
         unknown_since: float | None = None
+        seen_running = False
         while True:
             try:
                 info = self.job(job_id)
@@ -248,6 +264,14 @@ class SlurmTarget(ComputeTarget):
                 time.sleep(self.opts.poll_interval_s)
                 continue
             unknown_since = None
+            if state in ("REQUEUED", "PENDING") and seen_running:  # it checkpointed when told to stop, or was preempted
+                seen_running, start, last_reason = False, time.monotonic(), None
+                if relay.on_line:
+                    relay.on_line(
+                        f"slurm: job {job_id} went back to the queue ({state}); it resumes from its checkpoint"
+                    )
+            if state in ("RUNNING", "COMPLETING"):
+                seen_running = True
             if state == "PENDING":
                 if reason != last_reason and reason not in ("", "None") and relay.on_line:
                     relay.on_line(f"slurm: job {job_id} pending ({reason})")

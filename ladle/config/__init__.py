@@ -178,6 +178,21 @@ class LadleConfig(Section):
                 "held-out prompts by; set training.objective=grpo, or eval.metric=exact_match"
             )
         problems += rl_problems(t)
+        if self.compute.target == "slurm":
+            from ladle.config.compute import slurm_seconds
+
+            grace, limit = t.preempt_grace_s, slurm_seconds(self.compute.slurm.time_limit)
+            if grace > 65535:
+                problems.append(
+                    f"training.preempt_grace_s = {grace:g}: Slurm's --signal warns at most 65535 s before the time "
+                    "limit; set training.preempt_grace_s to 65535 or less"
+                )
+            elif limit is not None and grace >= limit:
+                problems.append(
+                    f"training.preempt_grace_s = {grace:g} is not shorter than compute.slurm.time_limit = "
+                    f"{self.compute.slurm.time_limit} ({limit} s): the job would be told to stop as it starts; lower "
+                    "training.preempt_grace_s or raise compute.slurm.time_limit"
+                )
         if not self.promote.merge:
             if not t.lora.enabled:
                 problems.append(

@@ -11,6 +11,24 @@ from pydantic import Field, field_validator
 from ladle.pluggable import Registry
 from ladle.section import Section
 
+
+def slurm_seconds(text: str) -> int | None:
+    """A Slurm ``--time`` value in seconds (None: unlimited): minutes, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]."""
+    text = text.strip()
+    if text in ("UNLIMITED", "INFINITE"):
+        return None
+    days, _, rest = text.rpartition("-") if "-" in text else ("", "", text)
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+
+
 SLURM_TIME = re.compile(r"^(UNLIMITED|INFINITE|\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(:\d{1,2}(:\d{1,2})?)?)$")
 
 

@@ -369,6 +369,16 @@ class TrainingConfig(Section):
     checkpoint_every: int = Field(
         0, ge=0, description="Write a resumable checkpoint every N optimizer steps. 0: only at the end."
     )
+    preempt_grace_s: float = Field(
+        120.0,
+        ge=5,
+        le=86400,
+        description="Seconds a run asks for between being told to stop (SIGTERM, or Slurm's SIGUSR1) and its end: "
+        "the step in progress finishes, every rank writes a checkpoint of it, and the run exits 75 to be requeued "
+        "(the Slurm backend requeues the job, which resumes from that checkpoint). Slurm sends SIGUSR1 this long "
+        "before the time limit (`--signal`); the launchers wait this long before killing a rank. Longer than a "
+        "step plus a checkpoint.",
+    )
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps. 0: only before and after training.")
     save_shard_mib: int = Field(
         512,

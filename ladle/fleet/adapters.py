@@ -35,12 +35,31 @@ from ladle.platform.processes import free_port, stop_process
 from ladle.serve import records
 
 
+def serve_registered(uri: str, name: str, cfg, base_dir) -> tuple[dict, str]:
+    """``ladle model serve`` of config ``cfg``: an adapter champion on its base's server
+    (``ladle.fleet.adapters``; ``base_dir()`` gives the config's base as a local folder), any other behind a front
+    of its own (``reconcile``). Returns what is served and a line saying so."""
+    from ladle.fleet import champion
+
+    wanted = promote.champion(uri, name)
+    if wanted is not None and wanted.tags.get("ladle.kind") == "adapter":
+        served = reconcile(uri, name, cfg, wanted, Path(base_dir()))
+        line = (
+            f"{name} v{served['version']}: served on {served['base']} ({served['action']}) at {served['front_url']} "
+            f"as model {name!r}; that server holds {len(served['adapters'])} adapter(s)"
+        )
+        return served, line
+    served = champion.reconcile(uri, name, cfg.serving(), cfg.promote.canary)
+    return served.model_dump(), served.message()
+
+
 def front_name(signature: str) -> str:
     return f"base-{signature[:12]}"
 
 
-def reconcile(uri: str, name: str, cfg: LadleConfig, champion: promote.Version) -> dict:
-    """Serve adapter ``name``'s champion on its base's server (see the module); what is served, as a dict.
+def reconcile(uri: str, name: str, cfg: LadleConfig, champion: promote.Version, base_dir: Path) -> dict:
+    """Serve adapter ``name``'s champion on its base's server (see the module; ``base_dir``: the config's base as
+    a local folder); what is served, as a dict.
 
     Raises:
         LadleError: the config's base is not the one the adapter was trained on.
@@ -48,13 +67,11 @@ def reconcile(uri: str, name: str, cfg: LadleConfig, champion: promote.Version) 
     """
     from ladle.assets import ladle_home
     from ladle.fleet.champion import admin_headers, current_upstream, ensure_front
-    from ladle.lifecycle.lineage import base_signature
-    from ladle.plan.inputs import base_dir_of
+    from ladle.lifecycle.copies import base_signature
 
     started = time.monotonic()
     serve = cfg.serving()
     trained_on = champion.tags.get("ladle.base_signature", "")
-    base_dir = Path(base_dir_of(cfg))
     signature = base_signature(base_dir)
     if trained_on != signature:
         raise LadleError(

@@ -15,7 +15,6 @@ flow run, ``ladle model serve``) that started them; ``ladle model stop`` ends th
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import time
@@ -33,13 +32,14 @@ from ladle.fleet.deploy import (
     DEFAULT_SMOKE,
     DeployFailed,
     SwapFailed,
-    local_model_dir,
     smoke,
     start_server,
     wait_healthy,
 )
 from ladle.lifecycle import promote
-from ladle.lifecycle.merge import MergedModel
+from ladle.lifecycle.copies import full_model_dir_of, model_dir_of
+
+__all__ = ["full_model_dir_of", "model_dir_of", "reconcile"]
 from ladle.platform.processes import free_port, stop_pid, stop_process
 from ladle.platform.secrets import redact_url
 from ladle.serve import backends, records
@@ -119,34 +119,6 @@ def current_upstream(record: dict) -> dict | None:
     return answer.json()["upstream"]
 
 
-def model_dir_of(version: promote.Version):
-    """The version's model folder on local disk (copied once from a remote store)."""
-    made = f"{version.source}@v{version.version}-{version.created_ms}"  # a version registered without the tag
-    tagged = version.tags.get("ladle.model_sha256")
-    sha = tagged or hashlib.sha256(made.encode()).hexdigest()
-    try:  # the weights are checked against the tag; a version registered without one is keyed, not checked
-        return local_model_dir(MergedModel(url=version.source, sha256=sha, parameters=0), verify=bool(tagged))
-    except ValueError as exc:  # a tag that is not a hash, a key that would land outside the copy
-        raise LadleError(f"v{version.version}: {exc}") from None
-
-
-def full_model_dir_of(version: promote.Version):
-    """A full model of the version on local disk: its folder, or for an adapter (``promote.merge: false``) the
-    merged copy its run scored (``ladle.merged_url``), for scoring it or training from it."""
-    if version.tags.get("ladle.kind") != "adapter":
-        return model_dir_of(version)
-    url, sha = version.tags.get("ladle.merged_url"), version.tags.get("ladle.merged_sha256")
-    if not url or not sha:
-        raise LadleError(
-            f"{version.name} v{version.version} is an adapter registered without its merged copy (tags "
-            "ladle.merged_url, ladle.merged_sha256); register it again from its run."
-        )
-    try:
-        return local_model_dir(MergedModel(url=url, sha256=sha, parameters=0))
-    except ValueError as exc:
-        raise LadleError(f"v{version.version}: {exc}") from None
-
-
 def start_version(name: str, version: promote.Version, cfg: ServeConfig) -> tuple[subprocess.Popen, str, Path]:
     """Start ``version`` on a free port; ready and answering (its process, URL and log), or stopped and
     ``SwapFailed``."""
@@ -212,24 +184,6 @@ def reconcile(uri: str, name: str, cfg: ServeConfig, canary: CanaryConfig | None
             "canary": state,
         }
     )
-
-
-def serve_registered(uri: str, name: str, cfg) -> tuple[dict, str]:
-    """``ladle model serve`` of config ``cfg``: an adapter champion on its base's server
-    (``ladle.fleet.adapters``), any other behind a front of its own (``reconcile``). Returns what is served and a
-    line saying so."""
-    wanted = promote.champion(uri, name)
-    if wanted is not None and wanted.tags.get("ladle.kind") == "adapter":
-        from ladle.fleet import adapters
-
-        served = adapters.reconcile(uri, name, cfg, wanted)
-        line = (
-            f"{name} v{served['version']}: served on {served['base']} ({served['action']}) at {served['front_url']} "
-            f"as model {name!r}; that server holds {len(served['adapters'])} adapter(s)"
-        )
-        return served, line
-    served = reconcile(uri, name, cfg.serving(), cfg.promote.canary)
-    return served.model_dump(), served.message()
 
 
 def serve_champion(uri: str, name: str, cfg: ServeConfig) -> Serving:

@@ -17,7 +17,6 @@ from ladle.config import ServeConfig
 from ladle.errors import LadleError
 from ladle.lifecycle.merge import MergedModel
 from ladle.lifecycle.parity import Parity
-from ladle.platform import storage
 from ladle.platform.processes import free_port, stop_process
 from ladle.serve import backends, pool
 
@@ -48,11 +47,9 @@ class SwapFailed(LadleError):
 def local_model_dir(merged: MergedModel, verify: bool = True) -> Path:
     """The merged model on local disk (copied once from a remote store, keyed by its hash, its weights checked
     against that hash when ``verify``: ``storage.cached_copy``)."""
-    if storage.is_local(merged.url):
-        return storage.local_path(merged.url)
-    key = storage.cache_key(merged.sha256, "ladle.model_sha256")
-    verified = merged.sha256 if verify and storage.FULL_DIGEST.fullmatch(merged.sha256) else None
-    return storage.cached_copy(merged.url, ladle_home() / "served" / key, verified)
+    from ladle.lifecycle.copies import local_copy
+
+    return local_copy(merged.url, merged.sha256, verify)
 
 
 def backend_options(cfg: ServeConfig) -> dict:

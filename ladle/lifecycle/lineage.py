@@ -9,30 +9,17 @@ import json
 from pathlib import Path
 
 from ladle.config import LadleConfig
+from ladle.lifecycle.copies import base_signature
+
+__all__ = ["base_signature", "fingerprint_of", "parts", "run_fingerprint"]
 
 VERSION = "1"  # bump when the same inputs should fingerprint differently
-HOW_IT_RUNS = {"eval_micro_batch_size", "checkpoint_every", "eval_every", "save_shard_mib"}
+HOW_IT_RUNS = {"eval_micro_batch_size", "checkpoint_every", "eval_every", "save_shard_mib", "preempt_grace_s"}
 """Training settings that change how a run proceeds, not what it learns (left out of the fingerprint)."""
-SAMPLE = 1 << 16
 TAG = "ladle.run_fingerprint"
 """The registered version's tag that holds it."""
 PARTS_TAG = "ladle.run_fingerprint.parts"
 """The registered version's tag that holds what it is made of (``parts``, as JSON)."""
-
-
-def base_signature(base_dir: Path) -> str:
-    """The base's ``config.json`` and, per weight file, its name, its size and three 64 KiB samples (the start,
-    which holds a safetensors file's header of names, dtypes and shapes; the middle; the end). Reading whole
-    weights would take minutes for a 70B base; any retrained or re-quantized checkpoint differs in these."""
-    digest = hashlib.sha256((base_dir / "config.json").read_bytes())
-    for file in sorted([*base_dir.glob("*.safetensors"), *base_dir.glob("*.bin")]):
-        size = file.stat().st_size
-        digest.update(f"{file.name}:{size}".encode())
-        with file.open("rb") as handle:
-            for offset in sorted({0, max(size // 2 - SAMPLE // 2, 0), max(size - SAMPLE, 0)}):
-                handle.seek(offset)
-                digest.update(handle.read(SAMPLE))
-    return digest.hexdigest()
 
 
 def parts(cfg: LadleConfig, data_fingerprint: str, base_dir: Path) -> dict:

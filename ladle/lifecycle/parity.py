@@ -8,7 +8,7 @@ promoted, for a few held-out conversations (``PROBE_ROWS``):
 1. **probe**: ladle's own data code renders each conversation and tokenizes it exactly as the training data was
    (``ladle.data.tokenize``), giving its token ids and which of them are the answer (``ProbeRow``);
 2. **reference**: the training process, at the end of training, runs its model's forward over those ids (every
-   rank, as a sharded forward needs) and records each token's log-probability (``training_logps``); a strategy
+   rank, as a sharded forward needs) and records each token's log-probability (``ladle.train.worker``); a strategy
    that splits one forward over ranks (pipeline, sequence parallel) has none, and the reference is then the saved
    weights loaded by transformers (peft for an adapter) in this process (``saved_logps``), which is said;
 3. **check**: the server tokenizes each conversation's prompt through its own template (``POST /tokenize``) and
@@ -73,30 +73,6 @@ def probe(tokenizer, conversations: list[list[dict]], cfg) -> list[ProbeRow]:
             continue
         rows.append(ProbeRow(ids=example.input_ids, prompt_tokens=answer[0], answer=answer, messages=messages[:-1]))
     return rows
-
-
-def training_logps(accelerator, model, rows: list[ProbeRow], whole_forward: bool) -> list[list[float]] | None:
-    """Each probe row's per-token log-probabilities (position i: of token i given those before; 0 for the first)
-    by the model as trained, in the training process; every rank runs every forward (a sharded forward is a
-    collective). None when the strategy splits one forward over ranks."""
-    import torch
-
-    from ladle.train import preference
-
-    if not rows or not whole_forward:
-        return None
-    was_training = model.training
-    model.eval()
-    found = []
-    with torch.no_grad():
-        for row in rows:
-            ids = torch.tensor([row.ids], device=accelerator.device)
-            positions = torch.arange(len(row.ids), device=accelerator.device)[None]
-            keep = torch.ones((1, len(row.ids) - 1), dtype=torch.bool, device=accelerator.device)
-            logps = preference.token_logps(model, ids, ids, positions, keep)
-            found.append([0.0, *logps.float().cpu().tolist()])
-    model.train(was_training)
-    return found
 
 
 def saved_logps(model_dir, rows: list[ProbeRow], adapter_dir=None) -> list[list[float]]:

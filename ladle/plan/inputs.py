@@ -149,7 +149,7 @@ def base_dir_of(cfg: LadleConfig, version=None) -> Path:
         version = registered_version(cfg)
     if version is None:
         return resolve_base(cfg.base, cfg.training.dtype)
-    from ladle.fleet.champion import full_model_dir_of
+    from ladle.lifecycle.copies import full_model_dir_of
 
     folder = full_model_dir_of(version)
     if not (folder / "config.json").is_file():

@@ -174,7 +174,7 @@ class RegistrySync:
         Raises:
             LadleError: not an adapter, or its files cannot be copied or do not match.
         """
-        from ladle.fleet.champion import model_dir_of
+        from ladle.lifecycle.copies import model_dir_of
 
         if version.tags.get("ladle.kind") != "adapter":
             raise LadleError(

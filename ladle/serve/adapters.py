@@ -44,7 +44,7 @@ LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 def write_record(adapter_dir: Path, base_dir: Path, base: str) -> None:
     """Record in ``adapter_dir`` which base it was trained on: its signature and how the config named it."""
-    from ladle.lifecycle.lineage import base_signature
+    from ladle.lifecycle.copies import base_signature
 
     record = {"base_signature": base_signature(Path(base_dir)), "base": base}
     (Path(adapter_dir) / RECORD).write_text(json.dumps(record, indent=1), encoding="utf-8")
@@ -60,11 +60,15 @@ class BaseWeights:
 
     @classmethod
     def of(cls, folder: str | Path) -> BaseWeights:
-        from ladle.lifecycle.lineage import base_signature
-        from ladle.train.loading import Checkpoint
+        from safetensors import safe_open
 
-        checkpoint = Checkpoint(Path(folder))
-        shapes = {name: tuple(stored.shape) for name, stored in checkpoint.tensors.items()}
+        from ladle.lifecycle.copies import base_signature
+
+        shapes: dict[str, tuple[int, ...]] = {}
+        for file in sorted(Path(folder).glob("*.safetensors")):
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open has no iteration
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
         return cls(str(folder), base_signature(Path(folder)), shapes)
 
 

@@ -274,11 +274,28 @@ def emit_start(session) -> None:
 
 
 def checkpoint_if_due(session, steps_done: int) -> None:
-    """Write a resumable checkpoint after ``steps_done`` steps when ``training.checkpoint_every`` says so
-    (collective: every rank calls it)."""
+    """Write a resumable checkpoint after ``steps_done`` steps when ``training.checkpoint_every`` says so, or when
+    any rank was told to stop (``ladle.train.preempt``: the checkpoint, then ``Preempted``). Collective: every
+    rank calls it after every step."""
+    from ladle.train.preempt import PREEMPTION, Preempted
+
     every = session.spec.config.training.checkpoint_every
-    if not every or steps_done % every:
+    due = bool(every) and steps_done % every == 0
+    if due:
+        save_checkpoint(session, steps_done)
+    told = PREEMPTION.agreed(session.accelerator)
+    if told is None:
         return
+    if not due:
+        save_checkpoint(session, steps_done)
+    waited = time.monotonic() - PREEMPTION.at if PREEMPTION.at is not None else 0.0
+    emit(session.accelerator, "preempted", step=steps_done, signal=told, seconds_since_signal=round(waited, 3))
+    session.accelerator.wait_for_everyone()
+    raise Preempted(steps_done, told)
+
+
+def save_checkpoint(session, steps_done: int) -> None:
+    """The resumable checkpoint of ``steps_done`` steps (collective)."""
     plan = session.spec.plan
     checkpoint.save(
         session.accelerator,

@@ -15,9 +15,11 @@ is imported by the ranks after the fork), and it checks: with any other thread r
 new interpreters instead, and says so. Each rank's process group meets at ``MASTER_ADDR:MASTER_PORT`` as it
 does under torchrun.
 
-It supervises as torchrun does: when a rank fails, the others are stopped (SIGTERM, then SIGKILL after
-``GRACE_S``) and the launcher exits with the failed rank's code; a SIGTERM or SIGINT to the launcher stops every
-rank the same way; a rank whose launcher is killed outright is ended by the kernel (``PR_SET_PDEATHSIG``).
+It supervises as torchrun does: when a rank fails, the others are stopped (SIGHUP, then SIGKILL after
+``GRACE_S``) and the launcher exits with the failed rank's code; a SIGINT or SIGHUP to the launcher stops every
+rank the same way; a SIGTERM or SIGUSR1 (a cluster's "stop soon") is passed to the ranks, which checkpoint their
+step and exit 75 (``ladle.train.preempt``), waited for up to ``training.preempt_grace_s``; a rank whose launcher
+is killed outright is ended by the kernel (``PR_SET_PDEATHSIG``).
 
 GPU runs keep ``accelerate launch`` (the path measured on GPUs): a device initialised before a fork is not
 usable in the child, and this launcher has not yet run on a GPU. The plan picks the launcher
@@ -40,6 +42,8 @@ from ladle.platform.processes import other_threads
 from ladle.platform.startup import quiet_collector
 
 WORKER = "ladle.train.worker"
+GRACE_ENV = "LADLE_PREEMPT_GRACE_S"
+"""training.preempt_grace_s, for the launchers (set in the ranks' environment by ``ladle.train.run.worker_env``)."""
 GRACE_S = 10.0
 """Seconds the other ranks get to stop after one failed (or after the launcher was asked to stop)."""
 
@@ -136,7 +140,7 @@ def run_rank(env: dict[str, str], worker_args: list[str], launcher: int) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    set_parent_death_signal(signal.SIGTERM)
+    set_parent_death_signal(signal.SIGKILL)  # the launcher gone: nobody reads a checkpoint's outcome
     name_process(f"ladle-rank{env.get('RANK', '0')}")
     if os.getppid() != launcher:  # the launcher died between the fork and the line above
         return 1
@@ -211,10 +215,12 @@ def say(message: str) -> None:
 
 
 def stop(pids: dict[int, int], grace_s: float = GRACE_S) -> None:
-    """SIGTERM every rank still running, SIGKILL those still there after ``grace_s``; reaps them all."""
+    """SIGHUP every rank still running (its default action ends it: SIGTERM would ask it to checkpoint first,
+    ``ladle.train.preempt``, which a rank whose peer died cannot), SIGKILL those still there after ``grace_s``;
+    reaps them all."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGHUP)
     deadline = time.monotonic() + grace_s
     while pids and time.monotonic() < deadline:
         reap(pids)
@@ -270,6 +276,33 @@ def supervise(pids: dict[int, int]) -> int:
     return 0
 
 
+def preempt(pids: dict[int, int], signum: int) -> int:
+    """Pass ``signum`` to every rank (each finishes its step, they checkpoint together and exit ``PREEMPTED``) and
+    wait for them up to ``training.preempt_grace_s`` (``LADLE_PREEMPT_GRACE_S``); ranks still running then are
+    stopped. Returns ``PREEMPTED`` when every rank checkpointed, else the first other exit code."""
+    from ladle.train.preempt import PREEMPTED
+
+    grace = float(os.environ.get(GRACE_ENV, "120"))
+    say(f"{signal.Signals(signum).name}: {len(pids)} rank(s) checkpoint after their step (grace {grace:g} s)")
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    codes: list[int] = []
+    deadline = time.monotonic() + grace
+    while pids and time.monotonic() < deadline:
+        codes += [code for _, code in reap(pids)]
+        time.sleep(0.05)
+    if pids:
+        say(f"{len(pids)} rank(s) did not finish their checkpoint within {grace:g} s; stopping them")
+        stop(pids)
+        return 128 + signum
+    failed = [code for code in codes if code != PREEMPTED]
+    if failed:
+        return failed[0] if failed[0] > 0 else 128 - failed[0]
+    say(f"every rank checkpointed; exiting {PREEMPTED} to be requeued")
+    return PREEMPTED
+
+
 def threads_before_torch(argv: list[str]) -> None:
     """torchrun's rule, applied before anything imports torch (OpenMP reads it once, when torch loads, and the
     ranks inherit what the launcher loaded): one thread per rank when several share a machine and the user set
@@ -305,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     def on_signal(signum, _frame):
         raise Stopped(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, on_signal)
     threads = other_threads()
     if threads:
@@ -320,9 +353,11 @@ def main(argv: list[str] | None = None) -> int:
             pids[start(env, worker_args)] = int(env.get("RANK", "0"))
         return supervise(pids)
     except Stopped as exc:
-        say(f"{signal.Signals(exc.signum).name}: stopping {len(pids)} rank(s)")
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_IGN)
+        if exc.signum in (signal.SIGTERM, signal.SIGUSR1) and pids:  # the cluster says stop: checkpoint first
+            return preempt(pids, exc.signum)
+        say(f"{signal.Signals(exc.signum).name}: stopping {len(pids)} rank(s)")
         stop(pids)
         return 128 + exc.signum
 

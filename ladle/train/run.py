@@ -4,6 +4,7 @@ plan's ``launcher_argv``) and relay their progress."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import shlex
 import subprocess
@@ -15,6 +16,7 @@ from ladle.machine import cuda_arch
 from ladle.machine.topology import usable_cores
 from ladle.platform import secrets, storage
 from ladle.platform.processes import free_port, stop_process  # noqa: F401 - free_port is also imported from here
+from ladle.train.preempt import PREEMPTED
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
 ProgressFn = Callable[[dict], None]
@@ -44,6 +46,7 @@ def worker_env(spec: TrainSpec) -> dict[str, str]:
     env.update(secrets.credential_env(spec.tracking_uri))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env["LADLE_PREEMPT_GRACE_S"] = str(spec.config.training.preempt_grace_s)  # the launchers' wait (preempt)
     # glibc raises its mmap threshold to the size of each large block freed (up to 32 MB), after which the
     # one-tensor-at-a-time loading's blocks come from the heap and stay there when freed: measured, a ZeRO-3
     # rank of a 1.5 GB model kept +500 MB after loading. A fixed 4 MiB threshold returns large blocks to the
@@ -91,13 +94,31 @@ def run_node(
         )
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(spec))
         assert proc.stdout is not None
+        forward_stops(proc, spec)
         try:
             for line in proc.stdout:
                 on_line(line.rstrip("\n"))
             return proc.wait()
-        except BaseException:  # SIGTERM from the scheduler (scancel, time limit) arrives here first
+        except BaseException:  # interrupted, or the launcher did not end within the grace
             stop_process(proc, grace_s=10)
             raise
+
+
+def forward_stops(proc: subprocess.Popen, spec: TrainSpec) -> None:
+    """The scheduler's stop (SIGTERM; SIGUSR1 from Slurm's ``--signal``) passed to the node's launcher, whose ranks
+    checkpoint their step and exit ``PREEMPTED`` (``ladle.train.preempt``); this process keeps relaying their
+    output until they end. ladle's CPU launcher passes either signal on; ``accelerate launch`` (torchrun) stops its
+    workers with SIGTERM on SIGTERM and dies of SIGUSR1, so it is given SIGTERM."""
+    import signal
+
+    cpu = "ladle.train.launch" in " ".join(proc.args)
+
+    def forward(signum, _frame):
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum if cpu else signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, forward)
 
 
 def progress_events(line: str) -> list[dict]:
@@ -132,6 +153,7 @@ class Relay:
         self.on_progress, self.on_line = on_progress, on_line
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self.errors: list[dict] = []
+        self.preempted: list[int] = []  # the steps the run checkpointed when told to stop
 
     def feed(self, line: str) -> None:
         line = line.rstrip("\n")
@@ -139,7 +161,10 @@ class Relay:
         for event in events:
             if event.get("event") == "error":
                 self.errors.append(event)
-            elif self.on_progress:
+                continue
+            if event.get("event") == "preempted":
+                self.preempted.append(event["step"])
+            if self.on_progress:
                 self.on_progress(event)
         if events:
             return
@@ -210,9 +235,28 @@ def launch(
             for line in proc.stdout:
                 relay.feed(line)
             code = proc.wait()
-        except BaseException:
-            stop_process(proc, grace_s=10, group=True)
+        except BaseException:  # cancelled or interrupted: the ranks checkpoint their step first (preempt)
+            stop_process(proc, grace_s=spec.config.training.preempt_grace_s + 10, group=True)
             raise
+    if code == PREEMPTED:
+        raise preempted(spec, relay)
     if code != 0:
         raise relay.failure(f"training exited with code {code}")
     return read_result(spec)
+
+
+class TrainingPreempted(TrainingFailed):
+    """The run was told to stop and checkpointed the step it had finished; it resumes from there."""
+
+    def __init__(self, message: str, step: int | None):
+        super().__init__(message)
+        self.step = step
+
+
+def preempted(spec: TrainSpec, relay: Relay) -> TrainingPreempted:
+    step = relay.preempted[-1] if relay.preempted else None
+    return TrainingPreempted(
+        f"training was told to stop and checkpointed step {step} (exit {PREEMPTED}); run it again with the same "
+        "run id to resume from there (a retry of the train task does)",
+        step,
+    )

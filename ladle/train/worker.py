@@ -61,6 +61,7 @@ from ladle.train.common import (
     write_line,
 )
 from ladle.train.loss import token_loss
+from ladle.train.preempt import PREEMPTED, PREEMPTION, Preempted
 from ladle.train.runtime.base import runtime_for
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
@@ -366,14 +367,27 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
 
 
 def training_parity(acc, model, spec: TrainSpec) -> list[list[float]] | None:
-    """The trained model's log-probabilities of the parity probe (``ladle.lifecycle.parity``), every rank."""
+    """Each parity probe row's per-token log-probabilities (``ladle.lifecycle.parity``; position i: of token i
+    given those before, 0 for the first) by the model as trained, in the training process; every rank runs every
+    forward (a sharded forward is a collective). None without rows, or when the strategy splits one forward over
+    ranks (pipeline, sequence parallel): the deploy stage then compares with the saved weights."""
     from ladle import strategies
-    from ladle.lifecycle.parity import ProbeRow, training_logps
 
     strategy = strategies.get(spec.plan.strategy)
-    whole = strategy.runs_whole_forward(strategy.options(spec.config))
-    rows = [ProbeRow.model_validate(row) for row in spec.parity_probe]
-    return training_logps(acc, model, rows, whole)
+    if not spec.parity_probe or not strategy.runs_whole_forward(strategy.options(spec.config)):
+        return None
+    was_training = model.training
+    model.eval()
+    found = []
+    with torch.no_grad():
+        for row in spec.parity_probe:
+            ids = torch.tensor([row["ids"]], device=acc.device)
+            positions = torch.arange(len(row["ids"]), device=acc.device)[None]
+            keep = torch.ones((1, len(row["ids"]) - 1), dtype=torch.bool, device=acc.device)
+            logps = preference.token_logps(model, ids, ids, positions, keep)
+            found.append([0.0, *logps.float().cpu().tolist()])
+    model.train(was_training)
+    return found
 
 
 def run(spec: TrainSpec) -> TrainResult:
@@ -405,8 +419,14 @@ def main(argv: list[str] | None = None) -> int:
         from ladle.train import grpo_run
 
         runner = grpo_run.run
+    PREEMPTION.install()  # SIGTERM / SIGUSR1: checkpoint after the step in progress, then exit PREEMPTED
     try:
         runner(spec)
+    except Preempted as stop:
+        sys.stdout.flush()
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ladle: {stop}; exiting {PREEMPTED} to be requeued", file=sys.stderr, flush=True)
+        exit_now(PREEMPTED)  # every rank passed the barrier after the checkpoint: nothing left to close
     except Exception as exc:
         # One line the launcher can lead its error with, instead of the launcher's own traceback.
         rank = os.environ.get("RANK", "0")

@@ -31,10 +31,11 @@ BASE = {
 }
 
 
-def slurm_config(tmp_path, **slurm):
+def slurm_config(tmp_path, max_steps: int = 4, **slurm):
     return build_config(
         {
             **BASE,
+            "training": {**BASE["training"], "max_steps": max_steps},
             "output": str(tmp_path),
             "parallelism": {"nodes": 2, "cpu_processes": 1},
             "compute": {"target": "slurm", "slurm": {"poll_interval_s": 0.5, **slurm}},
@@ -43,8 +44,11 @@ def slurm_config(tmp_path, **slurm):
     )
 
 
-def test_training_through_sbatch_on_two_nodes_equals_the_local_run(slurm_env, tmp_path):
-    cfg = slurm_config(tmp_path)
+def test_training_through_sbatch_on_two_nodes_told_to_stop_resumes_and_equals_the_local_run(slurm_env, tmp_path):
+    """Through sbatch on two nodes, and told to stop the way Slurm warns a job before its time limit (SIGUSR1 to
+    the job's steps, ``scancel --signal=USR1``): the ranks checkpoint their step, the job requeues itself, resumes
+    from that checkpoint and ends with the local uninterrupted run's losses (no step lost)."""
+    cfg = slurm_config(tmp_path, max_steps=24)
     target = compute.get(cfg)
     topo = target.probe()  # `ladle probe` ran as a Slurm step on a node
     assert topo.gpu_count == 0 and topo.cpu_count >= 1
@@ -53,9 +57,16 @@ def test_training_through_sbatch_on_two_nodes_equals_the_local_run(slurm_env, tm
     assert "compute target slurm" in " ".join(spec.plan.reasons)
 
     events, lines, commands = [], [], []
-    result = target.run(spec, on_progress=events.append, on_line=lines.append, on_command=commands.append)
 
-    # It went through Slurm: one job over both nodes, rendezvous on the first node's address.
+    def progress(event: dict) -> None:
+        events.append(event)
+        if event["event"] == "step" and event["step"] == 1:  # the cluster says stop (its time limit nears)
+            job = commands[0].split("Slurm job ")[1].split(",")[0]
+            subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env.env, check=True, timeout=30)
+
+    result = target.run(spec, on_progress=progress, on_line=lines.append, on_command=commands.append)
+
+    # It went through Slurm: one job over both nodes, rendezvous on the first node's address, requeued once.
     job_id = commands[0].split("Slurm job ")[1].split(",")[0]
     record = slurm_env.scontrol_job(job_id)
     assert (record["JobState"], record["ExitCode"], record["NodeList"], record["NumNodes"]) == (
@@ -64,14 +75,23 @@ def test_training_through_sbatch_on_two_nodes_equals_the_local_run(slurm_env, tm
         "n[1-2]",
         "2",
     )
+    assert record["Restarts"] == "1", record
+    (stopped,) = [e["step"] for e in events if e["event"] == "preempted"]
+    assert result.resumed_from_step == stopped and 1 <= stopped < 24
+    assert any("went back to the queue" in line for line in lines), lines[-20:]
     assert any(f"job {job_id} on n[1-2], rendezvous 127.0.0.1:" in line for line in lines)
     script = next((tmp_path / "slurm" / "slurm").glob("train-*.sbatch")).read_text()
     assert "#SBATCH --nodes=2" in script and "srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in script
     # Progress was relayed from the job's output as from a local launch, and the result read from the run folder.
-    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4]
-    assert result.world_size == 2 and result.steps == 4
+    steps = [e["step"] for e in events if e["event"] == "step"]
+    assert steps == [*range(1, stopped + 1), *range(stopped + 1, 25)], steps  # each step once: none lost or redone
+    assert result.world_size == 2 and result.steps == 24
+    assert "#SBATCH --signal=USR1@120" in script and "scontrol requeue" in script
 
-    local_cfg = build_config({**BASE, "output": str(tmp_path), "parallelism": {"cpu_processes": 2}}, [])
+    training = {**BASE["training"], "max_steps": 24}
+    local_cfg = build_config(
+        {**BASE, "training": training, "output": str(tmp_path), "parallelism": {"cpu_processes": 2}}, []
+    )
     local = compute.get(local_cfg).run(train_spec(local_cfg, tmp_path, "local"))
     assert result.train_losses == pytest.approx(local.train_losses, abs=1e-6)
     assert result.eval_loss_after == pytest.approx(local.eval_loss_after, abs=1e-6)

@@ -1,5 +1,6 @@
 """ladle's CPU launcher (``python -m ladle.train.launch``), killed every way: a failed rank stops the others and
-fails the launch with its code; SIGTERM stops every rank; a launcher killed outright takes its ranks with it.
+fails the launch with its code; SIGINT stops every rank, SIGTERM has them checkpoint their step and exit 75; a
+launcher killed outright takes its ranks with it.
 Each rank gets the environment ``accelerate launch`` and torchrun would give it. (Every other training test
 launches through it too: the strategies' equalities, resume, multi-node, Slurm.)"""
 
@@ -98,11 +99,13 @@ def test_a_failed_rank_stops_the_other_and_fails_the_launch_with_its_code(spec, 
 @pytest.mark.parametrize(
     ("sig", "code", "said"),
     [
-        (signal.SIGTERM, 128 + signal.SIGTERM, "ladle launch: SIGTERM: stopping 2 rank(s)"),
+        (signal.SIGINT, 128 + signal.SIGINT, "ladle launch: SIGINT: stopping 2 rank(s)"),
+        # a cluster's stop: the ranks checkpoint the step they are in and exit 75 together (ladle.train.preempt)
+        (signal.SIGTERM, 75, "ladle launch: every rank checkpointed; exiting 75 to be requeued"),
         # no handler runs: the kernel ends the ranks (PR_SET_PDEATHSIG)
         (signal.SIGKILL, -signal.SIGKILL, None),
     ],
-    ids=["sigterm", "sigkill"],
+    ids=["sigint", "sigterm", "sigkill"],
 )
 def test_a_stopped_or_killed_launcher_takes_every_rank_with_it(spec, tmp_path, sig, code, said):
     run = Launch(spec, tmp_path)

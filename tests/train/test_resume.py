@@ -1,5 +1,6 @@
-"""Resume is exact: continuing from a checkpoint reproduces the uninterrupted run's losses; a step whose loss is
-not finite stops the run before it is applied, so the last checkpoint is still a good one to resume from.
+"""Resume is exact: a run told to stop checkpoints the step it finished and continuing from there reproduces the
+uninterrupted run's losses; a step whose loss is not finite stops the run before it is applied, so the last
+checkpoint is still a good one to resume from.
 
 The run's outputs are in S3 (the moto server): checkpoints are uploaded by every rank and read back in place
 (``ladle.strategies.base.dcp_reader``). Local checkpoints are resumed by the strategy suite and the retry test."""
@@ -10,13 +11,24 @@ import pytest
 
 from ladle.config import build_config
 from ladle.platform import storage
-from ladle.train.checkpoint import complete_steps, step_dir
+from ladle.train.checkpoint import complete_steps
 from ladle.train.run import launch
 from tests.helpers import train_spec
 
 
 @pytest.mark.pipeline
-def test_resume_from_checkpoint_in_s3_matches_uninterrupted_run(tiny_model, tmp_path, s3_server, monkeypatch):
+def test_a_run_told_to_stop_checkpoints_its_step_in_s3_and_resumes_as_if_uninterrupted(
+    tiny_model, tmp_path, s3_server, monkeypatch
+):
+    """SIGTERM to the launcher mid-run (what a cluster sends before it preempts a job): every rank finishes its
+    step, they write a checkpoint of it to S3 together (no periodic checkpoint is asked for), the run exits 75
+    (``TrainingPreempted`` naming the step), and a second launch resumes there and ends with the uninterrupted
+    run's losses: no step lost, nothing repeated."""
+    import os
+    import signal
+
+    from ladle.train.run import TrainingPreempted
+
     for key, value in s3_server.items():
         monkeypatch.setenv(key, value)  # the launched ranks inherit them
     cfg = build_config(
@@ -26,7 +38,6 @@ def test_resume_from_checkpoint_in_s3_matches_uninterrupted_run(tiny_model, tmp_
             "training": {
                 "max_steps": 8,
                 "lr": 3e-3,
-                "checkpoint_every": 4,
                 "micro_batch_size": 2,
                 "global_batch_size": 8,
                 "lora": {"dropout": 0.1},
@@ -34,20 +45,32 @@ def test_resume_from_checkpoint_in_s3_matches_uninterrupted_run(tiny_model, tmp_
         },
         [],
     )  # dropout makes the RNG state matter; accumulation 2 exercises no_sync
-    spec = train_spec(cfg, tmp_path).model_copy(update={"run_url": "s3://ladle/resume/ddp"})
+    full = launch(train_spec(cfg, tmp_path).model_copy(update={"run_url": "s3://ladle/resume/whole"}))
+    spec = train_spec(cfg, tmp_path).model_copy(update={"run_url": "s3://ladle/resume/preempted"})
 
-    full = launch(spec)
-    root = storage.join(spec.run_url, "checkpoints")
-    assert complete_steps(root) == [4, 8]
+    from ladle.train import run as runs
 
-    # Simulate a crash after step 4's checkpoint: step 8's checkpoint never completed.
-    storage.remove(storage.join(step_dir(root, 8), "_COMPLETE"))
-    storage.remove(storage.join(spec.run_url, "train_result.json"))
+    started = []
+    real_start = runs.start_launcher
+    monkeypatch.setattr(
+        runs, "start_launcher", lambda argv, spec: started.append(real_start(argv, spec)) or started[-1]
+    )
+
+    def stop_at_first_step(event: dict) -> None:
+        if event["event"] == "step" and event["step"] == 1:
+            os.kill(started[-1].pid, signal.SIGTERM)  # the launcher alone, as a scheduler's stop reaches it
+
+    with pytest.raises(TrainingPreempted) as told:
+        launch(spec, on_progress=stop_at_first_step)
+    step = told.value.step
+    assert 1 <= step < 8, step
+    assert complete_steps(storage.join(spec.run_url, "checkpoints")) == [step]
+    assert not storage.exists(storage.join(spec.run_url, "train_result.json"))
+
     resumed = launch(spec)
-
-    assert resumed.resumed_from_step == 4
-    assert resumed.train_losses[:4] == full.train_losses[:4]
-    assert resumed.train_losses[4:] == pytest.approx(full.train_losses[4:], abs=1e-5)
+    assert resumed.resumed_from_step == step
+    assert resumed.train_losses[:step] == full.train_losses[:step]
+    assert resumed.train_losses[step:] == pytest.approx(full.train_losses[step:], abs=1e-5)
     assert resumed.eval_loss_after == pytest.approx(full.eval_loss_after, abs=1e-5)
 
 
