@@ -92,16 +92,31 @@ def run_node(
         argv = spec.plan.launcher_argv(
             [str(spec_file)], machine_rank=node_rank, main_address=main_address, main_port=main_port
         )
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(spec))
+        import signal
+
+        # Slurm signals every process of a job step, the launcher's too: torchrun would die of SIGUSR1 (its
+        # default action), so the launcher starts with it ignored (the ranks install their own handler).
+        previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        try:
+            proc = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(spec)
+            )
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
         assert proc.stdout is not None
         forward_stops(proc, spec)
+        checkpointed = False
         try:
             for line in proc.stdout:
-                on_line(line.rstrip("\n"))
-            return proc.wait()
+                line = line.rstrip("\n")
+                on_line(line)  # every line as it came: the pipeline follows this output and reads its events
+                checkpointed = checkpointed or any(e.get("event") == "preempted" for e in progress_events(line))
+            code = proc.wait()
         except BaseException:  # interrupted, or the launcher did not end within the grace
             stop_process(proc, grace_s=10)
             raise
+        # The ranks checkpointed when told to stop; torchrun reports their exit as a failure of its own code.
+        return PREEMPTED if code != 0 and checkpointed else code
 
 
 def forward_stops(proc: subprocess.Popen, spec: TrainSpec) -> None:
@@ -238,7 +253,7 @@ def launch(
         except BaseException:  # cancelled or interrupted: the ranks checkpoint their step first (preempt)
             stop_process(proc, grace_s=spec.config.training.preempt_grace_s + 10, group=True)
             raise
-    if code == PREEMPTED:
+    if code == PREEMPTED or (code != 0 and relay.preempted):  # torchrun reports the ranks' 75 as its own failure
         raise preempted(spec, relay)
     if code != 0:
         raise relay.failure(f"training exited with code {code}")

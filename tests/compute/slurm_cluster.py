@@ -3,7 +3,8 @@
 Debian's slurm-wlm daemons: munged (its own socket and key), slurmctld, and two slurmd, one per node name
 (``n1``, ``n2``), each on its own port with its own spool folder (Slurm's multiple-slurmd setup: ``-N`` names
 the node a daemon serves). Both nodes are this machine, so a two-node job really runs two ``srun`` tasks on
-two Slurm nodes with node ids 0 and 1 and a rendezvous between them, on 2 cores.
+two Slurm nodes with node ids 0 and 1 and a rendezvous between them, on 2 cores. A requeued job waits
+``cred_expire`` before it starts again: 5 s here, Slurm's default 120 s elsewhere.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={next(iter(node_ports.values()))}
 AuthType=auth/munge
-AuthInfo=socket={root}/munge/munge.sock
+AuthInfo=socket={root}/munge/munge.sock,cred_expire=5
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root

@@ -48,7 +48,7 @@ def test_training_through_sbatch_on_two_nodes_told_to_stop_resumes_and_equals_th
     """Through sbatch on two nodes, and told to stop the way Slurm warns a job before its time limit (SIGUSR1 to
     the job's steps, ``scancel --signal=USR1``): the ranks checkpoint their step, the job requeues itself, resumes
     from that checkpoint and ends with the local uninterrupted run's losses (no step lost)."""
-    cfg = slurm_config(tmp_path, max_steps=24)
+    cfg = slurm_config(tmp_path, max_steps=12)
     target = compute.get(cfg)
     topo = target.probe()  # `ladle probe` ran as a Slurm step on a node
     assert topo.gpu_count == 0 and topo.cpu_count >= 1
@@ -77,18 +77,18 @@ def test_training_through_sbatch_on_two_nodes_told_to_stop_resumes_and_equals_th
     )
     assert record["Restarts"] == "1", record
     (stopped,) = [e["step"] for e in events if e["event"] == "preempted"]
-    assert result.resumed_from_step == stopped and 1 <= stopped < 24
+    assert result.resumed_from_step == stopped and 1 <= stopped < 12
     assert any("went back to the queue" in line for line in lines), lines[-20:]
     assert any(f"job {job_id} on n[1-2], rendezvous 127.0.0.1:" in line for line in lines)
     script = next((tmp_path / "slurm" / "slurm").glob("train-*.sbatch")).read_text()
     assert "#SBATCH --nodes=2" in script and "srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in script
     # Progress was relayed from the job's output as from a local launch, and the result read from the run folder.
     steps = [e["step"] for e in events if e["event"] == "step"]
-    assert steps == [*range(1, stopped + 1), *range(stopped + 1, 25)], steps  # each step once: none lost or redone
-    assert result.world_size == 2 and result.steps == 24
+    assert steps == [*range(1, stopped + 1), *range(stopped + 1, 13)], steps  # each step once: none lost or redone
+    assert result.world_size == 2 and result.steps == 12
     assert "#SBATCH --signal=USR1@120" in script and "scontrol requeue" in script
 
-    training = {**BASE["training"], "max_steps": 24}
+    training = {**BASE["training"], "max_steps": 12}
     local_cfg = build_config(
         {**BASE, "training": training, "output": str(tmp_path), "parallelism": {"cpu_processes": 2}}, []
     )
