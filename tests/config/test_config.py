@@ -185,7 +185,10 @@ def test_an_unmerged_adapter_refuses_what_cannot_serve_it(sets, fragment):
 @pytest.mark.parametrize(
     ("sets", "fragment"),
     [
-        (["compute.slurm.time_limit='2'"], "training.preempt_grace_s = 120 is not shorter than compute.slurm.time_limit"),
+        (
+            ["compute.slurm.time_limit='2'"],
+            "training.preempt_grace_s = 120 is not shorter than compute.slurm.time_limit",
+        ),
         (["training.preempt_grace_s=70000", "compute.slurm.time_limit=UNLIMITED"], "at most 65535 s"),
     ],
 )
@@ -193,4 +196,6 @@ def test_a_grace_the_cluster_cannot_give_is_refused(sets, fragment):
     with pytest.raises(ConfigError) as info:
         build_config(MINIMAL, ["compute.target=slurm", *sets])
     assert fragment in str(info.value)
-    assert build_config(MINIMAL, ["compute.target=slurm", "compute.slurm.time_limit='3'"]).training.preempt_grace_s == 120
+    assert (
+        build_config(MINIMAL, ["compute.target=slurm", "compute.slurm.time_limit='3'"]).training.preempt_grace_s == 120
+    )
