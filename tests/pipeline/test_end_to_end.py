@@ -71,7 +71,7 @@ def test_checkpoints_are_complete(local_run):
     assert complete_steps(storage.join(summary["output_url"], "checkpoints")) == [150, 200]
 
 
-def test_preference_tuning_starts_from_the_champion_and_is_served_as_an_adapter_of_it(local_run, tmp_path):
+def test_preference_tuning_starts_from_the_champion_and_is_served_as_an_adapter_of_it(local_run, tmp_path, monkeypatch):
     """The shipped DPO recipe after the demo, in the demo's output (its registry), registering its adapter unmerged
     (``promote.merge=false``): the base is the demo's champion (``models:/tiny-cpu@champion``), the run records
     which version, logs the pair metrics per step, is gated on held-out preference accuracy against that champion
@@ -80,6 +80,8 @@ def test_preference_tuning_starts_from_the_champion_and_is_served_as_an_adapter_
     which version."""
     from mlflow.tracking import MlflowClient
 
+    from ladle.fleet.adapters import holders
+    from ladle.fleet.champion import stop as stop_served
     from ladle.platform.processes import free_port
 
     recipe = str(ROOT / "recipes" / "tiny-dpo-cpu.yaml")
@@ -114,13 +116,12 @@ def test_preference_tuning_starts_from_the_champion_and_is_served_as_an_adapter_
         body = {"model": "tiny-dpo-cpu", "messages": [{"role": "user", "content": summary["prompt"]}], "max_tokens": 16}
         answer = httpx.post(f"{where['front_url']}/v1/chat/completions", json={**body, "temperature": 0}, timeout=60)
         assert answer.json()["choices"][0]["message"]["content"] == summary["answer"]
-        store = summary["mlflow_tracking_uri"]
-        listed = run_cli("model", "list", "tiny-dpo-cpu", "--json", "--tracking-uri", store, env=home)
-        held = json.loads(listed.stdout)["served_on"]
+        monkeypatch.setenv("LADLE_HOME", home["LADLE_HOME"])  # what `ladle model list` and `stop` read, here
+        held = holders()["tiny-dpo-cpu"]  # `ladle model list`'s served_on
         assert held["base"] == where["base"] and held["versions"] == {str(version.version): ["challenger", "champion"]}
     finally:
-        stopped = run_cli("model", "stop", where["base"], env=home)
-        assert stopped.returncode == 0, stopped.stderr[-2000:]
+        monkeypatch.setenv("LADLE_HOME", home["LADLE_HOME"])
+        assert stop_served(where["base"])["server_pid"] == where["server_pid"]  # `ladle model stop BASE`
 
 
 def test_grpo_starts_from_the_champion_learns_what_it_could_not_and_is_promoted(local_run):

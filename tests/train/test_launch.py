@@ -99,13 +99,12 @@ def test_a_failed_rank_stops_the_other_and_fails_the_launch_with_its_code(spec, 
 @pytest.mark.parametrize(
     ("sig", "code", "said"),
     [
+        # (SIGTERM, a cluster's stop, has the ranks checkpoint their step and exit 75: tests/train/test_resume.py)
         (signal.SIGINT, 128 + signal.SIGINT, "ladle launch: SIGINT: stopping 2 rank(s)"),
-        # a cluster's stop: the ranks checkpoint the step they are in and exit 75 together (ladle.train.preempt)
-        (signal.SIGTERM, 75, "ladle launch: every rank checkpointed; exiting 75 to be requeued"),
         # no handler runs: the kernel ends the ranks (PR_SET_PDEATHSIG)
         (signal.SIGKILL, -signal.SIGKILL, None),
     ],
-    ids=["sigint", "sigterm", "sigkill"],
+    ids=["sigint", "sigkill"],
 )
 def test_a_stopped_or_killed_launcher_takes_every_rank_with_it(spec, tmp_path, sig, code, said):
     run = Launch(spec, tmp_path)
