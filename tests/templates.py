@@ -33,3 +33,46 @@ def with_template(model: Path, folder: Path, template: str) -> Path:
     shutil.copytree(model, folder)
     (folder / "chat_template.jinja").write_text(template)
     return folder
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Lima"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+"""A tool whose arguments the tiny model can only write one way or another (an enum)."""
+
+
+def assert_one_forced_call(url: str, **fields) -> None:
+    """A forced call of ``WEATHER`` at ``url`` (a server whose model has a tool-calling template; ``fields``: more
+    of the body, e.g. ``model``) is one valid call, whole and streamed, the same call both ways."""
+    import json
+
+    import httpx
+
+    body = {
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_tokens": 200,
+        "temperature": 0,
+        **fields,
+    }
+    whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Lima")
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as answer:
+        chunks = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+    calls = [c for x in chunks if x["choices"] for c in x["choices"][0]["delta"].get("tool_calls") or []]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", call["function"]["arguments"])
+    ]

@@ -430,7 +430,7 @@ def test_a_forced_tool_call_through_an_adapter_is_one_valid_call_whole_and_strea
     a forced call through adapter ``red``: one call of the named function with arguments its schema accepts."""
     from ladle.serve.server import Settings, create_app
     from tests.serve.running import Running
-    from tests.templates import TEMPLATES, with_template
+    from tests.templates import TEMPLATES, assert_one_forced_call, with_template
 
     hermes = with_template(tiny_model, tmp_path / "hermes", TEMPLATES["hermes"])
     backend = TransformersBackend(str(hermes), max_batch=4)
@@ -438,40 +438,8 @@ def test_a_forced_tool_call_through_an_adapter_is_one_valid_call_whole_and_strea
     version, _ = catalog.add("red", str(kit["red"][0]))
     backend.add_adapter(version.key, version.info.path, version.info.bytes)
     running = Running(create_app(backend, Settings("tiny", max_new_tokens=16), catalog))
-    weather = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"enum": ["Paris", "Lima"]}},
-                "required": ["city"],
-                "additionalProperties": False,
-            },
-        },
-    }
-    body = {
-        "model": "red",
-        "messages": [{"role": "user", "content": "weather?"}],
-        "tools": [weather],
-        "tool_choice": "required",
-        "max_tokens": 200,
-        "temperature": 0,
-    }
     try:
-        whole = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
-        assert whole["finish_reason"] == "tool_calls"
-        (call,) = whole["message"]["tool_calls"]
-        assert call["function"]["name"] == "get_weather"
-        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Lima")
-        with httpx.stream(
-            "POST", f"{running.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60
-        ) as answer:
-            chunks = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
-        calls = [c for x in chunks if x["choices"] for c in x["choices"][0]["delta"].get("tool_calls") or []]
-        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-            ("get_weather", call["function"]["arguments"])
-        ]
+        assert_one_forced_call(running.url, model="red")
         assert backend.slots.loaded  # it ran on the adapter
     finally:
         running.stop()

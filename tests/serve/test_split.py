@@ -19,6 +19,7 @@ import pytest
 
 from ladle.platform.processes import stop_process
 from tests.helpers import start_server
+from tests.templates import assert_one_forced_call
 
 CASES = [
     ("/v1/completions", {"prompt": "red blue green", "max_tokens": 12, "temperature": 0, "logprobs": 2}),
@@ -133,36 +134,7 @@ def test_a_forced_tool_call_through_the_split_is_one_valid_call_whole_and_stream
     """Calls are read from the answer's tokens (a call tag may be a special token), which the engine process sends
     with each event, and the grammar that forces the call is compiled there: Hermes's template, whole and streamed."""
     _, url = split
-    weather = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"enum": ["Paris", "Lima"]}},
-                "required": ["city"],
-                "additionalProperties": False,
-            },
-        },
-    }
-    body = {
-        "messages": [{"role": "user", "content": "weather?"}],
-        "tools": [weather],
-        "tool_choice": "required",
-        "max_tokens": 200,
-        "temperature": 0,
-    }
-    whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
-    assert whole["finish_reason"] == "tool_calls"
-    (call,) = whole["message"]["tool_calls"]
-    assert call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Lima")
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as answer:
-        chunks = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
-    calls = [c for x in chunks if x["choices"] for c in x["choices"][0]["delta"].get("tool_calls") or []]
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-        ("get_weather", call["function"]["arguments"])
-    ]
+    assert_one_forced_call(url)
 
 
 def steps(url: str) -> float:
