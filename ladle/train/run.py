@@ -46,7 +46,9 @@ def worker_env(spec: TrainSpec) -> dict[str, str]:
     env.update(secrets.credential_env(spec.tracking_uri))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env["LADLE_PREEMPT_GRACE_S"] = str(spec.config.training.preempt_grace_s)  # the launchers' wait (preempt)
+    config = getattr(spec, "config", None)  # (a spec stand-in for the environment alone has none)
+    if config is not None:
+        env["LADLE_PREEMPT_GRACE_S"] = str(config.training.preempt_grace_s)  # the launchers' wait (preempt)
     # glibc raises its mmap threshold to the size of each large block freed (up to 32 MB), after which the
     # one-tensor-at-a-time loading's blocks come from the heap and stay there when freed: measured, a ZeRO-3
     # rank of a 1.5 GB model kept +500 MB after loading. A fixed 4 MiB threshold returns large blocks to the
