@@ -178,10 +178,10 @@ def test_adapters_that_do_not_fit_the_base_are_refused_naming_why(kit, tiny_mode
 def split(kit, tiny_model, tmp_path_factory, registry):
     """A real server (API and engine processes) over the tiny base with two adapters from the command line and one
     bound to the registry's model ``bot`` (its bindings in a file: ``split.bindings``)."""
-    import subprocess
     import sys
 
     from ladle.platform.processes import free_port, stop_process
+    from ladle.serve import pool
 
     port = free_port()
     log = tmp_path_factory.mktemp("split-adapters") / "server.log"
@@ -190,8 +190,7 @@ def split(kit, tiny_model, tmp_path_factory, registry):
     argv += ["--option", "max_adapters=2", "--max-new-tokens", "12", "--adapter", "bot=models:/bot"]
     bindings = log.parent / "bindings.json"
     argv += ["--tracking-uri", registry, "--adapters-file", str(bindings), "--adapter-sync-s", "600"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = pool.launch(argv, log)  # forked from the suite's warm pool, as a host's servers are where one runs
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     try:
@@ -340,10 +339,9 @@ def registry(kit, tiny_model, tmp_path_factory):
 
 
 def start(argv: list[str], log) -> tuple:
-    import subprocess
+    from ladle.serve import pool
 
-    with log.open("a") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = pool.launch(argv, log, append=True)  # forked from the suite's warm pool
     url = "http://127.0.0.1:" + argv[argv.index("--port") + 1]
     deadline = time.monotonic() + 120
     while True:
