@@ -62,7 +62,12 @@ class Bindings:
         self.save()
 
     def add(self, name: str, registered: str) -> None:
+        """Raises: LadleError: ``MAX_VERSIONS`` bindings already (each serves up to two versions)."""
+        from ladle.serve.adapters import MAX_VERSIONS
+
         with self.lock:
+            if name not in self.map and 2 * (len(self.map) + 1) > MAX_VERSIONS:
+                raise LadleError(f"adapter {name}: this server follows {len(self.map)} registered models, its most.")
             self.map[name] = registered
         self.save()
 

@@ -38,6 +38,10 @@ from ladle.errors import LadleError
 RECORD = "ladle-base.json"
 """Written beside a trained adapter: the signature of the base it was trained on (``lineage.base_signature``)."""
 
+MAX_VERSIONS = 256
+"""Adapter versions one server answers for (registered, loaded or not): the catalog and ``/v1/models`` stay bounded
+whatever admin requests arrive; what is loaded at once is ``serve.adapters.max_loaded``."""
+
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -207,6 +211,12 @@ class Catalog:
                 )
         info = inspect(path, self.base)
         with self.lock:
+            held = sum(len(v) for v in self.names.values()) - (version in self.names.get(name, {}))
+            if held >= MAX_VERSIONS:
+                raise LadleError(
+                    f"adapter {name}@{version}: this server already answers for {held} adapter versions, its most "
+                    f"(MAX_VERSIONS = {MAX_VERSIONS}); remove some first (DELETE /v1/adapters/NAME?version=V)."
+                )
             versions = self.names.setdefault(name, {})
             added = Version(next(self.keys), version, info, set(aliases or []))
             replaced = versions.pop(version, None)
@@ -215,7 +225,7 @@ class Catalog:
             versions[version] = added
             if default or name not in self.default or self.default[name] not in versions:
                 self.default[name] = version
-            return added, self.unaddressed([replaced] if replaced else [])
+            return added, [replaced.key] if replaced else []
 
     def remove(self, name: str, version: str | None = None) -> list[str]:
         """Forget ``name`` (every version, or one); returns the keys to drop.
@@ -234,9 +244,6 @@ class Catalog:
             elif self.default[name] == version:
                 self.default[name] = next(iter(versions))
             return [v.key for v in gone]
-
-    def unaddressed(self, versions: list[Version]) -> list[str]:
-        return [v.key for v in versions]
 
     def labels(self, name: str) -> dict[str, set[str]]:
         """Each registered version of ``name`` and its aliases (empty when ``name`` is not served)."""

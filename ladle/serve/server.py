@@ -163,9 +163,9 @@ def add_adapter_routes(app: FastAPI, backend: Backend, catalog: Catalog, sync=No
             )
         try:
             catalog.check_name(body.name)
+            sync.bindings.add(body.name, body.registered_model)
         except LadleError as exc:
             raise ApiError(400, str(exc), param="name") from None
-        sync.bindings.add(body.name, body.registered_model)
         return await asyncio.to_thread(sync.once)
 
     @app.post("/v1/adapters")

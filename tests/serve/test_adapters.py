@@ -143,7 +143,7 @@ def test_an_adapter_the_budget_cannot_hold_gets_503_and_a_held_one_waits_for_a_s
     assert finished(running).tokens and finished(waits).tokens
 
 
-def test_adapters_that_do_not_fit_the_base_are_refused_naming_why(kit, tiny_model, tmp_path):
+def test_adapters_that_do_not_fit_the_base_are_refused_naming_why(kit, tiny_model, tmp_path, monkeypatch):
     base = BaseWeights.of(tiny_model)
     catalog = Catalog("tiny", base)
     foreign = shutil.copytree(kit["red"][0], tmp_path / "foreign")
@@ -172,6 +172,13 @@ def test_adapters_that_do_not_fit_the_base_are_refused_naming_why(kit, tiny_mode
             catalog.add(bad, str(unrecorded))
     with pytest.raises(KeyError):
         catalog.resolve("nobody")
+    small = Catalog("tiny", base)
+    monkeypatch.setattr("ladle.serve.adapters.MAX_VERSIONS", 2)
+    small.add("one", str(unrecorded))
+    small.add("one", str(unrecorded), version="2")
+    small.add("one", str(unrecorded), version="2")  # a version replaced: still two
+    with pytest.raises(LadleError, match=r"already answers for 2 adapter versions, its most"):
+        small.add("two", str(unrecorded))
 
 
 @pytest.fixture(scope="module")
