@@ -11,11 +11,13 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 import typer
 
 from ladle.cli.common import command
 from ladle.errors import LadleError
+from ladle.train.preempt import PREEMPTED
 
 
 def node_rank_from_env() -> int:
@@ -39,6 +41,12 @@ def launch(
         None, "--main-address", help="Rendezvous address (node 0's), when a scheduler chose the nodes."
     ),
     main_port: int | None = typer.Option(None, "--main-port", min=1, max=65535, help="Rendezvous port on node 0."),
+    stopped_file: str | None = typer.Option(
+        None,
+        "--stopped-file",
+        help="When this node's ranks were told to stop and checkpointed, write this file and exit 0 instead of 75 "
+        "(the Slurm batch script's way to requeue without srun taking the first 75 for a crash).",
+    ),
     print_command: bool = typer.Option(
         False, "--print-command", help="Print the node's launch argv (JSON) instead of running it."
     ),
@@ -68,4 +76,10 @@ def launch(
         return
     # A scheduler stops a job with SIGTERM: make it an exception, so this node's ranks are stopped with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    raise SystemExit(run_node(spec, rank, main_address=main_address, main_port=main_port))
+    code = run_node(spec, rank, main_address=main_address, main_port=main_port)
+    if code == PREEMPTED and stopped_file:
+        # Under `srun --kill-on-bad-exit`, the first node to exit 75 would have the others killed while they still
+        # wind down, and srun would report their SIGTERM (143), not 75. Exit 0 and leave the word in a file instead.
+        Path(stopped_file).write_text(f"node {rank}: checkpointed when told to stop\n", encoding="utf-8")
+        code = 0
+    raise SystemExit(code)

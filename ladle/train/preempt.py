@@ -25,6 +25,15 @@ PREEMPTED = 75
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
+STOPPED = "checkpointed when told to stop; exiting 75 to be requeued"
+"""What each node's first rank prints once the ranks checkpointed and stop: the node's launcher process reads
+it to tell this exit from a crash (torchrun reports the ranks' 75 as a failure of its own), on every node, not
+only where rank 0 runs."""
+
+
+def stopped_line(rank: int, stop: Exception) -> str:
+    return f"ladle: rank {rank}: {stop}; {STOPPED}"
+
 
 class Preempted(Exception):
     """The ranks agreed to stop after ``step``, whose checkpoint is written."""

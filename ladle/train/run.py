@@ -16,7 +16,7 @@ from ladle.machine import cuda_arch
 from ladle.machine.topology import usable_cores
 from ladle.platform import secrets, storage
 from ladle.platform.processes import free_port, stop_process  # noqa: F401 - free_port is also imported from here
-from ladle.train.preempt import PREEMPTED
+from ladle.train.preempt import PREEMPTED, STOPPED
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
 ProgressFn = Callable[[dict], None]
@@ -112,7 +112,7 @@ def run_node(
             for line in proc.stdout:
                 line = line.rstrip("\n")
                 on_line(line)  # every line as it came: the pipeline follows this output and reads its events
-                checkpointed = checkpointed or any(e.get("event") == "preempted" for e in progress_events(line))
+                checkpointed = checkpointed or STOPPED in line
             code = proc.wait()
         except BaseException:  # interrupted, or the launcher did not end within the grace
             stop_process(proc, grace_s=10)

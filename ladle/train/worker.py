@@ -61,7 +61,7 @@ from ladle.train.common import (
     write_line,
 )
 from ladle.train.loss import token_loss
-from ladle.train.preempt import PREEMPTED, PREEMPTION, Preempted
+from ladle.train.preempt import PREEMPTED, PREEMPTION, Preempted, stopped_line
 from ladle.train.runtime.base import runtime_for
 from ladle.train.spec import PROGRESS_PREFIX, TrainResult, TrainSpec
 
@@ -424,8 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         runner(spec)
     except Preempted as stop:
         sys.stdout.flush()
-        if os.environ.get("RANK", "0") == "0":
-            print(f"ladle: {stop}; exiting {PREEMPTED} to be requeued", file=sys.stderr, flush=True)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node: its launcher reads it (run_node)
+            print(stopped_line(int(os.environ.get("RANK", "0")), stop), file=sys.stderr, flush=True)
         exit_now(PREEMPTED)  # every rank passed the barrier after the checkpoint: nothing left to close
     except Exception as exc:
         # One line the launcher can lead its error with, instead of the launcher's own traceback.

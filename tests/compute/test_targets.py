@@ -57,13 +57,17 @@ def test_the_batch_script_asks_for_what_the_gpu_plan_needs():
         "module load cuda/12.8",
         "srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
         "  /shared/ladle/.venv/bin/python -m ladle.cli.main launch /shared/runs/r/spec.json --main-address "
-        '"$main_address" --main-port "$main_port" || code=$?',
+        '"$main_address" --main-port "$main_port" \\',
+        '  --stopped-file "$stopped" || code=$?',
+        # a node that checkpointed when told to stop exits 0 and says so in a file (a 75 would have srun kill the
+        # other nodes as they wind down); the script requeues on either
+        'stopped=/shared/logs/"stopped-$SLURM_JOB_ID"',
         "main_port=$((15000 + SLURM_JOB_ID % 10000))",
         # told to stop: a warning SIGUSR1 the grace before the time limit, requeueable, the log appended to
         "#SBATCH --signal=USR1@120",
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
-        'if [ "$code" -eq 75 ]; then',
+        'if [ "$code" -eq 75 ] || { [ "$code" -eq 0 ] && [ -e "$stopped" ]; }; then',
         '  scontrol requeue "$SLURM_JOB_ID"',
     ):
         assert line in script.splitlines(), line
