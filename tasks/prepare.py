@@ -9,7 +9,7 @@ from prefect.artifacts import create_table_artifact
 
 from ladle.config import DataConfig
 from ladle.data.prepare import PreparedDataset, prepare
-from ladle.lifecycle.tracking import Tracking, log_bytes, log_json
+from ladle.lifecycle.tracking import Tracking, log_bytes, log_json, log_params
 from ladle.plan.inputs import RunInputs
 from ladle.platform import storage
 from ladle.tasks.policy import retry_unless_user_error
@@ -66,12 +66,16 @@ def prepare_task(data: DataConfig, inputs: RunInputs) -> PreparedDataset:
 def publish_report(prepared: PreparedDataset, tracking: Tracking) -> None:
     """Data report as Prefect table artifacts and MLflow artifacts (every run, cached or not)."""
     report = prepared.report.model_dump()
-    skip = ("dropped", "length_histogram", "sources")
+    skip = ("dropped", "length_histogram", "sources", "mix")
     table = [{"metric": k, "value": v} for k, v in report.items() if k not in skip]
     table.append({"metric": "dropped", "value": len(report["dropped"])})
     create_table_artifact(
         key="data-report", table=table, description=f"Data report, fingerprint {prepared.fingerprint}"
     )
+    if report.get("mix"):  # data.sources: each source's ask and share, asked against achieved
+        create_table_artifact(key="data-mix", table=report["mix"], description="The mix of data.sources, per source")
+        shares = {m["name"]: f"asked {m['asked_share']:.2%}, achieved {m['achieved_share']:.2%}" for m in report["mix"]}
+        log_params(tracking, shares, prefix="data.mix.")
     if report["dropped"]:
         create_table_artifact(
             key="data-dropped-rows", table=report["dropped"][:1000], description="Rows not used, by line"

@@ -38,12 +38,35 @@ def prepare_cmd(config: str = CONFIG, set_: list[str] = SET, as_json: bool = JSO
         return
     table = Table(title=f"data report ({prepared.url})", show_header=False)
     for key, value in report.items():
-        if key not in ("dropped", "length_histogram", "sources"):
+        if key not in ("dropped", "length_histogram", "sources", "mix"):
             table.add_row(key, str(value))
     table.add_row("dropped", str(len(report["dropped"])))
     console.print(table)
+    if report.get("mix"):
+        console.print(mix_table(report["mix"]))
     for item in report["dropped"][:20]:
         console.print(f"  line {item['line']} of {item['source']}: {item['reason']}", highlight=False)
+
+
+def mix_table(mix: list[dict]) -> Table:
+    """data.sources: each source's ask, its rows and its share, asked against achieved."""
+    table = Table(title="mix (data.sources)")
+    for name in ("source", "asked", "records", "held out", "dropped", "used", "passes", "asked share", "achieved"):
+        table.add_column(name, justify="left" if name in ("source", "asked") else "right")
+    for m in mix:
+        asked = next(f"{key} {m[key]:g}" for key in ("weight", "rows", "epochs") if key in m)
+        table.add_row(
+            m["name"],
+            asked,
+            f"{m['training_records']:,}",
+            f"{m['held_out']:,}",
+            f"{m['dropped']:,}",
+            f"{m['train_examples']:,}",
+            f"{m['passes']:g}",
+            f"{m['asked_share']:.1%}",
+            f"{m['achieved_share']:.1%} ({m['token_share']:.1%} of tokens)",
+        )
+    return table
 
 
 def reward_columns(cfg) -> list[str] | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import subprocess
 import tempfile
 import threading
@@ -33,6 +34,7 @@ from ladle.compute.base import ComputeTarget
 from ladle.errors import LadleError
 from ladle.platform import storage
 from ladle.platform.processes import stop_process
+from ladle.train.preempt import PREEMPTED
 
 LOG_DRAIN_S = 30.0
 """Seconds a log stream may go on after its job ended before it is stopped."""
@@ -56,6 +58,26 @@ MISSING = (
 def job_name(run_name: str) -> str:
     """A DNS-1035 label from the run's name (the operator derives pod and service names from it)."""
     return kubectl.dns_label(run_name, 52)
+
+
+STOP_MARGIN_S = 30
+"""Seconds a training pod is given beyond ``training.preempt_grace_s`` to end once told to stop."""
+
+
+def requeue_policy() -> dict[str, Any]:
+    """The node Job's ``podFailurePolicy``: a pod that ends with ``PREEMPTED`` (75: its ranks were told to stop and
+    checkpointed their step) or was disrupted (evicted, preempted, its node drained) is not a failure; the Job
+    replaces it without counting it against its backoff limit, and the new pods resume from that checkpoint.
+    (A PyTorchJob has no such policy: there the job fails and the train task's retry resumes it.)"""
+    return {
+        "rules": [
+            {
+                "action": "Ignore",
+                "onExitCodes": {"containerName": TRAINER_CONTAINER, "operator": "In", "values": [PREEMPTED]},
+            },
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+        ]
+    }
 
 
 def launch_args(spec_url: str, address_var: str, port_var: str) -> list[str]:
@@ -99,6 +121,10 @@ class KubernetesTarget(ComputeTarget):
         pod: dict[str, Any] = {
             "containers": [container],
             "restartPolicy": "Never",  # a failed node fails the job; the train task's retry resumes it
+            # Told to stop (SIGTERM: an eviction, a drain, a preemption), the ranks finish their step and checkpoint
+            # it within training.preempt_grace_s (ladle.train.preempt); Kubernetes' default 30 s would kill them
+            # first. A margin for the processes' exit.
+            "terminationGracePeriodSeconds": math.ceil(self.cfg.training.preempt_grace_s) + STOP_MARGIN_S,
             "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": o.shm_size}}],
             **kubectl.placement(o),
         }
@@ -174,7 +200,7 @@ class KubernetesTarget(ComputeTarget):
                                 "name": TRAINER_CONTAINER,
                                 "template": {
                                     "metadata": {"labels": {ANCESTOR_LABEL: "trainer"}},
-                                    "spec": {"template": {"spec": pod}},
+                                    "spec": {"podFailurePolicy": requeue_policy(), "template": {"spec": pod}},
                                 },
                             }
                         ]

@@ -31,6 +31,7 @@ from ladle.config.lifecycle import (
 from ladle.config.training import (
     MAX_GPU_COUNT,
     DataConfig,
+    DataSource,
     KernelsConfig,
     LoraConfig,
     ParallelismConfig,
@@ -50,6 +51,7 @@ __all__ = [
     "CanaryConfig",
     "ComputeConfig",
     "DataConfig",
+    "DataSource",
     "EvalConfig",
     "KernelsConfig",
     "KubernetesConfig",
@@ -342,18 +344,26 @@ def own_data_held_out(tree: dict, overrides: list[str]) -> list[str]:
     words; nothing where the overrides name a held-out file too."""
     keys = {item.partition("=")[0].strip() for item in overrides}
     data = tree.get("data")
-    if "data.path" not in keys or keys & {"data", "data.eval_path"} or not isinstance(data, dict):
+    if "data.path" not in keys or not isinstance(data, dict):
         return []
+    notes = []
+    if data.get("sources") and "data.sources" not in keys:
+        names = [s.get("path") if isinstance(s, dict) else s for s in data["sources"]]
+        data["sources"] = None
+        notes.append(f"data.path was set on the command line, so the config's data.sources {names} are not used.")
+    if keys & {"data", "data.eval_path"}:
+        return notes
     held = data.get("eval_path")
     if not held:
-        return []
+        return notes
     data["eval_path"] = None
     if not data.get("eval_ratio"):
         data["eval_ratio"] = 0.1
     return [
+        *notes,
         f"data.path was set on the command line, so the config's held-out file data.eval_path = {held!r} (for its "
         f"own data) is not used: {data['eval_ratio']:.0%} of your rows are held out, and the evaluation and the "
-        "smoke request use them. Pass --set data.eval_path=FILE to score on a file of yours."
+        "smoke request use them. Pass --set data.eval_path=FILE to score on a file of yours.",
     ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, create_model, field_validator
+from pydantic import Field, create_model, field_validator, model_validator
 
 from ladle import strategies
 from ladle.section import Section
@@ -13,23 +13,94 @@ from ladle.section import Section
 MAX_GPU_COUNT = 128
 
 
-class DataConfig(Section):
+FORMAT_NAMES = Literal["auto", "alpaca", "sharegpt", "messages", "chatml", "text", "tokenized", "preference", "prompt"]
+
+
+class DataSource(Section):
+    """One source of a mix (``data.sources``): its files, its share, and how its rows read."""
+
     path: str = Field(
+        description="The source's files: a local path or fsspec URL, globs allowed (as data.path), or a "
+        "`ladle://` demo set."
+    )
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="Its name in the data report and the run's metrics. null: the file name, without suffixes.",
+    )
+    weight: float | None = Field(
+        None,
+        gt=0,
+        description="Its share among the weighted sources: they are mixed in proportion to their weights, as many "
+        "rows as the sources allow without repeating one (the source that runs out first is used whole, the "
+        "others sampled with data.seed). Default 1 when neither rows nor epochs is set.",
+    )
+    rows: int | None = Field(
+        None,
+        ge=1,
+        description="A fixed number of training rows from it: fewer than it has are sampled with data.seed, more "
+        "repeat it whole first (each repeat a pass over the source).",
+    )
+    epochs: float | None = Field(
+        None,
+        gt=0,
+        description="Passes over it: 3 repeats every row three times (a small, precious set), 0.5 samples half.",
+    )
+    format: FORMAT_NAMES | None = Field(None, description="Its record format. null: data.format.")
+    system_prompt: str | None = Field(None, description="Its system turn. null: data.system_prompt.")
+    train_on: Literal["response", "all"] | None = Field(None, description="Its trained tokens. null: data.train_on.")
+
+    @model_validator(mode="after")
+    def _one_share(self) -> DataSource:
+        given = [name for name in ("weight", "rows", "epochs") if getattr(self, name) is not None]
+        if len(given) > 1:
+            values = ", ".join(f"{name} = {getattr(self, name)}" for name in given)
+            raise ValueError(f"{values}: give one of weight, rows and epochs per source")
+        return self
+
+    @field_validator("path")
+    @classmethod
+    def _no_password(cls, value: str) -> str:
+        from ladle.platform.secrets import refuse_url_password
+
+        return refuse_url_password(
+            value,
+            "data.sources[].path",
+            "Give the store's credentials through its own settings and drop user:password@ from the URL",
+        )
+
+    def label(self) -> str:
+        """``name``, or the file name of ``path`` without its suffixes."""
+        if self.name:
+            return self.name
+        tail = self.path.rstrip("/").rsplit("/", 1)[-1]
+        return tail.split(".", 1)[0] or tail
+
+
+class DataConfig(Section):
+    path: str | None = Field(
+        None,
         description="Training data: a local path or fsspec URL (s3://, memory://), globs allowed, of JSONL, "
         "JSON, Parquet or CSV files (by suffix; .gz etc. decompressed), or `ladle://demo-alpaca` for the "
-        "bundled generated demo set."
+        "bundled generated demo set. Give this or data.sources.",
     )
-    format: Literal["auto", "alpaca", "sharegpt", "messages", "chatml", "text", "tokenized", "preference", "prompt"] = (
-        Field(
-            "auto",
-            description="Record format. `alpaca`: instruction/input/output; `sharegpt`: conversations of "
-            "{from, value}; `messages`/`chatml`: messages of {role, content}; `text`: a `text` field; "
-            "`tokenized`: `input_ids` (and optional `labels`); `preference` (training.objective: dpo): chosen and "
-            "rejected, with a prompt (string or turns), as whole conversations sharing the prompt, or after ShareGPT "
-            "conversations; `prompt` (training.objective: grpo): a `prompt` (a string, used as it is, or a message list, "
-            "rendered by the chat template with the assistant's turn opened), and any other columns, which the "
-            "rewards receive. `auto` detects it from the first record.",
-        )
+    sources: list[DataSource] | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="Several sources mixed into one training set, each with its share (weight, rows or epochs) and "
+        "its own format, system_prompt and train_on; mixed with data.seed, the same on any number of GPUs. The "
+        "held-out rows are data.eval_ratio of each source (or data.eval_path). Give this or data.path.",
+    )
+    format: FORMAT_NAMES = Field(
+        "auto",
+        description="Record format. `alpaca`: instruction/input/output; `sharegpt`: conversations of "
+        "{from, value}; `messages`/`chatml`: messages of {role, content}; `text`: a `text` field; "
+        "`tokenized`: `input_ids` (and optional `labels`); `preference` (training.objective: dpo): chosen and "
+        "rejected, with a prompt (string or turns), as whole conversations sharing the prompt, or after ShareGPT "
+        "conversations; `prompt` (training.objective: grpo): a `prompt` (a string, used as it is, or a message list, "
+        "rendered by the chat template with the assistant's turn opened), and any other columns, which the "
+        "rewards receive. `auto` detects it from the first record.",
     )
     eval_path: str | None = Field(
         None, description="Separate evaluation file (same format). null: split `eval_ratio` off the training data."
@@ -75,6 +146,34 @@ class DataConfig(Section):
         description="Largest fraction of unusable rows tolerated; they are skipped and reported by line. "
         "Above it the prepare stage fails with the report.",
     )
+
+    @model_validator(mode="after")
+    def _path_or_sources(self) -> DataConfig:
+        if self.path is None and not self.sources:
+            raise ValueError("neither data.path nor data.sources is set: give data.path (one source) or data.sources")
+        if self.path is not None and self.sources:
+            raise ValueError(
+                f"data.path = {self.path!r} and data.sources are both set: give data.path for one source, or move it "
+                "into data.sources"
+            )
+        if self.sources:
+            labels = [s.label() for s in self.sources]
+            twice = sorted({label for label in labels if labels.count(label) > 1})
+            if twice:
+                raise ValueError(
+                    f"data.sources: the name(s) {twice} are given to more than one source; set each one's `name`"
+                )
+        return self
+
+    def source_list(self) -> list[DataSource]:
+        """The sources: ``data.sources``, or ``data.path`` as the one source."""
+        return list(self.sources) if self.sources else [DataSource(path=self.path or "")]
+
+    def describe(self) -> str:
+        """How error messages name the data: ``data.path = '...'`` or the sources' paths."""
+        if self.sources:
+            return "data.sources = [" + ", ".join(repr(s.path) for s in self.sources) + "]"
+        return f"data.path = {self.path!r}"
 
     @field_validator("path", "eval_path")
     @classmethod

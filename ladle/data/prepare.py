@@ -10,6 +10,7 @@ batches; memory is bounded by the packing window, not by the file size.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import tempfile
 from collections.abc import Callable, Iterator
@@ -18,7 +19,8 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from ladle.config import DataConfig
-from ladle.data import sources
+from ladle.config.training import DataSource
+from ladle.data import mix, sources
 from ladle.data.formats import FORMATS, Chat, RowError, Sample, Text, detect_format
 from ladle.data.packing import SplitWriter
 from ladle.data.preference import Pair, PairExample, pair_key, parse_pair, tokenize_pairs
@@ -62,11 +64,15 @@ def fingerprint(cfg: DataConfig, tokenizer_dir: Path, objective: str = "sft") ->
     preparation code version.
     """
     digest = hashlib.sha256(f"ladle-prepare/{PREP_VERSION}".encode())
-    options = cfg.model_dump(mode="json", exclude={"path", "eval_path"})
+    options = cfg.model_dump(mode="json", exclude={"path", "eval_path", "sources"})
     digest.update(json.dumps(options, sort_keys=True).encode())
     if objective != "sft":  # (an SFT set's fingerprint stays what it was before objectives existed)
         digest.update(f"objective:{objective}".encode())
-    for field, path in (("data.path", cfg.path), ("data.eval_path", cfg.eval_path)):
+    paths: tuple[tuple[str, str | None], ...] = (("data.path", cfg.path), ("data.eval_path", cfg.eval_path))
+    if cfg.sources:  # (a one-source set's fingerprint stays what it was before sources existed)
+        mix.fingerprint_parts(cfg, digest)
+        paths = paths[1:]
+    for field, path in paths:
         digest.update(field.encode())
         for url in sources.expand(path, field) if path else []:
             digest.update(f"{Path(url).suffix}:{sources.signature(url)}".encode())
@@ -89,8 +95,9 @@ def check_not_empty(path: str, field: str = "data.path") -> None:
     raise LadleError(f"{field} = {path!r}: the dataset is empty (0 rows). Point it at a file with rows.")
 
 
-def resolve_format(cfg: DataConfig, files: list[str], objective: str = "sft") -> str:
+def resolve_format(cfg: DataConfig, files: list[str], objective: str = "sft", field: str = "data.path") -> str:
     """The declared format, or the one detected from the first parseable record; checked against the objective.
+    ``field``: how errors name the files (``data.path``, or a source's ``data.sources[i].path``).
 
     Raises:
         LadleError: preference pairs for SFT, other rows for DPO, or auto-detection finds no known format.
@@ -98,7 +105,7 @@ def resolve_format(cfg: DataConfig, files: list[str], objective: str = "sft") ->
     if objective == "grpo":
         from ladle.data.prompts import check_format
 
-        return check_format(cfg, files)
+        return check_format(cfg, files, field)
     pairs = objective == "dpo"
     if cfg.format != "auto" and (cfg.format == "preference") != pairs:
         raise LadleError(
@@ -116,13 +123,13 @@ def resolve_format(cfg: DataConfig, files: list[str], objective: str = "sft") ->
             found = detect_format(row)
             if found == "preference" and not pairs:
                 raise LadleError(
-                    f"data.path = {cfg.path!r}: rows are preference pairs (chosen/rejected) and "
+                    f"{field} = {cfg.path!r}: rows are preference pairs (chosen/rejected) and "
                     "training.objective = sft. Set training.objective=dpo to tune on them, or use instruction, "
                     "chat or text data."
                 )
             if pairs and found != "preference":
                 raise LadleError(
-                    f"data.path = {cfg.path!r}: training.objective = dpo needs preference pairs (chosen and "
+                    f"{field} = {cfg.path!r}: training.objective = dpo needs preference pairs (chosen and "
                     f"rejected in each row), but the first record of {url!r} is {found or 'of no known format'} "
                     f"(keys: {sorted(row)[:8]}). Give pairs, or set training.objective=sft."
                 )
@@ -182,14 +189,6 @@ def sample_key(sample: Sample | Pair) -> bytes:
     return hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).digest()
 
 
-def is_eval(seed: int, file_index: int, position: int, ratio: float) -> bool:
-    """Seeded, order-independent split: the same record always lands on the same side."""
-    if ratio <= 0:
-        return False
-    h = hashlib.blake2b(f"{seed}:{file_index}:{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big") / 2**64 < ratio
-
-
 class Collector:
     """Routes examples to the train/eval writers and keeps the report's counters."""
 
@@ -218,7 +217,8 @@ class Collector:
         self.reserve: Example | None = None  # guarantees one eval example on tiny data
         self.reserve_sample: Sample | None = None
 
-    def drop(self, source: str, position: int, err: RowError, raw: object = None) -> None:
+    def drop(self, part: mix.Part, source: str, position: int, err: RowError, raw: object = None) -> None:
+        part.counts["dropped"] += 1
         self.dropped.append({"line": position, "reason": str(err), "source": source})
         line = {
             "source": source,
@@ -242,17 +242,22 @@ class Collector:
         ):
             self.eval_samples.append({"messages": sample.messages})
 
-    def duplicate(self, sample: Sample) -> bool:
+    def duplicate(self, sample: Sample, copy: int = 0) -> bool:
+        """Whether ``sample`` repeats an earlier one (``data.dedup``); a pass the mix repeats is compared with
+        its own pass, so the repeat of a kept row is kept and the repeat of a duplicate is not."""
         if not self.cfg.dedup:
             return False
-        key = sample_key(sample)
+        key = sample_key(sample) + copy.to_bytes(4, "big")
         if key in self.seen:
-            self.counts["duplicates_removed"] += 1
+            self.counts["duplicates_removed"] += copy == 0
             return True
         self.seen.add(key)
         return False
 
-    def add(self, example: Example | PairExample, truncated: bool, to_eval: bool, sample=None) -> None:
+    def add(self, example: Example | PairExample, truncated: bool, to_eval: bool, sample=None, part=None) -> None:
+        if part is not None:
+            part.counts["eval_examples" if to_eval else "train_examples"] += 1
+            part.counts["tokens_trained"] += 0 if to_eval else example.trained
         self.counts["truncations"] += int(truncated)
         if isinstance(example, PairExample):
             self.counts["prompt_truncations"] += int(example.prompt_truncated)
@@ -300,25 +305,82 @@ def tokenize_samples(tokenizer, samples: list, cfg: DataConfig, pairs: bool) -> 
     return [(r, not isinstance(r, RowError) and (r.prompt_truncated or r.completion_truncated)) for r in rows]
 
 
-def consume(collector: Collector, tokenizer, files: list[str], fmt: str, eval_side: bool | None, on_progress) -> None:
-    """Stream ``files`` through parsing, dedup, tokenization and into the writers."""
-    cfg = collector.cfg
-    for batch in _batched(iter_samples(files, fmt, collector.counts), BATCH):
+def parse_item(item: mix.Item) -> Sample | Pair | RowError:
+    """The item's record in its source's format, or the reason it is unusable."""
+    if isinstance(item.row, RowError):
+        return item.row
+    try:
+        return PARSERS[item.part.fmt](item.row)
+    except RowError as exc:
+        return exc
+
+
+def consume(collector: Collector, tokenizer, items: Iterator[mix.Item], on_progress) -> None:
+    """Stream ``items`` through parsing, dedup, tokenization (each source with its own options) and into the
+    writers. A record repeated by the mix reports its problems once, in its first pass."""
+    for batch in _batched(items, BATCH):
         good = []
-        for source, file_index, position, sample, raw in batch:
+        for item in batch:
+            part, first = item.part, item.copy == 0
+            if first:
+                collector.counts["rows_read"] += 1
+                part.counts["rows_read"] += 1
+                part.counts["held_out"] += item.to_eval and part.index >= 0
+            sample = parse_item(item)
+            raw = getattr(item.row, "raw", None) if isinstance(item.row, RowError) else item.row
             if isinstance(sample, RowError):
-                collector.drop(source, position, sample, raw)
-            elif not collector.duplicate(sample := with_system(sample, cfg.system_prompt)):
-                good.append((source, file_index, position, sample, raw))
-        results = tokenize_samples(tokenizer, [item[3] for item in good], cfg, collector.pairs)
-        for (source, file_index, position, sample, raw), (example, truncated) in zip(good, results, strict=False):
-            if isinstance(example, RowError):
-                collector.drop(source, position, example, raw)
+                if first:
+                    collector.drop(part, item.url, item.position, sample, raw)
                 continue
-            to_eval = eval_side if eval_side is not None else is_eval(cfg.seed, file_index, position, cfg.eval_ratio)
-            collector.add(example, truncated, to_eval, sample)
+            if not item.use:
+                part.counts["not_sampled"] += 1
+                continue
+            if not collector.duplicate(sample := with_system(sample, part.cfg.system_prompt), item.copy):
+                good.append((item, sample, raw))
+        results: list = [None] * len(good)
+        by_part: dict[int, list[int]] = {}
+        for j, (item, _, _) in enumerate(good):
+            by_part.setdefault(item.part.index, []).append(j)
+        for indices in by_part.values():
+            part_cfg = good[indices[0]][0].part.cfg
+            done = tokenize_samples(tokenizer, [good[j][1] for j in indices], part_cfg, collector.pairs)
+            for j, result in zip(indices, done, strict=True):
+                results[j] = result
+        for (item, sample, raw), (example, truncated) in zip(good, results, strict=True):
+            if isinstance(example, RowError):
+                if item.copy == 0:
+                    collector.drop(item.part, item.url, item.position, example, raw)
+                continue
+            collector.add(example, truncated, item.to_eval, sample, item.part)
         if on_progress:
             on_progress(collector.counts["rows_read"])
+
+
+def eval_part(cfg: DataConfig, objective: str, fmt: str | None) -> mix.Part | None:
+    """``data.eval_path`` as a source of held-out rows only (its format: the one source's, or its own)."""
+    if not cfg.eval_path:
+        return None
+    files = sources.expand(cfg.eval_path, "data.eval_path")
+    spec = DataSource(path=cfg.eval_path)
+    part = mix.Part(-1, spec, "data.eval_path", mix.view(cfg, spec), files)
+    part.fmt = fmt or resolve_format(part.cfg, files, objective, "data.eval_path")
+    return part
+
+
+def eval_items(part: mix.Part | None) -> Iterator[mix.Item]:
+    for url in part.files if part else []:
+        for position, row in sources.iter_records(url):
+            yield mix.Item(part, url, position, row, True, True, 0)
+
+
+def resolve_parts(cfg: DataConfig, objective: str) -> list[mix.Part]:
+    """The sources with their formats resolved and checked against the objective, and their targets set
+    (``ladle.data.mix``)."""
+    found = mix.parts(cfg)
+    for part in found:
+        part.fmt = resolve_format(part.cfg, part.files, objective, part.field)
+    mix.plan(cfg, found)
+    return found
 
 
 def prepare(
@@ -351,16 +413,16 @@ def prepare(
     tokenizer = load_tokenizer(tokenizer_dir)
     if objective == "grpo":
         return finish_prompts(cfg, tokenizer, url, fp, reward_columns)
-    files = sources.expand(cfg.path)
-    fmt = resolve_format(cfg, files, objective)
+    found = resolve_parts(cfg, objective)
+    fmt = "+".join(dict.fromkeys(part.fmt for part in found))
+    held = eval_part(cfg, objective, None if cfg.sources else found[0].fmt)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     collector = Collector(cfg, url, pad, pairs=objective == "dpo")
-    consume(collector, tokenizer, files, fmt, None if not cfg.eval_path else False, on_progress)
-    eval_files = sources.expand(cfg.eval_path, "data.eval_path") if cfg.eval_path else []
-    if eval_files:
-        consume(collector, tokenizer, eval_files, fmt, True, on_progress)
+    consume(collector, tokenizer, itertools.chain(mix.stream(cfg, found), eval_items(held)), on_progress)
     collector.finish()
-    report = build_report(collector, fmt, files + eval_files)
+    files = [f for part in found for f in part.files]
+    report = build_report(collector, fmt, files + (held.files if held else []))
+    report.mix = mix.report(cfg, found)
     storage.write_json(storage.join(url, "report.json"), report.model_dump())
     rejects = write_rejects(collector, url)
     check_usable(cfg, report, rejects)
@@ -387,12 +449,16 @@ def finish_prompts(cfg: DataConfig, tokenizer, url: str, fp: str, reward_columns
     """Prepare prompt rows (``ladle.data.prompts``) and mark the set complete."""
     from ladle.data import prompts
 
-    held_out = lambda file_index, position: is_eval(cfg.seed, file_index, position, cfg.eval_ratio)  # noqa: E731
-    report, splits, missing = prompts.collect(cfg, tokenizer, reward_columns, held_out)
+    found = resolve_parts(cfg, "grpo")
+    held = eval_part(cfg, "grpo", "prompt")
+    items = itertools.chain(mix.stream(cfg, found), eval_items(held))
+    report, splits, missing = prompts.collect(cfg, tokenizer, reward_columns, items)
+    report.mix = mix.report(cfg, found)
+    report.sources = [f for part in found for f in part.files] + (held.files if held else [])
     check_usable(cfg, report)
     if missing:
         raise LadleError(
-            f"data.path = {cfg.path!r}: training.rl.rewards read the column(s) {sorted(missing)}, which some "
+            f"{cfg.describe()}: training.rl.rewards read the column(s) {sorted(missing)}, which some "
             "prompt rows lack. Add them to every row, or change the rewards."
         )
     shards = prompts.write(url, splits)
@@ -479,16 +545,16 @@ def check_usable(cfg: DataConfig, report: DataReport, rejects: str | None = None
     details = {"rows_read": read, "dropped": report.dropped, "rejects": rejects}
     every = f" Every bad row, with its text: {rejects}." if rejects else ""
     if read == 0:
-        raise LadleError(f"data.path = {cfg.path!r}: the dataset is empty (0 rows). Point it at a file with rows.")
+        raise LadleError(f"{cfg.describe()}: the dataset is empty (0 rows). Point it at a file with rows.")
     if report.train_examples == 0:
         raise LadleError(
-            f"data.path = {cfg.path!r}: no usable training rows (read {read}, dropped {len(report.dropped)}; {first}). "
+            f"{cfg.describe()}: no usable training rows (read {read}, dropped {len(report.dropped)}; {first}). "
             f"Fix the rows or data.format.{every}",
             details=details,
         )
     if bad / read > cfg.max_bad_fraction:
         raise LadleError(
-            f"data.path = {cfg.path!r}: {bad} of {read} rows unusable ({bad / read:.1%} > "
+            f"{cfg.describe()}: {bad} of {read} rows unusable ({bad / read:.1%} > "
             f"data.max_bad_fraction={cfg.max_bad_fraction}; {first}). Fix the rows or raise data.max_bad_fraction.{every}",
             details=details,
         )

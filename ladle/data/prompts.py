@@ -13,7 +13,7 @@ Each split is one JSONL shard: ``{"ids": [...], "prompt": <as given>, "columns":
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ladle.config.training import DataConfig
@@ -43,7 +43,7 @@ def parse_row(row: dict) -> PromptRow:
     return PromptRow(*parse(row, None))
 
 
-def check_format(cfg: DataConfig, files: list[str]) -> str:
+def check_format(cfg: DataConfig, files: list[str], field: str = "data.path") -> str:
     """``prompt``, or the error naming ``data.format`` / ``data.path`` and the fix."""
     if cfg.format not in ("auto", "prompt"):
         raise LadleError(
@@ -55,7 +55,7 @@ def check_format(cfg: DataConfig, files: list[str]) -> str:
             if isinstance(row, dict):
                 if "prompt" not in row:
                     raise LadleError(
-                        f"data.path = {cfg.path!r}: training.objective = grpo needs rows with a `prompt` (a string "
+                        f"{field} = {cfg.path!r}: training.objective = grpo needs rows with a `prompt` (a string "
                         f"or a message list) and the columns the rewards read; the first row has keys "
                         f"{sorted(row)[:8]}. Give prompt rows, or set training.objective=sft."
                     )
@@ -100,50 +100,56 @@ def render(tokenizer, prompt: str | list[dict]) -> list[int]:
 
 
 def collect(
-    cfg: DataConfig, tokenizer, reward_columns: list[str] | None, held_out: Callable[[int, int], bool]
+    cfg: DataConfig, tokenizer, reward_columns: list[str] | None, items: Iterator
 ) -> tuple[DataReport, dict[str, list[str]], set[str]]:
     """Read, check and render the prompt rows of both splits: the report, each split's JSONL lines, and the
-    columns the rewards read that some row lacks. ``held_out(file_index, position)``: whether a row of
-    ``data.path`` goes to the eval split (the seeded split every format uses).
+    columns the rewards read that some row lacks. ``items``: the records (``ladle.data.mix.Item``), each with its
+    side of the split and whether the mix uses it.
     ``reward_columns``: the columns the rewards read by name, each checked present; None: a reward takes every
     column (``**kwargs``), and the report names every column the rows have.
 
     Raises:
         LadleError: nothing usable, or more bad rows than ``data.max_bad_fraction`` (``check_usable``).
     """
-    files = sources.expand(cfg.path)
-    check_format(cfg, files)
-    eval_files = sources.expand(cfg.eval_path, "data.eval_path") if cfg.eval_path else []
     splits: dict[str, list[str]] = {"train": [], "eval": []}
     counts = {"rows_read": 0, "too_long": 0, "truncations": 0, "tokens": 0}
     dropped: list[dict] = []
     hist = LengthHistogram(cfg.seq_len)
     missing_columns: set[str] = set()
     seen_columns: set[str] = set()
-    for side, group in ((None, files), ("eval", eval_files)):
-        for file_index, source in enumerate(group):
-            for position, row in sources.iter_records(source):
-                counts["rows_read"] += 1
-                try:
-                    if isinstance(row, RowError):
-                        raise row
-                    prompt, columns = parse(row, cfg.system_prompt)
-                    ids = render(tokenizer, prompt)
-                    if len(ids) > cfg.seq_len:
-                        if cfg.truncation == "drop":
-                            counts["too_long"] += 1
-                            raise RowError(f"prompt of {len(ids)} tokens > data.seq_len={cfg.seq_len}")
-                        ids, counts["truncations"] = ids[-cfg.seq_len :], counts["truncations"] + 1
-                except RowError as err:
-                    dropped.append({"line": position, "reason": str(err), "source": source})
-                    continue
-                missing_columns |= set(reward_columns or ()) - set(columns)
-                seen_columns |= set(columns)
-                to_eval = side == "eval" or (not cfg.eval_path and held_out(file_index, position))
-                line = json.dumps({"ids": ids, "prompt": prompt, "columns": columns}, ensure_ascii=False)
-                splits["eval" if to_eval else "train"].append(line)
-                counts["tokens"] += len(ids)
-                hist.add(len(ids))
+    files: dict[str, None] = {}
+    for item in items:
+        part, first = item.part, item.copy == 0
+        files[item.url] = None
+        if first:
+            counts["rows_read"] += 1
+            part.counts["rows_read"] += 1
+            part.counts["held_out"] += item.to_eval and part.index >= 0
+        try:
+            if isinstance(item.row, RowError):
+                raise item.row
+            prompt, columns = parse(item.row, part.cfg.system_prompt)
+            if not item.use:
+                part.counts["not_sampled"] += 1
+                continue
+            ids = render(tokenizer, prompt)
+            if len(ids) > cfg.seq_len:
+                if cfg.truncation == "drop":
+                    counts["too_long"] += first
+                    raise RowError(f"prompt of {len(ids)} tokens > data.seq_len={cfg.seq_len}")
+                ids, counts["truncations"] = ids[-cfg.seq_len :], counts["truncations"] + first
+        except RowError as err:
+            if first:
+                part.counts["dropped"] += 1
+                dropped.append({"line": item.position, "reason": str(err), "source": item.url})
+            continue
+        missing_columns |= set(reward_columns or ()) - set(columns)
+        seen_columns |= set(columns)
+        line = json.dumps({"ids": ids, "prompt": prompt, "columns": columns}, ensure_ascii=False)
+        splits["eval" if item.to_eval else "train"].append(line)
+        part.counts["eval_examples" if item.to_eval else "train_examples"] += 1
+        counts["tokens"] += len(ids)
+        hist.add(len(ids))
     if not splits["eval"] and cfg.eval_ratio > 0 and len(splits["train"]) > 1:
         splits["eval"].append(splits["train"].pop())  # one held-out prompt at least, as the SFT split keeps
     report = DataReport(
@@ -162,7 +168,7 @@ def collect(
         eval_rows=len(splits["eval"]),
         packing_efficiency=0.0,
         format="prompt",
-        sources=files + eval_files,
+        sources=list(files),
         length_histogram=hist.as_dict(),
         reward_columns=sorted(seen_columns) if reward_columns is None else reward_columns,
     )

@@ -35,6 +35,12 @@ class DataReport(BaseModel):
     format: str
     sources: list[str] = Field(default_factory=list)
     length_histogram: dict = Field(default_factory=dict, description="Example lengths: bin edges and counts.")
+    mix: list[dict] | None = Field(
+        None,
+        description="data.sources: per source, what was asked (weight, rows or epochs), its training records, the "
+        "rows it was to give (target_rows, passes over it), the asked and achieved share of the training examples "
+        "(and of trained tokens), and its rows read, held out, dropped, not sampled and used. null: one source.",
+    )
     reward_columns: list[str] | None = Field(
         None,
         description="Prompt rows (training.objective: grpo): the columns the rewards receive: those they read by "

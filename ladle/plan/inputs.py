@@ -174,7 +174,8 @@ def check_inputs(cfg: LadleConfig, version=None) -> dict:
     from ladle.sizing.params import read_config
 
     base = base_dir_of(cfg, version)
-    check_not_empty(cfg.data.path)
+    for index, source in enumerate(cfg.data.source_list()):
+        check_not_empty(source.path, f"data.sources[{index}].path" if cfg.data.sources else "data.path")
     if cfg.data.eval_path:
         check_not_empty(cfg.data.eval_path, "data.eval_path")
     return read_config(base)

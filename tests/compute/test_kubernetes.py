@@ -273,6 +273,14 @@ def test_the_trainjob_and_its_runtime_are_valid_and_each_pod_runs_the_local_laun
     pod = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "ladle-env"}}]
     assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"
+    # Told to stop, a pod has training.preempt_grace_s (120) and a margin to checkpoint its step; a pod that ends
+    # 75 (it checkpointed) or was disrupted is replaced without counting as a failure, and resumes.
+    assert pod["terminationGracePeriodSeconds"] == 150
+    rules = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"]
+    assert rules == [
+        {"action": "Ignore", "onExitCodes": {"containerName": "node", "operator": "In", "values": [75]}},
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+    ]
 
     broken = copy.deepcopy(job)
     broken["spec"]["trainer"]["numNodes"] = "two"

@@ -291,8 +291,8 @@ def grpo_spec(strategy: str, root: Path, *overrides: str, processes: int = 2):
 def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_samples_the_same(tmp_path):
     """One process and two under ZeRO-2 sample the same completions (each one's seed is its index in the step) and
     reach the same losses; the engine's log-probabilities of what it sampled equal the training forward's on the
-    same weights; resumed from its step-2 checkpoint, a run samples and learns what it did the first time, and a
-    reward that raises stops it with the reward named and that checkpoint kept."""
+    same weights; the one process's step-2 checkpoint resumed on two processes samples and learns what the first
+    run did, and a reward that raises stops it with the reward named and that checkpoint kept."""
     from ladle.train.checkpoint import complete_steps, step_dir
     from ladle.train.run import TrainingFailed, launch
 
@@ -308,22 +308,23 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
 
     root = storage.join(specs["one"].run_url, "checkpoints")
     assert complete_steps(root) == [2, 4]
-    storage.remove(storage.join(step_dir(root, 4), "_COMPLETE"))  # as if killed after step 2's checkpoint
-    storage.remove(storage.join(specs["one"].run_url, "train_result.json"))
-    # Resumed with a reward that breaks at its second call (step 4): step 3 is sampled and learned as the first time,
-    # then the run stops with the reward named, its step-2 checkpoint kept.
-    broken = specs["one"].model_copy(deep=True)
+    # The one process's step-2 checkpoint resumed on two (DDP, the same global batch of completions), with a reward
+    # that breaks at its second call (step 4): step 3 is sampled and learned as the first time, then the run stops
+    # with the reward named, its step-2 checkpoint kept.
+    broken = grpo_spec("ddp", tmp_path, processes=2).model_copy(deep=True)
+    root = storage.join(broken.run_url, "checkpoints")
+    storage.upload_dir(step_dir(storage.join(specs["one"].run_url, "checkpoints"), 2), step_dir(root, 2))
     (path,) = list(broken.reward_files)
     broken.reward_files[path] = REWARD_FILE.replace(
         "    texts =", "    CALLS.append(1)\n    if len(CALLS) == 2:\n        raise KeyError('score')\n    texts ="
     ).replace("def digits", "CALLS = []\ndef digits")
     steps: list[dict] = []
     with pytest.raises(
-        TrainingFailed, match=r"training.rl.rewards: digits raised KeyError: 'score' \(on 16 completions\)"
+        TrainingFailed, match=r"training.rl.rewards: digits raised KeyError: 'score' \(on 8 completions\)"
     ):
         launch(broken, on_progress=lambda e: steps.append(e) if e["event"] == "step" else None)
     assert [e["step"] for e in steps] == [3]
-    assert steps[0]["loss"] == pytest.approx(one.train_losses[2], rel=1e-5, abs=1e-6)
+    assert steps[0]["loss"] == pytest.approx(one.train_losses[2], rel=1e-4, abs=1e-6)
     assert complete_steps(root) == [2]
 
 

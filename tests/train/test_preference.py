@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ladle.platform import storage
+
 from tests.helpers import launch_all
 
 PAIRS = [  # prompt, chosen, rejected token ids (EOS = 2 closes every completion)
@@ -303,16 +305,32 @@ def test_deepspeed_stages_reach_ddps_first_losses(tmp_path):
     assert results["zero++"].kernels["reference"].startswith("precomputed: ")
 
 
-def test_sharded_strategies_reach_ddps_first_losses(tmp_path):
+def test_sharded_strategies_reach_ddps_first_losses_and_resume_on_another_world_size(tmp_path):
     """ZeRO-3 and FSDP2 (its head vocabulary-parallel, per token) reach DDP's losses and held-out accuracy; so does
-    FSDP2 with the reference taken from the base with the adapters (and the head's trained copy) turned off."""
-    specs = {s: dpo_spec(s, tmp_path) for s in ("ddp", "zero3", "fsdp2")}
+    FSDP2 with the reference taken from the base with the adapters (and the head's trained copy) turned off.
+    FSDP2's checkpoint of step 2 (2 ranks, each its shards) resumes on one process with the same global batch: the
+    last step is DDP's, and the stored reference log-probabilities serve the rows the new layout reads."""
+    from ladle.train.checkpoint import step_dir
+    from ladle.train.preference import REFERENCE_FILE
+    from ladle.train.run import launch
+
+    specs = {s: dpo_spec(s, tmp_path) for s in ("ddp", "zero3")}
+    specs["fsdp2"] = dpo_spec("fsdp2", tmp_path, "training.checkpoint_every=2")
     specs["adapters_off"] = dpo_spec("fsdp2", tmp_path, "training.preference.reference=adapters_off")
     results = launch_all(specs)
     check_against_ddp(results)
     assert results["fsdp2"].kernels["fused_loss"].startswith("vocabulary-parallel")
     assert results["zero3"].strategy == "zero3"
     assert results["adapters_off"].kernels["reference"] == "adapters_off"
+
+    one = dpo_spec("ddp", tmp_path / "one", "parallelism.cpu_processes=1")
+    source = specs["fsdp2"].run_url
+    storage.upload_dir(step_dir(storage.join(source, "checkpoints"), 2), step_dir(storage.join(one.run_url, "checkpoints"), 2))
+    storage.write_bytes(storage.join(one.run_url, REFERENCE_FILE), storage.read_bytes(storage.join(source, REFERENCE_FILE)))
+    resumed = launch(one)
+    assert (resumed.resumed_from_step, resumed.world_size) == (2, 1)
+    assert resumed.train_losses == pytest.approx(results["ddp"].train_losses, rel=1e-4)
+    assert resumed.kernels["reference"] == "precomputed: read from this run's earlier attempt"
 
 
 def test_full_fine_tune_under_zero3_resumes_with_its_stored_reference(tmp_path):
