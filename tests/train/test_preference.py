@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from ladle.platform import storage
-
 from tests.helpers import launch_all
 
 PAIRS = [  # prompt, chosen, rejected token ids (EOS = 2 closes every completion)
@@ -325,8 +324,12 @@ def test_sharded_strategies_reach_ddps_first_losses_and_resume_on_another_world_
 
     one = dpo_spec("ddp", tmp_path / "one", "parallelism.cpu_processes=1")
     source = specs["fsdp2"].run_url
-    storage.upload_dir(step_dir(storage.join(source, "checkpoints"), 2), step_dir(storage.join(one.run_url, "checkpoints"), 2))
-    storage.write_bytes(storage.join(one.run_url, REFERENCE_FILE), storage.read_bytes(storage.join(source, REFERENCE_FILE)))
+    storage.upload_dir(
+        step_dir(storage.join(source, "checkpoints"), 2), step_dir(storage.join(one.run_url, "checkpoints"), 2)
+    )
+    storage.write_bytes(
+        storage.join(one.run_url, REFERENCE_FILE), storage.read_bytes(storage.join(source, REFERENCE_FILE))
+    )
     resumed = launch(one)
     assert (resumed.resumed_from_step, resumed.world_size) == (2, 1)
     assert resumed.train_losses == pytest.approx(results["ddp"].train_losses, rel=1e-4)
