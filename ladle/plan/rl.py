@@ -21,8 +21,14 @@ def choose_rollouts(
     why_not = strategy.rollouts_refusal(strategy.options(cfg))
     if why_not:
         problems.append(
-            f"training.objective = grpo with parallelism.strategy = {strategy.name}: {why_not}. Use ddp, zero1 or "
-            "zero2 (or parallelism.strategy=auto)."
+            f"training.objective = grpo with parallelism.strategy = {strategy.name}: {why_not}. Use ddp, zero1, "
+            "zero2 or zero3 (or parallelism.strategy=auto)."
+        )
+    if strategy.shards_tensors and not why_not and not t.lora.enabled and rl.beta:
+        problems.append(
+            f"training.rl.beta = {rl.beta:g} with a full fine-tune under parallelism.strategy = {strategy.name}: the "
+            "KL term needs a frozen copy of the starting weights, which is not built for sharded weights; set "
+            "training.rl.beta=0, train LoRA adapters (the reference is then the base with them off), or use zero2"
         )
     world = target.world_size
     if global_batch % rl.num_generations:
@@ -40,6 +46,8 @@ def choose_rollouts(
     ]
     if model is not None:
         reasons.append(rollout_memory(cfg, target, model, local, micro))
+        if strategy.shards_tensors and not why_not:
+            reasons.append(gathered_weights(strategy.name, target, model))
     return Decision(None, tuple(reasons), problems=tuple(problems))
 
 
@@ -65,4 +73,17 @@ def rollout_memory(cfg: LadleConfig, target: Target, model: dict, local: int, mi
         f"rollout memory per rank: KV cache {sizing.gib(kv)} ({local} completions x {width} tokens x {layers} "
         f"layers), log-probability buffers {sizing.gib(buffers)}, completion logits {sizing.gib(logits)} per "
         "micro-batch"
+    )
+
+
+def gathered_weights(name: str, target: Target, model: dict) -> str:
+    """What gathering every weight for the rollouts holds per rank (ZeRO-3), in words."""
+    try:
+        params = sizing.shape_from_config(model).params
+    except (KeyError, TypeError, ValueError):
+        return f"rollout weights: {name} gathers every weight whole on each rank while it samples (not sized)"
+    width = 4 if target.dtype == "float32" else 2
+    return (
+        f"rollout weights: {name} gathers every weight whole on each rank while it samples, "
+        f"{sizing.gib(params * width)} per rank for the step's rollouts (partitioned again for the update)"
     )

@@ -96,7 +96,8 @@ def setup(spec: TrainSpec) -> RLSession:
         fused_loss="off: grpo scores each sampled token itself",
         packed_attention="off: grpo rows are prompt and completion, padded and masked",
         padding_free="off: grpo rows are prompt and completion, padded and masked",
-        rollouts="ladle's batching engine on the live weights, in this process",
+        rollouts="ladle's batching engine on the live weights, in this process"
+        + (", gathered whole for each step's rollouts" if plan.strategy in ("zero3", "zero++") else ""),
         reference=("adapters disabled" if cfg.training.lora.enabled else "a frozen copy")
         if rl.beta
         else "off (beta 0)",
@@ -151,11 +152,12 @@ def held_out_reward(s: RLSession) -> float:
         return math.nan
     mine = s.evals[acc.process_index :: acc.num_processes]
     values: list[float] = []
-    if mine:
-        jobs = [Job(ids=list(row["ids"]), max_new_tokens=rl.max_completion_tokens) for row in mine]
+    jobs = [Job(ids=list(row["ids"]), max_new_tokens=rl.max_completion_tokens) for row in mine]
+    with runtime_for(s.spec.plan.strategy).whole_weights(acc, s.model):  # every rank enters, prompts or not
         s.policy.eval()
         s.engine.run(jobs)
         s.policy.train()
+    if mine:
         table = reward_fns.table(s.rewards, s.tokenizer, mine, [job.tokens for job in jobs])
         summed = reward_fns.weighted_sum(s.rewards, table)
         values = [v for v in summed.tolist() if not math.isnan(v)]
@@ -174,7 +176,9 @@ def rollout(s: RLSession, step: int) -> tuple[grpo.Rollouts, slice, torch.Tensor
     every = [s.train[i] for i in chosen for _ in range(rl.num_generations)]
     mine = grpo.local_slice(len(every), acc.process_index, acc.num_processes)
     s.policy.eval()  # no dropout while sampling; the engine runs under no_grad
-    ro = grpo.sample(s.engine, every[mine], rl, grpo.seeds_for(cfg.training.seed, step, range(mine.start, mine.stop)))
+    with runtime_for(plan.strategy).whole_weights(acc, s.model):  # ZeRO-3: gathered for the step's rollouts
+        seeds = grpo.seeds_for(cfg.training.seed, step, range(mine.start, mine.stop))
+        ro = grpo.sample(s.engine, every[mine], rl, seeds)
     s.policy.train()
     table = grpo.score(s.rewards, s.tokenizer, ro)
     gathered = acc.gather(table.to(acc.device)).cpu() if acc.num_processes > 1 else table

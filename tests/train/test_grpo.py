@@ -10,6 +10,7 @@ of 2 processes (DDP and ZeRO-2 beside one process), a resume, and the refusals.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -296,13 +297,21 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
     from ladle.train.checkpoint import complete_steps, step_dir
     from ladle.train.run import TrainingFailed, launch
 
-    specs = {"one": grpo_spec("ddp", tmp_path, processes=1), "zero2": grpo_spec("zero2", tmp_path)}
+    specs = {
+        "one": grpo_spec("ddp", tmp_path, processes=1),
+        "zero2": grpo_spec("zero2", tmp_path),
+        "zero3": grpo_spec("zero3", tmp_path),  # every weight gathered for the rollouts, partitioned for the update
+    }
     results = launch_all(specs)
     one, two = results["one"], results["zero2"]
     assert one.world_size == 1 and two.world_size == 2 and two.strategy == "zero2"
-    assert one.rl["rollout_logprob_gap_max"] < 1e-4 and two.rl["rollout_logprob_gap_max"] < 1e-4
     assert all(loss != 0 for loss in one.train_losses)  # every step's groups' rewards differed
-    assert two.train_losses == pytest.approx(one.train_losses, rel=1e-4, abs=1e-6)
+    for sharded in ("zero2", "zero3"):
+        assert results[sharded].rl["rollout_logprob_gap_max"] < 1e-4
+        assert results[sharded].train_losses == pytest.approx(one.train_losses, rel=1e-4, abs=1e-6), sharded
+    assert one.rl["rollout_logprob_gap_max"] < 1e-4
+    assert results["zero3"].sharding["parameter_share"] == pytest.approx(0.5, abs=0.02)  # partitioned between
+    assert results["zero3"].kernels["rollouts"].endswith("gathered whole for each step's rollouts")
     assert one.kernels["rollouts"].startswith("ladle's batching engine on the live weights")
     assert one.adapter_url and one.rl["eval_reward_after"] != one.rl["eval_reward_before"]
 
@@ -328,18 +337,32 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
     assert complete_steps(root) == [2]
 
 
-def test_planner_refuses_sharded_weights_for_rollouts(tmp_path):
+def test_planner_gathers_zero3_weights_for_rollouts_and_refuses_what_cannot_sample(tmp_path):
     from ladle.machine.topology import probe
     from ladle.plan.planner import make_plan
 
     model = json.loads((Path(grpo_spec("ddp", tmp_path).base_dir) / "config.json").read_text())
     cfg = grpo_spec("ddp", tmp_path).config
-    for strategy in ("zero3", "fsdp2"):
-        bad = build_config(cfg.model_dump(mode="json"), [f"parallelism.strategy={strategy}"])
-        with pytest.raises(ConfigError, match=f"training.objective = grpo with parallelism.strategy = {strategy}"):
-            make_plan(bad, probe(env={}, query_output=""), model=model)
+    bad = build_config(cfg.model_dump(mode="json"), ["parallelism.strategy=fsdp2"])
+    with pytest.raises(ConfigError, match="training.objective = grpo with parallelism.strategy = fsdp2"):
+        make_plan(bad, probe(env={}, query_output=""), model=model)
+    full = build_config(
+        cfg.model_dump(mode="json"),
+        ["parallelism.strategy=zero3", "training.lora.enabled=false", "training.rl.beta=0.04"],
+    )
+    with pytest.raises(ConfigError, match="training.rl.beta = 0.04 with a full fine-tune under parallelism.strategy"):
+        make_plan(full, probe(env={}, query_output=""), model=model)
     plan = make_plan(cfg, probe(env={}, query_output=""), model=model)
     assert any(r.startswith("rollout memory per rank: KV cache") for r in plan.reasons)
+    zero3 = make_plan(
+        build_config(cfg.model_dump(mode="json"), ["parallelism.strategy=zero3"]),
+        probe(env={}, query_output=""),
+        model=model,
+    )
+    said = next(r for r in zero3.reasons if r.startswith("rollout weights:"))
+    assert "zero3 gathers every weight whole on each rank while it samples" in said
+    assert re.search(r"\d+\.\d (GiB|MiB) per rank", said), said
+    assert zero3.strategy_options["shard_head"] is False  # the ends whole too: the engine samples on them
 
 
 def test_prompt_data_is_checked_for_prompts_and_the_rewards_columns(tmp_path, tiny_model):

@@ -184,6 +184,14 @@ class Runtime(ABC):
         """Extra ``from_pretrained`` arguments (e.g. a tensor-parallel plan and mesh)."""
         return {}
 
+    def whole_weights(self, accelerator, model):
+        """A context in which the Hugging Face model's forward runs on this rank alone, on whole weights: where
+        online RL's engine samples (``ladle.train.grpo_run``). Every rank enters it at the same point. Nothing to
+        do where each rank holds every weight."""
+        from contextlib import nullcontext
+
+        return nullcontext()
+
     def hf_model(self, accelerator, model):
         """The Hugging Face (or peft) model object whose ``save_pretrained`` writes the output."""
         return self.unwrap(accelerator, model)

@@ -147,6 +147,32 @@ class ZeRORuntime(Runtime):
     def unwrap(self, accelerator, model):
         return accelerator.unwrap_model(model)  # the engine's module (accelerate knows DeepSpeedEngine)
 
+    @contextmanager
+    def whole_weights(self, accelerator, model):
+        """ZeRO-3: every parameter gathered whole on every rank (``GatheredParameters``, one collective on entry,
+        the partitions kept as they were on exit: nothing is modified), and the engine's fetch-and-release hooks
+        taken off the modules meanwhile, so the sampler's forwards (as many as each rank's completions need, a
+        different number on each rank) run locally without a collective. The hooks go back on after, with the
+        fetch order DeepSpeed traced invalidated (the sampler's forwards were not the training step's)."""
+        if self.strategy.stage < 3:
+            yield
+            return
+        deepspeed = import_deepspeed()
+        with deepspeed.zero.GatheredParameters(list(model.module.parameters())):
+            offload = zero3_offload(model)
+            for param in model.module.parameters():
+                param.ds_active_sub_modules.clear()
+            for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield
+            finally:
+                coordinator = getattr(offload, "param_coordinator", None)
+                if coordinator is not None and not coordinator.is_invalid_trace():
+                    coordinator._invalidate_trace()
+                offload._register_deepspeed_module(offload.module)
+
     def full_state_dict(self, accelerator, model, trainable_only: bool) -> dict | None:
         """The (trainable) parameters whole on rank 0 (None elsewhere), gathered one at a time (``whole``)."""
         self.settle(model)
@@ -202,6 +228,14 @@ class ZeRORuntime(Runtime):
             # out of the order DeepSpeed traced, and with a small stage3_max_live_parameters it raises
             # "tracing error" (measured on a resumed LoRA run). Partition everything again first.
             model.empty_partition_cache()
+
+
+def zero3_offload(engine):
+    """The ZeRO-3 engine's parameter coordinator object, which owns the modules' hooks."""
+    optimizer = engine.optimizer
+    if optimizer is None:
+        raise RuntimeError("zero3: the engine has no optimizer, so its parameter hooks cannot be found")
+    return getattr(optimizer, "parameter_offload", optimizer)
 
 
 class ZeROPlusPlusRuntime(ZeRORuntime):
