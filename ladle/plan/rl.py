@@ -22,7 +22,7 @@ def choose_rollouts(
     if why_not:
         problems.append(
             f"training.objective = grpo with parallelism.strategy = {strategy.name}: {why_not}. Use ddp, zero1, "
-            "zero2 or zero3 (or parallelism.strategy=auto)."
+            "zero2, zero3 or fsdp2 without offload (or parallelism.strategy=auto)."
         )
     if strategy.shards_tensors and not why_not and not t.lora.enabled and rl.beta:
         problems.append(
@@ -77,7 +77,7 @@ def rollout_memory(cfg: LadleConfig, target: Target, model: dict, local: int, mi
 
 
 def gathered_weights(name: str, target: Target, model: dict) -> str:
-    """What gathering every weight for the rollouts holds per rank (ZeRO-3), in words."""
+    """What gathering every weight for the rollouts holds per rank (ZeRO-3, FSDP2), in words."""
     try:
         params = sizing.shape_from_config(model).params
     except (KeyError, TypeError, ValueError):

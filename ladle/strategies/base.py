@@ -224,7 +224,7 @@ class Strategy(ABC):
         if self.shards_tensors:
             return (
                 f"{self.name} keeps a shard of every weight on each rank; the engine samples with whole weights, "
-                "and gathering them for the rollouts is built for ZeRO-3 (zero3, zero++), not yet for this strategy"
+                "and gathering them for the rollouts is built for ZeRO-3 and FSDP2, not yet for this strategy"
             )
         return None
 

@@ -100,6 +100,22 @@ class FSDP2(Strategy):
     def compile_asked(self, options) -> str | None:
         return "parallelism.fsdp2.compile = true" if options is not None and options.compile else None
 
+    def options(self, cfg):
+        """The ``parallelism.fsdp2`` section; for online RL with the ends kept whole: the engine samples on whole
+        weights (unsharded for the rollouts), so nothing is held vocabulary-parallel."""
+        section = super().options(cfg)
+        if cfg.training.objective == "grpo" and section.shard_head:
+            section = section.model_copy(update={"shard_head": False})
+        return section
+
+    def rollouts_refusal(self, options) -> str | None:
+        """FSDP2 samples too: every FSDP unit is unsharded on each rank for the step's rollouts and kept so while
+        the engine's forwards run (``FSDP2Runtime.whole_weights``); the plan says what that holds in GiB. Not with
+        CPU offload (the unsharded weights would be on the host)."""
+        if options is not None and options.cpu_offload:
+            return "with parallelism.fsdp2.cpu_offload the weights the engine would sample on stay in host memory"
+        return None
+
     def offload(self, options) -> tuple[bool, bool]:
         return options.cpu_offload, options.cpu_offload  # CPUOffloadPolicy moves parameters and optimizer state
 

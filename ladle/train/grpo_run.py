@@ -97,7 +97,7 @@ def setup(spec: TrainSpec) -> RLSession:
         packed_attention="off: grpo rows are prompt and completion, padded and masked",
         padding_free="off: grpo rows are prompt and completion, padded and masked",
         rollouts="ladle's batching engine on the live weights, in this process"
-        + (", gathered whole for each step's rollouts" if plan.strategy in ("zero3", "zero++") else ""),
+        + (", gathered whole for each step's rollouts" if plan.strategy in ("zero3", "zero++", "fsdp2") else ""),
         reference=("adapters disabled" if cfg.training.lora.enabled else "a frozen copy")
         if rl.beta
         else "off (beta 0)",

@@ -301,17 +301,20 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
         "one": grpo_spec("ddp", tmp_path, processes=1),
         "zero2": grpo_spec("zero2", tmp_path),
         "zero3": grpo_spec("zero3", tmp_path),  # every weight gathered for the rollouts, partitioned for the update
+        "fsdp2": grpo_spec("fsdp2", tmp_path),  # every unit unsharded for the rollouts, resharded for the update
     }
     results = launch_all(specs)
     one, two = results["one"], results["zero2"]
     assert one.world_size == 1 and two.world_size == 2 and two.strategy == "zero2"
     assert all(loss != 0 for loss in one.train_losses)  # every step's groups' rewards differed
-    for sharded in ("zero2", "zero3"):
+    for sharded in ("zero2", "zero3", "fsdp2"):
         assert results[sharded].rl["rollout_logprob_gap_max"] < 1e-4
         assert results[sharded].train_losses == pytest.approx(one.train_losses, rel=1e-4, abs=1e-6), sharded
     assert one.rl["rollout_logprob_gap_max"] < 1e-4
     assert results["zero3"].sharding["parameter_share"] == pytest.approx(0.5, abs=0.02)  # partitioned between
-    assert results["zero3"].kernels["rollouts"].endswith("gathered whole for each step's rollouts")
+    for sharded in ("zero3", "fsdp2"):
+        assert results[sharded].kernels["rollouts"].endswith("gathered whole for each step's rollouts")
+    assert results["fsdp2"].sharding["parameter_share"] == pytest.approx(0.5, abs=0.02)
     assert one.kernels["rollouts"].startswith("ladle's batching engine on the live weights")
     assert one.adapter_url and one.rl["eval_reward_after"] != one.rl["eval_reward_before"]
 
@@ -337,14 +340,14 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
     assert complete_steps(root) == [2]
 
 
-def test_planner_gathers_zero3_weights_for_rollouts_and_refuses_what_cannot_sample(tmp_path):
+def test_planner_gathers_sharded_weights_for_rollouts_and_refuses_what_cannot_sample(tmp_path):
     from ladle.machine.topology import probe
     from ladle.plan.planner import make_plan
 
     model = json.loads((Path(grpo_spec("ddp", tmp_path).base_dir) / "config.json").read_text())
     cfg = grpo_spec("ddp", tmp_path).config
-    bad = build_config(cfg.model_dump(mode="json"), ["parallelism.strategy=fsdp2"])
-    with pytest.raises(ConfigError, match="training.objective = grpo with parallelism.strategy = fsdp2"):
+    bad = build_config(cfg.model_dump(mode="json"), ["parallelism.strategy=tp"])
+    with pytest.raises(ConfigError, match="training.objective = grpo with parallelism.strategy = tp"):
         make_plan(bad, probe(env={}, query_output=""), model=model)
     full = build_config(
         cfg.model_dump(mode="json"),
@@ -363,6 +366,13 @@ def test_planner_gathers_zero3_weights_for_rollouts_and_refuses_what_cannot_samp
     assert "zero3 gathers every weight whole on each rank while it samples" in said
     assert re.search(r"\d+\.\d (GiB|MiB) per rank", said), said
     assert zero3.strategy_options["shard_head"] is False  # the ends whole too: the engine samples on them
+    fsdp2 = make_plan(
+        build_config(cfg.model_dump(mode="json"), ["parallelism.strategy=fsdp2"]),
+        probe(env={}, query_output=""),
+        model=model,
+    )
+    assert any(r.startswith("rollout weights: fsdp2 gathers every weight") for r in fsdp2.reasons)
+    assert fsdp2.strategy_options["shard_head"] is False
 
 
 def test_prompt_data_is_checked_for_prompts_and_the_rewards_columns(tmp_path, tiny_model):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from ladle.strategies.fsdp2 import replicas
 from ladle.train.kernels import decoder_layers
 from ladle.train.runtime.base import Runtime
@@ -83,6 +85,34 @@ class FSDP2Runtime(Runtime):
         wanted, offloaded = plan.strategy_options.get("shard_head", True), bool(options.get("offload_policy"))
         keep_vocab_sharded(model, mesh, wanted, offloaded, compute)
         return model, make_optimizer(model)
+
+    @contextmanager
+    def whole_weights(self, accelerator, model):
+        """Every FSDP unit unsharded on every rank (the all-gathers happen here, together) and kept unsharded
+        through the sampler's forwards, whose number differs by rank: with nothing to reshard after a forward and
+        nothing left to gather before one, those forwards make no collective. Resharded after, each unit's
+        ``reshard_after_forward`` as it was."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        states = [unit._get_fsdp_state() for unit in units]
+        # What set_reshard_after_forward changes, as it was (the root's is special: FSDP2 sets it itself).
+        saved = [
+            (state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups])
+            for state in states
+        ]
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        for unit in units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit, state, (auto, infos) in zip(units, states, saved, strict=True):
+                unit.reshard()
+                state._auto_reshard_after_forward = auto
+                for group, info in zip(state._fsdp_param_groups, infos, strict=True):
+                    group.post_forward_mesh_info = info
 
     def check_applied(self, accelerator, model, plan) -> dict:
         from torch.distributed.tensor import DTensor, Replicate, Shard
