@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator
 
 from ladle import rewards as reward_fns
+from ladle import strategies
 from ladle.data import prompts as prompt_data
 from ladle.platform import storage
 from ladle.serve.engine import Engine
@@ -97,7 +98,7 @@ def setup(spec: TrainSpec) -> RLSession:
         packed_attention="off: grpo rows are prompt and completion, padded and masked",
         padding_free="off: grpo rows are prompt and completion, padded and masked",
         rollouts="ladle's batching engine on the live weights, in this process"
-        + (", gathered whole for each step's rollouts" if plan.strategy in ("zero3", "zero++", "fsdp2") else ""),
+        + (", gathered whole for each step's rollouts" if strategies.get(plan.strategy).shards_tensors else ""),
         reference=("adapters disabled" if cfg.training.lora.enabled else "a frozen copy")
         if rl.beta
         else "off (beta 0)",
