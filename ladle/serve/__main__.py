@@ -144,11 +144,12 @@ def start(args: argparse.Namespace):
         if not (Path(model) / "config.json").is_file():
             what = "is not a model folder (it has no config.json)" if Path(model).is_dir() else "does not exist"
             raise LadleError(f"--model {args.model}: {what}. Give a Hugging Face model folder or its URL in the store.")
+        name = args.name or args.model.rstrip("/").rsplit("/", 1)[-1]
+        check_adapters(args.adapter, model, name, kind)  # a bad --adapter: one line before the base loads
         backend = kind.start(str(model), **kind.parse_options(args.option))
     except (LadleError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    name = args.name or args.model.rstrip("/").rsplit("/", 1)[-1]
     try:
         catalog, sync = served_adapters(backend, name, args)
     except (LadleError, ValueError, OSError) as err:
@@ -157,6 +158,30 @@ def start(args: argparse.Namespace):
         return 2
     app = create_app(backend, Settings(name, args.max_new_tokens, key, limits), catalog, sync)
     return backend, app, name, model
+
+
+def check_adapters(items: list[str], model: str | Path, name: str, kind) -> None:
+    """Each ``--adapter NAME=PATH`` item's form, name and folder, checked against the base's weights as their
+    files' headers list them (nothing loaded): what ``served_adapters`` would refuse after the load.
+
+    Raises:
+        LadleError: a malformed item, a bad name, or a folder that is no LoRA adapter of this base.
+    """
+    if not items:
+        return
+    from ladle.serve.adapter_sync import parse_binding
+    from ladle.serve.adapters import BaseWeights, Catalog, inspect
+    from ladle.serve.server import adapter_folder
+
+    base = BaseWeights.of(model)
+    names = Catalog(name, base if kind.serves_adapters else None)
+    for item in items:
+        adapter, sep, path = item.partition("=")
+        if not sep or not adapter or not path:
+            raise LadleError(f"--adapter {item!r}: expected NAME=PATH or NAME=models:/REGISTERED_MODEL.")
+        names.check_name(adapter)
+        if parse_binding(item) is None:
+            inspect(adapter_folder(path), base)
 
 
 def served_adapters(backend, name: str, args: argparse.Namespace):

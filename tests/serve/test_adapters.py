@@ -448,3 +448,23 @@ def test_a_forced_tool_call_through_an_adapter_is_one_valid_call_whole_and_strea
         assert backend.slots.loaded  # it ran on the adapter
     finally:
         running.stop()
+
+
+def test_a_bad_adapter_is_refused_before_the_base_loads(tiny_model, tmp_path, monkeypatch, capsys):
+    """`ladle serve MODEL --adapter NAME=PATH`: a folder that is no LoRA adapter, or a bad name, is one line before
+    the base's weights load (checked against the base's safetensors headers), not after."""
+    from ladle.serve import __main__ as serve_main
+    from ladle.serve.transformers_backend import TransformersBackend
+
+    def loaded(cls, *args, **kwargs):
+        raise AssertionError("the base loaded before the adapters were checked")
+
+    monkeypatch.setattr(TransformersBackend, "start", classmethod(loaded))
+    monkeypatch.setattr(serve_main, "one_thread_until_fork", lambda: None)  # this process keeps its threads
+    argv = ["--model", str(tiny_model), "--backend", "transformers"]
+    assert serve_main.main([*argv, "--adapter", f"red={tmp_path}"]) == 2
+    assert f"adapter {tmp_path}: not a LoRA adapter folder" in capsys.readouterr().err
+    assert serve_main.main([*argv, "--adapter", f"a@b={tmp_path}"]) == 2
+    assert "adapter name 'a@b'" in capsys.readouterr().err
+    assert serve_main.main([*argv, "--adapter", "nothing"]) == 2
+    assert "expected NAME=PATH" in capsys.readouterr().err
