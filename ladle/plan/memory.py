@@ -161,6 +161,8 @@ def check_memory(cfg, topo, target: Target, model, strategy: Strategy, micro: in
     context = sizing.CONTEXT_BYTES if target.device == "cuda" else 0
     serve, evaluate = serve + context, evaluate + context
     memory = {"load": est.load + est.context, "train": est.total, "merge": merge, "evaluate": evaluate, "serve": serve}
+    if est.rollout:
+        memory["rollouts"] = est.sampling
     if est.save:  # a CPU run: rank 0 holds the gathered outputs beside its states
         memory["save"] = est.states + est.save + est.context
     # The merge runs on this host; a recorded topology describes another one, whose RAM is not known.
@@ -168,6 +170,11 @@ def check_memory(cfg, topo, target: Target, model, strategy: Strategy, micro: in
     reasons = [
         f"memory per rank: loading {sizing.gib(memory['load'])} (its share of the weights, read one tensor at a "
         f"time), training step {sizing.gib(est.total)}"
+        + (
+            f", rollouts {sizing.gib(est.sampling)} (the states, the KV cache and logits of sampling)"
+            if est.rollout
+            else ""
+        )
         + (f", saving {sizing.gib(memory['save'])} (rank 0 gathers the outputs whole)" if est.save else "")
     ]
     problems, warnings = [], []
@@ -258,8 +265,39 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         liger_loss=kernels.liger_loss_expected(kernels_cfg, target.device),
         compiled=kernels.compile_expected(kernels_cfg, target.device),
         attention=unsupported(model),
+        rollout_bytes=rollout_bytes(cfg, model, target, micro),
         masked=kernels.mask_expected(kernels_cfg, target.device, unsupported(model)),
     )
+
+
+def rollout_parts(cfg: LadleConfig, model: dict, target: Target, local: int) -> dict[str, int]:
+    """grpo: what ``local`` completions of one rank hold while they are sampled, in bytes: the KV cache at full
+    width (a prompt of up to seq_len and every sampled token, keys and values of every layer, with one layer's
+    copy as the cache grows), the batch's next-token logits and their softmax (float32), and the log-probability
+    buffers of the sampled tokens."""
+    t = cfg.training
+    width = cfg.data.seq_len + t.rl.max_completion_tokens
+    layers = int(model.get("num_hidden_layers") or 0)
+    heads = int(model.get("num_key_value_heads") or model.get("num_attention_heads") or 0)
+    head_dim = int(
+        model.get("head_dim") or (model.get("hidden_size", 0) // max(1, model.get("num_attention_heads", 1)))
+    )
+    width_bytes = 4 if target.dtype == "float32" else 2
+    return {
+        "kv": local * width * 2 * heads * head_dim * width_bytes * (layers + 1),
+        "logits": local * int(model.get("vocab_size") or 0) * 4 * 3,
+        "buffers": local * t.rl.max_completion_tokens * 4 * (1 + (t.rl.num_iterations > 1) + (t.rl.beta > 0)),
+    }
+
+
+def rollout_bytes(cfg: LadleConfig, model: dict, target: Target, micro: int) -> int:
+    """grpo: what a rank's rollouts hold beside the states (``rollout_parts``); 0 for other objectives."""
+    t = cfg.training
+    if t.objective != "grpo":
+        return 0
+    world = max(target.world_size, 1)
+    local = max(1, (t.global_batch_size or micro * world) // world)
+    return sum(rollout_parts(cfg, model, target, local).values())
 
 
 def row_tokens(cfg: LadleConfig) -> int:

@@ -52,27 +52,24 @@ def choose_rollouts(
 
 
 def rollout_memory(cfg: LadleConfig, target: Target, model: dict, local: int, micro: int) -> str:
-    """What the rollouts add per rank, in words: the KV cache of every completion at full length, the log-probability
-    buffers, and one micro-batch's float32 logits of the completions."""
+    """What the rollouts add per rank, in words: the KV cache of every completion at full length, the sampling
+    logits and log-probability buffers (``ladle.plan.memory.rollout_parts``, which the fit check counts), and one
+    update micro-batch's float32 logits of the completions."""
+    from ladle.plan.memory import rollout_parts
+
     rl = cfg.training.rl
-    width = cfg.data.seq_len + rl.max_completion_tokens
     try:
         shape = sizing.shape_from_config(model)
     except (KeyError, TypeError, ValueError):
         return "rollout memory: not sized (the base's config.json lacks the shape)"
+    parts = rollout_parts(cfg, model, target, local)
     layers = int(model.get("num_hidden_layers") or 0)
-    heads = int(model.get("num_key_value_heads") or model.get("num_attention_heads") or 0)
-    head_dim = int(
-        model.get("head_dim") or (model.get("hidden_size", 0) // max(1, model.get("num_attention_heads", 1)))
-    )
-    width_bytes = 4 if target.dtype == "float32" else 2
-    kv = local * width * layers * 2 * heads * head_dim * width_bytes
-    buffers = local * rl.max_completion_tokens * 4 * (1 + (rl.num_iterations > 1) + (rl.beta > 0))
     logits = micro * (rl.max_completion_tokens + 1) * shape.vocab * 4 * 2  # the logits and their log-softmax
     return (
-        f"rollout memory per rank: KV cache {sizing.gib(kv)} ({local} completions x {width} tokens x {layers} "
-        f"layers), log-probability buffers {sizing.gib(buffers)}, completion logits {sizing.gib(logits)} per "
-        "micro-batch"
+        f"rollout memory per rank: KV cache {sizing.gib(parts['kv'])} ({local} completions x "
+        f"{cfg.data.seq_len + rl.max_completion_tokens} tokens x {layers} layers), sampling logits "
+        f"{sizing.gib(parts['logits'])}, log-probability buffers {sizing.gib(parts['buffers'])}; completion logits "
+        f"{sizing.gib(logits)} per update micro-batch"
     )
 
 

@@ -229,6 +229,8 @@ class Estimate:
     step: int = 0  # the optimizer step's temporaries (activations are freed by then)
     save: int = 0  # what rank 0 gathers at once to save, beside the states (CPU runs: on a GPU it goes to the host)
     runtime: int = 0  # a CPU rank's lazily built runtime during its steps (CPU_STEP_RUNTIME)
+    rollout: int = 0  # grpo: what sampling adds to the states (KV cache, logits, weights gathered whole)
+    kept: int = 0  # grpo on a CPU: the weights gathered for sampling, freed, but kept resident by the host heap
 
     @property
     def states(self) -> int:
@@ -236,8 +238,13 @@ class Estimate:
 
     @property
     def peak(self) -> int:
-        """The largest of loading, a training step and saving the outputs."""
-        return max(self.total, self.load + self.context, self.states + self.save + self.context)
+        """The largest of loading, a training step, saving the outputs and grpo's rollouts (``sampling``)."""
+        return max(
+            self.total,
+            self.load + self.context,
+            self.states + self.save + self.context,
+            self.sampling,
+        )
 
     @classmethod
     def of(
@@ -275,10 +282,15 @@ class Estimate:
         """A training step: the states, plus the larger of the forward/backward's transients (gathered weights,
         activations, logits) and the optimizer step's (on CPU hosts, with the runtime the steps build)."""
         transient = max(self.gathered + self.activations + self.logits, self.step)
-        return self.states + transient + self.runtime + self.context
+        return self.states + transient + self.runtime + self.context + self.kept
+
+    @property
+    def sampling(self) -> int:
+        """grpo's rollouts: the states, what sampling adds, the runtime (0 for other objectives)."""
+        return self.states + self.rollout + self.runtime + self.context if self.rollout else 0
 
     def fits(self, device_bytes: int) -> bool:
-        return self.total <= HEADROOM * device_bytes
+        return max(self.total, self.sampling) <= HEADROOM * device_bytes
 
     def summary(self) -> str:
         parts = (
@@ -324,6 +336,7 @@ class Job:
     compiled: bool = False  # training.kernels.compile: blocks compiled where the strategy compiles them
     attention: str | None = None  # why ladle's attention layers cannot run this model's (None: they can)
     masked: bool = False  # packed rows reach attention as a block-diagonal mask (CUDA, attention not by example)
+    rollout_bytes: int = 0  # grpo: the rollouts' KV cache, sampling logits and log-probability buffers per rank
 
     @property
     def world(self) -> int:

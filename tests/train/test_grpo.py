@@ -340,6 +340,10 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
     assert complete_steps(root) == [2]
 
 
+def sharded_cfg(cfg, strategy: str):
+    return build_config(cfg.model_dump(mode="json"), [f"parallelism.strategy={strategy}"])
+
+
 def test_planner_gathers_sharded_weights_for_rollouts_and_refuses_what_cannot_sample(tmp_path):
     from ladle.machine.topology import probe
     from ladle.plan.planner import make_plan
@@ -373,6 +377,20 @@ def test_planner_gathers_sharded_weights_for_rollouts_and_refuses_what_cannot_sa
     )
     assert any(r.startswith("rollout weights: fsdp2 gathers every weight") for r in fsdp2.reasons)
     assert fsdp2.strategy_options["shard_head"] is False
+    # The rollouts are sized with the rest: the KV cache, logits and buffers on every rank, and under a sharding
+    # strategy the weights gathered whole beside the rank's shard.
+    from ladle.plan.memory import plan_estimate
+    from ladle.sizing import shape_from_config
+
+    whole = shape_from_config(model).params * 4  # float32
+    kv_and_logits = plan_estimate(cfg, plan, model).rollout
+    assert kv_and_logits > 0 and 0 < plan.memory["rollouts"] < plan.memory["train"]
+    for sharded in (zero3, fsdp2):
+        estimate = plan_estimate(sharded_cfg(cfg, sharded.strategy), sharded, model)
+        assert estimate.rollout - kv_and_logits == whole, sharded.strategy  # every weight, beside the rank's shard
+        # on a CPU the update runs beside what the heap kept of them: the part the rank does not hold
+        assert estimate.kept == whole - estimate.weights and 0.3 * whole < estimate.kept < 0.7 * whole
+        assert any("rollouts " in r for r in sharded.reasons if r.startswith("memory per rank"))
 
 
 def test_prompt_data_is_checked_for_prompts_and_the_rewards_columns(tmp_path, tiny_model):
