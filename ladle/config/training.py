@@ -38,12 +38,14 @@ class DataSource(Section):
     rows: int | None = Field(
         None,
         ge=1,
+        le=10**10,
         description="A fixed number of training rows from it: fewer than it has are sampled with data.seed, more "
         "repeat it whole first (each repeat a pass over the source).",
     )
     epochs: float | None = Field(
         None,
         gt=0,
+        le=1000,
         description="Passes over it: 3 repeats every row three times (a small, precious set), 0.5 samples half.",
     )
     format: FORMAT_NAMES | None = Field(None, description="Its record format. null: data.format.")

@@ -176,12 +176,22 @@ def check_adapters(items: list[str], model: str | Path, name: str, kind) -> None
     base = BaseWeights.of(model)
     names = Catalog(name, base if kind.serves_adapters else None)
     for item in items:
-        adapter, sep, path = item.partition("=")
-        if not sep or not adapter or not path:
-            raise LadleError(f"--adapter {item!r}: expected NAME=PATH or NAME=models:/REGISTERED_MODEL.")
+        adapter, path = adapter_item(item)
         names.check_name(adapter)
         if parse_binding(item) is None:
             inspect(adapter_folder(path), base)
+
+
+def adapter_item(item: str) -> tuple[str, str]:
+    """``NAME=PATH`` (or ``NAME=models:/REGISTERED``) split in two.
+
+    Raises:
+        LadleError: not of that form.
+    """
+    adapter, sep, path = item.partition("=")
+    if not sep or not adapter or not path:
+        raise LadleError(f"--adapter {item!r}: expected NAME=PATH or NAME=models:/REGISTERED_MODEL.")
+    return adapter, path
 
 
 def served_adapters(backend, name: str, args: argparse.Namespace):
@@ -201,9 +211,7 @@ def served_adapters(backend, name: str, args: argparse.Namespace):
     catalog = Catalog(name, BaseWeights.of(backend.model_dir) if backend.serves_adapters else None)
     bound = {}
     for item in args.adapter:
-        adapter, sep, path = item.partition("=")
-        if not sep or not adapter or not path:
-            raise LadleError(f"--adapter {item!r}: expected NAME=PATH or NAME=models:/REGISTERED_MODEL.")
+        adapter, path = adapter_item(item)
         catalog.check_name(adapter)
         binding = parse_binding(item)
         if binding is not None:

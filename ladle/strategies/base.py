@@ -117,8 +117,13 @@ class Strategy(ABC):
         return None
 
     def options(self, cfg: LadleConfig) -> Section | None:
-        """This strategy's option section of ``cfg`` (None when it has none)."""
-        return getattr(cfg.parallelism, self.options_section) if self.options_section else None
+        """This strategy's option section of ``cfg`` (None when it has none). Under online RL a strategy that
+        shards every weight keeps the embedding and head whole (``shard_head`` off): its engine samples on whole
+        weights, gathered for the rollouts, so nothing may be held vocabulary-parallel."""
+        section = getattr(cfg.parallelism, self.options_section) if self.options_section else None
+        if self.shards_tensors and cfg.training.objective == "grpo" and getattr(section, "shard_head", False):
+            section = section.model_copy(update={"shard_head": False})
+        return section
 
     def with_options(self, cfg: LadleConfig, updates: dict[str, Any]) -> LadleConfig:
         """A copy of ``cfg`` whose option section carries ``updates`` (validated); ``cfg`` is unchanged."""

@@ -115,14 +115,6 @@ class ZeRO(Strategy):
 
     # -- planner side (no DeepSpeed import) ---------------------------------
 
-    def options(self, cfg):
-        """The ``parallelism.deepspeed`` section; for online RL at stage 3 with the ends kept whole: the engine
-        samples on whole weights (gathered for the rollouts), so nothing is held vocabulary-parallel."""
-        section = super().options(cfg)
-        if self.stage == 3 and cfg.training.objective == "grpo" and section.shard_head:
-            section = section.model_copy(update={"shard_head": False})
-        return section
-
     def rollouts_refusal(self, options) -> str | None:
         """Stage 3 samples too: every weight is gathered whole on each rank for the step's rollouts
         (``ZeRORuntime.whole_weights``), and the plan says what that holds in GiB."""

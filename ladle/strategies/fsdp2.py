@@ -100,14 +100,6 @@ class FSDP2(Strategy):
     def compile_asked(self, options) -> str | None:
         return "parallelism.fsdp2.compile = true" if options is not None and options.compile else None
 
-    def options(self, cfg):
-        """The ``parallelism.fsdp2`` section; for online RL with the ends kept whole: the engine samples on whole
-        weights (unsharded for the rollouts), so nothing is held vocabulary-parallel."""
-        section = super().options(cfg)
-        if cfg.training.objective == "grpo" and section.shard_head:
-            section = section.model_copy(update={"shard_head": False})
-        return section
-
     def rollouts_refusal(self, options) -> str | None:
         """FSDP2 samples too: every FSDP unit is unsharded on each rank for the step's rollouts and kept so while
         the engine's forwards run (``FSDP2Runtime.whole_weights``); the plan says what that holds in GiB. Not with

@@ -152,6 +152,7 @@ def test_prompt_sources_mix_for_grpo(tiny_model, tmp_path):
             "weight = 1.0, epochs = 2.0: give one of weight, rows and epochs per source",
         ),
         ({"sources": [{"path": "a.jsonl", "rows": 0}]}, "data.sources.0.rows = 0: Input should be greater than or"),
+        ({"sources": [{"path": "a.jsonl", "epochs": 5000}]}, "data.sources.0.epochs = 5000: Input should be less than"),
         ({}, "neither data.path nor data.sources is set"),
         ({"path": "x.jsonl", "sources": [{"path": "a.jsonl"}]}, "data.path = 'x.jsonl' and data.sources are both set"),
         (

@@ -191,6 +191,20 @@ def test_every_public_preference_shape_prepares_to_the_same_rows(tiny_model, tmp
     first = rows["trl-standard"]
     for shape, columns in rows.items():
         assert columns["input_ids"] == first["input_ids"] and columns["labels"] == first["labels"], shape
+    # Mixed as data.sources: UltraFeedback's file whole beside 6 of HH-RLHF's, each read its own way, the same rows.
+    cfg = DataConfig(
+        sources=[
+            {"path": str(tmp_path / "ultrafeedback-binarized.jsonl")},
+            {"path": str(tmp_path / "hh-rlhf.jsonl"), "rows": 6},
+        ],
+        seq_len=64,
+        eval_ratio=0.0,
+        max_bad_fraction=0.0,
+    )
+    mixed = prepare(cfg, base, str(tmp_path / "mix"), objective="dpo")
+    assert mixed.report.dropped == [] and [m["train_examples"] for m in mixed.report.mix] == [12, 6]
+    mixed_rows = read_rows(storage.read_bytes(storage.join(mixed.url, mixed.shards["train"][0])))
+    assert len(mixed_rows["input_ids"]) == 18 and all(row in first["input_ids"] for row in mixed_rows["input_ids"])
 
 
 def test_every_public_preference_shape_renders_alike_through_smollm2s_template():
