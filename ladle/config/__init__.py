@@ -206,12 +206,6 @@ class LadleConfig(Section):
                     f"promote.merge = false with serve.backend = {self.serve.backend}: that backend serves no "
                     "adapters beside a base; set serve.backend=transformers, or promote.merge=true"
                 )
-            if self.promote.canary is not None:
-                problems.append(
-                    "promote.merge = false with promote.canary: an adapter's canary is not available yet (adapters "
-                    "are promoted by the gate, and served versions follow the registry's aliases); remove "
-                    "promote.canary, or set promote.merge=true"
-                )
             if self.serve.target == "kubernetes":
                 problems.append(
                     "promote.merge = false with serve.target = kubernetes: adapters are served on this machine's "

@@ -16,7 +16,11 @@ adapter:
    adapter bound);
 3. the adapter is bound to the server (``POST /v1/adapters/bind``, which also reads the registry now), so a new
    champion or a rollback is served at once;
-4. the server must then serve the champion's version under the adapter's name, and answer a request for it.
+4. the server must then serve the champion's version under the adapter's name, and answer a request for it;
+5. with ``promote.canary``, a version that passed the gate and waits for its canary (``challenger``) takes a share
+   of this adapter's traffic at the base's front (``run_canary``): the other adapters, and requests that name a
+   version (``NAME@v3``), are not touched. The front judges it as it judges a served model's canary; the verdict is
+   then applied to this adapter's registered model alone, under its own lock, and the server follows the registry.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from pathlib import Path
 
 import httpx
 
-from ladle.config import LadleConfig
+from ladle.config import CanaryConfig, LadleConfig
 from ladle.errors import LadleError
+from ladle.fleet import canary as canaries
 from ladle.fleet import front as router
 from ladle.fleet.deploy import DEFAULT_SMOKE, SwapFailed, smoke, start_server, wait_healthy
 from ladle.lifecycle import promote
@@ -48,6 +53,9 @@ def serve_registered(uri: str, name: str, cfg, base_dir) -> tuple[dict, str]:
             f"{name} v{served['version']}: served on {served['base']} ({served['action']}) at {served['front_url']} "
             f"as model {name!r}; that server holds {len(served['adapters'])} adapter(s)"
         )
+        if served["canary"]:
+            verdict = served["canary"]["status"].replace("_", " ")
+            line += f"; canary of v{served['canary']['version']} {verdict}: {served['canary']['reason']}"
         return served, line
     served = champion.reconcile(uri, name, cfg.serving(), cfg.promote.canary)
     return served.model_dump(), served.message()
@@ -113,6 +121,12 @@ def reconcile(uri: str, name: str, cfg: LadleConfig, champion: promote.Version, 
             raise LadleError(f"{base}: the front did not take the new server: {switched.text[:500]}", exit_code=1)
         upstream, action = current_upstream(front), "started"
     headers = {"Authorization": f"Bearer {_key(serve)}"} if serve.api_key_env else {}
+    finished = None
+    if cfg.promote.canary is not None:  # a verdict the front reached while nobody followed: applied first
+        decided = canaries.front_canary(front, admin_headers(front), name)
+        if decided is not None and decided["status"] != "running":
+            finished = finish_canary(uri, name, front, upstream["url"], headers, decided)
+            champion = promote.champion(uri, name) or champion
     before = served_version(upstream["url"], name, headers) if action == "bound" else None
     if before is not None:
         action = "unchanged" if before == champion.version else "swapped"
@@ -135,6 +149,11 @@ def reconcile(uri: str, name: str, cfg: LadleConfig, champion: promote.Version, 
     reply = smoke(front["url"], name, serve, [{"role": "user", "content": serve.smoke_prompt or DEFAULT_SMOKE}])
     if not isinstance(reply, str):
         raise SwapFailed(f"{name} v{champion.version} answered the smoke request with {reply!r}")
+    state = finished
+    waiting = canaries.pending(uri, name, champion.version) if cfg.promote.canary is not None else None
+    if waiting is not None:
+        state = run_canary(uri, name, waiting, champion.version, cfg.promote.canary, front, upstream["url"], headers)
+        champion = promote.champion(uri, name) or champion
     return {
         "model": name,
         "version": champion.version,
@@ -147,7 +166,101 @@ def reconcile(uri: str, name: str, cfg: LadleConfig, champion: promote.Version, 
         "server_pid": upstream["pid"],
         "adapters": adapters_of(upstream["url"], headers),
         "seconds": round(time.monotonic() - started, 3),
+        "canary": state,
     }
+
+
+def run_canary(
+    uri: str,
+    name: str,
+    version: promote.Version,
+    champion_version: str,
+    limits: CanaryConfig,
+    front: dict,
+    server_url: str,
+    headers: dict,
+) -> dict:
+    """The canary of adapter ``name``'s ``version`` against ``champion_version``, both held by the server at
+    ``server_url`` (the registry's ``challenger`` and ``champion``): started at the base's front (or, after a crash,
+    followed where it runs), judged there, then applied (``finish_canary``); its final state.
+
+    A version the server could not load beside the champion never takes traffic: its canary is rolled back at
+    once, naming the server's reason.
+    """
+    from ladle.fleet.champion import admin_headers
+
+    admin = admin_headers(front)
+    state = canaries.front_canary(front, admin, name)
+    if state is None or state["version"] != version.version:
+        problem = not_held(server_url, name, version.version, headers)
+        if problem is not None:
+            state = {
+                "version": version.version,
+                "champion_version": champion_version,
+                "status": "rolled_back",
+                "reason": f"v{version.version} could not be loaded on the server of its base: {problem}",
+                "adapter": name,
+            }
+            return finish_canary(uri, name, front, server_url, headers, state)
+        body = {"adapter": name, "version": version.version, "champion_version": champion_version}
+        answer = httpx.put(
+            front["url"] + "/ladle/canary", json={**body, "limits": limits.model_dump()}, headers=admin, timeout=30
+        )
+        if answer.status_code != 200:
+            raise LadleError(f"{name}: the front refused the canary of v{version.version}: {answer.text[:500]}")
+    state = canaries.follow(front, admin, version.version, limits.duration_s + 120, adapter=name)
+    return finish_canary(uri, name, front, server_url, headers, state)
+
+
+def finish_canary(uri: str, name: str, front: dict, server_url: str, headers: dict, state: dict) -> dict:
+    """After the front's verdict on adapter ``name``: the registry follows it (``canary.apply``, per adapter, under
+    its lock), the server reads the registry (the winner becomes the name's version, the loser is unloaded once its
+    rows finish), then the front forgets the canary. Each step is idempotent, so a rerun finishes a crashed one; a
+    request the front pinned to a version a sync had already unloaded is answered by the name's own version."""
+    from ladle.fleet.champion import admin_headers
+
+    canaries.apply(uri, name, state)
+    synced = httpx.post(server_url + "/v1/adapters/sync", headers=headers, timeout=300)
+    synced.raise_for_status()
+    forgot = httpx.delete(
+        front["url"] + "/ladle/canary", params={"adapter": name}, headers=admin_headers(front), timeout=10
+    )
+    forgot.raise_for_status()
+    return state
+
+
+def not_held(url: str, name: str, version: str, headers: dict) -> str | None:
+    """Why the server at ``url`` does not hold ``name`` v``version`` (its own words), or None when it does."""
+    listed = httpx.get(url + "/v1/adapters", headers=headers, timeout=30)
+    listed.raise_for_status()
+    body = listed.json()
+    entry = next((a for a in body["data"] if a["name"] == name), {"versions": []})
+    if any(v["version"] == version for v in entry["versions"]):
+        return None
+    return ((body.get("registry") or {}).get("problems") or {}).get(name) or "the server does not hold it"
+
+
+def end_canary(name: str, reason: str) -> str | None:
+    """Roll back adapter ``name``'s canary at whichever base's front on this machine runs one; its version, or
+    None. Whoever follows it (``run_canary``) then applies the verdict."""
+    from ladle.fleet.champion import admin_headers
+
+    for path in sorted(router.records_dir().glob("base-*.json")):
+        record = router.read_record(path.stem)
+        if record is None:
+            continue
+        state = canaries.front_canary(record, admin_headers(record), name)
+        if state is not None and state["status"] == "running":
+            answer = httpx.request(
+                "PATCH",
+                record["url"] + "/ladle/canary",
+                params={"reason": reason, "adapter": name},
+                headers=admin_headers(record),
+                timeout=10,
+            )
+            answer.raise_for_status()
+            return state["version"]
+    return None
 
 
 def served_version(url: str, name: str, headers: dict) -> str | None:

@@ -239,26 +239,32 @@ def pending(uri: str, name: str, champion_version: str | None) -> promote.Versio
     return version
 
 
-def front_canary(front: dict, headers: dict) -> dict | None:
-    answer = httpx.get(front["url"] + "/ladle/canary", headers=headers, timeout=10)
+def front_canary(front: dict, headers: dict, adapter: str | None = None) -> dict | None:
+    """The front's canary (``adapter``: that adapter's), or None."""
+    params = {"adapter": adapter} if adapter else None
+    answer = httpx.get(front["url"] + "/ladle/canary", params=params, headers=headers, timeout=10)
     answer.raise_for_status()
     return answer.json()["canary"]
 
 
-def follow(front: dict, headers: dict, version: str, deadline_s: float) -> dict:
-    """Poll the front until the canary of ``version`` has a verdict; past ``deadline_s`` it is aborted (rolled
-    back by the front) and that is the verdict."""
+def follow(front: dict, headers: dict, version: str, deadline_s: float, adapter: str | None = None) -> dict:
+    """Poll the front until the canary of ``version`` (of ``adapter``) has a verdict; past ``deadline_s`` it is
+    rolled back and that is the verdict (a served model's canary is also forgotten there; an adapter's is kept
+    until ``finish_adapter``)."""
     deadline = time.monotonic() + deadline_s
+    what = f"{adapter} v{version}" if adapter else f"v{version}"
     while time.monotonic() < deadline:
-        state = front_canary(front, headers)
+        state = front_canary(front, headers, adapter)
         if state is None or state["version"] != version:
-            raise LadleError(f"the front at {front['url']} no longer runs the canary of v{version} (it restarted?)")
+            raise LadleError(f"the front at {front['url']} no longer runs the canary of {what} (it restarted?)")
         if state["status"] != "running":
             return state
         time.sleep(0.5)
-    answer = httpx.delete(
+    reason = f"no verdict within {deadline_s:.0f} s (the front's clock did not end it)"
+    answer = httpx.request(
+        "PATCH" if adapter else "DELETE",
         front["url"] + "/ladle/canary",
-        params={"reason": f"no verdict within {deadline_s:.0f} s (the front's clock did not end it)"},
+        params={"reason": reason, **({"adapter": adapter} if adapter else {})},
         headers=headers,
         timeout=10,
     )

@@ -267,7 +267,9 @@ def end_canary_at_front(name: str, reason: str) -> str | None:
     registry records it and its server is stopped."""
     front = router.read_record(name)
     if front is None:
-        return None
+        from ladle.fleet.adapters import end_canary
+
+        return end_canary(name, reason)  # an adapter's, on its base's front
     headers = {router.ADMIN_HEADER: front["token"]}
     state = canaries.front_canary(front, headers)
     if state is None or state["status"] != "running":

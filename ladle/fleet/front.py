@@ -36,6 +36,7 @@ from ladle.config import CanaryConfig
 from ladle.fleet.canary import Canary, challenger_alive
 from ladle.fleet.supervisor import Supervisor
 from ladle.platform.files import write_atomic
+from ladle.serve.adapters import PINNED_HEADER
 from ladle.serve.guard import Guard, envelope
 from ladle.serve.limits import ServeLimits
 
@@ -156,6 +157,12 @@ class Front:
         self.client = httpx.AsyncClient(timeout=FRONT_TIMEOUT, limits=httpx.Limits(max_connections=1000))
         self.state: dict = {"upstream": record.get("upstream"), "broken": None}
         self.in_flight: collections.Counter[str] = collections.Counter()
+        # Adapter canaries, by adapter name: on a base's front, each splits the requests for its adapter's bare name
+        # between two versions the same server holds (``pinned``: requests in flight per (adapter, version)).
+        self.adapter_canaries: dict[str, Canary] = {
+            adapter: Canary.restore(snapshot) for adapter, snapshot in (record.get("adapter_canaries") or {}).items()
+        }
+        self.pinned: collections.Counter[tuple[str, str]] = collections.Counter()
         self.supervisor = Supervisor(name, self.state, lambda up: self.persist(), **(supervision or {}))
         if record.get("canary"):
             self.state["canary"] = Canary.restore(record["canary"])
@@ -172,7 +179,11 @@ class Front:
         if self.record_file is not None:
             canary = self.state.get("canary")
             snapshot = canary.snapshot() if canary is not None else None
-            write_record(self.record_file, {**self.record, "upstream": self.state["upstream"], "canary": snapshot})
+            adapters = {adapter: c.snapshot() for adapter, c in self.adapter_canaries.items()}
+            write_record(
+                self.record_file,
+                {**self.record, "upstream": self.state["upstream"], "canary": snapshot, "adapter_canaries": adapters},
+            )
 
     def switch(self, new: dict) -> None:
         """Point new requests at ``new``. A running canary measured against another server is over: whatever
@@ -189,6 +200,10 @@ class Front:
         while the front still serves the champion it was measured against."""
         while True:
             await asyncio.sleep(0.25)
+            # An adapter canary's arms are two versions on one server: no process of its own to die, and a swap of
+            # the server behind the front (every server reads the same aliases) does not end it.
+            if any(c.judge() is not None for c in list(self.adapter_canaries.values()) if c.status == "running"):
+                self.persist()
             canary = self.state.get("canary")
             if canary is None or canary.status != "running":
                 continue
@@ -224,6 +239,32 @@ class Front:
                 raise NotAdmin("admin routes need the router's token")
 
         return Depends(check)
+
+    def pinned_arm(self, canary: Canary, skip: bool) -> tuple[str, str | None]:
+        """An adapter canary's arm for one request for the adapter's bare name, and the version it is pinned to:
+        while it runs, the challenger for ``weight`` of them and the champion it is measured against for the rest;
+        once passed, the challenger (until the registry says so and the canary is forgotten); once rolled back,
+        whatever the server answers the name with (no pin)."""
+        if canary.status == "running":
+            if not skip and canary.pick():
+                return "challenger", str(canary.challenger["version"])
+            return "champion", str(canary.champion["version"])
+        if canary.status == "passed":
+            return "challenger", str(canary.challenger["version"])
+        return "champion", None
+
+    def leave(self, url: str, held: tuple[str, str] | None) -> None:
+        """A request to ``url`` (pinned to ``held``: adapter, version) is over."""
+        self.in_flight[url] -= 1
+        if held is not None:
+            self.pinned[held] -= 1
+
+    def adapter_summary(self, adapter: str) -> dict | None:
+        canary = self.adapter_canaries.get(adapter)
+        if canary is None:
+            return None
+        versions = {str(canary.champion["version"]), str(canary.challenger["version"])}
+        return {**canary.summary(), "adapter": adapter, "in_flight": {v: self.pinned[(adapter, v)] for v in versions}}
 
     def admin(self, request: Request) -> bool:
         host = request.client.host if request.client else ""
@@ -347,59 +388,88 @@ def add_upstream_routes(app: FastAPI, front: Front) -> None:
 
 
 def add_canary_routes(app: FastAPI, front: Front) -> None:
-    """Admin: start, read, roll back and forget a canary."""
+    """Admin: start, read, roll back and forget a canary: the served model's (a second server), or with
+    ``?adapter=NAME`` (``adapter`` in a PUT's body) one adapter's on a base's front (two versions one server holds)."""
 
     @app.get("/ladle/canary", dependencies=[front.admin_only])
-    def get_canary():
-        """Admin: the canary's state: status, reason, limits and each arm's requests, errors and p95."""
+    def get_canary(adapter: str | None = None):
+        """Admin: the canary's state: status, reason, limits and each arm's requests, errors and p95; an adapter's
+        also its requests in flight per version. Without ``adapter``, ``adapters`` lists the adapters' canaries."""
+        if adapter is not None:
+            return {"canary": front.adapter_summary(adapter)}
         canary = front.state.get("canary")
-        return {"canary": canary.summary() if canary else None}
+        return {"canary": canary.summary() if canary else None, "adapters": sorted(front.adapter_canaries)}
 
     @app.put("/ladle/canary", dependencies=[front.admin_only])
     async def put_canary(request: Request):
         """Admin: start a canary of the server in the body (as for a swap, plus ``limits``: promote.canary's
-        fields) against the current one; the same version again answers its state, another while one is not
-        finished 409."""
+        fields) against the current one, or, with ``adapter``, of that adapter's ``version`` against its
+        ``champion_version`` (both served by the server behind the front); the same version again answers its
+        state, another while one is not finished 409."""
         body = await request.json()
-        canary = front.state.get("canary")
+        adapter = body.get("adapter")
+        canary = front.state.get("canary") if adapter is None else front.adapter_canaries.get(adapter)
         if canary is not None:
             if canary.version == str(body.get("version")):
-                return {"canary": canary.summary()}
+                return {"canary": canary.summary() if adapter is None else front.adapter_summary(adapter)}
+            what = f"{adapter} " if adapter else ""
             return error(
-                409, f"{front.name}: the canary of v{canary.version} is not finished", "invalid_request_error", "busy"
+                409,
+                f"{front.name}: the canary of {what}v{canary.version} is not finished",
+                "invalid_request_error",
+                "busy",
             )
-        if front.state["upstream"] is None:
+        upstream = front.state["upstream"]
+        if upstream is None:
             return error(
                 409, f"{front.name}: no champion is served to compare with", "invalid_request_error", "not_ready"
             )
         try:
             limits = CanaryConfig.model_validate(body.get("limits") or {})
-            challenger = {k: body[k] for k in ("url", "version", "pid", "model_dir")}
+            if adapter is not None:
+                if not isinstance(adapter, str) or not adapter or "@" in adapter:
+                    raise KeyError("adapter")
+                where = {"url": upstream["url"], "pid": upstream.get("pid"), "adapter": adapter}
+                challenger = {**where, "version": str(body["version"])}
+                measured = {**where, "version": str(body["champion_version"])}
+            else:
+                challenger = {k: body[k] for k in ("url", "version", "pid", "model_dir")}
+                challenger.update({k: body[k] for k in ("argv", "log") if k in body})
+                measured = dict(upstream)
         except (ValidationError, KeyError) as exc:
             return error(422, f"bad canary: {exc}", "invalid_request_error", "invalid")
-        challenger.update({k: body[k] for k in ("argv", "log") if k in body})
-        front.state["canary"] = Canary(challenger, dict(front.state["upstream"]), limits)
+        if adapter is not None:
+            front.adapter_canaries[adapter] = Canary(challenger, measured, limits)
+            front.persist()
+            return {"canary": front.adapter_summary(adapter)}
+        front.state["canary"] = Canary(challenger, measured, limits)
         front.persist()
         return {"canary": front.state["canary"].summary()}
 
     @app.patch("/ladle/canary", dependencies=[front.admin_only])
-    def end_canary(reason: str = "stopped by the operator"):
+    def end_canary(reason: str = "stopped by the operator", adapter: str | None = None):
         """Admin: roll back a running canary with ``?reason=`` and keep its verdict for whoever follows it (an
         operator's rollback); its state."""
-        canary = front.state.get("canary")
+        canary = front.state.get("canary") if adapter is None else front.adapter_canaries.get(adapter)
         if canary is not None and canary.status == "running":
             canary.end("rolled_back", reason)
             front.persist()
+        if adapter is not None:
+            return {"canary": front.adapter_summary(adapter)}
         return {"canary": canary.summary() if canary else None}
 
     @app.delete("/ladle/canary", dependencies=[front.admin_only])
-    def delete_canary(reason: str = "stopped by the operator"):
+    def delete_canary(reason: str = "stopped by the operator", adapter: str | None = None):
         """Admin: end the canary (one still running is rolled back with ``?reason=``) and forget it; its final
         state."""
-        canary = front.state.pop("canary", None)
+        summary = front.adapter_summary(adapter) if adapter is not None else None
+        canary = front.state.pop("canary", None) if adapter is None else front.adapter_canaries.pop(adapter, None)
         if canary is not None and canary.status == "running":
             canary.end("rolled_back", reason)
+            summary = {**(summary or {}), "status": canary.status, "reason": canary.reason}
         front.persist()
+        if adapter is not None:
+            return {"canary": summary}
         return {"canary": canary.summary() if canary else None}
 
 
@@ -409,33 +479,49 @@ def add_proxy_route(app: FastAPI, front: Front) -> None:
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def proxy(path: str, request: Request):
         """Everything else (the OpenAI routes): proxied byte for byte to the server (during a canary, ``weight``
-        of them to the challenger), with ``x-ladle-model-version``."""
+        of them to the challenger; during an adapter's canary, ``weight`` of that adapter's bare-name requests
+        pinned to its challenger version), with ``x-ladle-model-version``."""
         body = await request.body()  # within serve.limits.max_body_bytes: the Guard refused anything larger
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {ADMIN_HEADER}}
+        drop = HOP_BY_HOP | {ADMIN_HEADER, PINNED_HEADER}  # the pin is the front's to set
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
+        adapter = asked_adapter(body) if front.adapter_canaries and request.method == "POST" else None
+        adapter_canary = front.adapter_canaries.get(adapter) if adapter is not None else None
         skip_canary = False
         for _ in range(3):
             upstream = front.state["upstream"]
             canary = front.state.get("canary")
-            arm = "challenger" if canary is not None and not skip_canary and canary.pick() else "champion"
-            if arm == "challenger":
+            pin = None
+            if adapter_canary is not None:
+                canary = adapter_canary
+                arm, pin = front.pinned_arm(canary, skip_canary)
+            else:
+                arm = "challenger" if canary is not None and not skip_canary and canary.pick() else "champion"
+            if arm == "challenger" and adapter_canary is None:
                 upstream = canary.challenger
             elif front.supervisor.failed:
                 return error(503, front.supervisor.failed, "server_error", "upstream_failed")
             if upstream is None:
                 return error(503, f"{front.name}: no version is being served yet", "server_error", "not_ready")
+            held = (adapter, pin) if pin is not None else None
             front.in_flight[upstream["url"]] += 1
+            if held is not None:
+                front.pinned[held] += 1
             outgoing = front.client.build_request(
-                request.method, f"{upstream['url']}/{path}", params=request.query_params, content=body, headers=headers
+                request.method,
+                f"{upstream['url']}/{path}",
+                params=request.query_params,
+                content=body,
+                headers={**headers, PINNED_HEADER: pin} if pin is not None else headers,
             )
             sent = time.monotonic()
             try:
                 answer = await until_gone(request, front.client.send(outgoing, stream=True))
             except ClientGone:  # the client hung up before the server answered: its upstream request was closed
-                front.in_flight[upstream["url"]] -= 1
+                front.leave(upstream["url"], held)
                 return Response(status_code=499)
             except httpx.TransportError as exc:
-                front.in_flight[upstream["url"]] -= 1
-                if arm == "challenger":
+                front.leave(upstream["url"], held)
+                if arm == "challenger" and adapter_canary is None:
                     # Counted against it; no answer came back (refused, or dropped before its headers), so the
                     # champion takes the request: a completion has no side effect to repeat.
                     canary.record(arm, False, None)
@@ -454,7 +540,7 @@ def add_proxy_route(app: FastAPI, front: Front) -> None:
                     502, f"{front.name} v{upstream['version']} refused the connection", "server_error", "bad_gateway"
                 )
             except BaseException:
-                front.in_flight[upstream["url"]] -= 1
+                front.leave(upstream["url"], held)
                 raise
             # ok: None until the answer was relayed whole (a client that left is no evidence either way).
             outcome: dict = {"ok": None, "released": False}
@@ -471,11 +557,13 @@ def add_proxy_route(app: FastAPI, front: Front) -> None:
                     outcome["ok"] = None  # the client left: no evidence either way
                     raise
 
-            async def release(answer=answer, url=upstream["url"], arm=arm, canary=canary, sent=sent, outcome=outcome):
+            async def release(
+                answer=answer, url=upstream["url"], held=held, arm=arm, canary=canary, sent=sent, outcome=outcome
+            ):
                 if outcome["released"]:
                     return
                 outcome["released"] = True
-                front.in_flight[url] -= 1
+                front.leave(url, held)
                 await answer.aclose()  # a client that left closes the upstream request: it cancels there too
                 if outcome["ok"] is not None and canary is not None:
                     canary.record(arm, outcome["ok"], time.monotonic() - sent)
@@ -483,8 +571,20 @@ def add_proxy_route(app: FastAPI, front: Front) -> None:
 
             out_headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP | {"date", "server"}}
             out_headers[VERSION_HEADER] = str(upstream["version"])
+            if pin is not None:
+                out_headers[PINNED_HEADER] = pin
             return Relayed(relay(), release, status_code=answer.status_code, headers=out_headers)
         return error(503, f"{front.name}: upstream changed repeatedly; retry", "server_error", "not_ready")
+
+
+def asked_adapter(body: bytes) -> str | None:
+    """The bare model name a request body asks for (``model`` without ``@``), or None: what an adapter canary
+    splits. A body that is not a JSON object is the server's to refuse."""
+    try:
+        model = json.loads(body).get("model") if body else None
+    except (ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) and "@" not in model else None
 
 
 def adopted(name: str) -> dict:
@@ -504,6 +604,8 @@ def adopted(name: str) -> dict:
     canary = old.get("canary")
     if canary and records.alive(canary.get("challenger")):
         kept["canary"] = canary
+    if old.get("adapter_canaries"):  # two versions on the server kept above: they go on with it
+        kept["adapter_canaries"] = old["adapter_canaries"]
     return kept
 
 

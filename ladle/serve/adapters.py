@@ -42,6 +42,10 @@ MAX_VERSIONS = 256
 """Adapter versions one server answers for (registered, loaded or not): the catalog and ``/v1/models`` stay bounded
 whatever admin requests arrive; what is loaded at once is ``serve.adapters.max_loaded``."""
 
+PINNED_HEADER = "x-ladle-adapter-version"
+"""Set by ladle's front during an adapter's canary: the version a request for the adapter's bare name is answered
+by (the challenger for the canary's share, the champion it is measured against for the rest)."""
+
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 

@@ -10,6 +10,7 @@ generation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -18,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 
 from ladle.serve import tools as tools_api
-from ladle.serve.adapters import Catalog
+from ladle.serve.adapters import PINNED_HEADER, Catalog
 from ladle.serve.backends import Backend
 from ladle.serve.jobs import (
     Tooling,
@@ -140,7 +141,7 @@ class Generation:
         self, request: Request, req: Sampling, ids: list[int], kind: str, prefix: str, tooling: Tooling | None = None
     ):
         self.refuse_when_full()  # again: the queue may have filled while this request was tokenized
-        adapter = self.adapter_of(req.model)
+        adapter = self.adapter_of(req.model, request.headers.get(PINNED_HEADER))
         job = make_job(req, ids, self.backend, self.settings)
         job.adapter = adapter
         job.constraint = await asyncio.to_thread(constraint_of, req, self.backend, tooling)
@@ -180,12 +181,18 @@ class Generation:
             logprobs = None if logprobs is None else [*(job.prompt_logprobs or []), *logprobs]
         return reply.whole(text, done, logprobs)
 
-    def adapter_of(self, model: str | None) -> str | None:
-        """The engine's key of the adapter ``model`` names (None: the base).
+    def adapter_of(self, model: str | None, pinned: str | None = None) -> str | None:
+        """The engine's key of the adapter ``model`` names (None: the base). ``pinned``: the version a front's
+        adapter canary chose for a bare adapter name (``PINNED_HEADER``); the answer still names the model as asked.
 
         Raises:
             ApiError: 404 in OpenAI's shape, naming what is served.
         """
+        if pinned and model and "@" not in model and model != self.settings.model:
+            # A version the registry no longer aliases was unloaded by a sync that came before the front heard the
+            # verdict: the canary is over, and the name's own version answers (never a failed request).
+            with contextlib.suppress(KeyError):
+                return self.catalog.resolve(f"{model}@{pinned}")
         try:
             return self.catalog.resolve(model)
         except KeyError:

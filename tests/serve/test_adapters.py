@@ -20,6 +20,7 @@ import openai
 import psutil
 import pytest
 
+from ladle.config import CanaryConfig
 from ladle.errors import LadleError
 from ladle.serve.adapters import RECORD, BaseWeights, Catalog, inspect
 from ladle.serve.rows import Job
@@ -208,7 +209,7 @@ def split(kit, tiny_model, tmp_path_factory, registry):
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        yield SimpleNamespace(url=url, argv=argv, bindings=bindings)
+        yield SimpleNamespace(url=url, argv=argv, bindings=bindings, proc=proc, log=log)
     finally:
         stop_process(proc, grace_s=20, group=True)
 
@@ -428,6 +429,153 @@ def test_a_server_bound_to_a_registered_model_serves_its_aliases_and_a_replica_o
     finally:
         if replica is not None:
             stop_process(replica, grace_s=20, group=True)
+
+
+class AdapterTraffic:
+    """Clients sending greedy completions for their models through the front without pause; each outcome kept as
+    (model, HTTP status, pinned version header, answer tokens)."""
+
+    def __init__(self, url: str, models: list[str]):
+        self.url, self.stop_flag, self.results = url, threading.Event(), []
+        self.threads = [threading.Thread(target=self.loop, args=(m,), daemon=True) for m in models]
+
+    def loop(self, model: str) -> None:
+        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "logprobs": 0}
+        with httpx.Client(timeout=60) as client:
+            while not self.stop_flag.is_set():
+                try:
+                    answer = client.post(f"{self.url}/v1/completions", json=body)
+                    tokens = answer.json()["choices"][0]["logprobs"]["tokens"] if answer.status_code == 200 else None
+                    self.results.append(
+                        (model, answer.status_code, answer.headers.get("x-ladle-adapter-version"), tokens)
+                    )
+                except httpx.HTTPError as exc:
+                    self.results.append((model, f"{type(exc).__name__}: {exc}", None, None))
+
+    def __enter__(self) -> AdapterTraffic:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_flag.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+    def wait(self, n: int) -> None:
+        start, deadline = len(self.results), time.monotonic() + 60
+        while len(self.results) < start + n:
+            assert time.monotonic() < deadline, self.results[-5:]
+            time.sleep(0.05)
+
+
+def test_an_adapters_canary_splits_its_own_traffic_at_the_base_front_and_is_applied_to_it_alone(
+    split, registry, kit, merged, tiny_model, tmp_path, monkeypatch
+):
+    """promote.canary for an adapter: at its base's front, a share of the requests for ``bot`` alone goes to the
+    challenger version the same server holds; the front passes it, the registry makes it ``bot``'s champion and the
+    server follows, with no failed request and ``red``'s traffic untouched. Then an operator's rollback ends another
+    canary of ``bot``, and a challenger the server cannot load is rolled back before it takes any traffic."""
+    from ladle.config import build_config
+    from ladle.fleet import adapters as fleet
+    from ladle.fleet import champion as champions
+    from ladle.fleet.canary import pending
+    from ladle.lifecycle import promote
+    from ladle.lifecycle.copies import base_signature
+    from ladle.platform.processes import free_port
+
+    def reference(name):
+        return [
+            e["token"] for e in finished(submit(merged[name], PROMPTS[0], max_new_tokens=8, logprobs=0)).token_logprobs
+        ]
+
+    red, blue = reference("red"), reference("blue")
+    assert red != blue
+    monkeypatch.setenv("LADLE_HOME", str(tmp_path / "home"))
+    promote.promote(registry, "bot", "1", "the champion before the canary")  # whatever earlier tests left
+    limits = {"weight": 0.5, "duration_s": 3, "min_requests": 3, "max_latency_ratio": 20}
+    sets = ["promote.merge=false", f"serve.front_port={free_port()}", "serve.max_new_tokens=8"]
+    cfg = build_config({"base": str(tiny_model), "data": {"path": "ladle://demo-alpaca"}}, sets)
+    cfg = cfg.model_copy(update={"promote": cfg.promote.model_copy(update={"canary": CanaryConfig(**limits)})})
+    base = fleet.front_name(base_signature(tiny_model))
+    front = champions.ensure_front(base, cfg.serving())
+    admin = champions.admin_headers(front)
+    # The suite's running server of this base behind the front, as `ladle model serve` of an adapter leaves one.
+    body = {"url": split.url, "version": "base", "pid": split.proc.pid, "model_dir": str(tiny_model)}
+    assert httpx.put(f"{front['url']}/ladle/upstream", json=body, headers=admin, timeout=30).status_code == 200
+    try:
+        promote.mark_canary(registry, "bot", "2")
+        with AdapterTraffic(front["url"], ["bot", "bot", "bot", "red"]) as traffic:
+            traffic.wait(4)
+            served = fleet.reconcile(registry, "bot", cfg, promote.champion(registry, "bot"), tiny_model)
+            t_done = len(traffic.results)
+            traffic.wait(6)
+        assert all(status == 200 for _, status, _, _ in traffic.results), traffic.results
+        state = served["canary"]
+        assert state["status"] == "passed" and served["version"] == "2", state
+        assert promote.champion(registry, "bot").version == "2" and pending(registry, "bot", "2") is None
+        arms = state["arms"]
+        assert arms["challenger"]["requests"] >= 3 and arms["champion"]["requests"] >= 1, arms
+        bot = [(pin, tokens) for model, _, pin, tokens in traffic.results[:t_done] if model == "bot"]
+        assert {tuple(tokens) for pin, tokens in bot if pin == "2"} == {tuple(blue)}
+        assert {tuple(tokens) for pin, tokens in bot if pin == "1"} == {tuple(red)}
+        assert arms["challenger"]["requests"] + arms["champion"]["requests"] <= len(bot)  # red's never counted
+        assert all(t == red and pin is None for m, _, pin, t in traffic.results if m == "red")
+        assert all(t == blue for m, _, _, t in traffic.results[t_done:] if m == "bot")  # the new champion
+        assert httpx.get(f"{front['url']}/ladle/canary", params={"adapter": "bot"}, headers=admin).json() == {
+            "canary": None
+        }
+
+        # An operator's rollback during the next canary of bot: rolled back at the front, applied to bot alone.
+        promote.mark_canary(registry, "bot", "1")
+        long = cfg.model_copy(
+            update={
+                "promote": cfg.promote.model_copy(update={"canary": CanaryConfig(duration_s=120, min_requests=10**5)})
+            }
+        )
+        result: dict = {}
+        runner = threading.Thread(
+            target=lambda: result.update(
+                out=fleet.reconcile(registry, "bot", long, promote.champion(registry, "bot"), tiny_model)
+            ),
+            daemon=True,
+        )
+        with AdapterTraffic(front["url"], ["bot", "bot"]) as traffic:
+            runner.start()
+            deadline = time.monotonic() + 60
+            while (
+                httpx.get(f"{front['url']}/ladle/canary", params={"adapter": "bot"}, headers=admin).json()["canary"]
+                is None
+            ):
+                assert time.monotonic() < deadline and runner.is_alive(), result
+                time.sleep(0.1)
+            traffic.wait(4)
+            assert champions.end_canary_at_front("bot", "the operator stopped it") == "1"
+            runner.join(timeout=60)
+            traffic.wait(2)
+        assert all(status == 200 for _, status, _, _ in traffic.results), traffic.results
+        rolled = result["out"]["canary"]
+        assert rolled["status"] == "rolled_back" and rolled["reason"] == "the operator stopped it", rolled
+        assert promote.champion(registry, "bot").version == "2" and result["out"]["version"] == "2"
+        tags = promote.get_version(registry, "bot", "1").tags
+        assert tags["ladle.promotion"] == "not promoted" and "the operator stopped it" in tags["ladle.promotion.reason"]
+        assert promote.CHALLENGER not in promote.get_version(registry, "bot", "1").aliases
+        assert answer_tokens(front["url"], "bot") == blue
+
+        # A challenger whose weights changed since it was registered never takes traffic.
+        copy = shutil.copytree(kit["green"][0], tmp_path / "altered")
+        tags = {"ladle.kind": "adapter", "ladle.model_sha256": "0" * 64}  # not its weights' hash
+        altered = promote.register(registry, "bot", str(copy), None, tags).version
+        promote.mark_canary(registry, "bot", altered)
+        unloadable = fleet.reconcile(registry, "bot", cfg, promote.champion(registry, "bot"), tiny_model)["canary"]
+        assert unloadable["status"] == "rolled_back" and "could not be loaded" in unloadable["reason"], unloadable
+        assert "they changed since it was registered" in unloadable["reason"]
+        assert promote.get_version(registry, "bot", altered).tags["ladle.promotion"] == "not promoted"
+        assert httpx.get(f"{split.url}/ready", timeout=10).status_code == 200
+    finally:
+        from ladle.platform.processes import stop_pid
+
+        stop_pid(front["pid"], 20, group=True)
 
 
 def test_a_forced_tool_call_through_an_adapter_is_one_valid_call_whole_and_streamed(kit, tiny_model, tmp_path):
