@@ -206,11 +206,6 @@ class LadleConfig(Section):
                     f"promote.merge = false with serve.backend = {self.serve.backend}: that backend serves no "
                     "adapters beside a base; set serve.backend=transformers, or promote.merge=true"
                 )
-            if self.serve.target == "kubernetes":
-                problems.append(
-                    "promote.merge = false with serve.target = kubernetes: adapters are served on this machine's "
-                    "base servers only for now; set serve.target=local, or promote.merge=true"
-                )
         if pref.label_smoothing and pref.loss not in ("robust", "simpo"):
             problems.append(
                 f"training.preference.label_smoothing = {pref.label_smoothing}: the {pref.loss} loss has none; "

@@ -45,6 +45,14 @@ class ServeKubernetesConfig(KubernetesPods):
         "serve.api_key_env, which the pods read from the Secret serve.kubernetes.env_secret. open: anyone who can "
         "reach the pods (say so on purpose).",
     )
+    tracking_uri: str | None = Field(
+        None,
+        max_length=2048,
+        description="The MLflow tracking URI as the pods reach it, for adapters (promote.merge: false): each pod "
+        "reads its adapters' champion and challenger from the registry when it starts. null: the config's tracking "
+        "URI, which must then be a server the pods reach (http(s)://, not a file or SQLite on this machine). "
+        "Credentials come from serve.kubernetes.env_secret.",
+    )
     rollout_timeout_s: float = Field(
         900.0,
         gt=0,

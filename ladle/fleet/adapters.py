@@ -48,7 +48,10 @@ def serve_registered(uri: str, name: str, cfg, base_dir) -> tuple[dict, str]:
 
     wanted = promote.champion(uri, name)
     if wanted is not None and wanted.tags.get("ladle.kind") == "adapter":
-        served = reconcile(uri, name, cfg, wanted, Path(base_dir()))
+        if cfg.serve.target == "kubernetes":
+            served = on_kubernetes(uri, name, cfg, wanted, Path(base_dir()))
+        else:
+            served = reconcile(uri, name, cfg, wanted, Path(base_dir()))
         line = (
             f"{name} v{served['version']}: served on {served['base']} ({served['action']}) at {served['front_url']} "
             f"as model {name!r}; that server holds {len(served['adapters'])} adapter(s)"
@@ -65,6 +68,36 @@ def front_name(signature: str) -> str:
     return f"base-{signature[:12]}"
 
 
+def checked_base(cfg: LadleConfig, name: str, champion: promote.Version, base_dir: Path) -> str:
+    """The signature of the config's base (``base_dir``: it as a local folder), which must be the one adapter
+    ``name``'s ``champion`` was trained on.
+
+    Raises:
+        LadleError: another base, naming both signatures.
+    """
+    from ladle.lifecycle.copies import base_signature
+
+    trained_on = champion.tags.get("ladle.base_signature", "")
+    signature = base_signature(base_dir)
+    if trained_on != signature:
+        raise LadleError(
+            f"base = {cfg.base!r}: {name} v{champion.version} was trained on a base with signature "
+            f"{trained_on[:16] or '(none recorded)'}, but this base has signature {signature[:16]}. Point base at "
+            "the base the adapter was trained on."
+        )
+    return signature
+
+
+def on_kubernetes(uri: str, name: str, cfg: LadleConfig, champion: promote.Version, base_dir: Path) -> dict:
+    """``serve.target: kubernetes``: adapter ``name``'s champion on its base's pods (``KubernetesAdapters``)."""
+    from ladle.fleet.kubernetes import KubernetesAdapters, pods_base
+
+    signature = checked_base(cfg, name, champion, base_dir)
+    serve = cfg.serving()
+    pods = KubernetesAdapters(front_name(signature), serve, pods_base(cfg), serve.kubernetes.tracking_uri or uri)
+    return {**pods.reconcile_adapter(uri, name, champion), "base_signature": signature}
+
+
 def reconcile(uri: str, name: str, cfg: LadleConfig, champion: promote.Version, base_dir: Path) -> dict:
     """Serve adapter ``name``'s champion on its base's server (see the module; ``base_dir``: the config's base as
     a local folder); what is served, as a dict.
@@ -75,18 +108,10 @@ def reconcile(uri: str, name: str, cfg: LadleConfig, champion: promote.Version, 
     """
     from ladle.assets import ladle_home
     from ladle.fleet.champion import admin_headers, current_upstream, ensure_front
-    from ladle.lifecycle.copies import base_signature
 
     started = time.monotonic()
     serve = cfg.serving()
-    trained_on = champion.tags.get("ladle.base_signature", "")
-    signature = base_signature(base_dir)
-    if trained_on != signature:
-        raise LadleError(
-            f"base = {cfg.base!r}: {name} v{champion.version} was trained on a base with signature "
-            f"{trained_on[:16] or '(none recorded)'}, but this base has signature {signature[:16]}. Point base at "
-            "the base the adapter was trained on."
-        )
+    signature = checked_base(cfg, name, champion, base_dir)
     base = front_name(signature)
     front = ensure_front(base, serve)
     upstream = current_upstream(front)

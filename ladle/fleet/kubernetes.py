@@ -379,3 +379,156 @@ class KubernetesServing:
             "server_pid": 0,
             "seconds": round(time.monotonic() - started, 3),
         }
+
+
+BINDINGS_ANNOTATION = "ladle.dev/adapters"
+"""On a base's serving object: the adapters its pods serve, as JSON ``{adapter name: registered model}``."""
+SERVED_ENV = "LADLE_ADAPTER_VERSIONS"
+"""In a base's pod: the versions each adapter's aliases named when ladle rolled it out. The pods read the aliases
+themselves; a change here rolls the pods, so a promotion reaches every replica through a rollout that must become
+ready (and is undone when it does not), never a replica that changed under traffic by itself."""
+
+
+def pods_base(cfg) -> promote.Version:
+    """The config's base as the pods load it (a store URL, and its hash when registered), as a version named
+    ``base``.
+
+    Raises:
+        LadleError: a base no pod can read (a path or a shipped asset on this machine).
+    """
+    from ladle.plan.inputs import registered_version
+
+    registered = registered_version(cfg)
+    if registered is not None:
+        tags = registered.tags
+        if tags.get("ladle.kind") == "adapter":
+            url, sha = tags.get("ladle.merged_url", ""), tags.get("ladle.merged_sha256")
+        else:
+            url, sha = registered.source, tags.get("ladle.model_sha256")
+    else:
+        url, sha = cfg.base, None
+    if storage.is_local(url) or url.startswith("ladle://"):
+        raise LadleError(
+            f"base = {cfg.base!r}: the pods load the base from the artifact store, and {url or '(no merged copy)'} "
+            "is not there. Point base at a store URL (s3://..., gs://...) or a registered model whose files are in "
+            "the store (models:/NAME@champion)."
+        )
+    return promote.Version(name="base", version="base", source=url, tags={"ladle.model_sha256": sha} if sha else {})
+
+
+class KubernetesAdapters(KubernetesServing):
+    """A base's server on Kubernetes with the adapters bound to it (``promote.merge: false``): one Deployment
+    (or InferenceService) per base, named after its signature like the base's front on one machine, whose pods run
+    ``python -m ladle.serve --model BASE --adapter NAME=models:/NAME ...`` and read each adapter's ``champion`` and
+    ``challenger`` from the registry when they start (no periodic sync). ``reconcile`` binds one more adapter, or
+    rolls the pods when an alias moved; readiness is ``/ready``, which names a version a pod could not load."""
+
+    def __init__(self, base_name: str, cfg: ServeConfig, base: promote.Version, pods_uri: str) -> None:
+        super().__init__(base_name, cfg)
+        self.base, self.pods_uri = base, pods_uri
+        if pods_uri.startswith(("sqlite:", "file:")) or "://" not in pods_uri:
+            raise LadleError(
+                f"serve.kubernetes.tracking_uri = {redact_url(pods_uri)!r}: the pods read their adapters' aliases from "
+                "the registry, and this store is on this machine. Set serve.kubernetes.tracking_uri to the MLflow "
+                "server as the pods reach it (http://mlflow.NAMESPACE.svc:5000), or track to such a server."
+            )
+
+    def render_adapters(self, bindings: dict[str, str], versions: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
+        """The base's objects serving ``bindings`` (adapter -> registered model), whose aliases now name
+        ``versions`` (adapter -> alias -> version)."""
+        objects = self.render(self.base)
+        serving = objects[0]
+        pod = serving["spec"]["template"]["spec"] if serving["kind"] == "Deployment" else serving["spec"]["predictor"]
+        (container,) = pod["containers"]
+        for adapter, registered in sorted(bindings.items()):
+            container["args"] += ["--adapter", f"{adapter}=models:/{registered}"]
+        container["args"] += ["--tracking-uri", self.pods_uri, "--adapter-sync-s", "0"]
+        container["env"] = [{"name": SERVED_ENV, "value": json.dumps(versions, sort_keys=True)}]
+        for obj in objects:
+            obj["metadata"].setdefault("annotations", {})[BINDINGS_ANNOTATION] = json.dumps(bindings, sort_keys=True)
+        return objects
+
+    def reconcile_adapter(self, uri: str, name: str, champion: promote.Version) -> dict[str, Any]:
+        """Serve adapter ``name``'s ``champion`` on the base's pods: bound beside the adapters already there, the
+        pods rolled when a binding or an alias changed, the rollout waited for; what ``ladle model serve`` reports.
+
+        Raises:
+            LadleError: kubectl refused the objects, or the version's files are on this machine.
+            SwapFailed: the pods did not become ready in time (the previous pods serve on; the pods' reason named).
+        """
+        started = time.monotonic()
+        if storage.is_local(champion.source):
+            raise LadleError(
+                f"output: {name} v{champion.version} is at {champion.source}, a path on this machine, which no pod "
+                "can read. Serve on Kubernetes an adapter trained with `output` on a store the pods reach (s3://...)."
+            )
+        previous = self.current()
+        self.check_ours(previous)
+        bound, before = self.pods_state(previous)  # what the pods run (a rollout undone puts it back too)
+        bindings = {**bound, name: name}
+        versions = {
+            adapter: {alias: v.version for alias, v in promote.aliased(uri, registered).items()}
+            for adapter, registered in sorted(bindings.items())
+        }
+        if previous is not None and bound == bindings and before == versions:
+            action = "unchanged"
+        else:
+            objects = self.render_adapters(bindings, versions)
+            applied = self.kubectl(
+                "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
+            )
+            if applied.returncode != 0:
+                raise LadleError(f"serve.target = 'kubernetes': kubectl refused {self.name}: {applied.stderr.strip()}")
+            done, said = self.wait()
+            if not done:
+                reason = self.pods_reason()
+                undone = self.put_back(previous, "base")
+                raise SwapFailed(
+                    f"{name} v{champion.version} did not become ready on {self.model}'s pods in "
+                    f"{self.opts.rollout_timeout_s:g} s ({reason}; kubectl: {said[-300:]}), so it takes no traffic: "
+                    f"{undone}, and the pods before it keep serving. Fix what the pods report (their /ready names a "
+                    "version they could not load), or raise serve.kubernetes.rollout_timeout_s."
+                )
+            was = (before.get(name) or {}).get("champion")
+            action = "started" if previous is None else "bound" if name not in bound else "swapped"
+            if action == "swapped" and was == champion.version:
+                action = "unchanged"  # its champion is the same: another alias moved, and the pods rolled for it
+        held = {}
+        for adapter, aliases in versions.items():
+            by_version: dict[str, list[str]] = {}
+            for alias, number in sorted(aliases.items()):
+                by_version.setdefault(number, []).append(alias)
+            held[adapter] = by_version
+        return {
+            "model": name,
+            "version": champion.version,
+            "previous_version": (before.get(name) or {}).get("champion"),
+            "action": action,
+            "base": self.model,
+            "front_url": self.url(),
+            "server_url": self.url(),
+            "server_pid": 0,
+            "adapters": [{"name": a, "versions": held[a]} for a in sorted(held)],
+            "rolled_out": versions != before or bound != bindings or previous is None,
+            "seconds": round(time.monotonic() - started, 3),
+            "canary": None,
+        }
+
+    @staticmethod
+    def pods_state(previous: dict[str, Any] | None) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+        """What the pods of ``previous`` were rolled out with: their bindings (adapter -> registered model, from the
+        server's arguments) and the versions the aliases named then (``SERVED_ENV``)."""
+        spec = (previous or {}).get("spec") or {}
+        pod = (spec.get("template") or {}).get("spec") or spec.get("predictor") or {}
+        bindings: dict[str, str] = {}
+        versions: dict[str, dict[str, str]] = {}
+        for container in pod.get("containers") or []:
+            args = container.get("args") or []
+            for flag, item in zip(args, args[1:], strict=False):
+                adapter, _, target = item.partition("=")
+                if flag == "--adapter" and target.startswith("models:/"):
+                    bindings[adapter] = target.removeprefix("models:/")
+            for env in container.get("env") or []:
+                if env.get("name") == SERVED_ENV:
+                    versions = json.loads(env.get("value") or "{}")
+        return bindings, versions

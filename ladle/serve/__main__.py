@@ -70,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
 
     setproctitle.getproctitle()  # set up before anything changes the environment: the engine renames itself
     one_thread_until_fork()
+    args = parser().parse_args(argv)
+    with quiet_collector():  # the imports and the model's load build long-lived objects: none scanned again
+        started = start(args)
+    if isinstance(started, int):
+        return started
+    return run(args, *started)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The server's command line (what a pod's arguments must parse by, too)."""
     parser = argparse.ArgumentParser(
         prog="python -m ladle.serve", description="Serve a model folder over an OpenAI-compatible API."
     )
@@ -105,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         help="The MLflow store whose aliases registry-bound adapters follow (default: $MLFLOW_TRACKING_URI).",
     )
     parser.add_argument(
-        "--adapter-sync-s", type=float, default=10.0, help="Seconds between reads of the registry's aliases."
+        "--adapter-sync-s",
+        type=float,
+        default=10.0,
+        help="Seconds between reads of the registry's aliases; 0: only at start and on POST /v1/adapters/sync.",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -115,12 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--limits", default="{}", help="serve.limits as JSON (what one request may ask; its defaults when left out)."
     )
-    args = parser.parse_args(argv)
-    with quiet_collector():  # the imports and the model's load build long-lived objects: none scanned again
-        started = start(args)
-    if isinstance(started, int):
-        return started
-    return run(args, *started)
+    return parser
 
 
 def start(args: argparse.Namespace):

@@ -96,6 +96,10 @@ class RegistrySync:
         self.wake = threading.Event()
 
     def start(self) -> None:
+        """The periodic sync; none when ``every_s`` is 0 or less (the aliases are then read at start and when told:
+        a Kubernetes pod, whose versions change by rollouts)."""
+        if self.every_s <= 0:
+            return
         threading.Thread(target=self.loop, name="ladle-adapter-sync", daemon=True).start()
 
     def loop(self) -> None:

@@ -326,3 +326,112 @@ def test_render_serving_reads_the_store_of_the_config_as_set(tmp_path):
     assert done.returncode == 0, done.stderr
     deployment = next(yaml.safe_load_all(done.stdout))
     assert deployment["spec"]["template"]["spec"]["containers"][0]["args"][1] == "s3://ladle/models/v1"
+
+
+# -- adapters on Kubernetes (promote.merge: false) --------------------------------------------------------------
+
+
+PODS_URI = "http://mlflow.ml.svc:5000"
+
+
+def adapter_cfg(tiny_model, **kubernetes):
+    sets = ["promote.merge=false", "serve.target=kubernetes", f"serve.kubernetes.tracking_uri={PODS_URI}"]
+    sets += [f"serve.kubernetes.{k}={v}" for k, v in kubernetes.items()]
+    return build_config({"base": "s3://ladle/bases/tiny", "data": {"path": "ladle://demo-alpaca"}}, sets)
+
+
+def test_a_bases_pods_serve_its_adapters_from_the_registrys_aliases_and_are_valid():
+    """The base's objects: one Deployment per base, its server bound to each adapter's registered model and
+    reading the aliases from the registry the pods reach (no periodic sync: versions change by rollouts), the
+    versions of that rollout in the pod's environment; strict against Kubernetes' schema, and the server's own
+    argument parser takes the arguments."""
+    from ladle.fleet.kubernetes import SERVED_ENV, KubernetesAdapters
+    from ladle.serve import __main__ as server
+
+    base = promote.Version(name="base", version="base", source="s3://ladle/bases/tiny", tags={})
+    pods = KubernetesAdapters("base-0123456789ab", ServeConfig(target="kubernetes"), base, PODS_URI)
+    versions = {"bot": {"champion": "2", "challenger": "3"}, "ops": {"champion": "1"}}
+    deployment, service, policy = pods.render_adapters({"bot": "bot", "ops": "ops-model"}, versions)
+    validate_core([deployment, service, policy])
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert (
+        args[:2] == ["--model", "s3://ladle/bases/tiny"] and deployment["metadata"]["name"] == "ladle-base-0123456789ab"
+    )
+    assert "bot=models:/bot" in args and "ops=models:/ops-model" in args
+    assert args[-4:] == ["--tracking-uri", PODS_URI, "--adapter-sync-s", "0"]
+    assert json.loads(container["env"][0]["value"]) == versions and container["env"][0]["name"] == SERVED_ENV
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"  # names a version a pod could not load
+    assert pods.pods_state(deployment) == ({"bot": "bot", "ops": "ops-model"}, versions)
+    parsed = server.parser().parse_args(args)
+    assert parsed.adapter == ["bot=models:/bot", "ops=models:/ops-model"] and parsed.adapter_sync_s == 0
+    isvc, _ = KubernetesAdapters(
+        "base-0123456789ab", ServeConfig(target="kubernetes", kubernetes={"kind": "inferenceservice"}), base, PODS_URI
+    ).render_adapters({"bot": "bot"}, {"bot": {"champion": "2"}})
+    validate_inferenceservice(isvc)
+
+    with pytest.raises(LadleError, match=r"serve.kubernetes.tracking_uri = 'sqlite:///m.db': the pods read"):
+        KubernetesAdapters("base-0123456789ab", ServeConfig(target="kubernetes"), base, "sqlite:///m.db")
+
+
+def test_adapters_are_bound_promoted_and_rolled_back_on_their_bases_pods(tmp_path, monkeypatch, tiny_model):
+    """Real registry (MLflow on SQLite), recorded kubectl: the first adapter starts its base's Deployment, a second
+    is bound beside it, a promotion rolls the pods with the new versions, nothing changed applies nothing, and a
+    rollout that cannot finish is undone, naming the pods' reason. A base on this machine, or an adapter on this
+    machine's disk, is refused naming the field."""
+    from ladle.fleet import adapters
+    from ladle.lifecycle.lineage import base_signature
+
+    home = play(tmp_path, monkeypatch, "serving_rollout_done")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    signature = base_signature(tiny_model)
+    tags = {"ladle.kind": "adapter", "ladle.base_signature": signature, "ladle.model_sha256": "1" * 64}
+    for name in ("bot", "ops"):
+        promote.register(uri, name, f"s3://ladle/models/{name}/v1/adapter", None, tags)
+        promote.promote(uri, name, "1", "test")
+    cfg = adapter_cfg(tiny_model, namespace="ml")
+
+    def serve(name: str) -> dict:
+        return adapters.serve_registered(uri, name, cfg, lambda: tiny_model)[0]
+
+    first = serve("bot")
+    assert (first["action"], first["base"], first["server_pid"]) == ("started", adapters.front_name(signature), 0)
+    assert first["front_url"] == f"http://ladle-{first['base']}.ml.svc.cluster.local:8000"
+    assert serve("ops")["action"] == "bound"
+    promote.register(uri, "bot", "s3://ladle/models/bot/v2/adapter", None, {**tags, "ladle.model_sha256": "2" * 64})
+    promote.promote(uri, "bot", "2", "better")
+    swapped = serve("bot")
+    assert (swapped["action"], swapped["version"], swapped["previous_version"]) == ("swapped", "2", "1")
+    assert {a["name"]: a["versions"] for a in swapped["adapters"]} == {
+        "bot": {"2": ["challenger", "champion"]},
+        "ops": {"1": ["challenger", "champion"]},
+    }
+    applies = [c for c in calls_of(home) if c["argv"][0] == "apply"]
+    unchanged = serve("ops")
+    assert unchanged["action"] == "unchanged" and unchanged["rolled_out"] is False
+    assert [c for c in calls_of(home) if c["argv"][0] == "apply"] == applies  # nothing changed, nothing applied
+    last = next(i for i in applies[-1]["stdin"]["items"] if i["kind"] == "Deployment")
+    args = last["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "bot=models:/bot" in args and "ops=models:/ops" in args
+
+    scenario = json.loads((RECORDED / "serving_rollout_stuck.json").read_text())
+    (home / "scenario.json").write_text(json.dumps(scenario))
+    promote.rollback(uri, "bot", "1")
+    with pytest.raises(champion.SwapFailed) as caught:
+        serve("bot")
+    message = str(caught.value)
+    assert message.startswith(f"bot v1 did not become ready on {first['base']}'s pods in 900 s (")
+    assert (
+        'ImagePullBackOff: Back-off pulling image "ladle:' in message and "the pods before it keep serving" in message
+    )
+    assert ["rollout", "undo", f"deployments.apps/ladle-{first['base']}", "-n", "ml"] in [
+        c["argv"] for c in calls_of(home)
+    ]
+
+    local = adapter_cfg(tiny_model).model_copy(update={"base": str(tiny_model)})
+    with pytest.raises(LadleError, match="the pods load the base from the artifact store"):
+        adapters.serve_registered(uri, "ops", local, lambda: tiny_model)
+    promote.register(uri, "ops", str(tmp_path), None, tags)
+    promote.promote(uri, "ops", "2", "a folder here")
+    with pytest.raises(LadleError, match="a path on this machine, which no pod can read"):
+        serve("ops")
