@@ -296,17 +296,22 @@ class Batch:
         for job in jobs:
             if job.echo and job.logprobs is not None and job.prompt_logprobs is None:
                 job.prompt_logprobs = self.prompt_logprobs(job)
-        width = max(len(job.ids) for job in jobs)
-        ids = torch.full((len(jobs), width), self.engine.pad, dtype=torch.long)
-        mask = torch.zeros((len(jobs), width), dtype=torch.long)
-        for row, job in enumerate(jobs):
+        # Arrivals with the same prompt on the same adapter (a GRPO group, a request's n choices) are prefilled once:
+        # each gets a copy of that row's cache and logits, so the group's prefill costs one prompt, not n.
+        first: dict[tuple, int] = {}
+        which = [first.setdefault((job.adapter, tuple(job.ids)), row) for row, job in enumerate(jobs)]
+        distinct = [jobs[row] for row in first.values()]
+        width = max(len(job.ids) for job in distinct)
+        ids = torch.full((len(distinct), width), self.engine.pad, dtype=torch.long)
+        mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for row, job in enumerate(distinct):
             ids[row, width - len(job.ids) :] = torch.tensor(job.ids)
             mask[row, width - len(job.ids) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache()  # no config: every layer full width (see the module's docstring)
         with torch.no_grad():
             logits = self.engine.forward(
-                jobs,
+                distinct,
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
                 position_ids=positions.to(device),
@@ -314,6 +319,12 @@ class Batch:
                 use_cache=True,
                 logits_to_keep=1,  # the next token's logits only: [rows, 1, vocab], not one per prompt position
             ).logits[:, -1, :]
+        if len(distinct) < len(jobs):
+            order = {row: i for i, row in enumerate(first.values())}
+            index = torch.tensor([order[row] for row in which], dtype=torch.long)
+            logits, mask = logits[index.to(logits.device)], mask[index]
+            on = index.to(device)
+            cache = cache_of([(k.index_select(0, on), v.index_select(0, on)) for k, v in kv_of(cache)])
         self.choose(jobs, logits)
         going = [row for row, job in enumerate(jobs) if job.finish is None]
         if not going:

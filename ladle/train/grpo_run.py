@@ -210,15 +210,20 @@ def frozen_logps(s: RLSession, model, ro: grpo.Rollouts, micros: list[list[int]]
     device, rl = s.accelerator.device, s.spec.config.training.rl
     width = max(1, max(len(c) for c in ro.completion_ids))
     out = torch.zeros((len(ro.rows), width), dtype=torch.float32)
-    pad = s.engine.pad
+    pad, share = s.engine.pad, not s.spec.plan.gradient_checkpointing
     for rows in micros:
-        ids, mask, cmask, pw = grpo.batch_inputs(
-            [ro.rows[i] for i in rows], [ro.completion_ids[i] for i in rows], pad, device
-        )
         context = model.disable_adapter() if adapters_off else torch.no_grad()
         with torch.no_grad(), context:
-            logps = grpo.token_logps(model, ids, mask, pw, rl.temperature).cpu()
-        out[rows, : logps.shape[1]] = logps
+            logps, _ = grpo.completion_logps(
+                model,
+                [ro.rows[i] for i in rows],
+                [ro.completion_ids[i] for i in rows],
+                pad,
+                device,
+                rl.temperature,
+                share,
+            )
+        out[rows, : logps.shape[1]] = logps.cpu()
     return out
 
 
@@ -233,13 +238,19 @@ def update(s: RLSession, ro: grpo.Rollouts, iteration: int, check: bool) -> dict
     tokens_all, completions_all = (int(v) for v in acc.reduce(counts, "sum").tolist())
     world = acc.num_processes
     sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "gap": 0.0}
+    share = not plan.gradient_checkpointing  # checkpointed layers take no cache: each completion with its prompt
     for m, rows in enumerate(micros):
-        ids, mask, cmask, pw = grpo.batch_inputs(
-            [ro.rows[i] for i in rows], [ro.completion_ids[i] for i in rows], s.engine.pad, acc.device
-        )
         last = m == len(micros) - 1
         with runtime.no_sync(acc, s.model) if not last else nullcontext():
-            logps = grpo.token_logps(s.model, ids, mask, pw, rl.temperature)
+            logps, cmask = grpo.completion_logps(
+                s.model,
+                [ro.rows[i] for i in rows],
+                [ro.completion_ids[i] for i in rows],
+                s.engine.pad,
+                acc.device,
+                rl.temperature,
+                share,
+            )
             width = logps.shape[1]
             old = ro.old_logps[rows, :width].to(acc.device) if ro.old_logps is not None else logps.detach()
             ref = ro.ref_logps[rows, :width].to(acc.device) if ro.ref_logps is not None else None

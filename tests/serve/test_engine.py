@@ -200,3 +200,38 @@ def test_models_whose_cache_is_not_keys_and_values_are_refused():
         check_cache_layers(config)
     config.layer_types = ["sliding_attention", "full_attention"]
     check_cache_layers(config)
+
+
+def test_arrivals_with_one_prompt_are_prefilled_once_and_answer_as_alone(tokenizer):
+    """A GRPO group (one prompt, several seeded completions) beside other prompts: the prefill runs each distinct
+    prompt once, and every completion, with the log-probabilities of its sampled tokens, equals the one it gets
+    alone."""
+    engine = Engine(small("llama", len(tokenizer)), tokenizer, "cpu", max_batch=16, thread=False)
+
+    def jobs() -> list[Job]:
+        prompts = [PROMPTS[0]] * 4 + [PROMPTS[2], PROMPTS[3]]
+        return [
+            Job(ids=tokenizer(p).input_ids, max_new_tokens=8, temperature=1.0, seed=i, sampled=[])
+            for i, p in enumerate(prompts)
+        ]
+
+    alone = []
+    for job in jobs():
+        engine.run([job])
+        alone.append((job.chosen, job.sampled))
+    prefills = []
+    forward = engine.forward
+
+    def spy(jobs, **inputs):
+        if inputs["input_ids"].shape[1] > 1:  # a prefill: the prompts' width, not one new token
+            prefills.append(inputs["input_ids"].shape[0])
+        return forward(jobs, **inputs)
+
+    engine.forward = spy
+    together = jobs()
+    engine.run(together)
+    assert prefills == [3]  # 6 completions, 3 distinct prompts
+    for job, (tokens, logps) in zip(together, alone, strict=True):
+        assert job.chosen == tokens
+        torch.testing.assert_close(torch.tensor(job.sampled), torch.tensor(logps), rtol=0, atol=1e-5)
+    assert len({tuple(job.chosen) for job in together[:4]}) > 1  # the group's seeds drew different completions
