@@ -10,11 +10,13 @@ A step:
 2. **Rollouts.** The rank's slice is sampled by ``ladle.serve.engine.Engine`` (continuous batching, a KV cache,
    each completion its own seeded generator) driven on the training thread over the very modules being trained:
    the peft model with its live adapters, or the full model; nothing is copied or reloaded. Each completion's seed
-   comes from (training.seed, step, its index), so a resumed step samples what the first attempt sampled.
+   comes from (training.seed, step, its index), so a resumed step samples what the first attempt sampled. A
+   group's prompt is prefilled once and its cache copied to the group's rows.
 3. **Rewards.** Each reward is called on this rank's completions (TRL's convention, ``ladle.rewards``), the
    table gathered from every rank, and the advantages computed over whole groups (``advantages``).
 4. **Update.** ``num_iterations`` optimizer steps over the rollouts, micro-batch by micro-batch: each completion's
-   per-token log-probabilities at the sampling temperature, the importance ratio against the rollout's (token or
+   per-token log-probabilities at the sampling temperature (each distinct prompt run once, its completions scored
+   on its cache: ``completion_logps``), the importance ratio against the rollout's (token or
    sequence level), the loss type's clipping and normalisation (``per_token_loss``, ``reduce``), and the k3 KL to
    the reference where ``beta`` > 0 (LoRA: the adapters disabled; a full fine-tune: a frozen copy).
 5. **Checks.** The first update's forward scores the very tokens the engine sampled, on the same weights: the
