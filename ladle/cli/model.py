@@ -122,12 +122,14 @@ def rollback(
     as_json: bool = JSON,
 ) -> None:
     """Re-point `champion` (default: to the previous champion) and announce it, so serving swaps back."""
+    from ladle.fleet.adapters import end_canary
     from ladle.fleet.champion import end_canary_at_front
     from ladle.lifecycle import promote
 
     store = tracking_uri(uri, config)
     before, after = promote.rollback(store, name, to)
-    ended = end_canary_at_front(name, f"the operator rolled {name} back to v{after}")
+    why = f"the operator rolled {name} back to v{after}"
+    ended = end_canary_at_front(name, why) or end_canary(name, why)  # its own front's, or an adapter's at its base's
     event = announce(name, after, f"rollback from v{before}")
     told(
         {"model": name, "from": before, "to": after, "event_id": event, "canary_ended": ended},

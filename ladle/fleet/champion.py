@@ -267,9 +267,7 @@ def end_canary_at_front(name: str, reason: str) -> str | None:
     registry records it and its server is stopped."""
     front = router.read_record(name)
     if front is None:
-        from ladle.fleet.adapters import end_canary
-
-        return end_canary(name, reason)  # an adapter's, on its base's front
+        return None
     headers = {router.ADMIN_HEADER: front["token"]}
     state = canaries.front_canary(front, headers)
     if state is None or state["status"] != "running":
