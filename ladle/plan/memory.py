@@ -266,6 +266,7 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         compiled=kernels.compile_expected(kernels_cfg, target.device),
         attention=unsupported(model),
         rollout_bytes=rollout_bytes(cfg, model, target, micro),
+        **grpo_rows(cfg, micro),
         masked=kernels.mask_expected(kernels_cfg, target.device, unsupported(model)),
     )
 
@@ -298,6 +299,18 @@ def rollout_bytes(cfg: LadleConfig, model: dict, target: Target, micro: int) -> 
     world = max(target.world_size, 1)
     local = max(1, (t.global_batch_size or micro * world) // world)
     return sum(rollout_parts(cfg, model, target, local).values())
+
+
+def grpo_rows(cfg: LadleConfig, micro: int) -> dict[str, int]:
+    """grpo: the completion part of a row, and the prompts a micro-batch of ``micro`` completions runs once
+    (``ladle.train.grpo.completion_logps``: groups of ``num_generations`` in a row, one more where a micro-batch
+    does not start on a group's first; none with activation checkpointing, whose layers take no cache)."""
+    t = cfg.training
+    if t.objective != "grpo":
+        return {}
+    group = max(t.rl.num_generations, 1)
+    shared = 0 if t.gradient_checkpointing is True else min(micro, -(-micro // group) + (micro % group != 0))
+    return {"completion_tokens": t.rl.max_completion_tokens, "shared_prompts": shared}
 
 
 def row_tokens(cfg: LadleConfig) -> int:

@@ -337,6 +337,19 @@ class Job:
     attention: str | None = None  # why ladle's attention layers cannot run this model's (None: they can)
     masked: bool = False  # packed rows reach attention as a block-diagonal mask (CUDA, attention not by example)
     rollout_bytes: int = 0  # grpo: the rollouts' KV cache, sampling logits and log-probability buffers per rank
+    completion_tokens: int = 0  # grpo: the completion part of each row (the rest is its prompt); logits only there
+    shared_prompts: int = 0  # grpo: prompts a micro-batch runs once for its rows (0: each row with its own copy)
+
+    def forward_tokens(self) -> int:
+        """Tokens a micro-batch's forward runs with gradients: its rows' whole length, or under grpo's shared
+        prompts each distinct prompt once and every row's completion."""
+        if not self.shared_prompts:
+            return self.micro_batch * self.seq_len
+        return self.shared_prompts * (self.seq_len - self.completion_tokens) + self.micro_batch * self.completion_tokens
+
+    def logit_tokens(self) -> int:
+        """Positions whose logits the loss takes: every token, or under grpo the completions' only."""
+        return self.micro_batch * (self.completion_tokens or self.seq_len)
 
     @property
     def world(self) -> int:

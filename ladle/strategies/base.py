@@ -236,7 +236,7 @@ class Strategy(ABC):
     def logits_bytes(self, job: sizing.Job, options: Section | None) -> int:
         """The logits of one micro-batch and their float32 softmax (tokens x vocabulary); with the ends kept
         sharded, the vocabulary-parallel loss's chunks over this rank's rows."""
-        tokens = job.micro_batch * job.seq_len
+        tokens = job.logit_tokens()
         if self.ends_gathered(job, options):
             fused = self.runs_whole_forward(options)
             return sizing.logits_bytes(
@@ -275,8 +275,18 @@ class Strategy(ABC):
 
     def activations(self, job: sizing.Job, options: Section | None) -> tuple[int, str]:
         """Activation bytes alive on a rank at the end of one micro-batch's forward, and how they were counted."""
-        tokens = job.micro_batch * job.seq_len
-        return sizing.activation_bytes(job.shape, tokens, job.shape.layers, job.dtype_bytes, job.checkpointing), ""
+        acts = sizing.activation_bytes(
+            job.shape, job.forward_tokens(), job.shape.layers, job.dtype_bytes, job.checkpointing
+        )
+        if not job.shared_prompts:
+            return acts, ""
+        # grpo's shared prompts: each row's copy of its prompt's keys and values, which its attention saves
+        prompt = job.seq_len - job.completion_tokens
+        copies = job.micro_batch * prompt * 2 * job.shape.kv_dim * job.dtype_bytes * job.shape.layers
+        return acts + copies, (
+            f"{job.shared_prompts} shared prompt(s) of up to {prompt} tokens and {job.micro_batch} completions of up to "
+            f"{job.completion_tokens}, with each row's copy of its prompt's keys and values"
+        )
 
     def mask_bytes(self, job: sizing.Job, options: Section | None) -> int:
         """The block-diagonal masks of packed rows that attention saves on CUDA when it does not run example by
