@@ -397,3 +397,28 @@ def strict_crd_schema(path) -> dict:
     schema = close(json.loads(Path(path).read_text()))
     schema["properties"].setdefault("status", {"type": "object"})
     return schema
+
+
+_REGISTRY_TEMPLATE: list[Path] = []
+
+
+def fresh_registry(folder: Path, name: str = "mlflow.db") -> str:
+    """A new, empty MLflow store on SQLite at ``folder / name``; its URI. MLflow builds a new SQLite store by running
+    its whole chain of schema migrations (2-5 s on these machines, more under load); this copies one empty store
+    that this process migrated once, which is the same empty store. ``ladle run``'s own first store, and MLflow
+    servers started without one, still migrate as a user's would (the demo, the pipeline tests)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if not _REGISTRY_TEMPLATE or not _REGISTRY_TEMPLATE[0].is_file():
+        from mlflow.tracking import MlflowClient
+
+        home = Path(tempfile.mkdtemp(prefix="ladle-registry-template-"))
+        atexit.register(shutil.rmtree, home, True)
+        template = home / "mlflow.db"
+        MlflowClient(f"sqlite:///{template}").search_experiments()  # the migrations, once
+        _REGISTRY_TEMPLATE[:] = [template]
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_REGISTRY_TEMPLATE[0], folder / name)
+    return f"sqlite:///{folder / name}"

@@ -34,7 +34,7 @@ from ladle.lifecycle import gate as gates
 from ladle.lifecycle import promote
 from ladle.platform.processes import exited, free_port
 from ladle.serve import records
-from tests.helpers import Traffic, wait_for_requests
+from tests.helpers import Traffic, fresh_registry, wait_for_requests
 from tests.serve.running import Running
 
 TOKEN = "t"
@@ -242,7 +242,7 @@ def gate(uri: str, source: str, sha: str) -> promote.Version:
 
 
 def test_a_canary_passes_under_traffic_and_a_killed_challenger_is_rolled_back(tmp_path, tiny_model):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_registry(tmp_path)
     cfg = ServeConfig(front_port=free_port(), max_new_tokens=6, drain_timeout_s=20)
     v1 = promote.register(uri, NAME, str(tiny_model), None, {"ladle.model_sha256": "one"})
     promote.promote(uri, NAME, v1.version, "first")

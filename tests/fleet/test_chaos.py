@@ -23,7 +23,7 @@ from ladle.lifecycle import promote
 from ladle.platform.processes import free_port
 from ladle.serve import records
 from ladle.serve.limits import ServeLimits
-from tests.helpers import Traffic, wait_for_requests
+from tests.helpers import Traffic, fresh_registry, wait_for_requests
 
 NAME = "chaos"
 
@@ -83,7 +83,7 @@ def front_upstream() -> dict:
 
 
 def test_rollbacks_promotions_and_kills_at_once_leave_the_champion_serving(tmp_path, tiny_model):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_registry(tmp_path)
     source = str(tiny_model)
     limits = ServeLimits(max_tokens=16)
     cfg = ServeConfig(front_port=free_port(), max_new_tokens=6, drain_timeout_s=10, limits=limits)

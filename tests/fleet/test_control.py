@@ -26,6 +26,7 @@ from ladle.lifecycle import lock as registry_lock
 from ladle.platform.processes import free_port, stop_pid
 from ladle.serve import pool
 from tests.fleet.test_front_supervision import wait_for
+from tests.helpers import fresh_registry
 from tests.serve.running import Running
 
 ADMIN = {router.ADMIN_HEADER: "t"}
@@ -33,7 +34,7 @@ ADMIN = {router.ADMIN_HEADER: "t"}
 
 @pytest.fixture(scope="module")
 def uri(tmp_path_factory) -> str:
-    return f"sqlite:///{tmp_path_factory.mktemp('registry') / 'mlflow.db'}"
+    return fresh_registry(tmp_path_factory.mktemp("registry"))
 
 
 def sleeper(marker: Path | None = None) -> list[str]:

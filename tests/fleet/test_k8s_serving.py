@@ -27,7 +27,7 @@ from ladle.fleet.kubernetes import VERSION_ANNOTATION, KubernetesServing
 from ladle.lifecycle import promote
 from ladle.platform import storage
 from ladle.platform.processes import free_port, stop_process
-from tests.helpers import strict_crd_schema
+from tests.helpers import fresh_registry, strict_crd_schema
 from tests.kubernetes import fake_kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,7 +184,7 @@ def test_a_promotion_applies_the_champion_and_a_rollback_repoints_it(tmp_path, m
     """Real registry (MLflow on SQLite): v1 champion → started; v2 promoted → swapped; rolled back → v1 again,
     each by applying the objects with the champion's version and waiting for the rollout."""
     home = play(tmp_path, monkeypatch, "serving_rollout_done")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_registry(tmp_path)
     cfg = ServeConfig(target="kubernetes", kubernetes={"namespace": "ml"})
     v1 = promote.register(uri, NAME, "s3://ladle/models/v1", None, {"ladle.model_sha256": "1" * 64})
     promote.promote(uri, NAME, v1.version, "test")
@@ -249,7 +249,7 @@ def test_an_object_ladle_did_not_make_is_neither_replaced_nor_deleted(tmp_path, 
 
 
 def test_render_serving_prints_valid_objects_for_a_registered_version(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_registry(tmp_path)
     v1 = promote.register(uri, NAME, "s3://ladle/models/v1", None, {"ladle.model_sha256": "1" * 64})
     promote.promote(uri, NAME, v1.version, "test")
     done = subprocess.run(
@@ -315,7 +315,7 @@ def test_render_serving_reads_the_store_of_the_config_as_set(tmp_path):
     """`--config C --set output=X`: the champion is looked up in X's store, as `ladle run` would have kept it."""
     out = tmp_path / "elsewhere"
     out.mkdir()
-    uri = f"sqlite:///{out / 'mlflow.db'}"
+    uri = fresh_registry(out)
     v1 = promote.register(uri, NAME, "s3://ladle/models/v1", None, {"ladle.model_sha256": "1" * 64})
     promote.promote(uri, NAME, v1.version, "test")
     done = subprocess.run(
@@ -383,7 +383,7 @@ def test_adapters_are_bound_promoted_and_rolled_back_on_their_bases_pods(tmp_pat
     from ladle.lifecycle.lineage import base_signature
 
     home = play(tmp_path, monkeypatch, "serving_rollout_done")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_registry(tmp_path)
     signature = base_signature(tiny_model)
     tags = {"ladle.kind": "adapter", "ladle.base_signature": signature, "ladle.model_sha256": "1" * 64}
     for name in ("bot", "ops"):

@@ -16,6 +16,7 @@ from ladle.fleet import front as router
 from ladle.lifecycle import promote
 from ladle.platform.processes import free_port
 from ladle.serve import records
+from tests.helpers import fresh_registry
 
 NAME = "swap-demo"
 
@@ -23,7 +24,7 @@ NAME = "swap-demo"
 def test_a_version_that_cannot_start_never_takes_traffic(tmp_path, tiny_model):
     """Swaps under traffic, rollbacks and drained old servers run through the deployments in
     tests/pipeline/test_deployment.py; here: a broken champion is refused and the old version keeps serving."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_registry(tmp_path)
     cfg = ServeConfig(front_port=free_port(), max_new_tokens=6, drain_timeout_s=20)
     v1 = promote.register(uri, NAME, str(tiny_model), None, {"ladle.model_sha256": "first"})
     promote.promote(uri, NAME, v1.version, "test")
@@ -56,7 +57,7 @@ def test_a_version_that_cannot_start_never_takes_traffic(tmp_path, tiny_model):
 
 
 def test_nothing_to_serve_and_busy_port_are_clear_errors(tmp_path, tiny_model):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_registry(tmp_path)
     with pytest.raises(LadleError, match="has no `champion`"):
         champion.reconcile(uri, "never-trained", ServeConfig())
     assert router.read_record("never-trained") is None  # refused before any front was started

@@ -8,6 +8,7 @@ import shutil
 from ladle.assets import resolve_base
 from ladle.config import build_config
 from ladle.lifecycle.lineage import run_fingerprint
+from tests.helpers import fresh_registry
 
 MINIMAL = {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca"}}
 
@@ -43,7 +44,7 @@ def test_the_scheduled_run_says_what_changed_since_the_champion_and_model_list_s
     from ladle.plan.inputs import resolve_inputs
     from tests.helpers import run_cli
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_registry(tmp_path)
     base = tmp_path / "base"
     shutil.copytree(tiny_model, base)
     settings = {"base": str(base), "data": {"path": "ladle://demo-alpaca"}, "name": "nightly"}

@@ -8,11 +8,12 @@ import pytest
 from ladle.errors import LadleError
 from ladle.lifecycle import promote
 from ladle.platform.processes import free_port
+from tests.helpers import fresh_registry
 
 
 @pytest.fixture(scope="module")
 def uri(tmp_path_factory):
-    return f"sqlite:///{tmp_path_factory.mktemp('registry') / 'mlflow.db'}"  # one store: its migrations take ~5 s
+    return fresh_registry(tmp_path_factory.mktemp("registry"))
 
 
 def test_a_retried_registration_does_not_register_twice(uri, tmp_path):

@@ -12,11 +12,12 @@ from ladle.config import build_config
 from ladle.errors import LadleError
 from ladle.lifecycle import promote
 from ladle.plan.inputs import resolve_inputs
+from tests.helpers import fresh_registry
 
 
 @pytest.fixture
 def registry(tmp_path, tiny_model):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_registry(tmp_path)
     other = tmp_path / "v2"
     shutil.copytree(tiny_model, other)
     weights = next(other.glob("*.safetensors"))

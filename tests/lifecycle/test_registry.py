@@ -11,7 +11,7 @@ from ladle.config import load_config
 from ladle.errors import ConfigError, LadleError
 from ladle.lifecycle import gate, promote
 from ladle.platform import secrets
-from tests.helpers import ROOT
+from tests.helpers import ROOT, fresh_registry
 
 RECIPE = str(ROOT / "recipes" / "tiny-cpu.yaml")
 
@@ -42,7 +42,7 @@ def test_an_unmeasured_metric_is_never_promoted():
 
 
 def test_aliases_history_and_rollback(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_registry(tmp_path)
     assert promote.champion(uri, "m") is None and promote.versions(uri, "m") == []
     for n in range(1, 4):
         v = promote.register(uri, "m", f"/models/{n}", None, {"ladle.metric.loss": str(3.0 - n)})

@@ -38,7 +38,7 @@ from ladle.platform import storage
 from ladle.platform.processes import stop_process
 from ladle.serve import records
 from ladle.train.run import free_port
-from tests.helpers import ROOT, Traffic, deployments_file, run_cli, start_service, wait_for_requests
+from tests.helpers import ROOT, Traffic, deployments_file, fresh_registry, run_cli, start_service, wait_for_requests
 from tests.pipeline import checks
 
 pytestmark = pytest.mark.pipeline
@@ -92,7 +92,7 @@ def mlflow_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
     argv = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--artifacts-destination", str(home / "art")]
+    argv += ["--backend-store-uri", fresh_registry(home), "--artifacts-destination", str(home / "art")]
     url = f"http://127.0.0.1:{port}"
     # MLflow's job runner (huey consumers for its GenAI jobs) polls all along and ladle uses none of its jobs:
     # off, it saves ~25 CPU-s of this module's ~3 minutes.

@@ -19,7 +19,7 @@ import pytest
 from ladle.errors import LadleError
 from ladle.lifecycle import gate, promote
 from ladle.platform.processes import free_port, stop_process
-from tests.helpers import start_service
+from tests.helpers import fresh_registry, start_service
 
 LOSS = gate.Rule(metric="loss", greater_is_better=False)
 
@@ -28,6 +28,8 @@ pytestmark = pytest.mark.pipeline
 
 def start_mlflow(home: Path, port: int) -> subprocess.Popen:
     argv = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port)]
+    if not (home / "mlflow.db").exists():  # a restart keeps its store
+        fresh_registry(home)
     argv += ["--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--artifacts-destination", str(home / "art")]
     argv += ["--workers", "1"]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
@@ -101,7 +103,7 @@ def test_a_promotion_that_died_after_the_alias_flip_is_finished_by_its_rerun(tmp
     v1 again (not against itself, which it could never beat) and completes the bookkeeping once."""
     from mlflow.tracking import MlflowClient
 
-    url = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    url = fresh_registry(tmp_path)
     first_run, second_run = runs(url, 2)
     gate.gate_and_promote(
         url, "m", "s3://ladle/models/one", {"loss": 1.0}, lambda c: ({"loss": 2.0}, "base model"), LOSS, run_id=first_run

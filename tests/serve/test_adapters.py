@@ -25,6 +25,7 @@ from ladle.errors import LadleError
 from ladle.serve.adapters import RECORD, BaseWeights, Catalog, inspect
 from ladle.serve.rows import Job
 from ladle.serve.transformers_backend import TransformersBackend
+from tests.helpers import fresh_registry
 from tests.serve.adapter_kit import SHAPES, make_adapter, make_set
 
 PROMPTS = ["red blue green", "one two three four", "x y", "the colour of"]
@@ -336,7 +337,7 @@ def registry(kit, tiny_model, tmp_path_factory):
     from ladle.lifecycle.lineage import base_signature
     from ladle.platform import storage
 
-    uri = f"sqlite:///{tmp_path_factory.mktemp('adapter-registry') / 'mlflow.db'}"
+    uri = fresh_registry(tmp_path_factory.mktemp("adapter-registry"))
     signature = base_signature(tiny_model)
     for name in ("red", "blue"):
         folder = kit[name][0]
