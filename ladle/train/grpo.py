@@ -247,9 +247,16 @@ def completion_logps(
         use_cache=True,
         logits_to_keep=width_c,
     ).logits[:, :-1, :]
-    logits = torch.cat([first.index_select(0, index), rest], dim=1).float() / temperature
-    logps = torch.log_softmax(logits, dim=-1).gather(-1, cids.unsqueeze(-1)).squeeze(-1)
-    return logps, cmask.float()
+    # Scored in two parts and joined as log-probabilities: joining the logits would copy every position's
+    # vocabulary-wide row once more.
+    def scaled(logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        return logits if temperature == 1.0 else logits / temperature  # no copy of the logits at temperature 1
+
+    head = torch.log_softmax(scaled(first), dim=-1).squeeze(1)  # [prompts, vocab]
+    firsts = head.index_select(0, index).gather(-1, cids[:, :1]).squeeze(-1)
+    tail = torch.log_softmax(scaled(rest), dim=-1).gather(-1, cids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.cat([firsts.unsqueeze(1), tail], dim=1), cmask.float()
 
 
 def per_token_loss(
