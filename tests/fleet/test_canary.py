@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import random
 import re
@@ -22,7 +23,7 @@ import time
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ladle.config import CanaryConfig, ServeConfig, build_config
@@ -221,6 +222,94 @@ def test_a_slow_challenger_is_rolled_back_and_a_healthy_one_takes_all_traffic():
             assert refused.status_code == 403, (method, path, refused.text)
             assert refused.json()["error"]["type"] == "permission_error", (method, path)
         assert httpx.get(f"{front.url}/ladle/canary", headers=ADMIN).json()["canary"]["status"] == "passed"
+    finally:
+        for server in running:
+            server.stop()
+
+
+def adapter_upstream(failing_version: str) -> FastAPI:
+    """A base's server stand-in: answers with the model asked and the version the front pinned (every second
+    answer of ``failing_version`` a 500), and keeps every body it got."""
+    app = FastAPI()
+    app.state.bodies = []
+    count = itertools.count(1)
+
+    @app.post("/v1/completions")
+    async def complete(request: Request):
+        body = await request.body()
+        app.state.bodies.append(body)
+        pinned = request.headers.get(router.PINNED_HEADER)
+        if pinned == failing_version and next(count) % 2 == 0:
+            return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, 500)
+        model = json.loads(body)["model"] if body.startswith(b"{") else None
+        return {"model": model, "pinned": pinned}
+
+    return app
+
+
+def test_an_adapter_canary_splits_only_its_adapter_and_a_restarted_front_adopts_it(tmp_path):
+    """On a base's front: the canary of ``bot`` v3 pins a share of the bare-name requests for ``bot`` to v3 and the
+    rest to v2, and counts only those; ``red``, ``bot@v2`` and a body that is not JSON pass untouched, and a
+    client's own pin header is dropped. An operator's end, or a challenger failing half its answers (rolled back by
+    the front itself), leaves ``bot`` unpinned. A front started from the run record of one that died goes on with a
+    running adapter canary."""
+    base = Running(adapter_upstream("5"))
+    record_file = tmp_path / "front.json"
+    upstream = {"url": base.url, "version": "base", "pid": None}
+    front = Running(router.create_app("base-x", TOKEN, {"upstream": upstream}, record_file))
+    running = [front, base]
+    try:
+        body = {"adapter": "bot", "version": "3", "champion_version": "2"}
+        no_verdict = {"weight": 0.5, "duration_s": 120, "min_requests": 100_000}
+        started = httpx.put(f"{front.url}/ladle/canary", json={**body, "limits": no_verdict}, headers=ADMIN)
+        assert started.status_code == 200 and started.json()["canary"]["adapter"] == "bot", started.text
+        assert httpx.put(f"{front.url}/ladle/canary", json={**body, "version": "4"}, headers=ADMIN).status_code == 409
+        with httpx.Client(timeout=30) as client:
+
+            def ask(model: str) -> tuple[int, str | None]:
+                answer = client.post(f"{front.url}/v1/completions", json={"model": model, "prompt": "x"})
+                return answer.status_code, answer.json().get("pinned") if answer.status_code == 200 else None
+
+            assert {ask("bot") for _ in range(30)} == {(200, "2"), (200, "3")}
+            assert ask("red") == (200, None) and ask("bot@v2") == (200, None)
+            raw = client.post(f"{front.url}/v1/completions", content=b"not json", headers={router.PINNED_HEADER: "9"})
+            assert raw.status_code == 200 and raw.json()["pinned"] is None  # a client's pin header is dropped
+            assert base.server.config.app.state.bodies[-1] == b"not json"  # passed byte for byte
+            arms = httpx.get(f"{front.url}/ladle/canary", params={"adapter": "bot"}, headers=ADMIN).json()["canary"]
+            assert arms["arms"]["champion"]["requests"] + arms["arms"]["challenger"]["requests"] == 30  # bot's only
+            ended = httpx.patch(f"{front.url}/ladle/canary", params={"adapter": "bot", "reason": "stop"}, headers=ADMIN)
+            assert ended.json()["canary"]["status"] == "rolled_back"
+            assert {ask("bot") for _ in range(10)} == {(200, None)}  # rolled back: the server's own version
+            assert (
+                httpx.delete(f"{front.url}/ladle/canary", params={"adapter": "bot"}, headers=ADMIN).status_code == 200
+            )
+
+            failing = {**body, "version": "5", "limits": {"weight": 0.5, "duration_s": 120, "min_requests": 8}}
+            assert httpx.put(f"{front.url}/ladle/canary", json=failing, headers=ADMIN).status_code == 200
+            deadline = time.monotonic() + 30
+            while (state := httpx.get(f"{front.url}/ladle/canary", params={"adapter": "bot"}, headers=ADMIN).json())[
+                "canary"
+            ]["status"] == "running":
+                assert time.monotonic() < deadline, state
+                ask("bot")
+            state = state["canary"]
+            assert state["status"] == "rolled_back" and state["reason"].startswith("error rate"), state
+            assert state["arms"]["champion"]["errors"] == 0 and state["arms"]["challenger"]["errors"] >= 1
+            assert {ask("bot") for _ in range(10)} == {(200, None)}
+            assert (
+                httpx.delete(f"{front.url}/ladle/canary", params={"adapter": "bot"}, headers=ADMIN).status_code == 200
+            )
+
+            running_again = {"adapter": "ops", "version": "7", "champion_version": "6", "limits": {"duration_s": 120}}
+            assert httpx.put(f"{front.url}/ladle/canary", json=running_again, headers=ADMIN).status_code == 200
+        front.stop()  # the front dies; its record says what it served and which canary ran
+        saved = json.loads(record_file.read_text())
+        assert list(saved["adapter_canaries"]) == ["ops"]
+        again = Running(router.create_app("base-x", TOKEN, saved, record_file))
+        running.append(again)
+        state = httpx.get(f"{again.url}/ladle/canary", params={"adapter": "ops"}, headers=ADMIN).json()["canary"]
+        assert (state["status"], state["version"], state["champion_version"]) == ("running", "7", "6")
+        assert httpx.get(f"{again.url}/ladle/canary", headers=ADMIN).json()["adapters"] == ["ops"]
     finally:
         for server in running:
             server.stop()
