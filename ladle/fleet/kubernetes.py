@@ -334,6 +334,26 @@ class KubernetesServing:
             "delete it. Delete or rename it, or serve into another namespace (serve.kubernetes.namespace)."
         )
 
+    def roll_out(
+        self, objects: list[dict[str, Any]], previous: dict[str, Any] | None, served: str | None
+    ) -> tuple[str, str, str] | None:
+        """Apply ``objects`` and wait for their rollout: None once it finished, else (the pods' reason, kubectl's
+        words, what was done to put ``previous`` back, which served ``served``).
+
+        Raises:
+            LadleError: kubectl refused the objects.
+        """
+        applied = self.kubectl(
+            "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
+        )
+        if applied.returncode != 0:
+            raise LadleError(f"serve.target = 'kubernetes': kubectl refused {self.name}: {applied.stderr.strip()}")
+        done, said = self.wait()
+        if done:
+            return None
+        reason = self.pods_reason()
+        return reason, said, self.put_back(previous, served)
+
     def reconcile(self, uri: str) -> dict[str, Any]:
         """Make the cluster serve the registry's ``champion``; returns what ``champion.Serving`` reports.
 
@@ -351,16 +371,9 @@ class KubernetesServing:
         previous = self.current()
         self.check_ours(previous)
         served = ((previous or {}).get("metadata", {}).get("annotations") or {}).get(VERSION_ANNOTATION)
-        objects = self.render(wanted)
-        applied = self.kubectl(
-            "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
-        )
-        if applied.returncode != 0:
-            raise LadleError(f"serve.target = 'kubernetes': kubectl refused {self.name}: {applied.stderr.strip()}")
-        done, said = self.wait()
-        if not done:
-            reason = self.pods_reason()
-            undone = self.put_back(previous, served)
+        failed = self.roll_out(self.render(wanted), previous, served)
+        if failed is not None:
+            reason, said, undone = failed
             was = f"v{served}" if served else "the previous version"
             raise SwapFailed(
                 f"{self.model} v{wanted.version} did not become ready on Kubernetes in "
@@ -473,16 +486,9 @@ class KubernetesAdapters(KubernetesServing):
         if previous is not None and bound == bindings and before == versions:
             action = "unchanged"
         else:
-            objects = self.render_adapters(bindings, versions)
-            applied = self.kubectl(
-                "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
-            )
-            if applied.returncode != 0:
-                raise LadleError(f"serve.target = 'kubernetes': kubectl refused {self.name}: {applied.stderr.strip()}")
-            done, said = self.wait()
-            if not done:
-                reason = self.pods_reason()
-                undone = self.put_back(previous, "base")
+            failed = self.roll_out(self.render_adapters(bindings, versions), previous, "base")
+            if failed is not None:
+                reason, said, undone = failed
                 raise SwapFailed(
                     f"{name} v{champion.version} did not become ready on {self.model}'s pods in "
                     f"{self.opts.rollout_timeout_s:g} s ({reason}; kubectl: {said[-300:]}), so it takes no traffic: "

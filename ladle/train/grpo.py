@@ -247,6 +247,7 @@ def completion_logps(
         use_cache=True,
         logits_to_keep=width_c,
     ).logits[:, :-1, :]
+
     # Scored in two parts and joined as log-probabilities: joining the logits would copy every position's
     # vocabulary-wide row once more.
     def scaled(logits: torch.Tensor) -> torch.Tensor:
