@@ -75,3 +75,38 @@ def test_the_scheduled_run_says_what_changed_since_the_champion_and_model_list_s
     assert (check["decision"], check["reason"], check["flow_run_id"]) == ("trained", why, "run-42")
     shown = " ".join(run_cli("model", "list", "nightly", "--tracking-uri", uri).stderr.split())  # rich: stderr
     assert "last scheduled run: trained at" in shown and "base weights" in shown
+
+
+def test_the_scheduled_run_of_one_adapter_of_a_fleet_decides_for_that_adapter_alone(tmp_path, tiny_model):
+    """Two adapters of one base (``promote.merge: false``), each its own registered model and recipe: new data for
+    ``support`` makes its scheduled run train, while ``billing``'s run, on the same base and the same store, skips
+    (its inputs unchanged), and each decision is recorded on its own registered model."""
+    import json
+
+    from flows.finetune import data_unchanged, record_check
+    from ladle.lifecycle import lineage, promote, retraining
+    from ladle.plan.inputs import resolve_inputs
+
+    uri = fresh_registry(tmp_path)
+    rows = tmp_path / "support.jsonl"
+    rows.write_text(json.dumps({"instruction": "say hi", "output": "hi"}) + "\n")
+
+    def adapter(name: str, data: str):
+        settings = {"base": str(tiny_model), "data": {"path": data}, "name": name}
+        return resolve_inputs(build_config(settings, [f"tracking.uri={uri}", "promote.merge=false"]))
+
+    for name, data in (("support", str(rows)), ("billing", "ladle://demo-alpaca")):
+        first = adapter(name, data)
+        tags = {"ladle.kind": "adapter", lineage.TAG: first.fingerprint, lineage.PARTS_TAG: json.dumps(first.lineage)}
+        promote.promote(uri, name, promote.register(uri, name, str(tmp_path), None, tags).version, "first")
+    rows.write_text(rows.read_text() + json.dumps({"instruction": "say bye", "output": "bye"}) + "\n")
+
+    support, billing = adapter("support", str(rows)), adapter("billing", "ladle://demo-alpaca")
+    same, why = data_unchanged(support)
+    assert same is None and why.startswith("changed since champion v1: data")
+    kept, unchanged = data_unchanged(billing)
+    assert kept.version == "1" and unchanged == "data, base and training unchanged since version 1"
+    record_check(support, "run-s", "trained", why)
+    record_check(billing, "run-b", "skipped", unchanged)
+    assert retraining.retraining_check(uri, "support")["decision"] == "trained"
+    assert retraining.retraining_check(uri, "billing")["decision"] == "skipped"
