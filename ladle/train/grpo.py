@@ -205,11 +205,12 @@ def completion_logps(
     their KV cache kept, with gradients), each prompt's keys and values are indexed out to its completions (the
     backward sums their gradients back into the prompt's), and the completions run on that cache with the same
     positions and mask as one forward of both would give them. ``share`` is off where the model recomputes its
-    activations in the backward (transformers' checkpointed layers take no cache), and a micro-batch of distinct
-    prompts gains nothing from it.
+    activations in the backward (transformers' checkpointed layers take no cache). It comes from the config, never
+    from the rows: every rank must run the same number of forwards (a sharded model gathers its weights in each,
+    and DDP syncs its buffers), so a micro-batch of distinct prompts runs the two forwards too.
     """
     prompts, which = distinct_prompts(rows)
-    if not share or len(prompts) == len(rows):
+    if not share:
         ids, mask, cmask, width = batch_inputs(rows, completions, pad, device)
         return token_logps(model, ids, mask, width, temperature), cmask
     from transformers import DynamicCache

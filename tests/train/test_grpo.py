@@ -425,3 +425,16 @@ def test_prompt_data_is_checked_for_prompts_and_the_rewards_columns(tmp_path, ti
     prepared = prepare(cfg.data, tiny_model, str(tmp_path / "out3"), objective="grpo", reward_columns=[])
     assert prepared.report.format == "prompt" and prepared.report.invalid_rows == 40
     assert prepared.train_rows + prepared.eval_rows == 80
+
+
+def test_a_micro_batch_of_distinct_prompts_takes_the_shared_path_and_scores_the_same(trl_trainer):
+    """Whether the prompts are shared comes from the config, not the rows (every rank must run as many forwards):
+    rows whose prompts all differ still go through the shared path, and score as each with its own prompt."""
+    rows = [{"ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(PROMPTS))]
+    completions = COMPLETIONS[: len(rows)]
+    assert len(grpo.distinct_prompts(rows)[0]) == len(rows)
+    with torch.no_grad():
+        shared, mask = grpo.completion_logps(trl_trainer.model, rows, completions, 0, "cpu", TEMPERATURE, True)
+        alone, same_mask = grpo.completion_logps(trl_trainer.model, rows, completions, 0, "cpu", TEMPERATURE, False)
+    assert torch.equal(mask, same_mask)
+    torch.testing.assert_close(shared * mask, alone * mask, rtol=0, atol=1e-5)
