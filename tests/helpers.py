@@ -262,14 +262,36 @@ def start_server(model_dir, log_path: Path, name: str = "tiny", **serve):
 # -- traffic through ladle's front ----------------------------------------------------------------
 
 
-class Traffic:
+class Clients:
+    """Threads that each run ``loop(arg)`` until stopped, recording outcomes in ``results``; a context manager that
+    starts them and, on leaving, stops and joins them."""
+
+    def __init__(self, args: list):
+        self.stop_flag, self.results = threading.Event(), []
+        self.threads = [threading.Thread(target=self.loop, args=(arg,), daemon=True) for arg in args]
+
+    def loop(self, arg) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(timeout=60)
+
+
+class Traffic(Clients):
     """Clients that send requests through the front without pause until stopped; they record every outcome."""
 
     def __init__(self, url: str, model: str, clients: int = 4, pause_s: float = 0.0):
-        self.url, self.model, self.pause_s, self.stop_flag = url, model, pause_s, threading.Event()
+        self.url, self.model, self.pause_s = url, model, pause_s
+        super().__init__(list(range(clients)))
         # (time answered, version header or error, kind, time sent)
         self.results: list[tuple[float, str, str, float]] = []
-        self.threads = [threading.Thread(target=self.loop, args=(i,), daemon=True) for i in range(clients)]
 
     def loop(self, i: int) -> None:
         body = {"model": self.model, "messages": [{"role": "user", "content": "red blue"}], "max_tokens": 6}
@@ -291,16 +313,6 @@ class Traffic:
                     outcome = f"error {exc.__class__.__name__}: {exc}"
                 self.results.append((time.monotonic(), outcome, "stream" if stream else "whole", sent))
                 self.stop_flag.wait(self.pause_s)
-
-    def __enter__(self) -> Traffic:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_flag.set()
-        for t in self.threads:
-            t.join(timeout=60)
 
     def failures(self) -> list:
         return [r for r in self.results if not r[1].isdigit()]

@@ -250,7 +250,7 @@ def front_canary(front: dict, headers: dict, adapter: str | None = None) -> dict
 def follow(front: dict, headers: dict, version: str, deadline_s: float, adapter: str | None = None) -> dict:
     """Poll the front until the canary of ``version`` (of ``adapter``) has a verdict; past ``deadline_s`` it is
     rolled back and that is the verdict (a served model's canary is also forgotten there; an adapter's is kept
-    until ``finish_adapter``)."""
+    until ``ladle.fleet.adapters.finish_canary``)."""
     deadline = time.monotonic() + deadline_s
     what = f"{adapter} v{version}" if adapter else f"v{version}"
     while time.monotonic() < deadline:

@@ -36,7 +36,7 @@ from ladle.config import CanaryConfig
 from ladle.fleet.canary import Canary, challenger_alive
 from ladle.fleet.supervisor import Supervisor
 from ladle.platform.files import write_atomic
-from ladle.serve.adapters import PINNED_HEADER
+from ladle.serve.adapters import MAX_VERSIONS, PINNED_HEADER
 from ladle.serve.guard import Guard, envelope
 from ladle.serve.limits import ServeLimits
 
@@ -80,6 +80,10 @@ how long a request waits for a connection when a thousand are open."""
 
 
 DEFAULT_BODY_BYTES = ServeLimits.model_fields["max_body_bytes"].default
+
+MAX_ADAPTER_CANARIES = MAX_VERSIONS // 2
+"""Adapter canaries one front runs at once: as many as its server follows registered models (each serving two
+versions), so the front's state stays bounded whatever admin requests arrive."""
 
 
 class NotAdmin(Exception):
@@ -158,11 +162,10 @@ class Front:
         self.state: dict = {"upstream": record.get("upstream"), "broken": None}
         self.in_flight: collections.Counter[str] = collections.Counter()
         # Adapter canaries, by adapter name: on a base's front, each splits the requests for its adapter's bare name
-        # between two versions the same server holds (``pinned``: requests in flight per (adapter, version)).
+        # between two versions the same server holds.
         self.adapter_canaries: dict[str, Canary] = {
             adapter: Canary.restore(snapshot) for adapter, snapshot in (record.get("adapter_canaries") or {}).items()
         }
-        self.pinned: collections.Counter[tuple[str, str]] = collections.Counter()
         self.supervisor = Supervisor(name, self.state, lambda up: self.persist(), **(supervision or {}))
         if record.get("canary"):
             self.state["canary"] = Canary.restore(record["canary"])
@@ -202,7 +205,8 @@ class Front:
             await asyncio.sleep(0.25)
             # An adapter canary's arms are two versions on one server: no process of its own to die, and a swap of
             # the server behind the front (every server reads the same aliases) does not end it.
-            if any(c.judge() is not None for c in list(self.adapter_canaries.values()) if c.status == "running"):
+            decided = [c.judge() for c in list(self.adapter_canaries.values()) if c.status == "running"]  # all of them
+            if any(verdict is not None for verdict in decided):
                 self.persist()
             canary = self.state.get("canary")
             if canary is None or canary.status != "running":
@@ -240,31 +244,23 @@ class Front:
 
         return Depends(check)
 
-    def pinned_arm(self, canary: Canary, skip: bool) -> tuple[str, str | None]:
+    @staticmethod
+    def pinned_arm(canary: Canary) -> tuple[str, str | None]:
         """An adapter canary's arm for one request for the adapter's bare name, and the version it is pinned to:
         while it runs, the challenger for ``weight`` of them and the champion it is measured against for the rest;
         once passed, the challenger (until the registry says so and the canary is forgotten); once rolled back,
         whatever the server answers the name with (no pin)."""
         if canary.status == "running":
-            if not skip and canary.pick():
+            if canary.pick():
                 return "challenger", str(canary.challenger["version"])
             return "champion", str(canary.champion["version"])
         if canary.status == "passed":
             return "challenger", str(canary.challenger["version"])
         return "champion", None
 
-    def leave(self, url: str, held: tuple[str, str] | None) -> None:
-        """A request to ``url`` (pinned to ``held``: adapter, version) is over."""
-        self.in_flight[url] -= 1
-        if held is not None:
-            self.pinned[held] -= 1
-
     def adapter_summary(self, adapter: str) -> dict | None:
         canary = self.adapter_canaries.get(adapter)
-        if canary is None:
-            return None
-        versions = {str(canary.champion["version"]), str(canary.challenger["version"])}
-        return {**canary.summary(), "adapter": adapter, "in_flight": {v: self.pinned[(adapter, v)] for v in versions}}
+        return None if canary is None else {**canary.summary(), "adapter": adapter}
 
     def admin(self, request: Request) -> bool:
         host = request.client.host if request.client else ""
@@ -393,8 +389,8 @@ def add_canary_routes(app: FastAPI, front: Front) -> None:
 
     @app.get("/ladle/canary", dependencies=[front.admin_only])
     def get_canary(adapter: str | None = None):
-        """Admin: the canary's state: status, reason, limits and each arm's requests, errors and p95; an adapter's
-        also its requests in flight per version. Without ``adapter``, ``adapters`` lists the adapters' canaries."""
+        """Admin: the canary's state: status, reason, limits and each arm's requests, errors and p95 (``adapter``:
+        that adapter's). Without ``adapter``, ``adapters`` lists the adapters' canaries."""
         if adapter is not None:
             return {"canary": front.adapter_summary(adapter)}
         canary = front.state.get("canary")
@@ -405,7 +401,7 @@ def add_canary_routes(app: FastAPI, front: Front) -> None:
         """Admin: start a canary of the server in the body (as for a swap, plus ``limits``: promote.canary's
         fields) against the current one, or, with ``adapter``, of that adapter's ``version`` against its
         ``champion_version`` (both served by the server behind the front); the same version again answers its
-        state, another while one is not finished 409."""
+        state, another while one is not finished 409; past ``MAX_ADAPTER_CANARIES`` at once, 409."""
         body = await request.json()
         adapter = body.get("adapter")
         canary = front.state.get("canary") if adapter is None else front.adapter_canaries.get(adapter)
@@ -423,6 +419,14 @@ def add_canary_routes(app: FastAPI, front: Front) -> None:
         if upstream is None:
             return error(
                 409, f"{front.name}: no champion is served to compare with", "invalid_request_error", "not_ready"
+            )
+        if adapter is not None and len(front.adapter_canaries) >= MAX_ADAPTER_CANARIES:
+            return error(
+                409,
+                f"{front.name}: {len(front.adapter_canaries)} adapter canaries already (MAX_ADAPTER_CANARIES); "
+                "finish or delete one first (DELETE /ladle/canary?adapter=NAME)",
+                "invalid_request_error",
+                "busy",
             )
         try:
             limits = CanaryConfig.model_validate(body.get("limits") or {})
@@ -493,7 +497,7 @@ def add_proxy_route(app: FastAPI, front: Front) -> None:
             pin = None
             if adapter_canary is not None:
                 canary = adapter_canary
-                arm, pin = front.pinned_arm(canary, skip_canary)
+                arm, pin = front.pinned_arm(canary)
             else:
                 arm = "challenger" if canary is not None and not skip_canary and canary.pick() else "champion"
             if arm == "challenger" and adapter_canary is None:
@@ -502,10 +506,7 @@ def add_proxy_route(app: FastAPI, front: Front) -> None:
                 return error(503, front.supervisor.failed, "server_error", "upstream_failed")
             if upstream is None:
                 return error(503, f"{front.name}: no version is being served yet", "server_error", "not_ready")
-            held = (adapter, pin) if pin is not None else None
             front.in_flight[upstream["url"]] += 1
-            if held is not None:
-                front.pinned[held] += 1
             outgoing = front.client.build_request(
                 request.method,
                 f"{upstream['url']}/{path}",
@@ -517,10 +518,10 @@ def add_proxy_route(app: FastAPI, front: Front) -> None:
             try:
                 answer = await until_gone(request, front.client.send(outgoing, stream=True))
             except ClientGone:  # the client hung up before the server answered: its upstream request was closed
-                front.leave(upstream["url"], held)
+                front.in_flight[upstream["url"]] -= 1
                 return Response(status_code=499)
             except httpx.TransportError as exc:
-                front.leave(upstream["url"], held)
+                front.in_flight[upstream["url"]] -= 1
                 if arm == "challenger" and adapter_canary is None:
                     # Counted against it; no answer came back (refused, or dropped before its headers), so the
                     # champion takes the request: a completion has no side effect to repeat.
@@ -540,7 +541,7 @@ def add_proxy_route(app: FastAPI, front: Front) -> None:
                     502, f"{front.name} v{upstream['version']} refused the connection", "server_error", "bad_gateway"
                 )
             except BaseException:
-                front.leave(upstream["url"], held)
+                front.in_flight[upstream["url"]] -= 1
                 raise
             # ok: None until the answer was relayed whole (a client that left is no evidence either way).
             outcome: dict = {"ok": None, "released": False}
@@ -557,13 +558,11 @@ def add_proxy_route(app: FastAPI, front: Front) -> None:
                     outcome["ok"] = None  # the client left: no evidence either way
                     raise
 
-            async def release(
-                answer=answer, url=upstream["url"], held=held, arm=arm, canary=canary, sent=sent, outcome=outcome
-            ):
+            async def release(answer=answer, url=upstream["url"], arm=arm, canary=canary, sent=sent, outcome=outcome):
                 if outcome["released"]:
                     return
                 outcome["released"] = True
-                front.leave(url, held)
+                front.in_flight[url] -= 1
                 await answer.aclose()  # a client that left closes the upstream request: it cancels there too
                 if outcome["ok"] is not None and canary is not None:
                     canary.record(arm, outcome["ok"], time.monotonic() - sent)

@@ -156,24 +156,26 @@ def advantages(table: torch.Tensor, weights: torch.Tensor, group: int, scale: st
 # The loss -------------------------------------------------------------------------------------------------------
 
 
+def padded_ids(seqs: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``seqs`` as one ``[rows, longest]`` tensor padded on the left (prompts) or the right (completions), and its
+    mask (1 on real tokens); at least one column."""
+    width = max(1, max(len(seq) for seq in seqs))
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        if seq:
+            span = slice(width - len(seq), width) if left else slice(0, len(seq))
+            ids[i, span], mask[i, span] = torch.tensor(seq), 1
+    return ids, mask
+
+
 def batch_inputs(rows: list[dict], completions: list[list[int]], pad: int, device) -> tuple[torch.Tensor, ...]:
     """Prompts left-padded and completions right-padded: ``input_ids``, ``attention_mask``, the completion mask
     (``[rows, width]``), and the width of the prompt part."""
-    width_p = max(len(r["ids"]) for r in rows)
-    width_c = max(1, max(len(c) for c in completions))
-    n = len(rows)
-    ids = torch.full((n, width_p + width_c), pad, dtype=torch.long)
-    mask = torch.zeros((n, width_p + width_c), dtype=torch.long)
-    cmask = torch.zeros((n, width_c), dtype=torch.float32)
-    for i, (row, comp) in enumerate(zip(rows, completions, strict=True)):
-        p = row["ids"]
-        ids[i, width_p - len(p) : width_p] = torch.tensor(p)
-        mask[i, width_p - len(p) : width_p] = 1
-        if comp:
-            ids[i, width_p : width_p + len(comp)] = torch.tensor(comp)
-            mask[i, width_p : width_p + len(comp)] = 1
-            cmask[i, : len(comp)] = 1
-    return ids.to(device), mask.to(device), cmask.to(device), width_p
+    pids, pmask = padded_ids([r["ids"] for r in rows], pad, left=True)
+    cids, cmask = padded_ids(completions, pad, left=False)
+    ids, mask = torch.cat([pids, cids], dim=1), torch.cat([pmask, cmask], dim=1)
+    return ids.to(device), mask.to(device), cmask.float().to(device), pids.shape[1]
 
 
 def token_logps(model, ids: torch.Tensor, mask: torch.Tensor, prompt_width: int, temperature: float) -> torch.Tensor:
@@ -193,6 +195,12 @@ def distinct_prompts(rows: list[dict]) -> tuple[list[list[int]], list[int]]:
     return [list(ids) for ids in seen], which
 
 
+def shares_prompts(plan) -> bool:
+    """Whether the update runs each distinct prompt once (``completion_logps``): from the plan alone, never from
+    the rows, so every rank runs as many forwards; not where activations are recomputed in the backward."""
+    return not plan.gradient_checkpointing
+
+
 def completion_logps(
     model, rows: list[dict], completions: list[list[int]], pad: int, device, temperature: float, share: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +217,6 @@ def completion_logps(
     from the rows: every rank must run the same number of forwards (a sharded model gathers its weights in each,
     and DDP syncs its buffers), so a micro-batch of distinct prompts runs the two forwards too.
     """
-    prompts, which = distinct_prompts(rows)
     if not share:
         ids, mask, cmask, width = batch_inputs(rows, completions, pad, device)
         return token_logps(model, ids, mask, width, temperature), cmask
@@ -217,19 +224,10 @@ def completion_logps(
 
     from ladle.serve.engine import cache_of, kv_of
 
-    width_p = max(len(p) for p in prompts)
-    width_c = max(1, max(len(c) for c in completions))
-    pids = torch.full((len(prompts), width_p), pad, dtype=torch.long)
-    pmask = torch.zeros((len(prompts), width_p), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        pids[i, width_p - len(p) :] = torch.tensor(p)
-        pmask[i, width_p - len(p) :] = 1
-    cids = torch.full((len(rows), width_c), pad, dtype=torch.long)
-    cmask = torch.zeros((len(rows), width_c), dtype=torch.long)
-    for i, comp in enumerate(completions):
-        if comp:
-            cids[i, : len(comp)] = torch.tensor(comp)
-            cmask[i, : len(comp)] = 1
+    prompts, which = distinct_prompts(rows)
+    pids, pmask = padded_ids(prompts, pad, left=True)
+    cids, cmask = padded_ids(completions, pad, left=False)
+    width_c = cids.shape[1]
     index = torch.tensor(which, device=device)
     cache = DynamicCache()
     first = model(

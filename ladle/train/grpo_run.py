@@ -210,7 +210,7 @@ def frozen_logps(s: RLSession, model, ro: grpo.Rollouts, micros: list[list[int]]
     device, rl = s.accelerator.device, s.spec.config.training.rl
     width = max(1, max(len(c) for c in ro.completion_ids))
     out = torch.zeros((len(ro.rows), width), dtype=torch.float32)
-    pad, share = s.engine.pad, not s.spec.plan.gradient_checkpointing
+    pad, share = s.engine.pad, grpo.shares_prompts(s.spec.plan)
     for rows in micros:
         context = model.disable_adapter() if adapters_off else torch.no_grad()
         with torch.no_grad(), context:
@@ -238,7 +238,7 @@ def update(s: RLSession, ro: grpo.Rollouts, iteration: int, check: bool) -> dict
     tokens_all, completions_all = (int(v) for v in acc.reduce(counts, "sum").tolist())
     world = acc.num_processes
     sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "gap": 0.0}
-    share = not plan.gradient_checkpointing  # checkpointed layers take no cache: each completion with its prompt
+    share = grpo.shares_prompts(plan)
     for m, rows in enumerate(micros):
         last = m == len(micros) - 1
         with runtime.no_sync(acc, s.model) if not last else nullcontext():

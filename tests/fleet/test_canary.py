@@ -247,7 +247,7 @@ def adapter_upstream(failing_version: str) -> FastAPI:
     return app
 
 
-def test_an_adapter_canary_splits_only_its_adapter_and_a_restarted_front_adopts_it(tmp_path):
+def test_an_adapter_canary_splits_only_its_adapter_and_a_restarted_front_adopts_it(tmp_path, monkeypatch):
     """On a base's front: the canary of ``bot`` v3 pins a share of the bare-name requests for ``bot`` to v3 and the
     rest to v2, and counts only those; ``red``, ``bot@v2`` and a body that is not JSON pass untouched, and a
     client's own pin header is dropped. An operator's end, or a challenger failing half its answers (rolled back by
@@ -302,6 +302,10 @@ def test_an_adapter_canary_splits_only_its_adapter_and_a_restarted_front_adopts_
 
             running_again = {"adapter": "ops", "version": "7", "champion_version": "6", "limits": {"duration_s": 120}}
             assert httpx.put(f"{front.url}/ladle/canary", json=running_again, headers=ADMIN).status_code == 200
+            monkeypatch.setattr(router, "MAX_ADAPTER_CANARIES", 1)  # a front's adapter canaries are bounded
+            another = {**running_again, "adapter": "billing"}
+            refused = httpx.put(f"{front.url}/ladle/canary", json=another, headers=ADMIN)
+            assert refused.status_code == 409 and "MAX_ADAPTER_CANARIES" in refused.text
         front.stop()  # the front dies; its record says what it served and which canary ran
         saved = json.loads(record_file.read_text())
         assert list(saved["adapter_canaries"]) == ["ops"]

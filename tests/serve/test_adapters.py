@@ -25,7 +25,7 @@ from ladle.errors import LadleError
 from ladle.serve.adapters import RECORD, BaseWeights, Catalog, inspect
 from ladle.serve.rows import Job
 from ladle.serve.transformers_backend import TransformersBackend
-from tests.helpers import fresh_registry
+from tests.helpers import Clients, fresh_registry
 from tests.serve.adapter_kit import SHAPES, make_adapter, make_set
 
 PROMPTS = ["red blue green", "one two three four", "x y", "the colour of"]
@@ -432,13 +432,13 @@ def test_a_server_bound_to_a_registered_model_serves_its_aliases_and_a_replica_o
             stop_process(replica, grace_s=20, group=True)
 
 
-class AdapterTraffic:
+class AdapterTraffic(Clients):
     """Clients sending greedy completions for their models through the front without pause; each outcome kept as
     (model, HTTP status, pinned version header, answer tokens)."""
 
     def __init__(self, url: str, models: list[str]):
-        self.url, self.stop_flag, self.results = url, threading.Event(), []
-        self.threads = [threading.Thread(target=self.loop, args=(m,), daemon=True) for m in models]
+        self.url = url
+        super().__init__(models)
 
     def loop(self, model: str) -> None:
         body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "logprobs": 0}
@@ -452,16 +452,6 @@ class AdapterTraffic:
                     )
                 except httpx.HTTPError as exc:
                     self.results.append((model, f"{type(exc).__name__}: {exc}", None, None))
-
-    def __enter__(self) -> AdapterTraffic:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_flag.set()
-        for thread in self.threads:
-            thread.join(timeout=60)
 
     def wait(self, n: int) -> None:
         start, deadline = len(self.results), time.monotonic() + 60
