@@ -479,6 +479,13 @@ class KubernetesAdapters(KubernetesServing):
         self.check_ours(previous)
         bound, before = self.pods_state(previous)  # what the pods run (a rollout undone puts it back too)
         bindings = {**bound, name: name}
+        from ladle.serve.adapters import MAX_VERSIONS
+
+        if len(bindings) > MAX_VERSIONS // 2:  # the server follows at most that many (two versions each)
+            raise LadleError(
+                f"{self.model}: {len(bound)} adapters are bound to this base's pods already, the most one server "
+                f"follows ({MAX_VERSIONS // 2}); serve {name} on another base's pods, or unbind one."
+            )
         versions = {
             adapter: {alias: v.version for alias, v in promote.aliased(uri, registered).items()}
             for adapter, registered in sorted(bindings.items())

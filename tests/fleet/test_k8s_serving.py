@@ -428,6 +428,15 @@ def test_adapters_are_bound_promoted_and_rolled_back_on_their_bases_pods(tmp_pat
         c["argv"] for c in calls_of(home)
     ]
 
+    import ladle.serve.adapters
+
+    cap = ladle.serve.adapters.MAX_VERSIONS
+    monkeypatch.setattr(ladle.serve.adapters, "MAX_VERSIONS", 4)  # this server follows two adapters at most
+    promote.register(uri, "third", "s3://ladle/models/third/v1/adapter", None, tags)
+    promote.promote(uri, "third", "1", "test")
+    with pytest.raises(LadleError, match="2 adapters are bound to this base's pods already, the most one server"):
+        serve("third")
+    monkeypatch.setattr(ladle.serve.adapters, "MAX_VERSIONS", cap)
     local = adapter_cfg(tiny_model).model_copy(update={"base": str(tiny_model)})
     with pytest.raises(LadleError, match="the pods load the base from the artifact store"):
         adapters.serve_registered(uri, "ops", local, lambda: tiny_model)
