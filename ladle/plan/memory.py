@@ -302,15 +302,20 @@ def rollout_bytes(cfg: LadleConfig, model: dict, target: Target, micro: int) -> 
 
 
 def grpo_rows(cfg: LadleConfig, micro: int) -> dict[str, int]:
-    """grpo: the completion part of a row, and the prompts a micro-batch of ``micro`` completions runs once
+    """grpo: the completion part of a row, the prompts a micro-batch of ``micro`` completions runs once
     (``ladle.train.grpo.completion_logps``: groups of ``num_generations`` in a row, one more where a micro-batch
-    does not start on a group's first; none with activation checkpointing, whose layers take no cache)."""
+    does not start on a group's first; none with activation checkpointing, whose layers take no cache), and
+    whether a frozen copy of the starting weights is held (a full fine-tune's KL reference)."""
     t = cfg.training
     if t.objective != "grpo":
         return {}
     group = max(t.rl.num_generations, 1)
     shared = 0 if t.gradient_checkpointing is True else min(micro, -(-micro // group) + (micro % group != 0))
-    return {"completion_tokens": t.rl.max_completion_tokens, "shared_prompts": shared}
+    return {
+        "completion_tokens": t.rl.max_completion_tokens,
+        "shared_prompts": shared,
+        "frozen_reference": not t.lora.enabled and t.rl.beta > 0,
+    }
 
 
 def row_tokens(cfg: LadleConfig) -> int:

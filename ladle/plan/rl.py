@@ -24,12 +24,6 @@ def choose_rollouts(
             f"training.objective = grpo with parallelism.strategy = {strategy.name}: {why_not}. Use ddp, zero1, "
             "zero2, zero3 or fsdp2 without offload (or parallelism.strategy=auto)."
         )
-    if strategy.shards_tensors and not why_not and not t.lora.enabled and rl.beta:
-        problems.append(
-            f"training.rl.beta = {rl.beta:g} with a full fine-tune under parallelism.strategy = {strategy.name}: the "
-            "KL term needs a frozen copy of the starting weights, which is not built for sharded weights; set "
-            "training.rl.beta=0, train LoRA adapters (the reference is then the base with them off), or use zero2"
-        )
     world = target.world_size
     if global_batch % rl.num_generations:
         problems.append(
@@ -48,7 +42,25 @@ def choose_rollouts(
         reasons.append(rollout_memory(cfg, target, model, local, micro))
         if strategy.shards_tensors and not why_not:
             reasons.append(gathered_weights(strategy.name, target, model))
+        if rl.beta and not t.lora.enabled:
+            reasons.append(reference_weights(strategy.name, strategy.shards_tensors, target, model))
     return Decision(None, tuple(reasons), problems=tuple(problems))
+
+
+def reference_weights(name: str, sharded: bool, target: Target, model: dict) -> str:
+    """What a full fine-tune's KL reference (a frozen copy of the starting weights) holds per rank, in words."""
+    width = 4 if target.dtype == "float32" else 2
+    try:
+        whole = sizing.shape_from_config(model).params * width
+    except (KeyError, TypeError, ValueError):
+        return "KL reference: a frozen copy of the starting weights (not sized)"
+    if sharded:
+        world = max(target.world_size, 1)
+        return (
+            f"KL reference: a frozen copy of the starting weights, sharded by {name} as the trained ones are, "
+            f"{sizing.gib(whole // world)} per rank ({sizing.gib(whole)} over {world} ranks)"
+        )
+    return f"KL reference: a frozen copy of the starting weights, whole on each rank, {sizing.gib(whole)} per rank"
 
 
 def rollout_memory(cfg: LadleConfig, target: Target, model: dict, local: int, micro: int) -> str:

@@ -231,10 +231,11 @@ class Estimate:
     runtime: int = 0  # a CPU rank's lazily built runtime during its steps (CPU_STEP_RUNTIME)
     rollout: int = 0  # grpo: what sampling adds to the states (KV cache, logits, weights gathered whole)
     kept: int = 0  # grpo on a CPU: the weights gathered for sampling, freed, but kept resident by the host heap
+    reference: int = 0  # grpo, full fine-tune with beta > 0: the frozen starting weights the KL is measured against
 
     @property
     def states(self) -> int:
-        return self.weights + self.gradients + self.optimizer
+        return self.weights + self.gradients + self.optimizer + self.reference
 
     @property
     def peak(self) -> int:
@@ -298,6 +299,7 @@ class Estimate:
             ("grads", self.gradients),
             ("optimizer", self.optimizer),
             ("gathered", self.gathered),
+            ("reference", self.reference),
             ("activations", self.activations),
             ("logits", self.logits),
         )
@@ -339,6 +341,7 @@ class Job:
     rollout_bytes: int = 0  # grpo: the rollouts' KV cache, sampling logits and log-probability buffers per rank
     completion_tokens: int = 0  # grpo: the completion part of each row (the rest is its prompt); logits only there
     shared_prompts: int = 0  # grpo: prompts a micro-batch runs once for its rows (0: each row with its own copy)
+    frozen_reference: bool = False  # grpo: a frozen copy of the starting weights (full fine-tune with beta > 0)
 
     def forward_tokens(self) -> int:
         """Tokens a micro-batch's forward runs with gradients: its rows' whole length, or under grpo's shared

@@ -323,6 +323,9 @@ class Strategy(ABC):
             # weights the rank does not hold (bench/grpo_memory.py, measured / predicted 1.099 and 1.003).
             kept = 0 if job.cuda or not gathered else max(0, gathered - weights_held(job, states))
             estimate = replace(estimate, rollout=job.rollout_bytes + gathered, kept=kept)
+        if job.frozen_reference:  # in the run's dtype; divided over the ranks where the weights are sharded
+            ranks = job.world if self.shards_tensors else 1
+            estimate = replace(estimate, reference=job.shape.params * job.dtype_bytes // max(ranks, 1))
         return estimate
 
     def step_bytes(self, job: sizing.Job, options: Section | None, states: memory.ModelStates) -> int:

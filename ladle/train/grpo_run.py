@@ -10,7 +10,6 @@ its index) from the same weights.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from contextlib import nullcontext
@@ -56,6 +55,7 @@ class RLSession:
     reward_first: float = math.nan
     reward_last: float = math.nan
     gap_max: float = 0.0
+    kl_last: float = math.nan
 
 
 def setup(spec: TrainSpec) -> RLSession:
@@ -91,17 +91,16 @@ def setup(spec: TrainSpec) -> RLSession:
     if leftover := loading.meta_parameters(model):
         raise RuntimeError(f"{plan.strategy}: {len(leftover)} parameter(s) were never loaded, e.g. {leftover[0]}")
     policy = runtime.hf_model(accelerator, model)
-    if rl.beta and not cfg.training.lora.enabled:
-        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    sharded = strategies.get(plan.strategy).shards_tensors
+    if rl.beta and not cfg.training.lora.enabled:  # the starting weights: made before a checkpoint is resumed
+        reference = runtime.frozen_copy(accelerator, policy, spec.base_dir, plan)
     ran.update(
         fused_loss="off: grpo scores each sampled token itself",
         packed_attention="off: grpo rows are prompt and completion, padded and masked",
         padding_free="off: grpo rows are prompt and completion, padded and masked",
         rollouts="ladle's batching engine on the live weights, in this process"
-        + (", gathered whole for each step's rollouts" if strategies.get(plan.strategy).shards_tensors else ""),
-        reference=("adapters disabled" if cfg.training.lora.enabled else "a frozen copy")
-        if rl.beta
-        else "off (beta 0)",
+        + (", gathered whole for each step's rollouts" if sharded else ""),
+        reference=reference_words(cfg.training.lora.enabled, rl.beta, sharded),
     )
     sharding = runtime.check_applied(accelerator, model, plan)
     tokenizer = AutoTokenizer.from_pretrained(spec.base_dir)
@@ -203,6 +202,15 @@ def reward_stats(s: RLSession, table: torch.Tensor, summed: torch.Tensor, group:
     spread = grpo.nanstd(summed.view(-1, group), dim=1)
     stats["frac_reward_zero_std"] = float(torch.isclose(spread, torch.zeros_like(spread)).float().mean())
     return {k: (0.0 if math.isnan(v) else v) for k, v in stats.items()}
+
+
+def reference_words(lora: bool, beta: float, sharded: bool) -> str:
+    """What the KL term is measured against, in words (the run's ``kernels["reference"]``)."""
+    if not beta:
+        return "off (beta 0)"
+    if lora:
+        return "adapters disabled"
+    return "a frozen copy, sharded as the trained weights" if sharded else "a frozen copy"
 
 
 def frozen_logps(s: RLSession, model, ro: grpo.Rollouts, micros: list[list[int]], adapters_off: bool) -> torch.Tensor:
@@ -347,6 +355,7 @@ def train_loop(s: RLSession) -> tuple[int, float]:
         s.reward_first = m["reward"] if math.isnan(s.reward_first) else s.reward_first
         s.reward_last = m["reward"]
         s.gap_max = max(s.gap_max, m.get("rollout_logprob_gap", 0.0))
+        s.kl_last = m.get("kl", s.kl_last)
         lr = s.scheduler.get_last_lr()[0]
         step_tps = m["completion_tokens"] / elapsed
         s.log({"train_loss": m["loss"], "lr": lr, "tokens_per_s": step_tps, **m}, step + 1)
@@ -411,6 +420,7 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
             "reward_first_step": nan_free(s.reward_first),
             "reward_last_step": nan_free(s.reward_last),
             "rollout_logprob_gap_max": s.gap_max,
+            **({} if math.isnan(s.kl_last) else {"kl_last_step": s.kl_last}),
         },
         kernels=s.kernels,
     )

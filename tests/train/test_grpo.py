@@ -296,27 +296,40 @@ def grpo_spec(strategy: str, root: Path, *overrides: str, processes: int = 2):
     return spec.model_copy(update={"reward_files": reward_fns.bundle(cfg.training.rl.rewards)})
 
 
+FULL = ("training.lora.enabled=false", "training.rl.beta=0.04", "training.lr=1e-3")  # a full fine-tune with a KL
+
+
 def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_samples_the_same(tmp_path):
     """One process and two under ZeRO-2 sample the same completions (each one's seed is its index in the step) and
-    reach the same losses; the engine's log-probabilities of what it sampled equal the training forward's on the
-    same weights; the one process's step-2 checkpoint resumed on two processes samples and learns what the first
-    run did, and a reward that raises stops it with the reward named and that checkpoint kept."""
+    reach the same losses; so do a full fine-tune with a KL term on one process and on two under ZeRO-3 and FSDP2,
+    whose trained weights are gathered for the rollouts and whose reference is a frozen copy sharded as they are;
+    the engine's log-probabilities of what it sampled equal the training forward's on the same weights; the one
+    process's step-2 checkpoint resumed on two processes samples and learns what the first run did, and a reward
+    that raises stops it with the reward named and that checkpoint kept."""
     from ladle.train.checkpoint import complete_steps, step_dir
     from ladle.train.run import TrainingFailed, launch
 
     specs = {
         "one": grpo_spec("ddp", tmp_path, processes=1),
         "zero2": grpo_spec("zero2", tmp_path),
-        "zero3": grpo_spec("zero3", tmp_path),  # every weight gathered for the rollouts, partitioned for the update
-        "fsdp2": grpo_spec("fsdp2", tmp_path),  # every unit unsharded for the rollouts, resharded for the update
+        "one_full": grpo_spec("ddp", tmp_path, *FULL, processes=1),  # the reference: a copy of the replica
+        "zero3": grpo_spec("zero3", tmp_path, *FULL),  # every weight gathered for the rollouts, partitioned after
+        "fsdp2": grpo_spec("fsdp2", tmp_path, *FULL),  # every unit unsharded for the rollouts, resharded after
     }
     results = launch_all(specs)
-    one, two = results["one"], results["zero2"]
+    one, two, full = results["one"], results["zero2"], results["one_full"]
     assert one.world_size == 1 and two.world_size == 2 and two.strategy == "zero2"
     assert all(loss != 0 for loss in one.train_losses)  # every step's groups' rewards differed
-    for sharded in ("zero2", "zero3", "fsdp2"):
+    for sharded, alone in (("zero2", one), ("zero3", full), ("fsdp2", full)):
         assert results[sharded].rl["rollout_logprob_gap_max"] < 1e-4
-        assert results[sharded].train_losses == pytest.approx(one.train_losses, rel=1e-4, abs=1e-6), sharded
+        assert results[sharded].train_losses == pytest.approx(alone.train_losses, rel=1e-4, abs=1e-6), sharded
+    # The KL term was live (the policy had moved from its reference) and measured the same against the copy of the
+    # replica and against the sharded copies.
+    assert full.rl["kl_last_step"] > 1e-6 and "kl_last_step" not in one.rl
+    for sharded in ("zero3", "fsdp2"):
+        assert results[sharded].rl["kl_last_step"] == pytest.approx(full.rl["kl_last_step"], rel=1e-3), sharded
+        assert results[sharded].kernels["reference"] == "a frozen copy, sharded as the trained weights"
+    assert full.kernels["reference"] == "a frozen copy"
     assert one.rl["rollout_logprob_gap_max"] < 1e-4
     assert results["zero3"].sharding["parameter_share"] == pytest.approx(0.5, abs=0.02)  # partitioned between
     for sharded in ("zero3", "fsdp2"):
@@ -364,8 +377,9 @@ def test_planner_gathers_sharded_weights_for_rollouts_and_refuses_what_cannot_sa
         cfg.model_dump(mode="json"),
         ["parallelism.strategy=zero3", "training.lora.enabled=false", "training.rl.beta=0.04"],
     )
-    with pytest.raises(ConfigError, match="training.rl.beta = 0.04 with a full fine-tune under parallelism.strategy"):
-        make_plan(full, probe(env={}, query_output=""), model=model)
+    full_plan = make_plan(full, probe(env={}, query_output=""), model=model)  # the KL's reference sharded too
+    said = next(r for r in full_plan.reasons if r.startswith("KL reference:"))
+    assert "sharded by zero3 as the trained ones are" in said and "per rank" in said, said
     plan = make_plan(cfg, probe(env={}, query_output=""), model=model)
     assert any(r.startswith("rollout memory per rank: KV cache") for r in plan.reasons)
     zero3 = make_plan(
@@ -392,6 +406,12 @@ def test_planner_gathers_sharded_weights_for_rollouts_and_refuses_what_cannot_sa
     whole = shape_from_config(model).params * 4  # float32
     kv_and_logits = plan_estimate(cfg, plan, model).rollout
     assert kv_and_logits > 0 and 0 < plan.memory["rollouts"] < plan.memory["train"]
+    # A full fine-tune's reference: the starting weights whole beside a replica, half of them on each of 2 ranks
+    # beside a shard; none with LoRA (the adapters are switched off) or with beta 0.
+    assert plan_estimate(full, full_plan, model).reference == whole // 2
+    replica = build_config(full.model_dump(mode="json"), ["parallelism.strategy=ddp"])
+    assert plan_estimate(replica, make_plan(replica, probe(env={}, query_output=""), model=model), model).reference == whole
+    assert plan_estimate(cfg, plan, model).reference == 0
     for sharded in (zero3, fsdp2):
         estimate = plan_estimate(sharded_cfg(cfg, sharded.strategy), sharded, model)
         assert estimate.rollout - kv_and_logits == whole, sharded.strategy  # every weight, beside the rank's shard

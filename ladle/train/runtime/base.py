@@ -192,6 +192,37 @@ class Runtime(ABC):
 
         return nullcontext()
 
+    def frozen_copy(self, accelerator, policy, base_dir, plan: Plan):
+        """A frozen copy of the starting weights beside the trained model, for no-grad forwards (online RL's KL
+        reference of a full fine-tune); made before any checkpoint is resumed into ``policy``. Where each rank
+        holds every weight it is a copy of the rank's replica. A strategy that shards the weights builds its own
+        copy from ``base_dir`` sharded as the trained model is (``wrap_frozen``): a rank then holds its share of
+        the reference, not a whole one. Returns the module whose forward scores (the Hugging Face model)."""
+        import copy
+
+        if not self.strategy.shards_tensors:
+            return copy.deepcopy(policy).eval().requires_grad_(False)
+        import torch
+
+        from ladle.train import loading
+
+        dtype = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
+        model = loading.build_empty(base_dir, dtype, lambda: self.empty_context(plan, dtype))
+        model.config.use_cache = False
+        model.requires_grad_(False)
+        pending = loading.Pending(loading.Checkpoint(base_dir), loading.kept_values(model))  # the buffers, kept
+        wrapped = self.wrap_frozen(accelerator, model, plan, pending)
+        hf = self.hf_model(accelerator, wrapped).eval()
+        hf.ladle_wrapper = wrapped  # what holds the sharding's hooks stays alive as long as the model
+        return hf
+
+    def wrap_frozen(self, accelerator, model, plan: Plan, pending: Pending):
+        """Shard a frozen ``model`` as ``wrap`` shards the trained one, with no optimizer, filling ``pending``
+        (each rank reads only its part)."""
+        raise RuntimeError(
+            f"{self.strategy.name} shards the weights but builds no frozen copy of them (Runtime.wrap_frozen)"
+        )
+
     def hf_model(self, accelerator, model):
         """The Hugging Face (or peft) model object whose ``save_pretrained`` writes the output."""
         return self.unwrap(accelerator, model)

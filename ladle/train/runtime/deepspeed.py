@@ -55,9 +55,9 @@ class ZeRORuntime(Runtime):
         stack.enter_context(deepspeed.zero.Init(config_dict_or_path=dict(plan.launcher_config)))
         return stack
 
-    def wrap(self, accelerator, model, make_optimizer, plan, pending=None):
-        deepspeed = import_deepspeed()
-
+    def place(self, accelerator, model, plan, pending) -> tuple[bool, object, dict]:
+        """Load what ``pending`` says the model lacks, each rank its part (ZeRO-3: its partitions, and the ends
+        kept local where the plan says); whether all-gathers run in place, and the local ends' notes."""
         from ladle.train.runtime.gloo_gather import use_in_place_gather_for_zero3
 
         cpu_without_shm_kernel(plan)
@@ -72,6 +72,25 @@ class ZeRORuntime(Runtime):
             pending.fill(model, accelerator.device)
         if self.strategy.stage == 3:
             one_dtype(model, plan.dtype)
+        return in_place, vocab, notes
+
+    def wrap_frozen(self, accelerator, model, plan, pending):
+        """ZeRO-3 with no optimizer: DeepSpeed then installs only its fetch-and-release hooks (ZeRO-Offload),
+        so the frozen copy stays partitioned and each forward gathers a layer at a time, as the trained model's
+        does. The rest of the config is the run's (precision, ZeRO-3's buckets and thresholds)."""
+        deepspeed = import_deepspeed()
+
+        self.place(accelerator, model, plan, pending)
+        config = {k: v for k, v in plan.launcher_config.items() if k not in ("optimizer", "scheduler")}
+        zero = {k: v for k, v in config.get("zero_optimization", {}).items() if k != "offload_optimizer"}
+        config["zero_optimization"] = zero
+        engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
+        return engine
+
+    def wrap(self, accelerator, model, make_optimizer, plan, pending=None):
+        deepspeed = import_deepspeed()
+
+        in_place, vocab, notes = self.place(accelerator, model, plan, pending)
         config = dict(plan.launcher_config)
         if "optimizer" in config:
             # Optimizer offload: DeepSpeed builds its own optimizer from the config (DeepSpeedCPUAdam for the

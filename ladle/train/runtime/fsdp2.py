@@ -86,6 +86,11 @@ class FSDP2Runtime(Runtime):
         keep_vocab_sharded(model, mesh, wanted, offloaded, compute)
         return model, make_optimizer(model)
 
+    def wrap_frozen(self, accelerator, model, plan, pending):
+        """The same units, mesh and precision as ``wrap``, no optimizer."""
+        frozen, _ = self.wrap(accelerator, model, lambda _: None, plan, pending)
+        return frozen
+
     @contextmanager
     def whole_weights(self, accelerator, model):
         """Every FSDP unit unsharded on every rank (the all-gathers happen here, together) and kept unsharded
