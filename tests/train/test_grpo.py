@@ -410,7 +410,10 @@ def test_planner_gathers_sharded_weights_for_rollouts_and_refuses_what_cannot_sa
     # beside a shard; none with LoRA (the adapters are switched off) or with beta 0.
     assert plan_estimate(full, full_plan, model).reference == whole // 2
     replica = build_config(full.model_dump(mode="json"), ["parallelism.strategy=ddp"])
-    assert plan_estimate(replica, make_plan(replica, probe(env={}, query_output=""), model=model), model).reference == whole
+    assert (
+        plan_estimate(replica, make_plan(replica, probe(env={}, query_output=""), model=model), model).reference
+        == whole
+    )
     assert plan_estimate(cfg, plan, model).reference == 0
     for sharded in (zero3, fsdp2):
         estimate = plan_estimate(sharded_cfg(cfg, sharded.strategy), sharded, model)
