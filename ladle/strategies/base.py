@@ -317,16 +317,20 @@ class Strategy(ABC):
         estimate = sizing.Estimate.of(self.label(options), states, acts, logits, job, note, load, step, save)
         if job.rollout_bytes:
             gathered = job.shape.params * job.dtype_bytes if self.shards_tensors else 0
-            # On a CPU the host heap keeps pages of the gathered weights once they are freed (glibc raises its mmap
-            # threshold to a freed block's size, so later blocks that size come from the heap), and the update
-            # that follows runs beside them: measured on SmolLM2 under ZeRO-3 and FSDP2 at about the part of the
-            # weights the rank does not hold (bench/grpo_memory.py, measured / predicted 1.099 and 1.003).
-            kept = 0 if job.cuda or not gathered else max(0, gathered - weights_held(job, states))
+            kept = 0 if job.cuda or not gathered else self.heap_kept(job, states, gathered)
             estimate = replace(estimate, rollout=job.rollout_bytes + gathered, kept=kept)
         if job.frozen_reference:  # in the run's dtype; divided over the ranks where the weights are sharded
             ranks = job.world if self.shards_tensors else 1
             estimate = replace(estimate, reference=job.shape.params * job.dtype_bytes // max(ranks, 1))
         return estimate
+
+    def heap_kept(self, job: sizing.Job, states: memory.ModelStates, gathered: int) -> int:
+        """grpo on a CPU: what the host heap keeps through the update of the ``gathered`` weights the rollouts
+        freed. glibc raises its mmap threshold to a freed block's size, so later blocks of that size come from the
+        heap, whose freed pages stay resident (with the threshold pinned, ``MALLOC_MMAP_THRESHOLD_``, the part
+        vanishes: bench/RESULTS.md). Measured on SmolLM2 under FSDP2 at about the part of the weights the rank
+        does not hold (bench/grpo_memory.py, measured / predicted 0.99-1.05)."""
+        return max(0, gathered - weights_held(job, states))
 
     def step_bytes(self, job: sizing.Job, options: Section | None, states: memory.ModelStates) -> int:
         """Temporaries of torch AdamW's step beyond its states, for the parameters this rank steps. On CUDA the

@@ -418,8 +418,12 @@ def test_planner_gathers_sharded_weights_for_rollouts_and_refuses_what_cannot_sa
     for sharded in (zero3, fsdp2):
         estimate = plan_estimate(sharded_cfg(cfg, sharded.strategy), sharded, model)
         assert estimate.rollout - kv_and_logits == whole, sharded.strategy  # every weight, beside the rank's shard
-        # on a CPU the update runs beside what the heap kept of them: the part the rank does not hold
-        assert estimate.kept == whole - estimate.weights and 0.3 * whole < estimate.kept < 0.7 * whole
+        # on a CPU the update runs beside what the heap kept of them: under FSDP2 the part the rank does not hold,
+        # under ZeRO-3, whose update gathers each layer into fresh blocks again, about all of them
+        if sharded is fsdp2:
+            assert estimate.kept == whole - estimate.weights and 0.3 * whole < estimate.kept < 0.7 * whole
+        else:
+            assert estimate.kept == whole
         assert any("rollouts " in r for r in sharded.reasons if r.startswith("memory per rank"))
 
 
