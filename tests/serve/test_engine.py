@@ -140,6 +140,25 @@ def test_each_request_draws_from_a_generator_on_its_logits_device():
     assert job.generator.device == logits.device
 
 
+def test_a_draw_follows_the_distribution_never_takes_a_cut_token_and_refuses_nan():
+    """The inverse-distribution draw (one uniform a token, not one exponential per vocabulary entry as
+    ``torch.multinomial``): 40,000 draws land on each token in its share within 4 standard errors, a token cut to
+    zero (top-k, top-p) is never drawn, not even at the first or last index, and NaN logits are an error."""
+    from ladle.serve.rows import draw
+
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.25, 0.6, 0.05, 0.0])
+    n = 40_000
+    counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(n)]), minlength=len(probs))
+    share = counts.double() / n
+    spread = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert ((share - probs.double()).abs() <= 4 * spread + 1e-12).all(), share
+    assert counts[[0, 2, 6]].sum() == 0
+    assert draw(torch.tensor([0.0, 0.0, 3.0]), generator) == 2  # unnormalised weights: the only one with any
+    with pytest.raises(RuntimeError, match="sum to nan"):
+        draw(torch.softmax(torch.tensor([0.0, float("nan")]), dim=-1), generator)
+
+
 def test_a_sampling_failure_ends_its_own_request_only(tokenizer, monkeypatch):
     engine = Engine(small("llama", len(tokenizer)), tokenizer, "cpu", max_batch=8)
     real = engine_module.sample
