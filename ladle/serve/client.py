@@ -39,6 +39,7 @@ LOAD_TIMEOUT_S = 3600.0
 the server gives up and says so."""
 
 STOP_GRACE_S = 10.0
+DEATH_CHECK_S = 1.0  # without a report for this long, the reader asks whether the engine process still runs
 """Seconds the engine process has to exit once its pipe is closed, before it is killed."""
 
 
@@ -87,6 +88,7 @@ class EngineClient(TransformersBackend):
         # threads running, a fork would copy locks they hold: a new interpreter then.
         self.forked = not other_threads()
         self.proc = self.reader = self.code = None
+        self.reaping = threading.Lock()
         if self.forked:
             self.pid = self.fork(ours, theirs, model_dir, options)
         else:
@@ -136,16 +138,17 @@ class EngineClient(TransformersBackend):
         return pid
 
     def exit_code(self) -> int | None:
-        """The engine process's exit status once it ended (reaped here), else None."""
+        """The engine process's exit status once it ended (reaped here, by one thread at a time), else None."""
         if self.proc is not None:
             return self.proc.poll()
-        if self.code is None:
-            try:
-                done, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = self.pid, 0
-            if done == self.pid:
-                self.code = os.waitstatus_to_exitcode(status)
+        with self.reaping:
+            if self.code is None:
+                try:
+                    done, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:
+                    done, status = self.pid, 0
+                if done == self.pid:
+                    self.code = os.waitstatus_to_exitcode(status)
         return self.code
 
     def wait_loaded(self, model_dir: str) -> wire.Loaded:
@@ -224,9 +227,15 @@ class EngineClient(TransformersBackend):
                 return
 
     def read(self) -> None:
-        """Hand each report's events to their requests, until the engine process is gone."""
+        """Hand each report's events to their requests, until the engine process is gone: its end of the pipe
+        closed, or, checked each ``DEATH_CHECK_S`` without a report, its exit status there (a process it started
+        that outlived it and kept the pipe open must not hide its end)."""
         while True:
             try:
+                if not self.conn.poll(DEATH_CHECK_S):
+                    if self.exit_code() is not None:
+                        break
+                    continue
                 report = self.conn.recv()
             except (EOFError, OSError, ValueError):
                 break

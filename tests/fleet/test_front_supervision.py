@@ -58,7 +58,10 @@ def test_a_killed_server_is_restarted_and_answers_again(tiny_model, tmp_path):
         # Its engine process dies: the server fails what it had in flight, exits 1, and the front starts it again.
         (engine,) = psutil.Process(server.pid).children()
         os.kill(engine.pid, signal.SIGKILL)
-        assert server.wait(timeout=30) == 1
+        try:
+            assert server.wait(timeout=30) == 1
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the server outlived its engine; its log:\n{log.read_text()[-4000:]}") from None
         wait_for(
             lambda: httpx.get(f"{front.url}/ladle/metrics").text.count("ladle_front_restarts_total 1.0"),
             30,

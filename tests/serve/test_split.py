@@ -250,3 +250,31 @@ def test_a_pool_killed_leaves_its_servers_serving_and_their_handles_working(tiny
         if started is not None and started.poll() is None:
             started.kill()
         stop_process(parent, 5)
+
+
+def test_an_engine_whose_pipe_outlives_it_is_still_found_dead():
+    """The reader learns of the engine's end from its exit status too: an engine process that died while something
+    it started kept its end of the pipe open sends no end of file, and the server must still fail what it had in
+    flight and exit to be restarted. Here the pipe's other end is held by this test, and the "engine" a child that
+    exits at once."""
+    import threading
+    from multiprocessing import Pipe
+
+    from ladle.serve.client import EngineClient
+
+    ours, theirs = Pipe()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3)
+    client = object.__new__(EngineClient)  # the reader alone: no model, no engine process of its own
+    client.conn, client.pid, client.proc, client.code, client.reaping = ours, pid, None, None, threading.Lock()
+    client.dead, client.jobs, died = None, {}, []
+    client.on_death = lambda: died.append(True)
+    reader = threading.Thread(target=client.read, daemon=True)
+    began = time.monotonic()
+    reader.start()
+    reader.join(timeout=15)
+    assert not reader.is_alive() and died == [True], "the reader never noticed the engine had ended"
+    assert time.monotonic() - began < 10
+    assert "exited (code 3)" in client.dead
+    theirs.close()
