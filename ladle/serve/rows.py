@@ -54,10 +54,15 @@ class Job:
     generator: torch.Generator | None = None
     sampled: list[float] | None = None  # a rollout's: each chosen token's log-probability at its temperature
     chosen: list[int] = field(default_factory=list)  # with ``sampled``: every token chosen, EOS included
+    writes_text: bool = True  # False: no text is made as tokens come (a rollout returns token ids; no stop strings)
     adapter: str | None = None  # the engine's key of the LoRA adapter it runs on (``ladle.serve.adapters``); None: base
     key: int | None = None  # its name between a server's API and engine processes (``ladle.serve.wire``)
     ids_sent: int = 0  # tokens the engine process has told the API process of ...
     prompt_sent: bool = False  # ... and whether it sent ``prompt_logprobs``
+
+    def __post_init__(self) -> None:
+        if self.stop and not self.writes_text:
+            raise ValueError("a job with stop strings must write its text (writes_text) to find them in it")
 
     @property
     def adjusts(self) -> bool:
@@ -197,6 +202,10 @@ class RowStop(StoppingCriteria):
         job.tokens.append(token)
         if logprobs is not None:
             job.token_logprobs.append(logprobs)
+        if not job.writes_text:  # its tokens are its answer: nothing to detokenize, no stop string to find
+            if len(job.tokens) >= job.max_new_tokens:
+                job.finish = "length"
+            return
         scanned = len(job.text)
         job.text += decode_next(self.tokenizer, job)
         cut = find_stop(job.text, job.stop, scanned)
@@ -212,6 +221,8 @@ class RowStop(StoppingCriteria):
     def end(self, job: Job) -> None:
         """Send the rest: tokens still held back as an unfinished character are decoded as they stand, as a whole
         decode of the answer would (a stop string can still appear in them)."""
+        if not job.writes_text:
+            return
         scanned = len(job.text)
         job.text += decode_next(self.tokenizer, job, final=True)
         cut = find_stop(job.text, job.stop, scanned)

@@ -96,6 +96,7 @@ def sample(engine, rows: list[dict], rl: RLConfig, seeds: list[int]) -> Rollouts
             top_k=rl.top_k,
             seed=seed,
             sampled=[],
+            writes_text=False,  # the rewards decode the completion's token ids themselves
             emit=on_event,
         )
         for row, seed in zip(rows, seeds, strict=True)

@@ -227,16 +227,19 @@ def test_arrivals_with_one_prompt_are_prefilled_once_and_answer_as_alone(tokeniz
     alone."""
     engine = Engine(small("llama", len(tokenizer)), tokenizer, "cpu", max_batch=16, thread=False)
 
-    def jobs() -> list[Job]:
+    def jobs(text: bool = False) -> list[Job]:
         prompts = [PROMPTS[0]] * 4 + [PROMPTS[2], PROMPTS[3]]
         return [
-            Job(ids=tokenizer(p).input_ids, max_new_tokens=8, temperature=1.0, seed=i, sampled=[])
+            Job(ids=tokenizer(p).input_ids, max_new_tokens=8, temperature=1.0, seed=i, sampled=[], writes_text=text)
             for i, p in enumerate(prompts)
         ]
 
     alone = []
-    for job in jobs():
+    for job, written in zip(jobs(), jobs(text=True), strict=True):
         engine.run([job])
+        engine.run([written])  # a rollout makes no text as it goes; its tokens and ending are the same
+        assert (job.chosen, job.tokens, job.finish) == (written.chosen, written.tokens, written.finish)
+        assert job.text == "" and written.text == tokenizer.decode(written.tokens, skip_special_tokens=True)
         alone.append((job.chosen, job.sampled))
     prefills = []
     forward = engine.forward
