@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from ladle.errors import LadleError
-from ladle.serve.rows import Job, RowStop, adjusted, finish, logprob_entry, sample, token_entry
+from ladle.serve.rows import Job, RowStop, adjusted, draw, finish, logprob_entry, sample, token_entry
 
 KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 """Decoder layer types whose cache is keys and values the engine can join and split."""
@@ -277,6 +277,33 @@ def cache_of(kv: list[tuple[torch.Tensor, torch.Tensor]]):
     return DynamicCache(ddp_cache_data=kv)
 
 
+def plain_rollouts(jobs: list[Job], logits: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The rows of rollouts drawn by their temperature alone (no penalty, bias, grammar, top-k or top-p): each
+    one's log-probabilities at its temperature and their probabilities, from one pass over the batch per
+    temperature. Row by row that was a softmax to draw from and a log-softmax to keep, each its own pass and
+    dispatch (of a step's 64 rows on the tiny model, most of the choosing). A row's values do not depend on its
+    neighbours: the normalisation runs along each row alone."""
+    width = logits.shape[-1]
+    by_temperature: dict[float, list[int]] = {}
+    for row, job in enumerate(jobs):
+        if (
+            job.finish is None
+            and job.sampled is not None
+            and job.temperature > 0
+            and not job.adjusts
+            and job.constraint is None
+            and not 0 < job.top_k < width
+            and job.top_p >= 1.0
+        ):
+            by_temperature.setdefault(job.temperature, []).append(row)
+    out = {}
+    for temperature, rows in by_temperature.items():
+        logps = torch.log_softmax(logits[rows].float() / temperature, dim=-1)
+        probs = logps.exp()
+        out.update({row: (logps[i], probs[i]) for i, row in enumerate(rows)})
+    return out
+
+
 class Batch:
     """The running requests and their shared KV cache: rows left-padded to a common length."""
 
@@ -399,6 +426,7 @@ class Batch:
         told so. A row whose sampling fails ends with an error alone: its neighbours go on."""
         tokens = logits.argmax(dim=-1).tolist()
         stopper = RowStop(jobs, self.engine.tokenizer, self.engine.eos)
+        plain = plain_rollouts(jobs, logits)
         for row, job in enumerate(jobs):
             if job.finish is not None:
                 continue
@@ -406,7 +434,9 @@ class Batch:
                 scores = adjusted(job, logits[row]) if job.adjusts else logits[row]
                 if job.constraint is not None:
                     scores = job.constraint.masked(scores)
-                if job.temperature > 0:
+                if row in plain:
+                    token = draw(plain[row][1], job.generator_on(logits.device))
+                elif job.temperature > 0:
                     token = sample(job, scores)
                 else:
                     token = int(scores.argmax()) if job.adjusts or job.constraint else int(tokens[row])
@@ -416,7 +446,8 @@ class Batch:
                 job.emit("error", {"message": f"sampling failed: {type(exc).__name__}: {exc}"})
                 continue
             if job.sampled is not None:  # a rollout: the token's log-probability as the trainer's forward scores it
-                job.sampled.append(float(torch.log_softmax(logits[row].float() / job.temperature, dim=-1)[token]))
+                logps = plain[row][0] if row in plain else torch.log_softmax(logits[row].float() / job.temperature, -1)
+                job.sampled.append(float(logps[token]))
                 job.chosen.append(token)
             entry = logprob_entry(self.engine.tokenizer, job, logits[row], token) if job.logprobs is not None else None
             stopper.advance(job, token, entry)
