@@ -274,8 +274,8 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
 def rollout_parts(cfg: LadleConfig, model: dict, target: Target, local: int) -> dict[str, int]:
     """grpo: what ``local`` completions of one rank hold while they are sampled, in bytes: the KV cache at full
     width (a prompt of up to seq_len and every sampled token, keys and values of every layer, with one layer's
-    copy as the cache grows), the batch's next-token logits and their softmax (float32), and the log-probability
-    buffers of the sampled tokens."""
+    copy as the cache grows), the batch's next-token logits with what drawing from them holds, and the
+    log-probability buffers of the sampled tokens."""
     t = cfg.training
     width = cfg.data.seq_len + t.rl.max_completion_tokens
     layers = int(model.get("num_hidden_layers") or 0)
@@ -286,7 +286,9 @@ def rollout_parts(cfg: LadleConfig, model: dict, target: Target, local: int) -> 
     width_bytes = 4 if target.dtype == "float32" else 2
     return {
         "kv": local * width * 2 * heads * head_dim * width_bytes * (layers + 1),
-        "logits": local * int(model.get("vocab_size") or 0) * 4 * 3,
+        # the logits, scaled by the temperature, their log-softmax and probabilities (float32) and running sums
+        # (float64) that the draw reads (``ladle.serve.engine.plain_rollouts``)
+        "logits": local * int(model.get("vocab_size") or 0) * (4 * 4 + 8),
         "buffers": local * t.rl.max_completion_tokens * 4 * (1 + (t.rl.num_iterations > 1) + (t.rl.beta > 0)),
     }
 

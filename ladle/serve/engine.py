@@ -277,11 +277,12 @@ def cache_of(kv: list[tuple[torch.Tensor, torch.Tensor]]):
     return DynamicCache(ddp_cache_data=kv)
 
 
-def plain_rollouts(jobs: list[Job], logits: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def plain_rollouts(jobs: list[Job], logits: torch.Tensor) -> dict[int, tuple[torch.Tensor, ...]]:
     """The rows of rollouts drawn by their temperature alone (no penalty, bias, grammar, top-k or top-p): each
-    one's log-probabilities at its temperature and their probabilities, from one pass over the batch per
-    temperature. Row by row that was a softmax to draw from and a log-softmax to keep, each its own pass and
-    dispatch (of a step's 64 rows on the tiny model, most of the choosing). A row's values do not depend on its
+    one's log-probabilities at its temperature, their probabilities and running sums (what ``draw`` reads), from
+    one pass over the batch per temperature. Row by row that was a softmax to draw from, a log-softmax to keep
+    and a running sum, each its own pass and dispatch (of a step's 64 rows on the tiny model, most of the
+    choosing). A row's values do not depend on its
     neighbours: the normalisation runs along each row alone."""
     width = logits.shape[-1]
     by_temperature: dict[float, list[int]] = {}
@@ -300,7 +301,8 @@ def plain_rollouts(jobs: list[Job], logits: torch.Tensor) -> dict[int, tuple[tor
     for temperature, rows in by_temperature.items():
         logps = torch.log_softmax(logits[rows].float() / temperature, dim=-1)
         probs = logps.exp()
-        out.update({row: (logps[i], probs[i]) for i, row in enumerate(rows)})
+        cdfs = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+        out.update({row: (logps[i], probs[i], cdfs[i]) for i, row in enumerate(rows)})
     return out
 
 
@@ -435,7 +437,7 @@ class Batch:
                 if job.constraint is not None:
                     scores = job.constraint.masked(scores)
                 if row in plain:
-                    token = draw(plain[row][1], job.generator_on(logits.device))
+                    token = draw(plain[row][1], job.generator_on(logits.device), plain[row][2])
                 elif job.temperature > 0:
                     token = sample(job, scores)
                 else:

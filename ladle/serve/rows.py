@@ -6,6 +6,7 @@ streamed, with each token's log-probabilities in OpenAI's shape.
 from __future__ import annotations
 
 import functools
+import math
 import random
 import threading
 import time
@@ -160,16 +161,18 @@ def sample(job: Job, logits: torch.Tensor) -> int:
     return draw(probs, job.generator_on(probs.device))
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One index of ``probs`` (a softmax's non-negative weights over the vocabulary) by its inverse distribution function:
-    one uniform draw from ``generator``, and the first index whose running sum (float64) passes it. Exact as
-    ``torch.multinomial`` is, which instead draws an exponential for every vocabulary entry: on a CPU core 59 us
-    against 1,196 for SmolLM2's 49k vocabulary, 739 against 3,120 at 128k (bench/RESULTS.md). A zero weight (cut by top-k
-    or top-p) is never drawn: its running sum equals its predecessor's, so never first to pass the draw."""
-    cdf = torch.cumsum(probs, dim=0, dtype=torch.float64)
-    total = cdf[-1]
-    if not float(total) > 0 or not bool(torch.isfinite(total)):  # a NaN anywhere makes the total NaN
-        raise RuntimeError(f"the probabilities sum to {float(total)}: the logits held inf or nan")
+def draw(probs: torch.Tensor, generator: torch.Generator, cdf: torch.Tensor | None = None) -> int:
+    """One index of ``probs`` (a softmax's non-negative weights over the vocabulary) by its inverse distribution
+    function: one uniform draw from ``generator``, and the first index whose running sum (float64; ``cdf`` when
+    the caller made it for a batch) passes it. Exact as ``torch.multinomial`` is, which instead draws an
+    exponential for every vocabulary entry: on a CPU core 59 us against 1,189 for SmolLM2's 49k vocabulary, 154
+    against 3,084 at 128k (bench/RESULTS.md). A zero weight (cut by top-k or top-p) is never drawn: its running
+    sum equals its predecessor's, so never first to pass the draw."""
+    if cdf is None:
+        cdf = torch.cumsum(probs, dim=0, dtype=torch.float64)
+    total = float(cdf[-1])
+    if not (total > 0 and math.isfinite(total)):  # a NaN anywhere makes the total NaN
+        raise RuntimeError(f"the probabilities sum to {total}: the logits held inf or nan")
     point = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device) * total
     index = int(torch.searchsorted(cdf, point, right=True))
     if index >= probs.shape[0]:  # the draw rounded up to the total: the last token with any weight
