@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -57,22 +58,22 @@ def main() -> None:
     trainer.train()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    print(
-        "TRL_RESULT "
-        + json.dumps(
-            {
-                "rank": trainer.accelerator.process_index,
-                "tokens": int(trainer._total_train_tokens),
-                "seconds": clock.seconds,
-                "tokens_per_s": trainer._total_train_tokens / clock.seconds,
-                "losses": losses,
-                "train_loss": losses[-1] if losses else None,
-                "peak_mib": peak,
-                "wall_s": time.perf_counter() - began,
-            }
-        ),
-        flush=True,
+    # One write of the whole line: both ranks print to one pipe, and print() writes the line and its newline
+    # apart, so the other rank's line could fall between them.
+    line = "TRL_RESULT " + json.dumps(
+        {
+            "rank": trainer.accelerator.process_index,
+            "tokens": int(trainer._total_train_tokens),
+            "seconds": clock.seconds,
+            "tokens_per_s": trainer._total_train_tokens / clock.seconds,
+            "losses": losses,
+            "train_loss": losses[-1] if losses else None,
+            "peak_mib": peak,
+            "wall_s": time.perf_counter() - began,
+        }
     )
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
 
 
 if __name__ == "__main__":

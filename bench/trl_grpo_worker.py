@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import resource
 import sys
 import time
@@ -81,20 +82,20 @@ def main() -> None:
     trainer.train()
     history = [h for h in trainer.state.log_history if "reward" in h]
     lengths = [h["completions/mean_length"] for h in history]
-    print(
-        "TRL_RESULT "
-        + json.dumps(
-            {
-                "rank": trainer.accelerator.process_index,
-                "seconds": clock.seconds,
-                "generation_s": GENERATION[0],
-                "rewards": [h["reward"] for h in history],
-                "mean_lengths": lengths,
-                "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            }
-        ),
-        flush=True,
+    # One write of the whole line: both ranks print to one pipe, and print() writes the line and its newline
+    # apart, so the other rank's line could fall between them.
+    line = "TRL_RESULT " + json.dumps(
+        {
+            "rank": trainer.accelerator.process_index,
+            "seconds": clock.seconds,
+            "generation_s": GENERATION[0],
+            "rewards": [h["reward"] for h in history],
+            "mean_lengths": lengths,
+            "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
     )
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
 
 
 if __name__ == "__main__":
