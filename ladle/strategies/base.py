@@ -317,7 +317,9 @@ class Strategy(ABC):
         estimate = sizing.Estimate.of(self.label(options), states, acts, logits, job, note, load, step, save)
         if job.rollout_bytes:
             gathered = job.shape.params * job.dtype_bytes if self.shards_tensors else 0
-            kept = 0 if job.cuda or not gathered else self.heap_kept(job, states, gathered)
+            # On a CPU the update runs beside what the host heap kept of the rollouts' freed memory: their KV
+            # cache, logits and buffers, and under sharding part of the weights gathered for them (``heap_kept``).
+            kept = 0 if job.cuda else job.rollout_bytes + (self.heap_kept(job, states, gathered) if gathered else 0)
             estimate = replace(estimate, rollout=job.rollout_bytes + gathered, kept=kept)
         if job.frozen_reference:  # in the run's dtype; divided over the ranks where the weights are sharded
             ranks = job.world if self.shards_tensors else 1
@@ -329,7 +331,7 @@ class Strategy(ABC):
         freed. glibc raises its mmap threshold to a freed block's size, so later blocks of that size come from the
         heap, whose freed pages stay resident (with the threshold pinned, ``MALLOC_MMAP_THRESHOLD_``, the part
         vanishes: bench/RESULTS.md). Measured on SmolLM2 under FSDP2 at about the part of the weights the rank
-        does not hold (bench/grpo_memory.py, measured / predicted 0.99-1.05)."""
+        does not hold (bench/grpo_memory.py)."""
         return max(0, gathered - weights_held(job, states))
 
     def step_bytes(self, job: sizing.Job, options: Section | None, states: memory.ModelStates) -> int:
