@@ -282,8 +282,7 @@ def plain_rollouts(jobs: list[Job], logits: torch.Tensor) -> dict[int, tuple[tor
     one's log-probabilities at its temperature, their probabilities and running sums (what ``draw`` reads), from
     one pass over the batch per temperature. Row by row that was a softmax to draw from, a log-softmax to keep
     and a running sum, each its own pass and dispatch (of a step's 64 rows on the tiny model, most of the
-    choosing). A row's values do not depend on its
-    neighbours: the normalisation runs along each row alone."""
+    choosing). A row's values do not depend on its neighbours: the normalisation runs along each row alone."""
     width = logits.shape[-1]
     by_temperature: dict[float, list[int]] = {}
     for row, job in enumerate(jobs):

@@ -230,7 +230,7 @@ class Estimate:
     save: int = 0  # what rank 0 gathers at once to save, beside the states (CPU runs: on a GPU it goes to the host)
     runtime: int = 0  # a CPU rank's lazily built runtime during its steps (CPU_STEP_RUNTIME)
     rollout: int = 0  # grpo: what sampling adds to the states (KV cache, logits, weights gathered whole)
-    kept: int = 0  # grpo on a CPU: the weights gathered for sampling, freed, but kept resident by the host heap
+    kept: int = 0  # grpo on a CPU: what the rollouts freed (KV cache, logits, gathered weights) the heap keeps
     reference: int = 0  # grpo, full fine-tune with beta > 0: the frozen starting weights the KL is measured against
 
     @property
