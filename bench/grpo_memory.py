@@ -1,13 +1,14 @@
 """GRPO's per-rank memory: the planner's prediction against the measured peak, on the real model.
 
-    .venv/bin/python bench/grpo_memory.py [--strategies ddp,zero3,fsdp2] [--steps 3]
+    .venv/bin/python bench/grpo_memory.py [--strategies ddp,zero3,fsdp2] [--steps 3] [--full [--beta 0.04]]
 
 SmolLM2-135M-Instruct (the shipped GGUF, float32), the GRPO recipe's prompts, rewards and settings (LoRA r=16 on
 every linear layer, 8 prompts x 8 completions of up to 24 tokens per step, micro-batches of 16), 2 CPU processes,
 a few steps under each strategy. The prediction is the plan's per-rank peak (``plan_estimate``: loading, the
 update step, the rollouts with their KV cache and, under ZeRO-3 and FSDP2, the weights gathered whole); the measure
 is the largest rank's peak resident set less its process baseline before the model loaded (bench/memory.py's
-measure), as for DPO.
+measure), as for DPO. ``--full``: a full fine-tune instead; with ``--beta`` above 0 its KL reference (a frozen
+copy of the starting weights, sharded as the trained ones under ZeRO-3 and FSDP2) is held beside it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from ladle.train.run import launch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(strategy: str, steps: int, tmp: Path) -> dict:
+FULL = ["training.lora.enabled=false", "training.lr=1e-5"]  # --full: a full fine-tune (--beta: with a reference)
+
+
+def run(strategy: str, steps: int, tmp: Path, full: bool = False, beta: float = 0.0) -> dict:
     from ladle import rewards as reward_fns
 
     cfg = load_config(
@@ -41,6 +45,8 @@ def run(strategy: str, steps: int, tmp: Path) -> dict:
             "training.global_batch_size=64",
             "training.checkpoint_every=0",
             f"output={tmp}",
+            f"training.rl.beta={beta}",
+            *(FULL if full else []),
         ],
     )
     resolve_base(cfg.base, "float32")
@@ -53,6 +59,9 @@ def run(strategy: str, steps: int, tmp: Path) -> dict:
     predicted = estimate.peak / 2**20
     return {
         "strategy": strategy,
+        "full_finetune": full,
+        "beta": beta,
+        "reference_mib": estimate.reference / 2**20,
         "peak_mib": result.peak_memory_mib,
         "above_baseline_mib": measured,
         "predicted_mib": predicted,
@@ -71,11 +80,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategies", default="ddp,zero3,fsdp2")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--full", action="store_true", help="a full fine-tune instead of the recipe's LoRA")
+    parser.add_argument("--beta", type=float, default=0.0, help="the KL's weight (> 0: a reference is held)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in args.strategies.split(","):
-            row = run(strategy, args.steps, Path(tmp) / strategy)
+            row = run(strategy, args.steps, Path(tmp) / strategy, args.full, args.beta)
             rows.append(row)
             parts = ", ".join(f"{k} {v:.0f}" for k, v in row["predicted_parts_mib"].items())
             print(
@@ -83,7 +94,8 @@ def main() -> None:
                 f"{row['predicted_mib']:7.0f} MiB ({parts})  measured/predicted {row['measured_over_predicted']:.3f}",
                 flush=True,
             )
-    print("saved", save("grpo_memory", {"steps": args.steps, "rows": rows}))
+    name = "grpo_memory_full" if args.full else "grpo_memory"
+    print("saved", save(name, {"steps": args.steps, "full": args.full, "beta": args.beta, "rows": rows}))
 
 
 if __name__ == "__main__":
