@@ -143,11 +143,13 @@ class FSDP2(Strategy):
         s, hsdp, offload = job.shape, options.replicate != 1, options.cpu_offload
         ends = self.ends_gathered(job, options)  # false: only decoder layers are ever gathered
         largest = max(s.layer_params, s.embedding_params // 2) if ends else s.layer_params
+        accumulated = self.accumulated_gradients(job)
         if job.dtype_bytes == 4:  # float32 (CPU): the shards, one unit gathered with its gradient, the ends
             ranks = job.gpus_per_node if hsdp else job.world
             states = memory.fp32(s.params, ranks)
             gathered = 8 * largest + (4 * s.embedding_params if ends else 0)
-            return memory.ModelStates(states.weights, states.gradients, states.optimizer, gathered)
+            gradients = accumulated or states.gradients  # unsharded while accumulating, in place of the shard
+            return memory.ModelStates(states.weights, gradients, states.optimizer, gathered)
         states = memory.zero3(
             s.params,
             largest,
@@ -159,8 +161,18 @@ class FSDP2(Strategy):
         # Gathered, the embedding and the head are the largest units beside the layers.
         root = memory.WEIGHT_16 * s.embedding_params if ends else 0
         return memory.ModelStates(
-            states.weights, states.gradients, states.optimizer, states.gathered + root, states.host
+            states.weights, states.gradients + accumulated, states.optimizer, states.gathered + root, states.host
         )
+
+    @staticmethod
+    def accumulated_gradients(job) -> int:
+        """A full fine-tune that accumulates (more than one micro-batch a rank per step): the micro-batches before
+        the last run under ``set_requires_gradient_sync(False)``, and FSDP2 then keeps each unit's gradient
+        unsharded, in the reduce dtype (float32), until the last one's backward reduce-scatters it. So a rank holds
+        the whole model's float32 gradients through the step (measured on SmolLM2's GRPO on a CPU: the peak in the
+        last micro-batch's backward, bench/RESULTS.md). 0 without accumulation."""
+        per_rank = job.microbatches // max(job.world, 1)
+        return 4 * job.shape.params if per_rank > 1 else 0
 
     def load_bytes(self, job, options, states) -> int:
         """Loading fills each rank's rows from the safetensors (``Pending.fill`` reads a slice at a time), so
