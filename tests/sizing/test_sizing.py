@@ -271,6 +271,23 @@ def test_fsdp2_vocabulary_parallel_ends_gather_only_layers_and_chunk_the_logits(
     assert estimates[True].weights == estimates[False].weights  # the same shards
 
 
+def test_fsdp2_full_finetune_that_accumulates_holds_its_gradients_unsharded():
+    """Micro-batches before a step's last run under no_sync, and FSDP2 keeps each unit's gradient unsharded in
+    float32 until the last one reduce-scatters it: a full fine-tune that accumulates holds 4 bytes a parameter on
+    every rank, one that does not only its shard of them (bench/RESULTS.md: SmolLM2's GRPO on a CPU)."""
+    from ladle import strategies
+
+    fsdp2 = strategies.get("fsdp2")
+    options = fsdp2.options(build_config({"base": "ladle://tiny-llama", "data": {"path": "x"}}, []))
+    shape = sizing.shape_from_config(MODELS["llama-3.1-8b"])
+    for dtype_bytes, cuda in ((2, True), (4, False)):
+        once = sizing.Job(shape, False, False, 1, 1024, dtype_bytes, False, 8, 1, microbatches=8, cuda=cuda)
+        twice = sizing.Job(shape, False, False, 1, 1024, dtype_bytes, False, 8, 1, microbatches=16, cuda=cuda)
+        alone, accumulating = fsdp2.model_states(once, options), fsdp2.model_states(twice, options)
+        assert accumulating.gradients - alone.gradients == 4 * shape.params - (4 * shape.params // 8 if not cuda else 0)
+        assert (accumulating.weights, accumulating.optimizer) == (alone.weights, alone.optimizer)
+
+
 def test_ddp_broadcast_counts_the_flat_buckets_as_torch_closes_them():
     """DDP's wrap broadcasts in buckets closed once they reach 250 MiB; a bucket of several tensors is copied
     flat, a single tensor is not; two are in flight. Llama-3's 128k vocabulary on 4 layers (the bench's
