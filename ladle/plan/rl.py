@@ -47,12 +47,19 @@ def choose_rollouts(
     return Decision(None, tuple(reasons), problems=tuple(problems))
 
 
+def weights_bytes(target: Target, model: dict) -> int | None:
+    """Every weight of the base in the run's dtype, in bytes (None: its config.json lacks the shape)."""
+    try:
+        params = sizing.shape_from_config(model).params
+    except (KeyError, TypeError, ValueError):
+        return None
+    return params * (4 if target.dtype == "float32" else 2)
+
+
 def reference_weights(name: str, sharded: bool, target: Target, model: dict) -> str:
     """What a full fine-tune's KL reference (a frozen copy of the starting weights) holds per rank, in words."""
-    width = 4 if target.dtype == "float32" else 2
-    try:
-        whole = sizing.shape_from_config(model).params * width
-    except (KeyError, TypeError, ValueError):
+    whole = weights_bytes(target, model)
+    if whole is None:
         return "KL reference: a frozen copy of the starting weights (not sized)"
     if sharded:
         world = max(target.world_size, 1)
@@ -87,12 +94,10 @@ def rollout_memory(cfg: LadleConfig, target: Target, model: dict, local: int, mi
 
 def gathered_weights(name: str, target: Target, model: dict) -> str:
     """What gathering every weight for the rollouts holds per rank (ZeRO-3, FSDP2), in words."""
-    try:
-        params = sizing.shape_from_config(model).params
-    except (KeyError, TypeError, ValueError):
+    whole = weights_bytes(target, model)
+    if whole is None:
         return f"rollout weights: {name} gathers every weight whole on each rank while it samples (not sized)"
-    width = 4 if target.dtype == "float32" else 2
     return (
         f"rollout weights: {name} gathers every weight whole on each rank while it samples, "
-        f"{sizing.gib(params * width)} per rank for the step's rollouts (partitioned again for the update)"
+        f"{sizing.gib(whole)} per rank for the step's rollouts (partitioned again for the update)"
     )

@@ -121,11 +121,12 @@ class ZeRO(Strategy):
         return None
 
     def heap_kept(self, job, states, gathered: int) -> int:
-        """ZeRO-3's update then gathers each layer's partitions into fresh blocks as it runs (forward and backward),
-        which the raised threshold also puts on the heap: measured on SmolLM2 at about the whole gathered weights
-        (bench/grpo_memory.py: 2,618-2,766 MiB against 2,198 predicted with only the part not held; 1,467-1,499 MiB
-        with the threshold pinned, so the part is the heap's)."""
-        return gathered if self.stage == 3 else super().heap_kept(job, states, gathered)
+        """ZeRO-3 (the only stage that gathers for the rollouts): its update then gathers each layer's partitions
+        into fresh blocks as it runs (forward and backward), which the raised threshold also puts on the heap:
+        measured on SmolLM2 at about the whole gathered weights (bench/grpo_memory.py: 2,618-2,766 MiB against
+        2,198 predicted with only the part not held; 1,467-1,499 MiB with the threshold pinned, so the part is the
+        heap's)."""
+        return gathered
 
     def offload(self, options) -> tuple[bool, bool]:
         return options.offload_optimizer != "none", options.offload_param != "none"

@@ -49,12 +49,11 @@ def load_model(spec: TrainSpec, accelerator: Accelerator):
 
     cfg, plan = spec.config, spec.plan
     runtime = runtime_for(plan.strategy)
-    dtype = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
+    dtype = loading.run_dtype(plan)
     quantized = cfg.training.quantization.mode == "nf4"
     pending = None
     if runtime.strategy.loads_lazily and not quantized:
-        model = loading.build_empty(spec.base_dir, dtype, lambda: runtime.empty_context(plan, dtype))
-        pending = loading.Pending(loading.Checkpoint(spec.base_dir))
+        model, pending = loading.skeleton(spec.base_dir, plan, runtime)
     else:
         kwargs = {"dtype": dtype, **runtime.load_kwargs(accelerator, plan)}
         if quantized:

@@ -289,6 +289,19 @@ def shard_range(rows: int, shards: int, coordinate: int) -> tuple[int, int]:
     return start, min(start + chunk, rows) - start
 
 
+def run_dtype(plan) -> torch.dtype:
+    """The weights' dtype in the worker: the plan's on CUDA, float32 on a CPU."""
+    return getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
+
+
+def skeleton(base_dir: Path, plan, runtime) -> tuple[torch.nn.Module, Pending]:
+    """The base's empty model as ``runtime`` builds it (its ``empty_context``: the meta device, or ZeRO-3's
+    partitions) in the run's dtype, and the ``Pending`` its ``wrap`` fills from the checkpoint, each rank its part."""
+    dtype = run_dtype(plan)
+    model = build_empty(base_dir, dtype, lambda: runtime.empty_context(plan, dtype))
+    return model, Pending(Checkpoint(base_dir))
+
+
 def build_empty(base_dir: Path, dtype: torch.dtype, context: Callable):
     """The base architecture from ``base_dir``'s config.json inside ``context`` (no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -202,15 +202,12 @@ class Runtime(ABC):
 
         if not self.strategy.shards_tensors:
             return copy.deepcopy(policy).eval().requires_grad_(False)
-        import torch
-
         from ladle.train import loading
 
-        dtype = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
-        model = loading.build_empty(base_dir, dtype, lambda: self.empty_context(plan, dtype))
+        model, pending = loading.skeleton(base_dir, plan, self)
         model.config.use_cache = False
         model.requires_grad_(False)
-        pending = loading.Pending(loading.Checkpoint(base_dir), loading.kept_values(model))  # the buffers, kept
+        pending.values = loading.kept_values(model)  # its buffers, which filling the skeleton would wipe
         wrapped = self.wrap_frozen(accelerator, model, plan, pending)
         hf = self.hf_model(accelerator, wrapped).eval()
         hf.ladle_wrapper = wrapped  # what holds the sharding's hooks stays alive as long as the model

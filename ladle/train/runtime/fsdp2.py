@@ -45,6 +45,8 @@ class FSDP2Runtime(Runtime):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+        from ladle.train.loading import run_dtype
+
         if pending is None:
             model.to(accelerator.device)
         replicate = replicas(plan)
@@ -56,7 +58,7 @@ class FSDP2Runtime(Runtime):
             )
         else:
             mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
-        compute = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
+        compute = run_dtype(plan)
         options = {
             "mesh": mesh,
             "reshard_after_forward": plan.strategy_options.get("reshard_after_forward", True),

@@ -19,6 +19,7 @@ class NDRuntime(Runtime):
 
         from ladle.strategies.mesh import device_mesh
         from ladle.train.kernels import decoder_layers
+        from ladle.train.loading import run_dtype
         from ladle.train.runtime import mesh_parallel as mp
         from ladle.train.runtime.pipeline_stage import (
             StageModule,
@@ -42,7 +43,7 @@ class NDRuntime(Runtime):
         if dims.tp > 1:
             mp.apply_tensor_parallel(layers, mesh["tp"])
         if dims.dp * dims.sp > 1:
-            compute = getattr(torch, plan.dtype) if plan.device == "cuda" else torch.float32
+            compute = run_dtype(plan)
             shard = "dp_shard_sp" if dims.sp > 1 else "dp_shard"  # the sp ranks shard and reduce with dp_shard's
             dp_mesh = mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
             options = {
