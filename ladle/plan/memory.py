@@ -131,6 +131,22 @@ def host_bytes() -> int | None:
         return None
 
 
+def settle_options(
+    cfg, topo, target: Target, model, strategy: Strategy, micro: int, accumulation: int
+) -> Decision[dict[str, Any]]:
+    """The chosen strategy's options that depend on the batch layout (``Strategy.settle_options``), explicit."""
+    job = None
+    if model is not None:
+        try:
+            job = sizing_job(cfg, model, target, micro)
+        except LadleError:
+            job = None  # choose_strategy already warned that memory was not sized
+    capacity = device_bytes(topo, target.device, target.processes_per_machine)
+    lora = cfg.training.lora.enabled
+    updates, reasons = strategy.settle_options(job, strategy.options(cfg), capacity, lora, accumulation)
+    return Decision(updates, reasons)
+
+
 def check_memory(cfg, topo, target: Target, model, strategy: Strategy, micro: int) -> Decision[dict[str, int]]:
     """The whole pipeline's memory for the chosen layout: loading and a training step per rank, the LoRA merge
     in host RAM, and one serving replica per device; a merge or a server that cannot fit this machine is
@@ -220,6 +236,7 @@ def plan_estimate(cfg: LadleConfig, plan: Plan, model: dict) -> sizing.Estimate:
     strategy = strategies.get(plan.strategy)
     target = Target(plan.device, plan.processes_per_machine, plan.num_machines, plan.dtype)
     cfg = with_training(cfg, gradient_checkpointing=plan.gradient_checkpointing)
+    cfg = strategy.with_options(cfg, plan.strategy_options)  # as the plan settled them (``settle_options``)
     return strategy.estimate(sizing_job(cfg, model, target, plan.micro_batch_size), strategy.options(cfg))
 
 

@@ -23,6 +23,7 @@ from ladle.plan.memory import (
     choose_micro,
     choose_strategy,
     plan_estimate,
+    settle_options,
     sizing_job,
     with_training,
 )
@@ -63,6 +64,8 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     micro = choose_micro(cfg, topo, target, model, strategy, replicas)
     batch = choose_batch(cfg, micro.value, replicas, strategy.default_accumulation(options))
     accumulation, global_batch = batch.value
+    settled = settle_options(cfg, topo, target, model, strategy, micro.value, accumulation)
+    cfg = strategy.with_options(cfg, settled.value) if settled.value else cfg
     checks = Decision(
         None,
         problems=(
@@ -76,8 +79,8 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     reference = choose_reference(cfg, strategy, target, model)
     rollouts = choose_rollouts(cfg, strategy, target, model, micro.value, global_batch)
     steps = (
-        world, nodes, recompute, chosen, layout, micro, batch, dtype, checks, memory, eval_micro, serving, reference,
-        rollouts,
+        world, nodes, recompute, chosen, layout, micro, batch, settled, dtype, checks, memory, eval_micro, serving,
+        reference, rollouts,
     )  # fmt: skip
     shape = shape_summary(model)
     plan = build_plan(

@@ -165,6 +165,14 @@ class Strategy(ABC):
         ``auto`` (``nd``: degrees set in ``parallelism.dims``)."""
         return False
 
+    def settle_options(
+        self, job: sizing.Job | None, options: Section | None, capacity: int | None, lora: bool, per_rank: int
+    ) -> tuple[dict[str, Any], tuple[str, ...]]:
+        """Options left ``auto`` that only the batch layout decides, made explicit (updates, and the plan's
+        reasons for them): ``per_rank`` micro-batches a rank each step, ``job`` None where the model's size is
+        unknown, ``capacity`` a rank's memory (None: unknown). Nothing by default."""
+        return {}, ()
+
     # -- planner side: checks ----------------------------------------------------------------------
 
     @abstractmethod

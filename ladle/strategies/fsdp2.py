@@ -10,10 +10,12 @@ verifies that every parameter really is sharded.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from ladle.section import Section
-from ladle.sizing import memory
+from ladle.sizing import HEADROOM, gib, memory
 from ladle.strategies.base import Candidate, Strategy
 from ladle.strategies.catalog import register
 from ladle.strategies.mesh import Dims
@@ -39,6 +41,15 @@ class FSDP2Options(Section):
         "hidden states, tokens x hidden, instead of vocab x hidden weights). false: both are FSDP units, "
         "gathered for their forward and backward. Applies to untied ends under plain FSDP (not HSDP or "
         "cpu_offload).",
+    )
+    gradient_sync: Literal["auto", "last_microbatch", "each_microbatch"] = Field(
+        "auto",
+        description="When a step accumulates (more than one micro-batch a rank), when gradients are "
+        "reduce-scattered. last_microbatch: once a step, after the last micro-batch; until then each rank holds "
+        "the whole model's gradients unsharded in float32 (4 bytes a parameter). each_microbatch: after every "
+        "micro-batch, so gradients stay sharded, at one reduce-scatter a micro-batch (under HSDP the all-reduce "
+        "across replicas still runs once a step). auto: last_microbatch where the plan fits with the unsharded "
+        "gradients, else each_microbatch; the plan says which and why in GiB.",
     )
     compile: bool = Field(
         False,
@@ -76,6 +87,11 @@ def compile_problems(topo) -> list[str]:
                 f"Upgrade {package} or set parallelism.fsdp2.compile=false."
             )
     return problems
+
+
+def microbatches_per_rank(job) -> int:
+    """Micro-batches each rank runs a step (``job.microbatches`` counts every rank's)."""
+    return job.microbatches // max(job.world, 1)
 
 
 def replicas(plan) -> int:
@@ -143,7 +159,7 @@ class FSDP2(Strategy):
         s, hsdp, offload = job.shape, options.replicate != 1, options.cpu_offload
         ends = self.ends_gathered(job, options)  # false: only decoder layers are ever gathered
         largest = max(s.layer_params, s.embedding_params // 2) if ends else s.layer_params
-        accumulated = self.accumulated_gradients(job)
+        accumulated = self.accumulated_gradients(job) if options.gradient_sync == "last_microbatch" else 0
         if job.dtype_bytes == 4:  # float32 (CPU): the shards, one unit gathered with its gradient, the ends
             ranks = job.gpus_per_node if hsdp else job.world
             states = memory.fp32(s.params, ranks)
@@ -166,13 +182,45 @@ class FSDP2(Strategy):
 
     @staticmethod
     def accumulated_gradients(job) -> int:
-        """A full fine-tune that accumulates (more than one micro-batch a rank per step): the micro-batches before
-        the last run under ``set_requires_gradient_sync(False)``, and FSDP2 then keeps each unit's gradient
-        unsharded, in the reduce dtype (float32), until the last one's backward reduce-scatters it. So a rank holds
-        the whole model's float32 gradients through the step (measured on SmolLM2's GRPO on a CPU: the peak in the
-        last micro-batch's backward, bench/RESULTS.md). 0 without accumulation."""
-        per_rank = job.microbatches // max(job.world, 1)
-        return 4 * job.shape.params if per_rank > 1 else 0
+        """A full fine-tune that accumulates (more than one micro-batch a rank per step) with ``gradient_sync:
+        last_microbatch``: the micro-batches before the last run under ``set_requires_gradient_sync(False)``, and
+        FSDP2 then keeps each unit's gradient unsharded, in the reduce dtype (float32), until the last one's
+        backward reduce-scatters it. So a rank holds the whole model's float32 gradients through the step (measured
+        on SmolLM2's GRPO on a CPU: the peak in the last micro-batch's backward, bench/RESULTS.md). 0 without
+        accumulation."""
+        return 4 * job.shape.params if microbatches_per_rank(job) > 1 and not job.lora else 0
+
+    def settle_options(self, job, options, capacity, lora: bool, per_rank: int) -> tuple[dict, tuple[str, ...]]:
+        """``gradient_sync: auto`` made explicit once the batch layout is known: one reduce-scatter a step where
+        the plan fits with the whole model's unsharded float32 gradients on every rank, else one a micro-batch
+        (the gradients stay sharded: torchtitan's way, the one FSDP2's authors advise where memory is short). The
+        reason says which, in GiB. ``job`` None: the model size is unknown."""
+        if options.gradient_sync != "auto":
+            return {}, ()
+        each = {"gradient_sync": "each_microbatch"}
+        if lora or per_rank <= 1:  # nothing large is ever held back
+            return {"gradient_sync": "last_microbatch"}, ()
+        if job is None or capacity is None:
+            return each, (
+                f"fsdp2 gradient sync: each of {per_rank} micro-batches a rank (auto; the model size or device "
+                "memory is unknown, so gradients stay sharded rather than be held unsharded through the step)",
+            )
+        deferred = self.estimate(job, options.model_copy(update={"gradient_sync": "last_microbatch"}))
+        whole = gib(self.accumulated_gradients(job))
+        limit = f"{gib(HEADROOM * capacity)} usable a rank"
+        if deferred.fits(capacity):
+            return {"gradient_sync": "last_microbatch"}, (
+                f"fsdp2 gradient sync: once a step, after the last of {per_rank} micro-batches a rank (auto): the "
+                f"unsharded float32 gradients ({whole} a rank) fit, {gib(deferred.total)} within {limit}",
+            )
+        sharded = self.estimate(job, options.model_copy(update=each))
+        hsdp = "; across replicas the all-reduce still runs once a step" if options.replicate != 1 else ""
+        return each, (
+            f"fsdp2 gradient sync: each of {per_rank} micro-batches a rank (auto): holding the gradients unsharded "
+            f"until the last ({whole} a rank) would need {gib(deferred.total)}, more than {limit}; reduce-scattered "
+            f"each micro-batch they stay sharded ({gib(sharded.total)}), at {per_rank}x the reduce-scatter "
+            f"traffic{hsdp}",
+        )
 
     def load_bytes(self, job, options, states) -> int:
         """Loading fills each rank's rows from the safetensors (``Pending.fill`` reads a slice at a time), so
@@ -223,6 +271,7 @@ class FSDP2(Strategy):
                 "reduce_dtype": "float32",
             },
             "cpu_offload": opts["cpu_offload"],
+            "gradient_sync": opts.get("gradient_sync", "last_microbatch"),
             "compile": bool(plan.kernels.get("compile", opts["compile"])),
             "units": "each *DecoderLayer, the input embedding, the output head, then the root",
             "vocabulary": "sharded: vocabulary-parallel embedding and loss"

@@ -98,12 +98,26 @@ def test_fsdp2_is_selectable_and_carries_its_options():
         "cpu_offload": False,
         "replicate": 1,
         "shard_head": True,
+        "gradient_sync": "last_microbatch",  # LoRA: the gradients held back are the adapters'
         "compile": False,
     }
     assert plan.launcher_config["vocabulary"] == "sharded: vocabulary-parallel embedding and loss"
     assert "--multi_gpu" in plan.launcher_argv(
         ["spec.json"]
     )  # fully_shard is applied by ladle, not accelerate's plugin
+    # A full fine-tune of a model whose size the plan does not know, two micro-batches a rank: its gradients are
+    # reduce-scattered each micro-batch, so they are never held unsharded (tests/sizing sizes the choice).
+    full = plan_for(
+        CPU,
+        "parallelism.strategy=fsdp2",
+        "training.lora.enabled=false",
+        "training.micro_batch_size=1",
+        "training.global_batch_size=4",
+    )
+    assert full.strategy_options["gradient_sync"] == "each_microbatch"
+    assert "fsdp2 gradient sync: each of 2 micro-batches a rank (auto; the model size or device memory is unknown" in (
+        " ".join(full.reasons)
+    )
 
 
 def test_fsdp2_cpu_offload_needs_cuda():

@@ -272,20 +272,63 @@ def test_fsdp2_vocabulary_parallel_ends_gather_only_layers_and_chunk_the_logits(
 
 
 def test_fsdp2_full_finetune_that_accumulates_holds_its_gradients_unsharded():
-    """Micro-batches before a step's last run under no_sync, and FSDP2 keeps each unit's gradient unsharded in
-    float32 until the last one reduce-scatters it: a full fine-tune that accumulates holds 4 bytes a parameter on
-    every rank, one that does not only its shard of them (bench/RESULTS.md: SmolLM2's GRPO on a CPU)."""
+    """With ``gradient_sync: last_microbatch`` the micro-batches before a step's last run under no_sync, and FSDP2
+    keeps each unit's gradient unsharded in float32 until the last one reduce-scatters it: a full fine-tune that
+    accumulates holds 4 bytes a parameter on every rank, one that does not only its shard of them
+    (bench/RESULTS.md: SmolLM2's GRPO on a CPU). ``each_microbatch`` reduce-scatters every micro-batch: the shard
+    only, accumulating or not."""
     from ladle import strategies
 
     fsdp2 = strategies.get("fsdp2")
-    options = fsdp2.options(build_config({"base": "ladle://tiny-llama", "data": {"path": "x"}}, []))
+    cfg = build_config({"base": "ladle://tiny-llama", "data": {"path": "x"}}, [])
+    deferred, each = (
+        fsdp2.options(cfg).model_copy(update={"gradient_sync": mode}) for mode in ("last_microbatch", "each_microbatch")
+    )
     shape = sizing.shape_from_config(MODELS["llama-3.1-8b"])
     for dtype_bytes, cuda in ((2, True), (4, False)):
         once = sizing.Job(shape, False, False, 1, 1024, dtype_bytes, False, 8, 1, microbatches=8, cuda=cuda)
         twice = sizing.Job(shape, False, False, 1, 1024, dtype_bytes, False, 8, 1, microbatches=16, cuda=cuda)
-        alone, accumulating = fsdp2.model_states(once, options), fsdp2.model_states(twice, options)
+        alone, accumulating = fsdp2.model_states(once, deferred), fsdp2.model_states(twice, deferred)
         assert accumulating.gradients - alone.gradients == 4 * shape.params - (4 * shape.params // 8 if not cuda else 0)
         assert (accumulating.weights, accumulating.optimizer) == (alone.weights, alone.optimizer)
+        assert fsdp2.model_states(twice, each) == fsdp2.model_states(once, each) == alone
+
+
+def test_fsdp2_gradient_sync_auto_reduce_scatters_each_microbatch_where_unsharded_gradients_do_not_fit(machines):
+    """Llama-3.1-8B, a full fine-tune under fsdp2, 4 micro-batches a rank: on 8 x 80 GiB its float32 gradients
+    (32 GB a rank) fit held unsharded through the step, so auto reduce-scatters once a step; on 8 x 48 GiB they do
+    not, so auto reduce-scatters each micro-batch and the gradients stay sharded; asked for there, the unsharded
+    way is warned about in GiB."""
+    layout = ("parallelism.strategy=fsdp2", "training.global_batch_size=32")
+    roomy = plan(machines, "8x80 nvswitch", "llama-3.1-8b", "full", *layout)
+    tight = plan(machines, "8x48 pcie", "llama-3.1-8b", "full", *layout)
+    assert roomy.strategy_options["gradient_sync"] == roomy.launcher_config["gradient_sync"] == "last_microbatch"
+    assert tight.strategy_options["gradient_sync"] == tight.launcher_config["gradient_sync"] == "each_microbatch"
+    said = {
+        name: next(r for r in p.reasons if r.startswith("fsdp2 gradient sync"))
+        for name, p in (("roomy", roomy), ("tight", tight))
+    }
+    assert (
+        "once a step, after the last of 4 micro-batches a rank (auto): the unsharded float32 gradients" in said["roomy"]
+    )
+    assert "each of 4 micro-batches a rank (auto): holding the gradients unsharded until the last" in said["tight"]
+    assert "more than 43.2 GiB usable a rank" in said["tight"] and "at 4x the reduce-scatter traffic" in said["tight"]
+    assert not any("needs" in w for w in tight.warnings)  # sharded, it fits
+    asked = plan(
+        machines, "8x48 pcie", "llama-3.1-8b", "full", *layout, "parallelism.fsdp2.gradient_sync=last_microbatch"
+    )
+    assert asked.strategy_options["gradient_sync"] == "last_microbatch"
+    assert not any(r.startswith("fsdp2 gradient sync") for r in asked.reasons)
+    assert any("parallelism.strategy = fsdp2 needs" in w for w in asked.warnings)
+    # One micro-batch a rank, or LoRA: nothing is held back, so the step reduce-scatters once and says nothing.
+    for quiet in (
+        plan(
+            machines, "8x48 pcie", "llama-3.1-8b", "full", "parallelism.strategy=fsdp2", "training.global_batch_size=8"
+        ),
+        plan(machines, "8x48 pcie", "llama-3.1-8b", "lora", *layout),
+    ):
+        assert quiet.strategy_options["gradient_sync"] == "last_microbatch"
+        assert not any(r.startswith("fsdp2 gradient sync") for r in quiet.reasons)
 
 
 def test_ddp_broadcast_counts_the_flat_buckets_as_torch_closes_them():

@@ -314,7 +314,9 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
         "zero2": grpo_spec("zero2", tmp_path),
         "one_full": grpo_spec("ddp", tmp_path, *FULL, processes=1),  # the reference: a copy of the replica
         "zero3": grpo_spec("zero3", tmp_path, *FULL),  # every weight gathered for the rollouts, partitioned after
-        "fsdp2": grpo_spec("fsdp2", tmp_path, *FULL),  # every unit unsharded for the rollouts, resharded after
+        # Every unit unsharded for the rollouts, resharded after; each rank's two micro-batches reduce-scattered
+        # one by one, the gradients accumulating sharded (tests/train/test_strategies.py holds them unsharded).
+        "fsdp2": grpo_spec("fsdp2", tmp_path, *FULL, "parallelism.fsdp2.gradient_sync=each_microbatch"),
     }
     results = launch_all(specs)
     one, two, full = results["one"], results["zero2"], results["one_full"]
@@ -335,6 +337,7 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
     for sharded in ("zero3", "fsdp2"):
         assert results[sharded].kernels["rollouts"].endswith("gathered whole for each step's rollouts")
     assert results["fsdp2"].sharding["parameter_share"] == pytest.approx(0.5, abs=0.02)
+    assert results["fsdp2"].sharding["gradient_sync"] == "each_microbatch"
     assert one.kernels["rollouts"].startswith("ladle's batching engine on the live weights")
     assert one.adapter_url and one.rl["eval_reward_after"] != one.rl["eval_reward_before"]
 

@@ -267,6 +267,8 @@ def test_full_finetune_consolidates_to_the_same_safetensors(full_runs, name, tmp
 
     ddp, other = full_runs["ddp"], full_runs[name]
     assert other.adapter_url is None and other.model_url
+    if name == "fsdp2":  # two micro-batches a rank; on this host the unsharded float32 gradients fit (auto)
+        assert other.sharding["gradient_sync"] == "last_microbatch"
     weights = {n: saved_weights(Path(r.model_url)) for n, r in (("ddp", ddp), (name, other))}
     assert weights[name].keys() == weights["ddp"].keys() and len(weights[name]) >= 30
     if name in ("zero3", "fsdp2", "pipeline"):  # streamed in 1 MiB parts, each written before the next was gathered
@@ -297,20 +299,25 @@ def test_full_finetune_consolidates_to_the_same_safetensors(full_runs, name, tmp
 
 def test_hsdp_shards_within_groups_and_matches_ddp(runs, tmp_path):
     """4 processes as 2 replica groups x 2 shards (FSDP2 on a 2-D mesh): each rank holds half the
-    parameters, placed (Replicate, Shard(0)), and the losses are DDP's (same global batch)."""
+    parameters, placed (Replicate, Shard(0)), and the losses are DDP's (same global batch). Each rank's two
+    micro-batches are reduce-scattered one by one within its group, the all-reduce across the groups waiting for
+    the second (``gradient_sync: each_microbatch``)."""
     spec = spec_for(
         "fsdp2",
         tmp_path,
         "parallelism.cpu_processes=4",
         "parallelism.fsdp2.replicate=2",
+        "parallelism.fsdp2.gradient_sync=each_microbatch",
         "training.micro_batch_size=1",
         "training.checkpoint_every=0",
     )
     assert spec.plan.launcher_config["mesh"] == {"replicate": 2, "shard": 2}
+    assert spec.plan.gradient_accumulation == 2
     # Uneven on purpose: a rank with fewer eval rows must still join every sharded forward (it once hung here).
     assert spec.dataset.eval_rows % 4 != 0
     result = launch(spec)
     assert result.world_size == 4 and result.sharding["wrapper"] == "FSDP2 (HSDP)" and result.sharding["mesh"] == [2, 2]
+    assert result.sharding["gradient_sync"] == "each_microbatch"
     assert result.sharding["parameter_share"] == pytest.approx(0.5, abs=0.01)
     assert result.sharding["output_head"].startswith("gathered (kept sharded over one data-parallel dimension")
     assert result.train_losses == pytest.approx(runs["ddp"][0].train_losses, abs=1e-5)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from ladle.strategies.fsdp2 import replicas
 from ladle.train.kernels import decoder_layers
@@ -34,6 +34,22 @@ def keep_vocab_sharded(model, mesh, wanted: bool, offloaded: bool, dtype) -> Non
     embed, head = (reason is None for reason in why)
     model.ladle_vocab = ShardedVocab(model, mesh.get_group(), dtype, embed, head) if embed or head else None
     model.ladle_vocab_notes = end_notes(why, "sharded")
+
+
+def gradient_sync(plan) -> str:
+    """The plan's ``parallelism.fsdp2.gradient_sync``, settled by the planner (a plan made before the option
+    existed accumulated unsharded: ``last_microbatch``).
+
+    Raises:
+        RuntimeError: the plan left it ``auto`` (the planner settles it; a hand-edited plan must too).
+    """
+    mode = plan.strategy_options.get("gradient_sync", "last_microbatch")
+    if mode not in ("last_microbatch", "each_microbatch"):
+        raise RuntimeError(
+            f"fsdp2: the plan's gradient_sync is {mode!r}; the planner settles it to last_microbatch or "
+            "each_microbatch. Plan again (ladle plan) rather than edit the plan."
+        )
+    return mode
 
 
 class FSDP2Runtime(Runtime):
@@ -86,6 +102,7 @@ class FSDP2Runtime(Runtime):
             pending.fill(model, "cpu" if options.get("offload_policy") else accelerator.device)
         wanted, offloaded = plan.strategy_options.get("shard_head", True), bool(options.get("offload_policy"))
         keep_vocab_sharded(model, mesh, wanted, offloaded, compute)
+        model.ladle_gradient_sync, model.ladle_hsdp = gradient_sync(plan), replicate > 1
         return model, make_optimizer(model)
 
     def wrap_frozen(self, accelerator, model, plan, pending):
@@ -155,6 +172,7 @@ class FSDP2Runtime(Runtime):
             "decoder_layers_sharded": len(decoder_layers(model)),
             **model.ladle_vocab_notes,
             "all_gather": model.ladle_all_gather,
+            "gradient_sync": model.ladle_gradient_sync,
             "mesh": [replicate, plan.world_size // replicate],
         }
 
@@ -168,6 +186,11 @@ class FSDP2Runtime(Runtime):
         return out if accelerator.is_main_process else None
 
     def no_sync(self, accelerator, model):
-        from ladle.train.runtime.mesh_parallel import no_gradient_sync
+        """A micro-batch before the step's last: ``last_microbatch`` skips its reduce-scatter (the gradients
+        accumulate unsharded); ``each_microbatch`` runs it (they accumulate sharded), and under HSDP defers only
+        the all-reduce across replicas to the last micro-batch."""
+        from ladle.train.runtime.mesh_parallel import no_all_reduce, no_gradient_sync
 
-        return no_gradient_sync(model)
+        if model.ladle_gradient_sync == "last_microbatch":
+            return no_gradient_sync(model)
+        return no_all_reduce(model) if model.ladle_hsdp else nullcontext()

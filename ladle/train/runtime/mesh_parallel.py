@@ -122,6 +122,17 @@ def no_gradient_sync(module):
         module.set_requires_gradient_sync(True)
 
 
+@contextmanager
+def no_all_reduce(module):
+    """HSDP: each micro-batch's gradients are reduce-scattered within the shard group (they stay sharded), and
+    the all-reduce across replica groups waits for the step's last micro-batch (``set_requires_all_reduce``)."""
+    module.set_requires_all_reduce(False)
+    try:
+        yield
+    finally:
+        module.set_requires_all_reduce(True)
+
+
 def gather_whole(module, trainable_only: bool, keep: bool) -> dict:
     """Each (trainable) parameter of ``module`` gathered whole, one at a time: a DTensor's ``full_tensor`` is a
     collective over its own mesh, so every rank calls this; ranks with ``keep`` return CPU copies (others {}).
