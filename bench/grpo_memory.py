@@ -1,6 +1,6 @@
 """GRPO's per-rank memory: the planner's prediction against the measured peak, on the real model.
 
-    .venv/bin/python bench/grpo_memory.py [--strategies ddp,zero3,fsdp2] [--steps 3] [--full [--beta 0.04]]
+    .venv/bin/python bench/grpo_memory.py [--strategies ddp,zero3,fsdp2] [--steps 3] [--full [--beta 0.04]] [--set k=v]
 
 SmolLM2-135M-Instruct (the shipped GGUF, float32), the GRPO recipe's prompts, rewards and settings (LoRA r=16 on
 every linear layer, 8 prompts x 8 completions of up to 24 tokens per step, micro-batches of 16), 2 CPU processes,
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FULL = ["training.lora.enabled=false", "training.lr=1e-5"]  # --full: a full fine-tune (--beta: with a reference)
 
 
-def run(strategy: str, steps: int, tmp: Path, full: bool = False, beta: float = 0.0) -> dict:
+def run(strategy: str, steps: int, tmp: Path, full: bool = False, beta: float = 0.0, extra: tuple = ()) -> dict:
     from ladle import rewards as reward_fns
 
     cfg = load_config(
@@ -47,6 +47,7 @@ def run(strategy: str, steps: int, tmp: Path, full: bool = False, beta: float = 
             f"output={tmp}",
             f"training.rl.beta={beta}",
             *(FULL if full else []),
+            *extra,
         ],
     )
     resolve_base(cfg.base, "float32")
@@ -72,6 +73,8 @@ def run(strategy: str, steps: int, tmp: Path, full: bool = False, beta: float = 
         },
         "measured_over_predicted": measured / predicted,
         "rollouts": result.kernels.get("rollouts"),
+        "overrides": list(extra),
+        "strategy_options": spec.plan.strategy_options,
         "losses": result.train_losses,
     }
 
@@ -82,11 +85,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--full", action="store_true", help="a full fine-tune instead of the recipe's LoRA")
     parser.add_argument("--beta", type=float, default=0.0, help="the KL's weight (> 0: a reference is held)")
+    parser.add_argument("--set", action="append", default=[], help="a config override for every run (key=value)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in args.strategies.split(","):
-            row = run(strategy, args.steps, Path(tmp) / strategy, args.full, args.beta)
+            row = run(strategy, args.steps, Path(tmp) / strategy, args.full, args.beta, tuple(args.set))
             rows.append(row)
             parts = ", ".join(f"{k} {v:.0f}" for k, v in row["predicted_parts_mib"].items())
             print(
@@ -95,7 +99,9 @@ def main() -> None:
                 flush=True,
             )
     name = "grpo_memory_full" if args.full else "grpo_memory"
-    print("saved", save(name, {"steps": args.steps, "full": args.full, "beta": args.beta, "rows": rows}))
+    print(
+        "saved", save(name, {"steps": args.steps, "full": args.full, "beta": args.beta, "set": args.set, "rows": rows})
+    )
 
 
 if __name__ == "__main__":
