@@ -131,11 +131,20 @@ class NDRuntime(Runtime):
         return self.mesh["sp"].size()
 
     def no_sync(self, accelerator, model):
+        """A micro-batch before the step's last. Where FSDP2 shards (dp_shard x sp > 1) its gradients are
+        reduce-scattered as every micro-batch ends, so they accumulate sharded, as the plan sizes them (held back,
+        each rank would keep the whole stage's in float32: ``parallelism.fsdp2.gradient_sync``'s
+        ``each_microbatch``); the all-reduce across dp_replicate waits for the last. With dp_replicate alone
+        nothing is sharded, so the whole reduction waits."""
         from ladle.train.runtime import mesh_parallel as mp
 
-        if not hasattr(mp.module_of(model), "set_requires_gradient_sync"):
+        module = mp.module_of(model)
+        if not hasattr(module, "set_requires_gradient_sync"):
             return nullcontext()
-        return mp.no_gradient_sync(mp.module_of(model))
+        shard = self.mesh["dp_shard"].size() * self.mesh["sp"].size()
+        if shard == 1:
+            return mp.no_gradient_sync(module)
+        return mp.no_all_reduce(module) if self.mesh["dp_replicate"].size() > 1 else nullcontext()
 
     def forward_backward(self, accelerator, model, data, batch, plan, denominator, loss_fn) -> float:
         if not hasattr(model, "schedule"):
