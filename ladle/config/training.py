@@ -401,6 +401,14 @@ class RLConfig(Section):
         default_factory=list,
         description="Reward functions, summed with their weights. A bare string is {fn: STRING}.",
     )
+    merge_for_rollouts: bool | None = Field(
+        None,
+        description="LoRA: the engine samples with each adapted layer's weight and its adapter summed into one "
+        "matrix, made afresh from the live tensors at each step's rollouts and freed after (the adapter's two "
+        "extra products a layer cost a quarter of a decode step on a CPU); it holds a copy of the adapted "
+        "weights meanwhile. null: on where the plan fits with that copy, off where it does not (the plan says "
+        "which, in GiB). Full fine-tunes have nothing to merge.",
+    )
     logprob_check_every: int = Field(
         1,
         ge=0,

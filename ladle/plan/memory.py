@@ -237,6 +237,8 @@ def plan_estimate(cfg: LadleConfig, plan: Plan, model: dict) -> sizing.Estimate:
     target = Target(plan.device, plan.processes_per_machine, plan.num_machines, plan.dtype)
     cfg = with_training(cfg, gradient_checkpointing=plan.gradient_checkpointing)
     cfg = strategy.with_options(cfg, plan.strategy_options)  # as the plan settled them (``settle_options``)
+    rl = cfg.training.rl.model_copy(update={"merge_for_rollouts": plan.merged_rollouts})
+    cfg = with_training(cfg, rl=rl)
     return strategy.estimate(sizing_job(cfg, model, target, plan.micro_batch_size), strategy.options(cfg))
 
 
@@ -293,6 +295,8 @@ def rollout_parts(cfg: LadleConfig, model: dict, target: Target, local: int) -> 
     width (a prompt of up to seq_len and every sampled token, keys and values of every layer, with one layer's
     copy as the cache grows), the batch's next-token logits with what drawing from them holds, and the
     log-probability buffers of the sampled tokens."""
+    from ladle.sizing import params
+
     t = cfg.training
     width = cfg.data.seq_len + t.rl.max_completion_tokens
     layers = int(model.get("num_hidden_layers") or 0)
@@ -301,7 +305,11 @@ def rollout_parts(cfg: LadleConfig, model: dict, target: Target, local: int) -> 
         model.get("head_dim") or (model.get("hidden_size", 0) // max(1, model.get("num_attention_heads", 1)))
     )
     width_bytes = 4 if target.dtype == "float32" else 2
+    merged = 0
+    if t.lora.enabled and t.rl.merge_for_rollouts:  # resolved by the plan (``choose_merged_rollouts``)
+        merged = (params.lora_base_params(model, t.lora.target_modules) or 0) * width_bytes
     return {
+        "merged": merged,
         "kv": local * width * 2 * heads * head_dim * width_bytes * (layers + 1),
         # the logits, scaled by the temperature, their log-softmax and probabilities (float32) and running sums
         # (float64) that the draw reads (``ladle.serve.engine.plain_rollouts``)

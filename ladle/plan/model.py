@@ -62,6 +62,11 @@ class Plan(BaseModel):
         description="The step's fast paths (training.kernels resolved for this strategy and device): compile, "
         "fused_loss, loss_chunk_mib, liger, lora_compute, padding_free, packed_attention. 'auto' entries are settled on the training host.",
     )
+    merged_rollouts: bool = Field(
+        False,
+        description="grpo with LoRA: the engine samples with the adapters merged into a copy of the adapted "
+        "weights (training.rl.merge_for_rollouts, null resolved by memory).",
+    )
     reference: Literal["precomputed", "adapters_off", "none"] | None = Field(
         None,
         description="Preference tuning: where the reference log-probabilities come from (none: a reference-free "

@@ -29,7 +29,7 @@ from ladle.plan.memory import (
 )
 from ladle.plan.model import DEFAULT_PORT, Decision, Plan
 from ladle.plan.preference import choose_reference
-from ladle.plan.rl import choose_rollouts
+from ladle.plan.rl import choose_merged_rollouts, choose_rollouts
 from ladle.serve import backends
 from ladle.serve.backends import Backend
 from ladle.strategies import Strategy, Target
@@ -66,6 +66,9 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     accumulation, global_batch = batch.value
     settled = settle_options(cfg, topo, target, model, strategy, micro.value, accumulation)
     cfg = strategy.with_options(cfg, settled.value) if settled.value else cfg
+    merged = choose_merged_rollouts(cfg, topo, target, model, strategy, micro.value)
+    if cfg.training.objective == "grpo":  # sized below with the copy, or without it
+        cfg = with_training(cfg, rl=cfg.training.rl.model_copy(update={"merge_for_rollouts": merged.value}))
     checks = Decision(
         None,
         problems=(
@@ -79,8 +82,8 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     reference = choose_reference(cfg, strategy, target, model)
     rollouts = choose_rollouts(cfg, strategy, target, model, micro.value, global_batch)
     steps = (
-        world, nodes, recompute, chosen, layout, micro, batch, settled, dtype, checks, memory, eval_micro, serving,
-        reference, rollouts,
+        world, nodes, recompute, chosen, layout, micro, batch, settled, merged, dtype, checks, memory, eval_micro,
+        serving, reference, rollouts,
     )  # fmt: skip
     shape = shape_summary(model)
     plan = build_plan(
@@ -90,6 +93,7 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     plan.eval_micro_batch_size = eval_micro.value
     plan.gradient_checkpointing = recompute.value
     plan.reference = reference.value
+    plan.merged_rollouts = merged.value
     return plan
 
 

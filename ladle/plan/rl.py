@@ -47,6 +47,68 @@ def choose_rollouts(
     return Decision(None, tuple(reasons), problems=tuple(problems))
 
 
+def choose_merged_rollouts(
+    cfg: LadleConfig, topo, target: Target, model: dict | None, strategy: Strategy, micro: int
+) -> Decision[bool]:
+    """``training.rl.merge_for_rollouts`` resolved: LoRA's rollouts sample with each adapted layer's weight and
+    adapter summed into one matrix where the plan fits with that copy (null), or as asked; why, in GiB."""
+    from ladle.errors import LadleError
+    from ladle.plan.memory import device_bytes, sizing_job, with_training
+    from ladle.sizing import params
+
+    t = cfg.training
+    asked = t.rl.merge_for_rollouts
+    if t.objective != "grpo":
+        return Decision(False)
+    if not t.lora.enabled:
+        problems = ()
+        if asked:
+            problems = (
+                "training.rl.merge_for_rollouts = true: a full fine-tune samples with its own weights and has no "
+                "adapter to merge. Remove it, or set training.lora.enabled=true.",
+            )
+        return Decision(False, problems=problems)
+    if asked is False:
+        return Decision(False, ("rollouts sample through the adapters (training.rl.merge_for_rollouts = false)",))
+    copy = params.lora_base_params(model, t.lora.target_modules) if model is not None else None
+    if copy is None:
+        if asked:
+            return Decision(
+                True, ("rollouts: the adapters merged into a copy of the adapted weights (explicit; not sized)",)
+            )
+        return Decision(
+            False,
+            ("rollouts sample through the adapters: the adapted weights' size is unknown, so no merged copy is made "
+             "(training.rl.merge_for_rollouts=true makes one)",),
+        )  # fmt: skip
+    merged = with_training(cfg, rl=t.rl.model_copy(update={"merge_for_rollouts": True}))
+    width = 4 if target.dtype == "float32" else 2
+    what = f"a copy of the adapted weights with their adapters merged, {sizing.gib(copy * width)} per rank"
+    capacity = device_bytes(topo, target.device, target.processes_per_machine)
+    try:
+        est = strategy.estimate(sizing_job(merged, model, target, micro), strategy.options(merged))
+    except LadleError:
+        est = None
+    if asked:
+        return Decision(
+            True, (f"rollouts sample with {what} (explicit), made at each step's rollouts and freed after",)
+        )
+    if est is None or capacity is None:
+        return Decision(False, (f"rollouts sample through the adapters: memory not sized, so no copy ({what})",))
+    limit = f"{sizing.gib(sizing.HEADROOM * capacity)} usable a rank"
+    if est.fits(capacity):
+        return Decision(
+            True,
+            (f"rollouts sample with {what}, made at each step's rollouts and freed after (auto: the plan needs "
+             f"{sizing.gib(max(est.total, est.sampling))} with it, within {limit})",),
+        )  # fmt: skip
+    return Decision(
+        False,
+        (f"rollouts sample through the adapters (auto): with {what}, the plan would need "
+         f"{sizing.gib(max(est.total, est.sampling))}, more than {limit}",),
+    )  # fmt: skip
+
+
 def weights_bytes(target: Target, model: dict) -> int | None:
     """Every weight of the base in the run's dtype, in bytes (None: its config.json lacks the shape)."""
     try:

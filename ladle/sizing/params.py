@@ -271,6 +271,19 @@ def lora_params(config: dict, r: int, target_modules: list[str] | str, modules_t
     return sum(p.count * r * (p.fan_in + p.fan_out) for p in chosen) + sum(p.params for p in saved)
 
 
+def lora_base_params(config: dict, target_modules: list[str] | str) -> int | None:
+    """Weights of the linear layers LoRA adapts (``target_modules`` as ``lora_params`` matches them): what a copy
+    of them with their adapters merged holds. None where the layout cannot say (an unknown family, experts)."""
+    parts = layout(config)
+    if parts is None or any(isinstance(p, Experts) for p in parts):
+        return None
+    linears = [p for p in parts if isinstance(p, Linear)]
+    chosen = [
+        p for p in linears if (p.name != "lm_head" if target_modules == "all-linear" else p.name in set(target_modules))
+    ]
+    return sum(p.count * p.fan_in * p.fan_out for p in chosen)
+
+
 ENDS = ("embed_tokens", "lm_head")
 END_KEYS = ("model.embed_tokens", "lm_head")  # their full names in every family the layout knows
 

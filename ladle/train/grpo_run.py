@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -99,7 +99,8 @@ def setup(spec: TrainSpec) -> RLSession:
         packed_attention="off: grpo rows are prompt and completion, padded and masked",
         padding_free="off: grpo rows are prompt and completion, padded and masked",
         rollouts="ladle's batching engine on the live weights, in this process"
-        + (", gathered whole for each step's rollouts" if sharded else ""),
+        + (", gathered whole for each step's rollouts" if sharded else "")
+        + (", each adapted layer's weight and adapter merged into one matrix" if plan.merged_rollouts else ""),
         reference=reference_words(cfg.training.lora.enabled, rl.beta, sharded),
     )
     sharding = runtime.check_applied(accelerator, model, plan)
@@ -153,7 +154,7 @@ def held_out_reward(s: RLSession) -> float:
     mine = s.evals[acc.process_index :: acc.num_processes]
     values: list[float] = []
     jobs = [Job(ids=list(row["ids"]), max_new_tokens=rl.max_completion_tokens) for row in mine]
-    with runtime_for(s.spec.plan.strategy).whole_weights(acc, s.model):  # every rank enters, prompts or not
+    with runtime_for(s.spec.plan.strategy).whole_weights(acc, s.model), sampling_weights(s):  # every rank enters
         s.policy.eval()
         s.engine.run(jobs)
         s.policy.train()
@@ -176,7 +177,7 @@ def rollout(s: RLSession, step: int) -> tuple[grpo.Rollouts, slice, torch.Tensor
     every = [s.train[i] for i in chosen for _ in range(rl.num_generations)]
     mine = grpo.local_slice(len(every), acc.process_index, acc.num_processes)
     s.policy.eval()  # no dropout while sampling; the engine runs under no_grad
-    with runtime_for(plan.strategy).whole_weights(acc, s.model):  # ZeRO-3: gathered for the step's rollouts
+    with runtime_for(plan.strategy).whole_weights(acc, s.model), sampling_weights(s):  # gathered: ZeRO-3, FSDP2
         seeds = grpo.seeds_for(cfg.training.seed, step, range(mine.start, mine.stop))
         ro = grpo.sample(s.engine, every[mine], rl, seeds)
     s.policy.train()
@@ -187,6 +188,24 @@ def rollout(s: RLSession, step: int) -> tuple[grpo.Rollouts, slice, torch.Tensor
     ro.rewards, ro.advantages = table, adv[mine]
     ro.stats = reward_stats(s, gathered, summed, rl.num_generations)
     return ro, mine, gathered
+
+
+@contextmanager
+def sampling_weights(s: RLSession):
+    """What the engine samples with: the adapters merged into a copy of the adapted weights where the plan says
+    so (``training.rl.merge_for_rollouts``), the live modules as they are otherwise. The first rollouts record how
+    many layers were merged (``kernels["merged_layers"]``)."""
+    if not s.spec.plan.merged_rollouts:
+        yield
+        return
+    with grpo.merged_adapters(s.policy) as merged:
+        if merged == 0:
+            raise RuntimeError(
+                "training.rl.merge_for_rollouts: the plan merges LoRA's adapters for the rollouts, but no layer of "
+                "this model is a plain LoRA linear layer peft can merge. Set training.rl.merge_for_rollouts=false."
+            )
+        s.kernels.setdefault("merged_layers", str(merged))  # the run's kernels are words
+        yield
 
 
 def reward_stats(s: RLSession, table: torch.Tensor, summed: torch.Tensor, group: int) -> dict[str, float]:

@@ -389,3 +389,32 @@ def test_zero3_lora_keeps_frozen_ends_local_unless_trained_or_asked_not_to(machi
     head = shape.embedding_params // 2
     added = {k: getattr(estimates["trained"], k) - getattr(estimates["local"], k) for k in ("weights", "optimizer")}
     assert added == {"weights": pytest.approx(2 * head / 8, abs=2), "optimizer": pytest.approx(16 * head / 8, abs=2)}
+
+
+def test_grpo_merges_lora_for_the_rollouts_only_where_the_copy_fits(machines):
+    """Llama-3.1-8B, LoRA GRPO on 2 x 24 GiB: the attention projections' merged copy (2.5 GiB) fits, so the rollouts
+    sample with it; on every linear layer the copy is 13 GiB and the plan would not fit with it, so they sample
+    through the adapters, and the plan says both in GiB."""
+    rl = {
+        "objective": "grpo",
+        "micro_batch_size": 8,
+        "global_batch_size": 16,
+        "dtype": "bfloat16",
+        "rl": {"num_generations": 8, "max_completion_tokens": 256, "rewards": [{"fn": "length_penalty"}]},
+    }
+    made = {}
+    for targets in ("[q_proj,k_proj,v_proj,o_proj]", "all-linear"):
+        cfg = build_config(
+            {"base": "b", "data": {"path": "d", "seq_len": 512}, "training": rl},
+            [f"training.lora.target_modules={targets}"],
+        )
+        made[targets] = make_plan(cfg, machines["2x24 pcie"], "job.yaml", model=MODELS["llama-3.1-8b"])
+    attention, every = made.values()
+    assert attention.merged_rollouts and not every.merged_rollouts
+    said = [next(r for r in p.reasons if r.startswith("rollouts sample")) for p in (attention, every)]
+    assert "with a copy of the adapted weights with their adapters merged, 2.5 GiB per rank" in said[0], said
+    assert (
+        "through the adapters (auto): with a copy of the adapted weights with their adapters merged, 13.0 GiB"
+        in said[1]
+    )
+    assert "more than 21.6 GiB usable a rank" in said[1], said

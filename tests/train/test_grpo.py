@@ -338,6 +338,12 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
         assert results[sharded].kernels["rollouts"].endswith("gathered whole for each step's rollouts")
     assert results["fsdp2"].sharding["parameter_share"] == pytest.approx(0.5, abs=0.02)
     assert results["fsdp2"].sharding["gradient_sync"] == "each_microbatch"
+    # LoRA's rollouts sampled with the adapters merged (auto: the copy fits), within 1e-4 of the trainer's forward
+    # through the adapters (checked above); the full fine-tunes have none to merge.
+    for lora in (one, two):
+        assert lora.kernels["rollouts"].endswith("each adapted layer's weight and adapter merged into one matrix")
+        assert lora.kernels["merged_layers"] == str(4 * 7)  # every linear layer of the tiny model's 4, not its head
+    assert "merged_layers" not in full.kernels
     assert one.kernels["rollouts"].startswith("ladle's batching engine on the live weights")
     assert one.adapter_url and one.rl["eval_reward_after"] != one.rl["eval_reward_before"]
 
@@ -369,6 +375,7 @@ def sharded_cfg(cfg, strategy: str):
 
 def test_planner_gathers_sharded_weights_for_rollouts_and_refuses_what_cannot_sample(tmp_path):
     from ladle.machine.topology import probe
+    from ladle.plan.memory import plan_estimate
     from ladle.plan.planner import make_plan
 
     model = json.loads((Path(grpo_spec("ddp", tmp_path).base_dir) / "config.json").read_text())
@@ -385,6 +392,26 @@ def test_planner_gathers_sharded_weights_for_rollouts_and_refuses_what_cannot_sa
     assert "sharded by zero3 as the trained ones are" in said and "per rank" in said, said
     plan = make_plan(cfg, probe(env={}, query_output=""), model=model)
     assert any(r.startswith("rollout memory per rank: KV cache") for r in plan.reasons)
+    # LoRA's rollouts sample with the adapters merged into a copy of the adapted weights where it fits (here), and
+    # the copy is sized with the rollouts; asked off, neither.
+    said = next(r for r in plan.reasons if r.startswith("rollouts sample with"))
+    assert plan.merged_rollouts and "a copy of the adapted weights with their adapters merged" in said, said
+    assert "(auto: the plan needs" in said and "usable a rank)" in said, said
+    unmerged_cfg = build_config(cfg.model_dump(mode="json"), ["training.rl.merge_for_rollouts=false"])
+    unmerged = make_plan(unmerged_cfg, probe(env={}, query_output=""), model=model)
+    assert not unmerged.merged_rollouts
+    from ladle.sizing.params import lora_base_params
+
+    adapted = lora_base_params(model, "all-linear") * 4
+    assert plan_estimate(cfg, plan, model).rollout - plan_estimate(unmerged_cfg, unmerged, model).rollout == adapted
+    with pytest.raises(ConfigError, match="training.rl.merge_for_rollouts = true: a full fine-tune"):
+        make_plan(
+            build_config(
+                cfg.model_dump(mode="json"), ["training.lora.enabled=false", "training.rl.merge_for_rollouts=true"]
+            ),
+            probe(env={}, query_output=""),
+            model=model,
+        )
     zero3 = make_plan(
         build_config(cfg.model_dump(mode="json"), ["parallelism.strategy=zero3"]),
         probe(env={}, query_output=""),
@@ -403,7 +430,6 @@ def test_planner_gathers_sharded_weights_for_rollouts_and_refuses_what_cannot_sa
     assert fsdp2.strategy_options["shard_head"] is False
     # The rollouts are sized with the rest: the KV cache, logits and buffers on every rank, and under a sharding
     # strategy the weights gathered whole beside the rank's shard.
-    from ladle.plan.memory import plan_estimate
     from ladle.sizing import shape_from_config
 
     whole = shape_from_config(model).params * 4  # float32
@@ -471,3 +497,28 @@ def test_a_micro_batch_of_distinct_prompts_takes_the_shared_path_and_scores_the_
         alone, same_mask = grpo.completion_logps(trl_trainer.model, rows, completions, 0, "cpu", TEMPERATURE, False)
     assert torch.equal(mask, same_mask)
     torch.testing.assert_close(shared * mask, alone * mask, rtol=0, atol=1e-5)
+
+
+def test_merged_adapters_sample_what_the_adapters_compute_and_leave_the_model_as_it_was():
+    """For the rollouts, each LoRA layer computes with its weight and adapter summed into one matrix: the same
+    logits (float32 rounding apart) from one product a layer instead of three, no weight written, and after the
+    context every layer is peft's again, giving the very same logits and gradients as before it."""
+    model = tiny_lora_model().eval()
+    ids = torch.tensor([PROMPTS[0] + COMPLETIONS[0]])
+    before = model(input_ids=ids).logits.detach()
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad(), grpo.merged_adapters(model) as merged:
+        assert merged == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
+        inside = model(input_ids=ids).logits
+        assert all(
+            "forward" in vars(m) for m in model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")
+        )
+    torch.testing.assert_close(inside, before, rtol=0, atol=1e-5)
+    assert not any("forward" in vars(m) for m in model.modules())  # peft's forward back on every layer
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters())  # nothing written
+    after = model(input_ids=ids)
+    assert torch.equal(after.logits.detach(), before)
+    after.logits.sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)  # the adapters still learn
+    with model.disable_adapter(), grpo.merged_adapters(model) as merged:
+        assert merged == 0  # disabled adapters: nothing to merge, peft's own forward
