@@ -127,6 +127,12 @@ def test_generated_reference_is_current():
     assert (ROOT / "docs" / "config.md").read_text() == markdown_reference(), (
         "run: ladle schema --markdown > docs/config.md"
     )
+    from ladle.config import json_schema
+
+    # What editors validate a recipe against (the docs link it): the same fields, defaults and words.
+    assert json.loads((ROOT / "docs" / "config.schema.json").read_text()) == json_schema(), (
+        "run: ladle schema > docs/config.schema.json"
+    )
 
 
 def test_own_data_on_a_recipe_is_scored_on_its_own_held_out_rows(tmp_path):
