@@ -285,6 +285,7 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         compiled=kernels.compile_expected(kernels_cfg, target.device),
         attention=unsupported(model),
         rollout_bytes=rollout_bytes(cfg, model, target, micro),
+        rollout_merged=rollout_bytes(cfg, model, target, micro, ("merged",)),
         **grpo_rows(cfg, micro),
         masked=kernels.mask_expected(kernels_cfg, target.device, unsupported(model)),
     )
@@ -318,14 +319,16 @@ def rollout_parts(cfg: LadleConfig, model: dict, target: Target, local: int) -> 
     }
 
 
-def rollout_bytes(cfg: LadleConfig, model: dict, target: Target, micro: int) -> int:
-    """grpo: what a rank's rollouts hold beside the states (``rollout_parts``); 0 for other objectives."""
+def rollout_bytes(cfg: LadleConfig, model: dict, target: Target, micro: int, only: tuple[str, ...] = ()) -> int:
+    """grpo: what a rank's rollouts hold beside the states (``rollout_parts``; ``only``: those parts); 0 for other
+    objectives."""
     t = cfg.training
     if t.objective != "grpo":
         return 0
     world = max(target.world_size, 1)
     local = max(1, (t.global_batch_size or micro * world) // world)
-    return sum(rollout_parts(cfg, model, target, local).values())
+    parts = rollout_parts(cfg, model, target, local)
+    return sum(v for k, v in parts.items() if not only or k in only)
 
 
 def grpo_rows(cfg: LadleConfig, micro: int) -> dict[str, int]:

@@ -339,6 +339,7 @@ class Job:
     attention: str | None = None  # why ladle's attention layers cannot run this model's (None: they can)
     masked: bool = False  # packed rows reach attention as a block-diagonal mask (CUDA, attention not by example)
     rollout_bytes: int = 0  # grpo: the rollouts' KV cache, sampling logits and log-probability buffers per rank
+    rollout_merged: int = 0  # grpo: of rollout_bytes, the adapted weights merged for sampling (LoRA)
     completion_tokens: int = 0  # grpo: the completion part of each row (the rest is its prompt); logits only there
     shared_prompts: int = 0  # grpo: prompts a micro-batch runs once for its rows (0: each row with its own copy)
     frozen_reference: bool = False  # grpo: a frozen copy of the starting weights (full fine-tune with beta > 0)

@@ -327,7 +327,10 @@ class Strategy(ABC):
             gathered = job.shape.params * job.dtype_bytes if self.shards_tensors else 0
             # On a CPU the update runs beside what the host heap kept of the rollouts' freed memory: their KV
             # cache, logits and buffers, and under sharding part of the weights gathered for them (``heap_kept``).
-            kept = 0 if job.cuda else job.rollout_bytes + (self.heap_kept(job, states, gathered) if gathered else 0)
+            # Not the merged copy: its matrices go back to the system when freed (measured: the same peak with and
+            # without it, bench/RESULTS.md).
+            transient = job.rollout_bytes - job.rollout_merged
+            kept = 0 if job.cuda else transient + (self.heap_kept(job, states, gathered) if gathered else 0)
             estimate = replace(estimate, rollout=job.rollout_bytes + gathered, kept=kept)
         if job.frozen_reference:  # in the run's dtype; divided over the ranks where the weights are sharded
             ranks = job.world if self.shards_tensors else 1
