@@ -51,6 +51,11 @@ def with_training(cfg: LadleConfig, **updates: Any) -> LadleConfig:
     return cfg.model_copy(update={"training": cfg.training.model_copy(update=updates)})
 
 
+def with_merged_rollouts(cfg: LadleConfig, merged: bool | None) -> LadleConfig:
+    """A copy of ``cfg`` whose ``training.rl.merge_for_rollouts`` is ``merged`` (what the plan settled)."""
+    return with_training(cfg, rl=cfg.training.rl.model_copy(update={"merge_for_rollouts": merged}))
+
+
 def choose_checkpointing(cfg: LadleConfig, topo: Topology, target: Target, model: dict | None) -> Decision[bool]:
     """``training.gradient_checkpointing``, or for ``auto``: off when some strategy (the named one, if named)
     fits the device without it; on when only recomputing activations makes one fit, and when nothing fits
@@ -237,8 +242,7 @@ def plan_estimate(cfg: LadleConfig, plan: Plan, model: dict) -> sizing.Estimate:
     target = Target(plan.device, plan.processes_per_machine, plan.num_machines, plan.dtype)
     cfg = with_training(cfg, gradient_checkpointing=plan.gradient_checkpointing)
     cfg = strategy.with_options(cfg, plan.strategy_options)  # as the plan settled them (``settle_options``)
-    rl = cfg.training.rl.model_copy(update={"merge_for_rollouts": plan.merged_rollouts})
-    cfg = with_training(cfg, rl=rl)
+    cfg = with_merged_rollouts(cfg, plan.merged_rollouts)
     return strategy.estimate(sizing_job(cfg, model, target, plan.micro_batch_size), strategy.options(cfg))
 
 
@@ -284,8 +288,7 @@ def sizing_job(cfg: LadleConfig, model: dict, target: Target, micro: int) -> siz
         liger_loss=kernels.liger_loss_expected(kernels_cfg, target.device),
         compiled=kernels.compile_expected(kernels_cfg, target.device),
         attention=unsupported(model),
-        rollout_bytes=rollout_bytes(cfg, model, target, micro),
-        rollout_merged=rollout_bytes(cfg, model, target, micro, ("merged",)),
+        **rollout_sizes(cfg, model, target, micro),
         **grpo_rows(cfg, micro),
         masked=kernels.mask_expected(kernels_cfg, target.device, unsupported(model)),
     )
@@ -319,16 +322,16 @@ def rollout_parts(cfg: LadleConfig, model: dict, target: Target, local: int) -> 
     }
 
 
-def rollout_bytes(cfg: LadleConfig, model: dict, target: Target, micro: int, only: tuple[str, ...] = ()) -> int:
-    """grpo: what a rank's rollouts hold beside the states (``rollout_parts``; ``only``: those parts); 0 for other
-    objectives."""
+def rollout_sizes(cfg: LadleConfig, model: dict, target: Target, micro: int) -> dict[str, int]:
+    """grpo: what a rank's rollouts hold beside the states (``rollout_parts``), and of it the merged copy of the
+    adapted weights, as ``sizing.Job`` fields; none for other objectives."""
     t = cfg.training
     if t.objective != "grpo":
-        return 0
+        return {}
     world = max(target.world_size, 1)
     local = max(1, (t.global_batch_size or micro * world) // world)
     parts = rollout_parts(cfg, model, target, local)
-    return sum(v for k, v in parts.items() if not only or k in only)
+    return {"rollout_bytes": sum(parts.values()), "rollout_merged": parts["merged"]}
 
 
 def grpo_rows(cfg: LadleConfig, micro: int) -> dict[str, int]:
@@ -404,7 +407,7 @@ def choose_strategy(cfg: LadleConfig, topo: Topology, target: Target, model: dic
         return Decision(fallback, warnings=(f"memory not sized: {err}",), overrides=overrides)
     sized = size_candidates(cfg, job, topo.interconnect, capacity)
     first = next((s for s in sized if s.fits), None)
-    limit = f"{sizing.gib(sizing.HEADROOM * capacity)} usable of {sizing.gib(capacity)} per rank"
+    limit = f"{sizing.usable(capacity)} of {sizing.gib(capacity)} per rank"
     if explicit != "auto":
         return explicit_strategy(cfg, job, fallback.strategy, sized, first, capacity, limit, overrides)
     rows = tuple(s.row() for s in sized)

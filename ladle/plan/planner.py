@@ -25,6 +25,7 @@ from ladle.plan.memory import (
     plan_estimate,
     settle_options,
     sizing_job,
+    with_merged_rollouts,
     with_training,
 )
 from ladle.plan.model import DEFAULT_PORT, Decision, Plan
@@ -68,7 +69,7 @@ def make_plan(cfg: LadleConfig, topo: Topology, config_ref: str = "CONFIG", mode
     cfg = strategy.with_options(cfg, settled.value) if settled.value else cfg
     merged = choose_merged_rollouts(cfg, topo, target, model, strategy, micro.value)
     if cfg.training.objective == "grpo":  # sized below with the copy, or without it
-        cfg = with_training(cfg, rl=cfg.training.rl.model_copy(update={"merge_for_rollouts": merged.value}))
+        cfg = with_merged_rollouts(cfg, merged.value)
     checks = Decision(
         None,
         problems=(

@@ -53,7 +53,7 @@ def choose_merged_rollouts(
     """``training.rl.merge_for_rollouts`` resolved: LoRA's rollouts sample with each adapted layer's weight and
     adapter summed into one matrix where the plan fits with that copy (null), or as asked; why, in GiB."""
     from ladle.errors import LadleError
-    from ladle.plan.memory import device_bytes, sizing_job, with_training
+    from ladle.plan.memory import device_bytes, sizing_job, with_merged_rollouts
     from ladle.sizing import params
 
     t = cfg.training
@@ -81,31 +81,31 @@ def choose_merged_rollouts(
             ("rollouts sample through the adapters: the adapted weights' size is unknown, so no merged copy is made "
              "(training.rl.merge_for_rollouts=true makes one)",),
         )  # fmt: skip
-    merged = with_training(cfg, rl=t.rl.model_copy(update={"merge_for_rollouts": True}))
     width = 4 if target.dtype == "float32" else 2
     what = f"a copy of the adapted weights with their adapters merged, {sizing.gib(copy * width)} per rank"
+    if asked:
+        return Decision(
+            True, (f"rollouts sample with {what} (explicit), made at each step's rollouts and freed after",)
+        )
+    merged = with_merged_rollouts(cfg, True)
     capacity = device_bytes(topo, target.device, target.processes_per_machine)
     try:
         est = strategy.estimate(sizing_job(merged, model, target, micro), strategy.options(merged))
     except LadleError:
         est = None
-    if asked:
-        return Decision(
-            True, (f"rollouts sample with {what} (explicit), made at each step's rollouts and freed after",)
-        )
     if est is None or capacity is None:
         return Decision(False, (f"rollouts sample through the adapters: memory not sized, so no copy ({what})",))
-    limit = f"{sizing.gib(sizing.HEADROOM * capacity)} usable a rank"
+    need, limit = sizing.gib(max(est.total, est.sampling)), f"{sizing.usable(capacity)} a rank"
     if est.fits(capacity):
         return Decision(
             True,
             (f"rollouts sample with {what}, made at each step's rollouts and freed after (auto: the plan needs "
-             f"{sizing.gib(max(est.total, est.sampling))} with it, within {limit})",),
+             f"{need} with it, within {limit})",),
         )  # fmt: skip
     return Decision(
         False,
-        (f"rollouts sample through the adapters (auto): with {what}, the plan would need "
-         f"{sizing.gib(max(est.total, est.sampling))}, more than {limit}",),
+        (f"rollouts sample through the adapters (auto): with {what}, the plan would need {need}, more than "
+         f"{limit}",),
     )  # fmt: skip
 
 

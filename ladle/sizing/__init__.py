@@ -311,6 +311,11 @@ class Estimate:
         return text
 
 
+def usable(capacity: int) -> str:
+    """What a rank may plan to use of ``capacity`` bytes (``HEADROOM``), in words: "72.0 GiB usable"."""
+    return f"{gib(HEADROOM * capacity)} usable"
+
+
 def gib(value: float) -> str:
     """Bytes as GiB (MiB below 1 GiB)."""
     return f"{value / GIB:.1f} GiB" if value >= GIB else f"{value / 2**20:.1f} MiB"

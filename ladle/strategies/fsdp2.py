@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field
 
 from ladle.section import Section
-from ladle.sizing import HEADROOM, gib, memory
+from ladle.sizing import gib, memory, usable
 from ladle.strategies.base import Candidate, Strategy
 from ladle.strategies.catalog import register
 from ladle.strategies.mesh import Dims
@@ -209,7 +209,7 @@ class FSDP2(Strategy):
             )
         deferred = self.estimate(job, options.model_copy(update={"gradient_sync": "last_microbatch"}))
         whole = gib(self.accumulated_gradients(job))
-        limit = f"{gib(HEADROOM * capacity)} usable a rank"
+        limit = f"{usable(capacity)} a rank"
         if deferred.fits(capacity):
             return {"gradient_sync": "last_microbatch"}, (
                 f"fsdp2 gradient sync: once a step, after the last of {per_rank} micro-batches a rank (auto): the "

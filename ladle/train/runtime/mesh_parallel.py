@@ -114,23 +114,24 @@ def grad_norm(params, pp_group=None) -> float:
 
 
 @contextmanager
-def no_gradient_sync(module):
-    module.set_requires_gradient_sync(False)
+def switched_off(setter):
+    """``setter(False)`` while the context lasts, ``setter(True)`` after (FSDP2's per-step switches)."""
+    setter(False)
     try:
         yield
     finally:
-        module.set_requires_gradient_sync(True)
+        setter(True)
 
 
-@contextmanager
+def no_gradient_sync(module):
+    """No reduce-scatter in this backward: the gradients accumulate unsharded."""
+    return switched_off(module.set_requires_gradient_sync)
+
+
 def no_all_reduce(module):
     """HSDP: each micro-batch's gradients are reduce-scattered within the shard group (they stay sharded), and
     the all-reduce across replica groups waits for the step's last micro-batch (``set_requires_all_reduce``)."""
-    module.set_requires_all_reduce(False)
-    try:
-        yield
-    finally:
-        module.set_requires_all_reduce(True)
+    return switched_off(module.set_requires_all_reduce)
 
 
 def gather_whole(module, trainable_only: bool, keep: bool) -> dict:
