@@ -268,7 +268,9 @@ class KernelsConfig(Section):
         "attention kept within each example), for each micro-batch where that computes less: the padding no "
         "longer runs through every layer, the one longer row adds attention pairs; the model's config prices "
         "both. auto: on for ddp, zero1, zero2, zero3, zero++ and fsdp2 (the strategies that run the model's "
-        "own forward); pipeline, tensor and N-D stages keep fixed row shapes.",
+        "own forward); pipeline, tensor and N-D stages keep fixed row shapes. Under grpo: each micro-batch's "
+        "completions scored as one row of their real tokens on their prompts' keys and values (attention per "
+        "completion), where the model's attention is plain causal attention and activations are not recomputed.",
     )
     packed_attention: bool | Literal["auto"] = Field(
         "auto",

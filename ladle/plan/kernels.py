@@ -93,7 +93,12 @@ def decide(
     if rows == "rollouts":
         rollout_why = "off: grpo rows are a prompt and its completion, padded and masked"
         loss, loss_why = "off", "off: grpo scores each sampled token itself"
-        joined, joined_why, by_example, by_example_why = False, rollout_why, "off", rollout_why
+        by_example, by_example_why = "off", rollout_why
+        if joined and kernels.padding_free == "auto":
+            joined_why = (
+                "each micro-batch's completions scored as one row of their real tokens, where the model's attention "
+                "is plain causal attention and its prompts run apart from them (no activation checkpointing)"
+            )
         if compile_on and not compile_asked:  # the engine decodes through the same blocks, one shape per step
             compile_on, why = False, "off: grpo's rollouts decode through the blocks with a cache that grows each token"
     lora_compute = kernels.lora_compute

@@ -311,6 +311,17 @@ def check_strategy(
         problems += other.validate_unused(cfg, strategy)
     whole = strategy.runs_whole_forward(strategy.options(cfg))
     problems += kernels.problems(cfg.training.kernels, strategy.name, target.device, whole)
+    if (
+        cfg.training.objective == "grpo"
+        and cfg.training.kernels.padding_free is True
+        and cfg.training.gradient_checkpointing is True
+    ):
+        problems.append(
+            "training.kernels.padding_free = true with training.gradient_checkpointing = true under grpo: the "
+            "completions run as one row on their prompts' keys and values, which the update keeps only where the "
+            "prompts run apart from their completions, and recomputed layers take no cache. Set "
+            "training.kernels.padding_free=auto or training.gradient_checkpointing=false."
+        )
     return problems
 
 

@@ -236,7 +236,14 @@ def shares_prompts(plan) -> bool:
 
 
 def completion_logps(
-    model, rows: list[dict], completions: list[list[int]], pad: int, device, temperature: float, share: bool = True
+    model,
+    rows: list[dict],
+    completions: list[list[int]],
+    pad: int,
+    device,
+    temperature: float,
+    share: bool = True,
+    packed=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each completion token's log-probability under ``model`` (``[rows, completion width]``) and the completion
     mask, as ``token_logps`` scores them; with ``share``, each distinct prompt is run once.
@@ -250,6 +257,9 @@ def completion_logps(
     activations in the backward (transformers' checkpointed layers take no cache). It comes from the config, never
     from the rows: every rank must run the same number of forwards (a sharded model gathers its weights in each,
     and DDP syncs its buffers), so a micro-batch of distinct prompts runs the two forwards too.
+
+    ``packed``: the model's config, where the completions run as one row of their real tokens
+    (``ladle.train.packed_completions``); still two forwards.
     """
     if not share:
         ids, mask, cmask, width = batch_inputs(rows, completions, pad, device)
@@ -271,15 +281,7 @@ def completion_logps(
         use_cache=True,
         logits_to_keep=1,  # the logits of each completion's first token
     ).logits[:, -1:, :]
-    shared = cache_of([(k.index_select(0, index), v.index_select(0, index)) for k, v in kv_of(cache)])
     pmask, cids, cmask = pmask.to(device), cids.to(device), cmask.to(device)
-    rest = model(
-        input_ids=cids,
-        attention_mask=torch.cat([pmask.index_select(0, index), cmask], dim=1),
-        past_key_values=shared,
-        use_cache=True,
-        logits_to_keep=width_c,
-    ).logits[:, :-1, :]
 
     # Scored in two parts and joined as log-probabilities: joining the logits would copy every position's
     # vocabulary-wide row once more.
@@ -288,6 +290,19 @@ def completion_logps(
         return logits if temperature == 1.0 else logits / temperature  # no copy of the logits at temperature 1
 
     head = torch.log_softmax(scaled(first), dim=-1).squeeze(1)  # [prompts, vocab]
+    if packed is not None and all(completions):
+        from ladle.train import packed_completions
+
+        logps = packed_completions.logps(model, packed, kv_of(cache), head, pmask, index, completions, device, scaled)
+        return logps, cmask.float()
+    shared = cache_of([(k.index_select(0, index), v.index_select(0, index)) for k, v in kv_of(cache)])
+    rest = model(
+        input_ids=cids,
+        attention_mask=torch.cat([pmask.index_select(0, index), cmask], dim=1),
+        past_key_values=shared,
+        use_cache=True,
+        logits_to_keep=width_c,
+    ).logits[:, :-1, :]
     firsts = head.index_select(0, index).gather(-1, cids[:, :1]).squeeze(-1)
     tail = torch.log_softmax(scaled(rest), dim=-1).gather(-1, cids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.cat([firsts.unsqueeze(1), tail], dim=1), cmask.float()

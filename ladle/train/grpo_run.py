@@ -24,7 +24,7 @@ from ladle.data import prompts as prompt_data
 from ladle.platform import storage
 from ladle.serve.engine import Engine
 from ladle.serve.rows import Job
-from ladle.train import checkpoint, common, grpo, loading, schedule
+from ladle.train import checkpoint, common, grpo, loading, packed_completions, schedule
 from ladle.train.runtime.base import runtime_for
 from ladle.train.spec import TrainResult, TrainSpec
 
@@ -50,6 +50,7 @@ class RLSession:
     kernels: dict
     load_peak_mib: float
     baseline_mib: float
+    packed: bool = False  # completions scored as one row of their real tokens (packed_completions)
     losses: list[float] = field(default_factory=list)
     eval_before: float = 0.0
     reward_first: float = math.nan
@@ -97,11 +98,16 @@ def setup(spec: TrainSpec) -> RLSession:
     ran.update(
         fused_loss="off: grpo scores each sampled token itself",
         packed_attention="off: grpo rows are prompt and completion, padded and masked",
-        padding_free="off: grpo rows are prompt and completion, padded and masked",
         rollouts="ladle's batching engine on the live weights, in this process"
         + (", gathered whole for each step's rollouts" if sharded else "")
         + (", each adapted layer's weight and adapter merged into one matrix" if plan.merged_rollouts else ""),
         reference=reference_words(cfg.training.lora.enabled, rl.beta, sharded),
+    )
+    packed, ran["padding_free"] = packed_completions.resolve(
+        plan.kernels,
+        cfg.training.kernels.padding_free,
+        packed_completions.config_of(policy),
+        not grpo.shares_prompts(plan),
     )
     sharding = runtime.check_applied(accelerator, model, plan)
     tokenizer = AutoTokenizer.from_pretrained(spec.base_dir)
@@ -134,6 +140,7 @@ def setup(spec: TrainSpec) -> RLSession:
         ran,
         load_peak,
         baseline,
+        packed,
     )
     if state:
         s.losses, s.eval_before = list(state.losses), state.eval_before
@@ -249,6 +256,7 @@ def frozen_logps(s: RLSession, model, ro: grpo.Rollouts, micros: list[list[int]]
                 device,
                 rl.temperature,
                 share,
+                packed_completions.config_of(model) if s.packed else None,
             )
         out[rows, : logps.shape[1]] = logps.cpu()
     return out
@@ -266,6 +274,7 @@ def update(s: RLSession, ro: grpo.Rollouts, iteration: int, check: bool) -> dict
     world = acc.num_processes
     sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "gap": 0.0}
     share = grpo.shares_prompts(plan)
+    packed = packed_completions.config_of(s.model) if s.packed else None
     for m, rows in enumerate(micros):
         last = m == len(micros) - 1
         with runtime.no_sync(acc, s.model) if not last else nullcontext():
@@ -277,6 +286,7 @@ def update(s: RLSession, ro: grpo.Rollouts, iteration: int, check: bool) -> dict
                 acc.device,
                 rl.temperature,
                 share,
+                packed,
             )
             width = logps.shape[1]
             old = ro.old_logps[rows, :width].to(acc.device) if ro.old_logps is not None else logps.detach()

@@ -21,7 +21,7 @@ from ladle.config import build_config
 from ladle.config.training import RLConfig
 from ladle.errors import ConfigError
 from ladle.platform import storage
-from ladle.train import grpo
+from ladle.train import grpo, packed_completions
 from tests.helpers import launch_all
 from tests.train.test_preference import tiny_lora_model, word_tokenizer
 
@@ -101,12 +101,16 @@ def trl_loss_and_grads(trainer, rl: RLConfig, old: torch.Tensor | None, ref: tor
     return float(value), grads(model)
 
 
-def ladle_loss_and_grads(model, rl: RLConfig, old: torch.Tensor | None, ref: torch.Tensor | None, share: bool):
+def ladle_loss_and_grads(
+    model, rl: RLConfig, old: torch.Tensor | None, ref: torch.Tensor | None, share: bool, packed: bool = False
+):
     """ladle's loss and gradients on the fixed batch; ``share``: each group's prompt run once (the update's path),
-    else every completion with its own copy of the prompt (TRL's)."""
+    else every completion with its own copy of the prompt (TRL's); ``packed``: the shared prompts' completions
+    scored as one row of their real tokens (``training.kernels.padding_free``, the update's default)."""
     rows, ids, mask, cmask, width, adv, _ = fixed_batch()
     model.zero_grad(set_to_none=True)
-    logps, scored = grpo.completion_logps(model, rows, COMPLETIONS, 0, "cpu", rl.temperature, share)
+    config = packed_completions.config_of(model) if packed else None
+    logps, scored = grpo.completion_logps(model, rows, COMPLETIONS, 0, "cpu", rl.temperature, share, config)
     assert torch.equal(scored, cmask)
     per_token, _ = grpo.per_token_loss(logps, logps.detach() if old is None else old, adv, cmask, rl, ref)
     value = grpo.reduce(per_token, cmask, rl, len(COMPLETIONS), int(cmask.sum()))
@@ -139,15 +143,17 @@ def test_loss_and_lora_gradients_equal_trl_grpo_trainer(trl_trainer, case):
     old = (current - shift) * cmask  # ratios away from 1: some clip
     ref = (current + shift.flip(0)) * cmask if rl.beta else None
     expected, expected_grads = trl_loss_and_grads(trl_trainer, rl, old, ref)
-    for share in (True, False):
-        value, got = ladle_loss_and_grads(model, rl, old, ref, share)
-        assert value == pytest.approx(expected, rel=1e-5), share
+    for share, packed in ((True, True), (True, False), (False, False)):
+        value, got = ladle_loss_and_grads(model, rl, old, ref, share, packed)
+        assert value == pytest.approx(expected, rel=1e-5), (share, packed)
         assert expected_grads.keys() == got.keys() and got
         for name, grad in expected_grads.items():
             # Shared prompts reach the completions through the cache, so float32 sums run in another order: each
             # gradient within 1e-5 of its tensor's scale there (measured ~1e-6), elementwise without sharing.
             atol = 1e-5 * float(grad.abs().max()) if share else 1e-7
-            torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=atol, msg=f"{name} (shared prompts: {share})")
+            torch.testing.assert_close(
+                got[name], grad, rtol=1e-5, atol=atol, msg=f"{name} (shared prompts: {share}, packed: {packed})"
+            )
 
 
 def test_advantages_are_trls_group_normalised_rewards_and_none_is_excluded():
@@ -344,6 +350,10 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
         assert lora.kernels["rollouts"].endswith("each adapted layer's weight and adapter merged into one matrix")
         assert lora.kernels["merged_layers"] == str(4 * 7)  # every linear layer of the tiny model's 4, not its head
     assert "merged_layers" not in full.kernels
+    # Every update scored its completions as one row of their real tokens (auto: plain attention, nothing
+    # recomputed), under each strategy, and still reached one process's losses (above).
+    for result in results.values():
+        assert result.kernels["padding_free"].startswith("on: each micro-batch's completions as one row")
     assert one.kernels["rollouts"].startswith("ladle's batching engine on the live weights")
     assert one.adapter_url and one.rl["eval_reward_after"] != one.rl["eval_reward_before"]
 
@@ -494,11 +504,17 @@ def test_a_micro_batch_of_distinct_prompts_takes_the_shared_path_and_scores_the_
     rows = [{"ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(PROMPTS))]
     completions = COMPLETIONS[: len(rows)]
     assert len(grpo.distinct_prompts(rows)[0]) == len(rows)
+    model = trl_trainer.model
     with torch.no_grad():
-        shared, mask = grpo.completion_logps(trl_trainer.model, rows, completions, 0, "cpu", TEMPERATURE, True)
-        alone, same_mask = grpo.completion_logps(trl_trainer.model, rows, completions, 0, "cpu", TEMPERATURE, False)
-    assert torch.equal(mask, same_mask)
+        shared, mask = grpo.completion_logps(model, rows, completions, 0, "cpu", TEMPERATURE, True)
+        alone, same_mask = grpo.completion_logps(model, rows, completions, 0, "cpu", TEMPERATURE, False)
+        packed, packed_mask = grpo.completion_logps(
+            model, rows, completions, 0, "cpu", TEMPERATURE, True, packed_completions.config_of(model)
+        )
+    assert torch.equal(mask, same_mask) and torch.equal(mask, packed_mask)
     torch.testing.assert_close(shared * mask, alone * mask, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed * mask, alone * mask, rtol=0, atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"  # the packed forward's attention was for it alone
 
 
 def test_merged_adapters_sample_what_the_adapters_compute_and_leave_the_model_as_it_was():
