@@ -53,7 +53,10 @@ def run(strategy: str, steps: int, tmp: Path, full: bool = False, beta: float = 
     resolve_base(cfg.base, "float32")
     spec = train_spec(cfg, tmp, strategy, topo=probe())
     spec = spec.model_copy(update={"reward_files": reward_fns.bundle(cfg.training.rl.rewards)})
-    result = launch(spec)
+    lengths: list[float] = []
+    result = launch(
+        spec, on_progress=lambda e: lengths.append(e["completion_length"]) if e["event"] == "step" else None
+    )
     config = json.loads((Path(spec.base_dir) / "config.json").read_text())
     estimate = plan_estimate(spec.config, spec.plan, config)
     measured = result.peak_memory_mib - result.baseline_memory_mib
@@ -73,6 +76,9 @@ def run(strategy: str, steps: int, tmp: Path, full: bool = False, beta: float = 
         },
         "measured_over_predicted": measured / predicted,
         "rollouts": result.kernels.get("rollouts"),
+        "padding_free": result.kernels.get("padding_free"),
+        # The plan sizes every completion at its longest; scored as one row, the update holds the real tokens only.
+        "completion_fill": sum(lengths) / len(lengths) / cfg.training.rl.max_completion_tokens if lengths else None,
         "overrides": list(extra),
         "strategy_options": spec.plan.strategy_options,
         "losses": result.train_losses,
@@ -95,7 +101,8 @@ def main() -> None:
             parts = ", ".join(f"{k} {v:.0f}" for k, v in row["predicted_parts_mib"].items())
             print(
                 f"{strategy:<6} measured above baseline {row['above_baseline_mib']:7.0f} MiB  predicted "
-                f"{row['predicted_mib']:7.0f} MiB ({parts})  measured/predicted {row['measured_over_predicted']:.3f}",
+                f"{row['predicted_mib']:7.0f} MiB ({parts})  measured/predicted {row['measured_over_predicted']:.3f}  "
+                f"completions {row['completion_fill']:.0%} of their longest",
                 flush=True,
             )
     name = "grpo_memory_full" if args.full else "grpo_memory"
