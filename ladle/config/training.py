@@ -281,6 +281,15 @@ class KernelsConfig(Section):
         "ddp, zero1, zero2, zero3, zero++ and fsdp2 (on CUDA, causal SDPA per example runs the flash kernel: "
         "1.26x the masked path's tokens/s on the 8B LoRA row, and no mask saved per layer).",
     )
+    lora_fused: bool | Literal["auto"] = Field(
+        "auto",
+        description="Each plain LoRA layer's forward and backward as one autograd function: where a call has more "
+        "tokens than the harmonic mean of the layer's input and output widths, one product with W + s·B·A (made "
+        "for the call and freed; only the input kept for the backward), else peft's three products with the "
+        "scale and sum fused; the same gradients. Layers with dropout, a variant (DoRA), a quantized base or "
+        "mixed dtypes keep peft's forward. auto: on for CPU runs under ddp, zero1, zero2 and fsdp2 (not yet "
+        "run on a GPU); zero3 and zero++ gather each module's weights as it is called and keep peft's layers.",
+    )
     lora_compute: Literal["run_dtype", "float32"] = Field(
         "run_dtype",
         description="run_dtype: LoRA adapters compute in the run's 16-bit dtype under autocast, their weights "

@@ -101,6 +101,16 @@ def decide(
             )
         if compile_on and not compile_asked:  # the engine decodes through the same blocks, one shape per step
             compile_on, why = False, "off: grpo's rollouts decode through the blocks with a cache that grows each token"
+    if kernels.lora_fused == "auto":
+        lora_fused = traits.fuses_lora and not cuda
+        lora_fused_why = (
+            "one autograd function per adapted layer (merged where a call's tokens outnumber its widths)"
+            if lora_fused
+            else ("off: not yet run on a GPU" if cuda else f"off: {strategy} gathers each module's weights as called")
+        )
+    else:
+        lora_fused = bool(kernels.lora_fused)
+        lora_fused_why = f"{'on' if lora_fused else 'off'} (training.kernels.lora_fused)"
     lora_compute = kernels.lora_compute
     sixteen = dtype != "float32"
     decided = {
@@ -111,6 +121,7 @@ def decide(
         "lora_compute": lora_compute if sixteen else "float32",
         "padding_free": joined,
         "packed_attention": by_example,
+        "lora_fused": lora_fused,
     }
     reasons = [
         f"kernels: per-block compile {why}; fused loss {loss_why}; Liger RMSNorm/SwiGLU/RoPE {liger_why}; "
@@ -120,6 +131,7 @@ def decide(
             else "LoRA adapters compute in float32"
         )
         + f"; padding-free micro-batches {joined_why}; attention example by example {by_example_why}"
+        + f"; fused LoRA layers {lora_fused_why}"
     ]
     return decided, reasons
 
@@ -160,6 +172,12 @@ def problems(kernels, strategy: str, device: str, whole_forward: bool | None = N
             f"training.kernels.packed_attention = true with parallelism.strategy = {strategy}: {strategy}'s stages "
             f"build their own attention masks; attention example by example runs with "
             f"{whole}. Set training.kernels.packed_attention=auto or false."
+        )
+    if kernels.lora_fused is True and not traits.fuses_lora:
+        fusing = ", ".join(with_trait("fuses_lora"))
+        found.append(
+            f"training.kernels.lora_fused = true with parallelism.strategy = {strategy}: the fused LoRA layer "
+            f"reads its weights itself and runs with {fusing} only. Set training.kernels.lora_fused=auto or false."
         )
     if kernels.fused_loss == "liger" and not traits.plain_head:
         found.append(

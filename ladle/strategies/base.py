@@ -100,6 +100,10 @@ class Strategy(ABC):
     """Its step calls the model's own forward with the head inside it, so the fused loss (replacing the head's
     forward), padding-free rows and attention example by example apply; pipeline stages compute the loss on the
     last stage, tensor-parallel heads redistribute their output in hooks."""
+    fuses_lora: bool = False
+    """Each LoRA layer's forward and backward may run as one autograd function reading its weights at call time
+    (``training.kernels.lora_fused``): not where each module's weights are gathered as it is called (ZeRO-3), nor
+    on stages that have not been checked with it."""
     plain_head: bool = False
     """The head stays a plain ``nn.Linear`` (Liger's fused loss takes its weight; FSDP2's units change its class)."""
     autocast: bool = False

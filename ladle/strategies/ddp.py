@@ -62,7 +62,7 @@ class DDP(Strategy):
     summary = "data parallel, full replica per rank, gradients all-reduced"
     options_model = DDPOptions
     options_section = "ddp"
-    compiles_blocks = whole_forward = plain_head = autocast = True
+    compiles_blocks = whole_forward = plain_head = autocast = fuses_lora = True
     fallback = True  # the least communication, when nothing can be sized
 
     def validate(self, cfg, topo, target) -> list[str]:

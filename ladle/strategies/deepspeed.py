@@ -106,6 +106,7 @@ class ZeRO(Strategy):
         self.shortcuts = (str(stage),)
         self.shards_tensors = stage == 3
         self.compiles_blocks = stage < 3  # ZeRO-3's parameter hooks break under compiled graphs
+        self.fuses_lora = stage < 3  # ZeRO-3 gathers a module's weights when that module is called
         self.whole_forward = self.plain_head = True
         self.summary = {
             1: "DeepSpeed ZeRO-1: optimizer state sharded across ranks",

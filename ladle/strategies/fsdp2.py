@@ -107,7 +107,7 @@ class FSDP2(Strategy):
     runtime = "ladle.train.runtime.fsdp2:FSDP2Runtime"
     """Where its worker side is (``ladle.train.runtime``): imported by the worker only."""
     name = "fsdp2"
-    compiles_blocks = compiles_in_wrap = whole_forward = True
+    compiles_blocks = compiles_in_wrap = whole_forward = fuses_lora = True
     summary = "fully sharded data parallel (fully_shard): parameters, gradients and optimizer state sharded"
     options_model = FSDP2Options
     options_section = "fsdp2"

@@ -124,12 +124,12 @@ def merged_adapters(model) -> Iterator[int]:
     (merging in place and subtracting after would leave the frozen base a rounding away from what it was), so the
     matrices are a copy of the adapted weights, freed at the end. A layer peft computes otherwise (a variant such
     as DoRA, a quantized base, several or disabled adapters) keeps its own forward. Yields how many were merged."""
-    from peft.tuners.lora import Linear as LoraLinear
+    from ladle.train.lora_fused import plain_lora
 
     patched = []
     with torch.no_grad():
         for module in model.modules():
-            if type(module) is not LoraLinear or module.merged or module.disable_adapters:
+            if not plain_lora(module) or module.merged or module.disable_adapters:
                 continue
             active = [name for name in module.active_adapters if name in module.lora_A]
             if len(active) != 1 or active[0] in module.lora_variant or type(module.base_layer) is not torch.nn.Linear:

@@ -24,7 +24,7 @@ from ladle.data import prompts as prompt_data
 from ladle.platform import storage
 from ladle.serve.engine import Engine
 from ladle.serve.rows import Job
-from ladle.train import checkpoint, common, grpo, loading, packed_completions, schedule
+from ladle.train import checkpoint, common, grpo, kernels, loading, packed_completions, schedule
 from ladle.train.runtime.base import runtime_for
 from ladle.train.spec import TrainResult, TrainSpec
 
@@ -103,6 +103,7 @@ def setup(spec: TrainSpec) -> RLSession:
         + (", each adapted layer's weight and adapter merged into one matrix" if plan.merged_rollouts else ""),
         reference=reference_words(cfg.training.lora.enabled, rl.beta, sharded),
     )
+    ran["lora_fused"] = kernels.fuse_lora(policy, plan.kernels)
     packed, ran["padding_free"] = packed_completions.resolve(
         plan.kernels,
         cfg.training.kernels.padding_free,

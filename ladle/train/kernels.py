@@ -12,6 +12,8 @@
 - **LoRA compute in the run's dtype**: peft casts each adapted input to its adapters' dtype; under DDP's
   autocast the adapters are float32 master weights, so every adapted layer saved a float32 copy of its input.
   With the cast off, autocast runs the adapter matmuls in 16-bit from the float32 weights.
+- **Fused LoRA layers**: each plain LoRA layer's forward and backward as one autograd function
+  (``ladle.train.lora_fused``), through ``W + s·B·A`` where a call's tokens make that cheaper.
 - **Padding-free micro-batches**: a micro-batch's rows joined into one row of their real tokens where that
   computes less (``ladle.train.padding_free``).
 - **Attention example by example** in packed rows (``ladle.train.packed_attention``): causal SDPA over each
@@ -83,6 +85,17 @@ def lora_in_run_dtype(model, decided: dict, strategy: str, device: str) -> str:
     for layer in layers:
         layer.cast_input_dtype_enabled = False
     return f"run dtype under autocast ({len(layers)} adapted layers, float32 master weights)"
+
+
+def fuse_lora(model, decided: dict) -> str:
+    """Give ``model``'s plain LoRA layers the fused forward and backward where the plan decided to
+    (``ladle.train.lora_fused``); what runs, in words."""
+    if not decided.get("lora_fused"):
+        return "off"
+    from ladle.train import lora_fused
+
+    layers = lora_fused.install(model)
+    return f"on: {layers} adapted layers" if layers else "off: no plain LoRA layer"
 
 
 def decoder_layers(model) -> list:

@@ -235,6 +235,7 @@ def setup(spec: TrainSpec) -> Session:
         ran["packed_attention"] = "on: inside sequence-parallel attention, over the gathered sequence"
     else:
         ran["packed_attention"] = packed_attention.install(live, plan.kernels)
+    ran["lora_fused"] = kernels.fuse_lora(live, plan.kernels)
     by_example = ran["packed_attention"].startswith("on")
     ran["padding_free"] = padding_free.install(live, plan.kernels, by_example)
     if leftover := loading.meta_parameters(model):

@@ -160,8 +160,10 @@ def test_plan_decides_each_fast_path_with_its_reason():
         "lora_compute": "run_dtype",
         "padding_free": True,
         "packed_attention": "auto",  # measured on an H200: 1.26x, no mask saved (bench/RESULTS.md)
+        "lora_fused": False,  # not yet run on a GPU
     }
     assert "per-block compile on" in why[0] and "LoRA adapters compute in bfloat16" in why[0]
+    assert "fused LoRA layers off: not yet run on a GPU" in why[0]
     on_cpu, why = plan_kernels.decide(cfg_with().training.kernels, "ddp", "cpu", "float32")
     assert (on_cpu["compile"], on_cpu["fused_loss"], on_cpu["liger"], on_cpu["lora_compute"]) == (
         False,
@@ -169,6 +171,9 @@ def test_plan_decides_each_fast_path_with_its_reason():
         "off",
         "float32",
     )
+    assert on_cpu["lora_fused"] is True and "fused LoRA layers one autograd function per adapted layer" in why[0]
+    sharded, why = plan_kernels.decide(cfg_with().training.kernels, "zero3", "cpu", "float32")
+    assert sharded["lora_fused"] is False and "zero3 gathers each module's weights as called" in why[0]
     eager, _ = plan_kernels.decide(
         cfg_with("training.kernels.compile=false").training.kernels, "ddp", "cuda", "bfloat16"
     )
@@ -199,6 +204,11 @@ def test_plan_refuses_what_cannot_run():
     k = cfg_with("training.kernels.fused_loss=liger").training.kernels
     assert plan_kernels.problems(k, "ddp", "cuda") == []
     assert "which fsdp2 does not keep" in plan_kernels.problems(k, "fsdp2", "cuda")[0]
+    k = cfg_with("training.kernels.lora_fused=true").training.kernels
+    assert plan_kernels.problems(k, "fsdp2", "cuda") == []  # asked for on a GPU: it runs (not yet measured there)
+    (found,) = plan_kernels.problems(k, "zero3", "cpu")
+    assert found.startswith("training.kernels.lora_fused = true with parallelism.strategy = zero3")
+    assert "runs with ddp, zero1, zero2, fsdp2 only. Set training.kernels.lora_fused=auto or false." in found
 
 
 def test_the_memory_model_counts_one_chunk_of_logits():

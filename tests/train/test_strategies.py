@@ -48,6 +48,7 @@ def runs(tmp_path_factory, tiny_model):
         "training.kernels.fused_loss=off",
         "training.kernels.padding_free=false",
         "training.kernels.packed_attention=false",
+        "training.kernels.lora_fused=false",
         "training.gradient_checkpointing=true",
     )
     results = launch_all(specs)
@@ -67,10 +68,17 @@ def test_losses_match_ddp(runs, name):
 
 
 def test_fast_paths_match_plain(runs):
-    """The chunked loss (head and cross-entropy a chunk at a time, recomputed in backward), joined rows and
-    attention example by example train as the plain path does: the same losses to float32 rounding over every
-    step, the same eval."""
+    """The chunked loss (head and cross-entropy a chunk at a time, recomputed in backward), joined rows,
+    attention example by example and the fused LoRA layers train as the plain path does: the same losses to
+    float32 rounding over every step, the same eval. (zero1, zero2 and fsdp2 fuse their LoRA layers too and match
+    ddp above; zero3 and zero++, whose hooks gather each module's weights as it is called, keep peft's.)"""
     fused, plain = runs["ddp"][0], runs["ddp plain"][0]
+    assert re.fullmatch(r"on: \d+ adapted layers", fused.kernels["lora_fused"]), fused.kernels["lora_fused"]
+    assert plain.kernels["lora_fused"] == "off"
+    for name in ("zero1", "zero2", "fsdp2"):
+        assert runs[name][0].kernels["lora_fused"] == fused.kernels["lora_fused"], name
+    for name in ("zero3", "zero++", "pipeline"):
+        assert runs[name][0].kernels["lora_fused"] == "off", name
     assert fused.kernels["fused_loss"].startswith("chunked") and plain.kernels["fused_loss"] == "off"
     assert fused.kernels["packed_attention"] == "on: causal SDPA per example"
     joined = re.fullmatch(r"on: (\d+) of (\d+) micro-batches joined into one row; .*", fused.kernels["padding_free"])
