@@ -21,8 +21,9 @@ faster one counts as TRL's best: `bfd` (best-fit decreasing, padding-free: each
 batch becomes one long row with position ids reset per example) and `wrapped`
 (fixed 256-token rows, examples cut at row ends). Throughput is real
 (non-padding) tokens over the seconds spent in optimizer steps, on both
-sides. The sides alternate. ladle runs three ways: its defaults, without padding-free
-micro-batches (`training.kernels.padding_free=false`), and also without attention
+sides. The sides alternate. ladle runs four ways: its defaults, with peft's own LoRA layers
+(`training.kernels.lora_fused=false`), without padding-free micro-batches
+(`training.kernels.padding_free=false`), and also without attention
 example by example (`packed_attention=false`: masked SDPA over whole padded rows).
 """
 
@@ -61,6 +62,7 @@ MODELS = {
 # example (masked SDPA over whole padded rows, the step before either).
 LADLE_SIDES = {
     "ladle": {},
+    "ladle-peft": {"lora_fused": False},
     "ladle-padded": {"padding_free": False},
     "ladle-masked": {"padding_free": False, "packed_attention": False},
 }
@@ -199,7 +201,8 @@ def main() -> None:
     best = max(("trl-bfd", "trl-wrapped"), key=lambda s: med[s])
     ratio = med["ladle"] / med[best]
     print(
-        f"\nmedian real tokens/s: ladle {med['ladle']:.0f} (padded rows {med['ladle-padded']:.0f}, masked attention "
+        f"\nmedian real tokens/s: ladle {med['ladle']:.0f} (peft's LoRA layers {med['ladle-peft']:.0f}, padded rows "
+        f"{med['ladle-padded']:.0f}, masked attention "
         f"over padded rows {med['ladle-masked']:.0f}), TRL bfd "
         f"{med['trl-bfd']:.0f}, TRL wrapped {med['trl-wrapped']:.0f}; ratio ladle / TRL's best ({best}) {ratio:.2f}"
     )
