@@ -63,13 +63,19 @@ def share_cores(config) -> None:
     (training ranks, flow runs, servers), as ladle gives each training rank its share. With all cores per
     process, two workers' processes oversubscribe the machine and OpenMP's spinning threads wait on each
     other: measured on 2 cores, a one-process tiny training run beside the other worker took 24.5 s instead
-    of 1.6 s (same losses). A user's OMP_NUM_THREADS wins."""
+    of 1.6 s (same losses). A user's OMP_NUM_THREADS wins.
+
+    One worker (plain ``pytest``, or ``-n 1``) sets nothing: its share would be every core, and ladle's launcher
+    takes an OMP_NUM_THREADS it finds as the user's value for every rank, where unset it gives each rank its own
+    share. Set to 2 on 2 cores, the strategies module's two concurrent 2-rank launches ran 8 spinning threads and
+    its fixture took 240 s instead of 28 s."""
     if is_xdist_controller(config):
         return  # its workers, started after this hook, set their own
     from ladle.machine.topology import usable_cores
 
     workers = config.workerinput["workercount"] if hasattr(config, "workerinput") else 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores(os.environ) // workers)))
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores(os.environ) // workers)))
 
 
 def hide_gpus(config) -> None:
