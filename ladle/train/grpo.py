@@ -243,7 +243,7 @@ def completion_logps(
     device,
     temperature: float,
     share: bool = True,
-    packed=None,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each completion token's log-probability under ``model`` (``[rows, completion width]``) and the completion
     mask, as ``token_logps`` scores them; with ``share``, each distinct prompt is run once.
@@ -258,8 +258,8 @@ def completion_logps(
     from the rows: every rank must run the same number of forwards (a sharded model gathers its weights in each,
     and DDP syncs its buffers), so a micro-batch of distinct prompts runs the two forwards too.
 
-    ``packed``: the model's config, where the completions run as one row of their real tokens
-    (``ladle.train.packed_completions``); still two forwards.
+    ``packed``: the completions run as one row of their real tokens (``ladle.train.packed_completions``; a
+    micro-batch with an empty completion runs padded); still two forwards.
     """
     if not share:
         ids, mask, cmask, width = batch_inputs(rows, completions, pad, device)
@@ -290,10 +290,11 @@ def completion_logps(
         return logits if temperature == 1.0 else logits / temperature  # no copy of the logits at temperature 1
 
     head = torch.log_softmax(scaled(first), dim=-1).squeeze(1)  # [prompts, vocab]
-    if packed is not None and all(completions):
+    firsts = head.index_select(0, index).gather(-1, cids[:, :1]).squeeze(-1)
+    if packed and all(completions):
         from ladle.train import packed_completions
 
-        logps = packed_completions.logps(model, packed, kv_of(cache), head, pmask, index, completions, device, scaled)
+        logps = packed_completions.logps(model, kv_of(cache), firsts, pmask, index, completions, device, scaled)
         return logps, cmask.float()
     shared = cache_of([(k.index_select(0, index), v.index_select(0, index)) for k, v in kv_of(cache)])
     rest = model(
@@ -303,7 +304,6 @@ def completion_logps(
         use_cache=True,
         logits_to_keep=width_c,
     ).logits[:, :-1, :]
-    firsts = head.index_select(0, index).gather(-1, cids[:, :1]).squeeze(-1)
     tail = torch.log_softmax(scaled(rest), dim=-1).gather(-1, cids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.cat([firsts.unsqueeze(1), tail], dim=1), cmask.float()
 

@@ -257,7 +257,7 @@ def frozen_logps(s: RLSession, model, ro: grpo.Rollouts, micros: list[list[int]]
                 device,
                 rl.temperature,
                 share,
-                packed_completions.config_of(model) if s.packed else None,
+                s.packed,
             )
         out[rows, : logps.shape[1]] = logps.cpu()
     return out
@@ -275,7 +275,6 @@ def update(s: RLSession, ro: grpo.Rollouts, iteration: int, check: bool) -> dict
     world = acc.num_processes
     sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "gap": 0.0}
     share = grpo.shares_prompts(plan)
-    packed = packed_completions.config_of(s.model) if s.packed else None
     for m, rows in enumerate(micros):
         last = m == len(micros) - 1
         with runtime.no_sync(acc, s.model) if not last else nullcontext():
@@ -287,7 +286,7 @@ def update(s: RLSession, ro: grpo.Rollouts, iteration: int, check: bool) -> dict
                 acc.device,
                 rl.temperature,
                 share,
-                packed,
+                s.packed,
             )
             width = logps.shape[1]
             old = ro.old_logps[rows, :width].to(acc.device) if ro.old_logps is not None else logps.detach()

@@ -9,7 +9,7 @@ recipe's 64 completions of at most 12 tokens hold about 310 real tokens in 768 p
 Here the completions' real tokens run as one row, ``[1, tokens]``, each with the position id it has in the padded
 layout (the prompts' width plus its index) and no cache. Only attention needs the rows: an attention function,
 registered with transformers' ``AttentionInterface`` under ``NAME`` and switched on for this one forward
-(``scoring``), puts each completion's queries, keys and values back in its padded slot, puts its prompt's keys and
+(``attention_switched``; the layout rides in the model call's keywords), puts each completion's queries, keys and values back in its padded slot, puts its prompt's keys and
 values before them (from the prompt forward, with their gradients), and runs SDPA under the prompt's padding and a
 causal mask: the attention the padded forward runs. The outputs go back to the tokens. The head then runs only at
 positions whose next token is scored. The log-probabilities equal the padded path's to float32 rounding
@@ -67,14 +67,15 @@ class Layout:
         return out.unsqueeze(0)
 
 
-_active: Layout | None = None
+KEY = "ladle_layout"  # the model call's keyword that carries the layout down to every layer's attention
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """transformers' attention signature: ``[1, heads, tokens, dim]`` in, ``[1, tokens, heads, dim]`` out."""
-    layout = _active
+    """transformers' attention signature: ``[1, heads, tokens, dim]`` in, ``[1, tokens, heads, dim]`` out; the
+    layout comes with the model call's keywords, which transformers hands to every layer's attention."""
+    layout = kwargs.get(KEY)
     if layout is None:
-        raise RuntimeError(f"the {NAME} attention runs only inside packed_completions.scoring()")
+        raise RuntimeError(f"the {NAME} attention runs only on a forward given {KEY}= (packed_completions.logps)")
     keys, values = layout.prompt_kv[module.layer_idx]
     out = F.scaled_dot_product_attention(
         layout.regroup(query),
@@ -89,42 +90,39 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 
 
 @contextmanager
-def scoring(config, layout: Layout) -> Iterator[None]:
-    """While it lasts, ``config``'s model runs its attention through ``layout`` (the one forward of the packed
+def attention_switched(config) -> Iterator[None]:
+    """While it lasts, ``config``'s model runs its attention through ``attention`` (the one forward of the packed
     completions); the model's own attention comes back after, for the engine and every other forward."""
-    global _active
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, attention)
     before = config._attn_implementation
-    _active, config._attn_implementation = layout, NAME
+    config._attn_implementation = NAME
     try:
         yield
     finally:
-        _active, config._attn_implementation = None, before
+        config._attn_implementation = before
 
 
-def logps(model, config, kv, first_logps, prompt_mask, which, completions, device, scaled):
+def logps(model, kv, firsts, prompt_mask, which, completions, device, scaled):
     """Each completion token's log-probability (``[rows, width]``) from one forward of the completions' real tokens
-    on the prompts' keys and values ``kv`` (per layer, ``[prompts, heads, prompt width, dim]``); ``first_logps``:
-    the prompts' log-softmax at their last position (``[prompts, vocab]``), which scores each completion's first
-    token. Every completion has at least one token."""
-    lengths = [len(c) for c in completions]
-    layout = Layout(lengths, kv, which, prompt_mask)
+    on the prompts' keys and values ``kv`` (per layer, ``[prompts, heads, prompt width, dim]``); ``firsts``: each
+    completion's first token scored by its prompt's last position (``[rows]``). Every completion has at least one
+    token."""
+    layout = Layout([len(c) for c in completions], kv, which, prompt_mask)
     ids = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
     prompt_width = prompt_mask.shape[1]
     # The head runs where the next token is scored: each token but its completion's last.
     keep = torch.nonzero(layout.col[1:] != 0).squeeze(-1)
-    with scoring(config, layout):
+    with attention_switched(config_of(model)):
         logits = model(
             input_ids=ids[None],
             position_ids=(prompt_width + layout.col)[None],
             use_cache=False,
             logits_to_keep=keep,
+            **{KEY: layout},
         ).logits[0]
     tail = torch.log_softmax(scaled(logits), dim=-1).gather(-1, ids[keep + 1].unsqueeze(-1)).squeeze(-1)
-    heads = torch.tensor([c[0] for c in completions], device=device)
-    firsts = first_logps.index_select(0, which).gather(-1, heads.unsqueeze(-1)).squeeze(-1)  # [rows]
     # Each token's value: its row's first-token score at index 0, else the tail's score of the token before it.
     source = torch.empty(layout.tokens, dtype=torch.long, device=device)
     first = layout.col == 0

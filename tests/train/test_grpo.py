@@ -21,7 +21,7 @@ from ladle.config import build_config
 from ladle.config.training import RLConfig
 from ladle.errors import ConfigError
 from ladle.platform import storage
-from ladle.train import grpo, packed_completions
+from ladle.train import grpo
 from tests.helpers import launch_all
 from tests.train.test_preference import tiny_lora_model, word_tokenizer
 
@@ -109,8 +109,7 @@ def ladle_loss_and_grads(
     scored as one row of their real tokens (``training.kernels.padding_free``, the update's default)."""
     rows, ids, mask, cmask, width, adv, _ = fixed_batch()
     model.zero_grad(set_to_none=True)
-    config = packed_completions.config_of(model) if packed else None
-    logps, scored = grpo.completion_logps(model, rows, COMPLETIONS, 0, "cpu", rl.temperature, share, config)
+    logps, scored = grpo.completion_logps(model, rows, COMPLETIONS, 0, "cpu", rl.temperature, share, packed)
     assert torch.equal(scored, cmask)
     per_token, _ = grpo.per_token_loss(logps, logps.detach() if old is None else old, adv, cmask, rl, ref)
     value = grpo.reduce(per_token, cmask, rl, len(COMPLETIONS), int(cmask.sum()))
@@ -414,6 +413,16 @@ def test_planner_gathers_sharded_weights_for_rollouts_and_refuses_what_cannot_sa
 
     adapted = lora_base_params(model, "all-linear") * 4
     assert plan_estimate(cfg, plan, model).rollout - plan_estimate(unmerged_cfg, unmerged, model).rollout == adapted
+    # The completions run as one row on their prompts' keys and values, which recomputed layers do not keep.
+    recomputed = build_config(
+        cfg.model_dump(mode="json"), ["training.kernels.padding_free=true", "training.gradient_checkpointing=true"]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"training.kernels.padding_free = true with training.gradient_checkpointing = true under grpo.*"
+        r"Set training.kernels.padding_free=auto or training.gradient_checkpointing=false",
+    ):
+        make_plan(recomputed, probe(env={}, query_output=""), model=model)
     with pytest.raises(ConfigError, match="training.rl.merge_for_rollouts = true: a full fine-tune"):
         make_plan(
             build_config(
@@ -508,9 +517,7 @@ def test_a_micro_batch_of_distinct_prompts_takes_the_shared_path_and_scores_the_
     with torch.no_grad():
         shared, mask = grpo.completion_logps(model, rows, completions, 0, "cpu", TEMPERATURE, True)
         alone, same_mask = grpo.completion_logps(model, rows, completions, 0, "cpu", TEMPERATURE, False)
-        packed, packed_mask = grpo.completion_logps(
-            model, rows, completions, 0, "cpu", TEMPERATURE, True, packed_completions.config_of(model)
-        )
+        packed, packed_mask = grpo.completion_logps(model, rows, completions, 0, "cpu", TEMPERATURE, True, True)
     assert torch.equal(mask, same_mask) and torch.equal(mask, packed_mask)
     torch.testing.assert_close(shared * mask, alone * mask, rtol=0, atol=1e-5)
     torch.testing.assert_close(packed * mask, alone * mask, rtol=0, atol=1e-5)

@@ -28,51 +28,51 @@ def forward_backward(model, layer, x):
     return out.detach(), x.grad, layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad
 
 
+@pytest.fixture
+def calls(monkeypatch) -> list:
+    """Which of the fused functions ran, in order (each still computes)."""
+    seen: list = []
+    for fn in (lora_fused.Merged, lora_fused.Factored):
+        original = fn.apply
+        monkeypatch.setattr(fn, "apply", lambda *a, _f=fn, _o=original: seen.append(_f) or _o(*a))
+    return seen
+
+
 @pytest.mark.parametrize(
     ("tokens", "fan_in", "fan_out", "bias", "way"),
-    [(64, 16, 24, False, "merged"), (3, 16, 24, True, "factored"), (40, 24, 8, True, "merged")],
+    [
+        (64, 16, 24, False, lora_fused.Merged),
+        (3, 16, 24, True, lora_fused.Factored),
+        (40, 24, 8, True, lora_fused.Merged),
+    ],
 )
-def test_both_ways_equal_peft_forward_and_backward(tokens, fan_in, fan_out, bias, way):
+def test_both_ways_equal_peft_forward_and_backward(calls, tokens, fan_in, fan_out, bias, way):
     model, layer = lora_layer(fan_in, fan_out, bias=bias)
     x = torch.randn(2, tokens // 2 if tokens > 3 else tokens, fan_in)
     n = x.numel() // fan_in
-    assert lora_fused.merges(n, fan_in, fan_out) == (way == "merged")
+    assert lora_fused.merges(n, fan_in, fan_out) == (way is lora_fused.Merged)
     expected = forward_backward(model, layer, x)
     assert lora_fused.install(model) == 1 and type(layer).__name__ == "FusedLinear"
-    called = []
-    original = (lora_fused.Merged if way == "merged" else lora_fused.Factored).apply
-    fn = lora_fused.Merged if way == "merged" else lora_fused.Factored
-    fn.apply = lambda *a: called.append(way) or original(*a)
-    try:
-        got = forward_backward(model, layer, x)
-    finally:
-        del fn.apply
-    assert called == [way]
+    got = forward_backward(model, layer, x)
+    assert calls == [way]
     for e, g, what in zip(expected, got, ("output", "input grad", "A grad", "B grad"), strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=what)
     assert layer.base_layer.weight.grad is None  # the frozen base gets no gradient
 
 
-def test_other_calls_run_peft_own_forward():
+def test_other_calls_run_peft_own_forward(calls):
     """Dropout, disabled adapters and a base bias that trains leave the call to peft's own forward."""
-    calls = []
-    for fn in (lora_fused.Merged, lora_fused.Factored):
-        fn.apply = lambda *a, _f=fn: calls.append(_f) or torch.autograd.Function.apply.__func__(_f, *a)
-    try:
-        x = torch.randn(4, 8)
-        dropped, _ = lora_layer(8, 8, dropout=0.5)
-        lora_fused.install(dropped)
-        dropped(x)
-        model, layer = lora_layer(8, 8, bias=True)
-        assert lora_fused.install(model) == 1
-        with model.disable_adapter():
-            torch.testing.assert_close(model(x), layer.base_layer(x))
-        layer.base_layer.bias.requires_grad_(True)
-        model(x)
-        assert calls == []
-        layer.base_layer.bias.requires_grad_(False)
-        model(x)
-        assert calls == [lora_fused.Factored]  # 4 tokens x (8 + 8) < 2 x 8 x 8: the three products
-    finally:
-        for fn in (lora_fused.Merged, lora_fused.Factored):
-            del fn.apply
+    x = torch.randn(4, 8)
+    dropped, _ = lora_layer(8, 8, dropout=0.5)
+    lora_fused.install(dropped)
+    dropped(x)
+    model, layer = lora_layer(8, 8, bias=True)
+    assert lora_fused.install(model) == 1
+    with model.disable_adapter():
+        torch.testing.assert_close(model(x), layer.base_layer(x))
+    layer.base_layer.bias.requires_grad_(True)
+    model(x)
+    assert calls == []
+    layer.base_layer.bias.requires_grad_(False)
+    model(x)
+    assert calls == [lora_fused.Factored]  # 4 tokens x (8 + 8) < 2 x 8 x 8: the three products
