@@ -30,6 +30,18 @@ def serve(
         help="Environment variable holding the API key clients must send as `Authorization: Bearer` (every route "
         "but /health, /ready and /metrics). Without it the server answers anyone who can reach it.",
     ),
+    admin_key_file: str | None = typer.Option(
+        None,
+        "--admin-key-file",
+        help="File (mode 0600) holding the admin key: the credential of the control routes (adding, binding, "
+        "syncing and removing adapters over HTTP), apart from the API key. Without it they are refused.",
+    ),
+    admin_loopback: bool = typer.Option(
+        False, "--admin-loopback", help="Without --admin-key-file: allow the control routes from this machine."
+    ),
+    adapter_source: list[str] = typer.Option(
+        [], "--adapter-source", help="A folder or store URL POST /v1/adapters may load from (repeatable)."
+    ),
 ) -> None:
     """Serve a model folder over the OpenAI-compatible API until interrupted."""
     from ladle.assets import resolve_base
@@ -43,6 +55,9 @@ def serve(
         raise LadleError(str(err).replace("base =", "MODEL =")) from None
     extra = [arg for item in option for arg in ("--option", item)]
     extra += [arg for item in adapter for arg in ("--adapter", item)]
+    extra += [arg for item in adapter_source for arg in ("--adapter-source", item)]
+    extra += ["--admin-key-file", admin_key_file] if admin_key_file else []
+    extra += ["--admin-loopback"] if admin_loopback else []
     argv = ["--model", str(folder), "--backend", kind.name, *extra, "--host", host, "--port", str(port)]
     if api_key_env:
         from ladle.serve.server import api_key_from_env

@@ -119,6 +119,7 @@ def reconcile(uri: str, name: str, cfg: LadleConfig, champion: promote.Version, 
     if upstream is None or not records.alive(upstream):
         bindings = ladle_home() / "served" / f"{base}.adapters.json"
         extra = ["--adapter", f"{name}=models:/{name}", "--tracking-uri", uri, "--adapters-file", str(bindings)]
+        extra += ["--admin-key-file", str(admin_key_file(base))]
         proc, url, log_path = start_server(base_dir, "base", serve, free_port(), extra=extra)
         try:
             wait_healthy(proc, url, serve.health_timeout_s, log_path)
@@ -158,7 +159,7 @@ def reconcile(uri: str, name: str, cfg: LadleConfig, champion: promote.Version, 
     answer = httpx.post(
         upstream["url"] + "/v1/adapters/bind",
         json={"name": name, "registered_model": name},
-        headers=headers,
+        headers=control_headers(base),
         timeout=300,
     )
     if answer.status_code != 200:
@@ -245,7 +246,7 @@ def finish_canary(uri: str, name: str, front: dict, server_url: str, headers: di
     from ladle.fleet.champion import admin_headers
 
     canaries.apply(uri, name, state)
-    synced = httpx.post(server_url + "/v1/adapters/sync", headers=headers, timeout=300)
+    synced = httpx.post(server_url + "/v1/adapters/sync", headers=control_headers(front["name"]), timeout=300)
     synced.raise_for_status()
     forgot = httpx.delete(
         front["url"] + "/ladle/canary", params={"adapter": name}, headers=admin_headers(front), timeout=10
@@ -304,6 +305,30 @@ def adapters_of(url: str, headers: dict) -> list[dict]:
         {"name": a["name"], "versions": {v["version"]: v["aliases"] for v in a["versions"]}}
         for a in listed.json()["data"]
     ]
+
+
+def admin_key_file(base: str) -> Path:
+    """The file holding the admin key of base ``base``'s server (made once, mode 0600): the server reads it at
+    every start, a restart by the front included, and ``ladle model serve`` sends it to bind and sync."""
+    import contextlib
+    import os
+    import secrets
+
+    from ladle.assets import ladle_home
+    from ladle.platform.files import write_atomic
+
+    path = ladle_home() / "served" / f"{base}.admin-key"
+    if not path.is_file():  # written whole beside it, then linked in: of two commands at once, the first one's wins
+        draft = write_atomic(path.with_name(f".{path.name}.{os.getpid()}"), secrets.token_urlsafe(32) + "\n", 0o600)
+        with contextlib.suppress(FileExistsError):
+            os.link(draft, path)
+        draft.unlink()
+    return path
+
+
+def control_headers(base: str) -> dict:
+    """The headers of a control route of base ``base``'s server (``ladle.serve.guard.Control``)."""
+    return {"Authorization": f"Bearer {admin_key_file(base).read_text(encoding='utf-8').strip()}"}
 
 
 def _key(serve) -> str:

@@ -37,7 +37,7 @@ from ladle.fleet.canary import Canary, challenger_alive
 from ladle.fleet.supervisor import Supervisor
 from ladle.platform.files import write_atomic
 from ladle.serve.adapters import MAX_VERSIONS, PINNED_HEADER
-from ladle.serve.guard import Guard, envelope
+from ladle.serve.guard import Guard, Refused, envelope
 from ladle.serve.limits import ServeLimits
 
 ADMIN_HEADER = "x-ladle-admin-token"
@@ -269,6 +269,24 @@ class Front:
         )
 
 
+class NotForwarded:
+    """The front's answer to a control route (``ladle.serve.guard.is_control``): refused, never forwarded. The
+    front is the public address; changing what its server serves is for the server's admin key, asked of the server
+    itself."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def check(self, scope) -> None:
+        raise Refused(
+            403,
+            f"{self.name}: the front does not forward control routes ({scope.get('method')} {scope['path']}); ask "
+            "the server behind it, with its admin key (ladle model serve does)",
+            "forbidden",
+            "permission_error",
+        )
+
+
 def create_app(
     name: str,
     token: str,
@@ -295,7 +313,8 @@ def create_app(
 
     app = FastAPI(title=f"ladle front: {name}", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_exception_handler(NotAdmin, lambda request, exc: error(403, str(exc), "permission_error", "forbidden"))
-    app.add_middleware(Guard, max_body_bytes=max_body_bytes)  # the front never holds an oversized body either
+    # The front never holds an oversized body either, and never forwards a control route (``NotForwarded``).
+    app.add_middleware(Guard, max_body_bytes=max_body_bytes, control=NotForwarded(name))
     app.state.supervisor = front.supervisor
     app.state.front = front.state
     add_probe_routes(app, front)

@@ -124,6 +124,25 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-new-tokens", type=int, default=32, help="Default max_tokens of a request.")
     parser.add_argument("--api-key-env", default=None, help="Environment variable holding the API key.")
+    parser.add_argument(
+        "--admin-key-file",
+        default=None,
+        help="File holding the admin key (its first line): the credential of the control routes (POST and DELETE "
+        "/v1/adapters, /bind, /sync), apart from the API key. Without it (and without --admin-loopback) they are "
+        "refused.",
+    )
+    parser.add_argument(
+        "--admin-loopback",
+        action="store_true",
+        help="Without --admin-key-file: allow the control routes to clients on this machine, without a key.",
+    )
+    parser.add_argument(
+        "--adapter-source",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="A folder or store URL that POST /v1/adapters may load adapters from (repeatable; none: it loads none).",
+    )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="Seconds SIGTERM waits for requests.")
     parser.add_argument(
         "--limits", default="{}", help="serve.limits as JSON (what one request may ask; its defaults when left out)."
@@ -135,8 +154,9 @@ def start(args: argparse.Namespace):
     """The backend and app from ``args``; an exit code after an error it printed."""
     from pydantic import ValidationError
 
+    from ladle.serve.guard import Control
     from ladle.serve.limits import ServeLimits
-    from ladle.serve.server import Settings, api_key_from_env, create_app
+    from ladle.serve.server import Settings, admin_key_from_file, api_key_from_env, create_app
 
     try:
         limits = ServeLimits.model_validate_json(args.limits)
@@ -147,6 +167,7 @@ def start(args: argparse.Namespace):
         return 2
     try:
         key = api_key_from_env(args.api_key_env)
+        control = Control(admin_key_from_file(args.admin_key_file), args.admin_loopback)
         kind = backends.get(args.backend)
         model = local_model(args.model, args.model_sha256)
         if not (Path(model) / "config.json").is_file():
@@ -164,7 +185,8 @@ def start(args: argparse.Namespace):
         backend.close()
         print(f"error: {err}", file=sys.stderr)
         return 2
-    app = create_app(backend, Settings(name, args.max_new_tokens, key, limits), catalog, sync)
+    settings = Settings(name, args.max_new_tokens, key, limits, control, tuple(args.adapter_source))
+    app = create_app(backend, settings, catalog, sync)
     return backend, app, name, model
 
 

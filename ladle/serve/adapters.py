@@ -133,12 +133,20 @@ def inspect(path: str | Path, base: BaseWeights) -> AdapterInfo:
                 f"{base.folder} has signature {base.signature[:16]}. Serve it on the base it was trained on."
             )
     targets: set[str] = set()
+    ranks: dict[str, dict[str, int]] = {}  # module -> {"A": rank, "B": rank}
     with safe_open(weights, framework="pt") as handle:
         for key in handle.keys():  # noqa: SIM118 - safe_open has no iteration
             name = key.removeprefix("base_model.model.")
             shape = tuple(handle.get_slice(key).get_shape())
+            if name.endswith((".lora_A.bias", ".lora_B.bias")):  # peft's lora_bias: a bias beside lora_B
+                raise LadleError(
+                    f"adapter {path}: holds {name}, a bias trained beside its LoRA (lora_bias: true), which the "
+                    "batched adapter product does not hold. Merge it and serve it as a model of its own "
+                    "(promote.merge: true)."
+                )
             if ".lora_A." in name or ".lora_B." in name:
                 module = name.split(".lora_")[0]
+                ranks.setdefault(module, {})[name.split(".lora_")[1][0]] = shape[0] if ".lora_A." in name else shape[-1]
                 target = base.shapes.get(module + ".weight")
                 if target is None:
                     raise LadleError(
@@ -161,6 +169,12 @@ def inspect(path: str | Path, base: BaseWeights) -> AdapterInfo:
                 )
     if not targets:
         raise LadleError(f"adapter {path}: holds no LoRA weights.")
+    for module, halves in ranks.items():
+        if len(set(halves.values())) != 1 or set(halves) != {"A", "B"}:
+            raise LadleError(
+                f"adapter {path}: {module} has LoRA ranks {halves} (A's rows and B's columns must be one rank, "
+                "both present): the file is damaged or not peft's. Save the adapter again."
+            )
     size = sum(file.stat().st_size for file in folder.glob("adapter_model.*"))
     return AdapterInfo(str(folder), int(settings.get("r", 0)), tuple(sorted(targets)), size, recorded)
 

@@ -8,12 +8,63 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from dataclasses import dataclass
 
 
 def envelope(message: str, kind: str = "invalid_request_error", code: str | None = None, param: str | None = None):
     """OpenAI's error envelope, the one shape every error of the model server and the front takes (a response's
     body, or an event of a stream already begun)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+CONTROL_PREFIX = "/v1/adapters"
+"""The adapter routes: ``GET`` lists what is served (the API key's, like the model list); every other method
+changes what a served name answers with, and is a control route."""
+
+
+def is_control(method: str, path: str) -> bool:
+    """Whether ``method path`` changes what the server serves (registers, binds, syncs or removes an adapter): the
+    routes that need the admin credential, and that ladle's public front never forwards."""
+    path = "/" + path.lstrip("/")
+    return method.upper() != "GET" and (path == CONTROL_PREFIX or path.startswith(CONTROL_PREFIX + "/"))
+
+
+LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+@dataclass(frozen=True)
+class Control:
+    """Who may use the control routes: ``Authorization: Bearer <key>`` with the admin key (``key``; the API key
+    does not open them), or, where the operator asked for it (``loopback``) and no key is set, any client on this
+    machine. Neither set: the control routes are refused to everyone (a server is never open to changes by
+    default)."""
+
+    key: str | None = None
+    loopback: bool = False
+
+    def check(self, scope) -> None:
+        sent = dict(scope["headers"]).get(b"authorization", b"")
+        if self.key is not None:
+            if not hmac.compare_digest(sent, f"Bearer {self.key}".encode()):
+                raise Refused(
+                    403,
+                    "control routes (adding, binding, syncing or removing adapters) need the admin key: send "
+                    "Authorization: Bearer <admin key> (the API key does not open them)",
+                    "forbidden",
+                    "permission_error",
+                )
+            return
+        client = (scope.get("client") or ("", 0))[0]
+        if self.loopback and client in LOOPBACK:
+            return
+        why = "from this machine only when started with --admin-loopback" if self.loopback else "off"
+        raise Refused(
+            403,
+            f"control routes are {why}: start the server with --admin-key-file FILE (the admin key) to change "
+            "its adapters over HTTP, or --admin-loopback to allow it from this machine without a key",
+            "forbidden",
+            "permission_error",
+        )
 
 
 class Refused(Exception):
@@ -35,7 +86,8 @@ class Hungup(Exception):
 
 class Guard:
     """``max_body_bytes``: the bound; ``api_key``: required as ``Authorization: Bearer`` on every path but
-    ``open_paths`` (None: no key); ``refused(path, status)``: told of each refusal (the server counts them)."""
+    ``open_paths`` (None: no key) and the control routes, which ``control`` decides alone (None: this app has none,
+    and they are refused); ``refused(path, status)``: told of each refusal (the server counts them)."""
 
     def __init__(
         self,
@@ -44,9 +96,11 @@ class Guard:
         api_key: str | None = None,
         open_paths: frozenset[str] = frozenset(),
         refused: Callable[[str, int], None] = lambda path, status: None,
+        control: Control | None = None,
     ):
         self.app, self.limit, self.open_paths, self.refused = app, max_body_bytes, open_paths, refused
         self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.control = control or Control()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -73,6 +127,9 @@ class Guard:
         await self.app(scope, replay, send)
 
     def authorise(self, scope) -> None:
+        if is_control(scope.get("method", "GET"), scope["path"]):
+            self.control.check(scope)
+            return
         if self.key is None or scope["path"] in self.open_paths:
             return
         sent = dict(scope["headers"]).get(b"authorization", b"")

@@ -74,7 +74,9 @@ class MultiLoraLinear(nn.Module):
         y = self.base(x)
         if self.a_cat is None or self.group.rows is None:
             return y
-        mask = self.group.mask(self.layout, x.dim())  # [rows, 1..., R], None when no row runs on these adapters
+        mask = self.group.mask(
+            self.layout, x.dim(), x.device
+        )  # [rows, 1..., R], None when no row runs on these adapters
         if mask is None:
             return y
         h = (x.to(self.a_cat.dtype) @ self.a_cat.T) * mask
@@ -89,10 +91,8 @@ class MultiLora:
         self.model = model
         self.layers: dict[str, MultiLoraLinear] = {}
         self.ids: dict[str, int] = {}  # key -> adapter id (0, 1, ...; -1: the base)
-        self.free: list[int] = []
         self.rows: torch.Tensor | None = None
         self.masks: dict[tuple, torch.Tensor | None] = {}  # per forward: one mask per column layout
-        self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
 
     def add(self, key: str, folder: str | Path) -> None:
@@ -109,22 +109,33 @@ class MultiLora:
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in tensors.items():
             module, _, part = name.removeprefix("base_model.model.").partition(".lora_")
-            if part.split(".")[0] not in ("A", "B"):
+            if part not in ("A.weight", "B.weight"):
                 raise ValueError(f"{name}: not a LoRA linear weight (ladle.serve.adapters.inspect refuses these)")
-            pairs.setdefault(module, {})[part.split(".")[0]] = tensor
-        adapter = self.free.pop() if self.free else len(self.ids)
-        staged = []
+            pairs.setdefault(module, {})[part[0]] = tensor
+        staged = []  # everything checked and converted before any layer changes: a failed load changes nothing
         for module, parts in pairs.items():
+            if set(parts) != {"A", "B"}:
+                raise ValueError(f"{module}: the adapter has lora_{next(iter(parts))} but not its other half")
             a, b = parts["A"], parts["B"]
             rank = a.shape[0]
+            if b.shape[1] != rank:
+                raise ValueError(f"{module}: lora_A has rank {rank} but lora_B {b.shape[1]}")
             scale = settings["lora_alpha"] / (math.sqrt(rank) if settings.get("use_rslora") else rank)
             layer = self.layer(module)
             if a.shape[1] != layer.base.in_features or b.shape[0] != layer.base.out_features:
                 raise ValueError(f"{module}: adapter shapes {list(a.shape)}, {list(b.shape)} do not fit the layer")
-            staged.append((layer, (a.float() * scale).to(self.device, self.dtype), b.to(self.device, self.dtype)))
+            device, dtype = layer.base.weight.device, layer.base.weight.dtype  # each layer's own: a placed base
+            staged.append((layer, (a.float() * scale).to(device, dtype), b.to(device, dtype)))
+        adapter = self.next_id()
         for layer, a, b in staged:
             layer.add(adapter, a, b)
         self.ids[key] = adapter
+
+    def next_id(self) -> int:
+        """The smallest id no loaded adapter has: ids come from what is loaded, never from a count that a failed
+        load or a removal could make collide with a live adapter's id."""
+        taken = set(self.ids.values())
+        return next(i for i in range(len(taken) + 1) if i not in taken)
 
     def remove(self, key: str) -> None:
         adapter = self.ids.pop(key, None)
@@ -132,7 +143,6 @@ class MultiLora:
             return
         for layer in self.layers.values():
             layer.remove(adapter)
-        self.free.append(adapter)
 
     def layer(self, name: str) -> MultiLoraLinear:
         """The wrapper of linear layer ``name`` (installed on first use)."""
@@ -148,22 +158,24 @@ class MultiLora:
         self.layers[name] = wrapper
         return wrapper
 
-    def mask(self, layout: tuple[tuple[int, int], ...], dims: int) -> torch.Tensor | None:
+    def mask(self, layout: tuple[tuple[int, int], ...], dims: int, device: torch.device) -> torch.Tensor | None:
         """Which columns of a layer with ``layout`` each row of this forward keeps (1) or drops (0), shaped to
-        multiply a ``dims``-dimensional activation; None when no row runs on any of its adapters. Made once per
-        forward per layout: layers that hold the same adapters share it."""
-        key = (layout, dims)
+        multiply a ``dims``-dimensional activation on ``device``; None when no row runs on any of its adapters. Made
+        once per forward per layout and device: layers that hold the same adapters share it, and a base placed over
+        several devices gets each layer's mask where that layer's activations are."""
+        key = (layout, dims, str(device))
         if key not in self.masks:
-            owner = torch.cat([torch.full((rank,), adapter, device=self.device) for adapter, rank in layout])
-            keep = owner[None, :] == self.rows[:, None]
-            shape = (self.rows.shape[0], *([1] * (dims - 2)), owner.shape[0])
+            rows = self.rows.to(device)
+            owner = torch.cat([torch.full((rank,), adapter, device=device) for adapter, rank in layout])
+            keep = owner[None, :] == rows[:, None]
+            shape = (rows.shape[0], *([1] * (dims - 2)), owner.shape[0])
             self.masks[key] = keep.to(self.dtype).view(shape) if bool(keep.any()) else None
         return self.masks[key]
 
     @contextlib.contextmanager
     def rows_of(self, keys: list[str | None]):
         """During the block, row ``i`` of a forward runs on adapter ``keys[i]`` (None: the base)."""
-        self.rows = torch.tensor([self.ids[k] if k is not None else -1 for k in keys], device=self.device)
+        self.rows = torch.tensor([self.ids[k] if k is not None else -1 for k in keys])  # moved per layer's device
         self.masks = {}
         try:
             yield

@@ -34,7 +34,7 @@ from ladle.serve.routes import Generation
 from ladle.serve.schema import AdapterRequest, ApiError, BindRequest, ClientGone, validation_error
 from ladle.serve.settings import Settings
 
-__all__ = ["OPEN_PATHS", "ROUTES", "Settings", "api_key_from_env", "create_app"]
+__all__ = ["OPEN_PATHS", "ROUTES", "Settings", "admin_key_from_file", "api_key_from_env", "create_app"]
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """Routes a probe or a scraper reads without the API key."""
@@ -62,9 +62,10 @@ def create_app(backend: Backend, settings: Settings | str, catalog: Catalog | No
         api_key=settings.api_key,
         open_paths=OPEN_PATHS,
         refused=metrics.count,
+        control=settings.control,
     )
     add_probe_routes(app, backend, settings, metrics, catalog)
-    add_adapter_routes(app, backend, catalog, sync)
+    add_adapter_routes(app, backend, catalog, sync, settings.adapter_sources)
     Generation(backend, settings, metrics, catalog).add_to(app)
     return app
 
@@ -136,25 +137,33 @@ def add_probe_routes(app: FastAPI, backend: Backend, settings: Settings, metrics
         return {"object": "list", "data": catalog.listing()}
 
 
-def add_adapter_routes(app: FastAPI, backend: Backend, catalog: Catalog, sync=None) -> None:
+def add_adapter_routes(
+    app: FastAPI, backend: Backend, catalog: Catalog, sync=None, sources: tuple[str, ...] = ()
+) -> None:
     """``GET /v1/adapters`` (what is served), ``POST /v1/adapters`` (register a version: loaded on first use,
     without a restart), ``DELETE /v1/adapters/{name}`` (``?version=``), and for adapters bound to registered models
     ``POST /v1/adapters/bind`` (serve one more registered model's champion and challenger) and
-    ``POST /v1/adapters/sync`` (read the registry's aliases now); the API key guards them as it does generation."""
+    ``POST /v1/adapters/sync`` (read the registry's aliases now). The listing takes the API key, as generation does;
+    the others are control routes (``ladle.serve.guard.Control``: the admin key), and ``POST /v1/adapters`` loads
+    only from under one of ``sources`` (``--adapter-source``)."""
 
     @app.get("/v1/adapters")
     def listed() -> dict:
+        """Each adapter with its versions, aliases, rank and targets, and the registry sync's state."""
         state = sync.state() if sync is not None else None
         return {"object": "list", "base": catalog.base_name, "data": catalog.described(), "registry": state}
 
     @app.post("/v1/adapters/sync")
     async def synced() -> dict:
+        """Control: read the registry's aliases now; the sync's state."""
         if sync is None:
             raise ApiError(400, "no adapter of this server is bound to a registered model", code="no_bindings")
         return await asyncio.to_thread(sync.once)
 
     @app.post("/v1/adapters/bind")
     async def bind(body: BindRequest) -> dict:
+        """Control: serve a registered model's champion and challenger as adapter `name` (kept in the bindings
+        file), read from the registry now."""
         if sync is None:
             raise ApiError(
                 400,
@@ -170,7 +179,9 @@ def add_adapter_routes(app: FastAPI, backend: Backend, catalog: Catalog, sync=No
 
     @app.post("/v1/adapters")
     async def add(body: AdapterRequest) -> dict:
+        """Control: register one version of an adapter from under an `--adapter-source` (loaded on first use)."""
         try:
+            check_source(body.path, sources)
             path = await asyncio.to_thread(adapter_folder, body.path)
             version, dropped = await asyncio.to_thread(
                 catalog.add, body.name, str(path), body.version, body.aliases, body.default
@@ -189,6 +200,7 @@ def add_adapter_routes(app: FastAPI, backend: Backend, catalog: Catalog, sync=No
 
     @app.delete("/v1/adapters/{name:path}")
     def remove(name: str, version: str | None = None) -> dict:
+        """Control: stop serving an adapter (`?version=`: one version); running requests finish on it."""
         try:
             dropped = catalog.remove(name, version)
         except LadleError as exc:
@@ -196,6 +208,37 @@ def add_adapter_routes(app: FastAPI, backend: Backend, catalog: Catalog, sync=No
         for key in dropped:
             backend.drop_adapter(key)
         return {"name": name, "version": version, "deleted": True}
+
+
+def check_source(path: str, sources: tuple[str, ...]) -> None:
+    """``path`` lies under one of the configured adapter sources (a local folder, or a store URL prefix).
+
+    A local path is compared after resolving links and ``..`` (so no path climbs out of a source); a URL by its
+    normalised prefix, ending at a ``/`` (``s3://team-a`` does not admit ``s3://team-a-evil``).
+
+    Raises:
+        LadleError: no source is configured, or ``path`` is under none of them.
+    """
+    from ladle.platform import storage
+
+    if not sources:
+        raise LadleError(
+            f"path = {path}: this server loads adapters over HTTP from no source. Start it with --adapter-source "
+            "PREFIX (a folder or store URL its adapters live under), or bind registered models instead."
+        )
+    for source in sources:
+        if storage.is_local(source) and storage.is_local(path):
+            root, wanted = storage.local_path(source).resolve(), storage.local_path(path).resolve()
+            if wanted == root or root in wanted.parents:
+                return
+        elif not storage.is_local(source) and not storage.is_local(path):
+            root = source.rstrip("/") + "/"
+            if path.startswith(root) and "/../" not in path + "/" and "/./" not in path + "/":
+                return
+    raise LadleError(
+        f"path = {path}: not under any adapter source of this server ({', '.join(sources)}). Put the adapter "
+        "under one of them, or restart the server with another --adapter-source."
+    )
 
 
 def adapter_folder(path: str) -> Path:
@@ -215,6 +258,28 @@ def adapter_folder(path: str) -> Path:
         return storage.cached_copy(path, ladle_home() / "adapters" / hashlib.sha256(path.encode()).hexdigest()[:16])
     except (OSError, ValueError) as exc:
         raise LadleError(f"adapter {path}: could not copy it from the artifact store: {exc}") from None
+
+
+def admin_key_from_file(path: str | None) -> str | None:
+    """The admin key in the first line of ``path`` (None: no file named).
+
+    Raises:
+        ValueError: the file is missing, empty, or readable by others than its owner.
+    """
+    if not path:
+        return None
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--admin-key-file {path}: no such file. Write the admin key into it (mode 0600).")
+    if file.stat().st_mode & 0o077:
+        raise ValueError(f"--admin-key-file {path}: others can read it. chmod 600 {path}.")
+    key = file.read_text(encoding="utf-8").strip().splitlines()[:1]
+    if not key or len(key[0]) < 16:
+        raise ValueError(f"--admin-key-file {path}: holds no key of 16 characters or more. Write one into it.")
+    from ladle.platform import secrets
+
+    secrets.register(key[0])
+    return key[0]
 
 
 def api_key_from_env(name: str | None) -> str | None:

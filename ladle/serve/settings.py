@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ladle.serve.guard import Control
 from ladle.serve.limits import ServeLimits
 
 
@@ -15,3 +16,5 @@ class Settings:
     max_new_tokens: int = 32
     api_key: str | None = None
     limits: ServeLimits = field(default_factory=ServeLimits)
+    control: Control = field(default_factory=Control)  # who may use the control routes (none by default)
+    adapter_sources: tuple[str, ...] = ()  # where POST /v1/adapters may load from (none: it loads nothing)

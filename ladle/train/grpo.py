@@ -31,6 +31,7 @@ and one micro-batch every one equals TRL's (``tests/train/test_grpo.py`` holds t
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,8 +44,6 @@ from ladle import rewards as reward_fns
 from ladle.config.training import RLConfig
 from ladle.serve.rows import Job
 from ladle.train import schedule
-
-SEED_STRIDE = 1_000_003
 
 
 @dataclass
@@ -147,8 +146,17 @@ def merged_adapters(model) -> Iterator[int]:
 
 
 def seeds_for(seed: int, step: int, indices: range) -> list[int]:
-    """Each completion's sampling seed: the same for the same (run seed, step, completion), on any attempt."""
-    return [(seed * SEED_STRIDE + step) * SEED_STRIDE + i for i in indices]
+    """Each completion's sampling seed: the same for the same (run seed, step, completion), on any attempt.
+
+    A hash of the three into 63 bits, so any ``training.seed`` (a date, ``123456789``, a negative number) gives a
+    seed torch's generator takes (``manual_seed`` refuses what is outside ``[-2**63, 2**64)``); arithmetic on the
+    seed itself overflowed that range from ``training.seed`` ~1.85e7 on, and every rollout failed."""
+    return [seed_of(seed, step, i) for i in indices]
+
+
+def seed_of(*parts: int) -> int:
+    digest = hashlib.blake2b(":".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # 63 bits: non-negative, within every generator's range
 
 
 def score(loaded: list[reward_fns.Reward], tokenizer, ro: Rollouts) -> torch.Tensor:

@@ -13,15 +13,18 @@ import os
 import shutil
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import openai
 import psutil
 import pytest
+import torch
 
 from ladle.config import CanaryConfig
 from ladle.errors import LadleError
+from ladle.platform.files import write_atomic
 from ladle.serve.adapters import RECORD, BaseWeights, Catalog, inspect
 from ladle.serve.rows import Job
 from ladle.serve.transformers_backend import TransformersBackend
@@ -29,6 +32,8 @@ from tests.helpers import Clients, fresh_registry
 from tests.serve.adapter_kit import SHAPES, make_adapter, make_set
 
 PROMPTS = ["red blue green", "one two three four", "x y", "the colour of"]
+ADMIN_KEY = "test-admin-key-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +188,63 @@ def test_adapters_that_do_not_fit_the_base_are_refused_naming_why(kit, tiny_mode
         small.add("two", str(unrecorded))
 
 
+def test_a_failed_load_never_gives_a_live_adapters_id_to_the_next_one(kit, tiny_model, tmp_path):
+    """Load red and blue, remove red, fail a load (a damaged file: B of another rank), load green: green must get
+    an id of its own. Before, the failed load lost the freed id and green took blue's: blue's rows then got both
+    updates, and removing either made the other the base."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from ladle.serve.multi_lora import MultiLora
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    group = MultiLora(model)
+    inputs = torch.tensor([[5, 6, 7, 8]])
+
+    def logits(key):
+        with torch.no_grad(), group.rows_of([key]):
+            return model(inputs).logits
+
+    group.add("red", kit["red"][0])
+    group.add("blue", kit["blue"][0])
+    blue_alone = logits("blue")
+    group.remove("red")
+    damaged = shutil.copytree(kit["red"][0], tmp_path / "damaged")
+    tensors = load_file(damaged / "adapter_model.safetensors")
+    name = next(k for k in tensors if "lora_B" in k)
+    tensors[name] = torch.zeros(tensors[name].shape[0], tensors[name].shape[1] + 1)
+    save_file(tensors, damaged / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="rank"):
+        group.add("damaged", damaged)
+    group.add("green", kit["green"][0])
+    assert len(set(group.ids.values())) == 2, group.ids
+    # green's columns add exact zeros to blue's rows, in sums of another length (float32: ~1e-7 apart); green's own
+    # update, had it shared blue's id, moves the logits by ~1.
+    same = {"rtol": 0, "atol": 1e-5}
+    torch.testing.assert_close(logits("blue"), blue_alone, **same)
+    assert (logits("green") - logits(None)).abs().max() > 1e-2, "green's rows take its update"
+    group.remove("green")
+    torch.testing.assert_close(logits("blue"), blue_alone, **same)  # and removing green leaves blue whole
+
+
+def test_inspect_refuses_a_lora_bias_and_halves_of_two_ranks(kit, tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base = BaseWeights.of(tiny_model)
+    biased = shutil.copytree(kit["red"][0], tmp_path / "biased")
+    tensors = load_file(biased / "adapter_model.safetensors")
+    name = next(k for k in tensors if "lora_B" in k)
+    tensors[name.replace(".weight", ".bias")] = torch.zeros(tensors[name].shape[0])
+    save_file(tensors, biased / "adapter_model.safetensors")
+    with pytest.raises(LadleError, match="lora_bias"):
+        inspect(biased, base)
+    tensors.pop(name.replace(".weight", ".bias"))
+    tensors[name] = torch.zeros(tensors[name].shape[0], tensors[name].shape[1] + 1)
+    save_file(tensors, biased / "adapter_model.safetensors")
+    with pytest.raises(LadleError, match="LoRA ranks"):
+        inspect(biased, base)
+
+
 @pytest.fixture(scope="module")
 def split(kit, tiny_model, tmp_path_factory, registry):
     """A real server (API and engine processes) over the tiny base with two adapters from the command line and one
@@ -199,6 +261,9 @@ def split(kit, tiny_model, tmp_path_factory, registry):
     argv += ["--option", "max_adapters=2", "--max-new-tokens", "12", "--adapter", "bot=models:/bot"]
     bindings = log.parent / "bindings.json"
     argv += ["--tracking-uri", registry, "--adapters-file", str(bindings), "--adapter-sync-s", "600"]
+    admin_key = log.parent / "admin-key"
+    write_atomic(admin_key, ADMIN_KEY + "\n", mode=0o600)
+    argv += ["--admin-key-file", str(admin_key), "--adapter-source", str(Path(kit["green"][0]).parent)]
     proc = pool.launch(argv, log)  # forked from the suite's warm pool, as a host's servers are where one runs
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -290,6 +355,7 @@ def test_an_adapter_added_and_removed_under_traffic_fails_no_request(split, merg
         added = httpx.post(
             f"{split}/v1/adapters",
             json={"name": "green", "path": str(kit["green"][0]), "version": "3", "aliases": ["champion"]},
+            headers=ADMIN,
             timeout=30,
         )
         assert added.status_code == 200, added.text
@@ -297,9 +363,11 @@ def test_an_adapter_added_and_removed_under_traffic_fails_no_request(split, merg
         answer = httpx.post(f"{split}/v1/completions", json=body, timeout=60).json()
         expected = finished(submit(merged["green"], PROMPTS[1], max_new_tokens=6))
         assert answer["choices"][0]["text"] == expected.text
-        refused = httpx.post(f"{split}/v1/adapters", json={"name": "odd", "path": str(kit["red"][1])}, timeout=30)
+        refused = httpx.post(
+            f"{split}/v1/adapters", json={"name": "odd", "path": str(kit["red"][1])}, headers=ADMIN, timeout=30
+        )
         assert refused.status_code == 400 and "not a LoRA adapter folder" in refused.json()["error"]["message"]
-        assert httpx.delete(f"{split}/v1/adapters/green", timeout=30).status_code == 200
+        assert httpx.delete(f"{split}/v1/adapters/green", headers=ADMIN, timeout=30).status_code == 200
         assert httpx.post(f"{split}/v1/completions", json=body, timeout=30).status_code == 404
         described = httpx.get(f"{split}/v1/adapters", timeout=30).json()
         assert [a["name"] for a in described["data"]] == ["blue", "bot", "red"]
@@ -308,6 +376,46 @@ def test_an_adapter_added_and_removed_under_traffic_fails_no_request(split, merg
         for thread in threads:
             thread.join(60)
     assert errors == []
+
+
+def test_control_routes_take_the_admin_key_load_only_from_their_sources_and_the_front_never_forwards_them(
+    split, kit, tmp_path
+):
+    """Adding, binding, syncing and removing adapters change what a served name answers with: no key, or the API
+    key, gets 403; a path outside ``--adapter-source`` (or climbing out of it) is refused with the admin key too;
+    and ladle's front answers every control route itself, with 403, forwarding none."""
+    from ladle.fleet import front as router
+    from tests.serve.running import Running
+
+    url = split.url
+    stolen = shutil.copytree(kit["green"][0], tmp_path / "elsewhere")
+    adding = {"name": "red", "path": str(kit["green"][0]), "version": "9"}  # would take red's traffic
+    for headers in ({}, {"Authorization": "Bearer not-the-admin-key"}):
+        for method, path, body in (
+            ("POST", "/v1/adapters", adding),
+            ("POST", "/v1/adapters/bind", {"name": "red", "registered_model": "bot"}),
+            ("POST", "/v1/adapters/sync", None),
+            ("DELETE", "/v1/adapters/red", None),
+        ):
+            answer = httpx.request(method, url + path, json=body, headers=headers, timeout=30)
+            assert answer.status_code == 403, (method, path, answer.text)
+            assert "admin key" in answer.json()["error"]["message"]
+    for outside in (str(stolen), str(Path(kit["green"][0]).parent / ".." / stolen.parent.name / "elsewhere")):
+        answer = httpx.post(url + "/v1/adapters", json={**adding, "path": outside}, headers=ADMIN, timeout=30)
+        assert answer.status_code == 400 and "not under any adapter source" in answer.text, answer.text
+    red = next(a for a in httpx.get(url + "/v1/adapters", timeout=30).json()["data"] if a["name"] == "red")
+    assert [v["version"] for v in red["versions"]] == ["1"], "nothing refused was registered"
+
+    upstream = {"url": url, "version": "base", "pid": None}
+    front = Running(router.create_app("base-test", "t", {"upstream": upstream}, None))
+    try:
+        for method, path in (("POST", "/v1/adapters"), ("POST", "/v1/adapters/sync"), ("DELETE", "/v1/adapters/red")):
+            answer = httpx.request(method, front.url + path, json=adding, headers=ADMIN, timeout=30)
+            assert answer.status_code == 403 and "does not forward control routes" in answer.text, answer.text
+        listed = httpx.get(front.url + "/v1/adapters", timeout=30)  # reading is not control: forwarded
+        assert listed.status_code == 200 and listed.json()["base"] == "tiny"
+    finally:
+        front.stop()
 
 
 def openai_reference(backend, text: str) -> list[list[int]]:
@@ -395,17 +503,17 @@ def test_a_server_bound_to_a_registered_model_serves_its_aliases_and_a_replica_o
         assert answer_tokens(url, "bot") == red and answer_tokens(url, "bot@challenger") == blue
         assert answer_tokens(url, "bot@v2") == blue
         promote.promote(registry, "bot", "2", "better")
-        state = httpx.post(f"{url}/v1/adapters/sync", timeout=60).json()
+        state = httpx.post(f"{url}/v1/adapters/sync", headers=ADMIN, timeout=60).json()
         assert state["last_error"] is None and state["problems"] == {}
         assert answer_tokens(url, "bot") == blue and answer_tokens(url, "bot@champion") == blue
         promote.rollback(registry, "bot", "1")
-        httpx.post(f"{url}/v1/adapters/sync", timeout=60)
+        httpx.post(f"{url}/v1/adapters/sync", headers=ADMIN, timeout=60)
         assert answer_tokens(url, "bot") == red
 
         altered = shutil.copytree(kit["green"][0], tmp_path / "altered")
         tags = {"ladle.kind": "adapter", "ladle.model_sha256": "0" * 64}  # not its weights' hash
         third = promote.register(registry, "bot", str(altered), None, tags)  # now the challenger
-        state = httpx.post(f"{url}/v1/adapters/sync", timeout=60).json()
+        state = httpx.post(f"{url}/v1/adapters/sync", headers=ADMIN, timeout=60).json()
         assert f"bot v{third.version} (challenger)" in state["problems"]["bot"]
         ready = httpx.get(f"{url}/ready", timeout=10)
         assert ready.status_code == 503 and f"bot v{third.version} (challenger)" in ready.text
@@ -414,7 +522,7 @@ def test_a_server_bound_to_a_registered_model_serves_its_aliases_and_a_replica_o
         from mlflow.tracking import MlflowClient
 
         MlflowClient(registry).set_registered_model_alias("bot", "challenger", "2")
-        httpx.post(f"{url}/v1/adapters/sync", timeout=60)
+        httpx.post(f"{url}/v1/adapters/sync", headers=ADMIN, timeout=60)
         assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
 
         # A second replica, or this one restarted as a supervisor restarts it: a start whose command line names
@@ -491,6 +599,8 @@ def test_an_adapters_canary_splits_its_own_traffic_at_the_base_front_and_is_appl
     base = fleet.front_name(base_signature(tiny_model))
     front = champions.ensure_front(base, cfg.serving())
     admin = champions.admin_headers(front)
+    # The suite's server was started with its own admin key: the one `ladle model serve` keeps for this base.
+    write_atomic(tmp_path / "home" / "served" / f"{base}.admin-key", ADMIN_KEY + "\n", mode=0o600)
     # The suite's running server of this base behind the front, as `ladle model serve` of an adapter leaves one.
     body = {"url": split.url, "version": "base", "pid": split.proc.pid, "model_dir": str(tiny_model)}
     assert httpx.put(f"{front['url']}/ladle/upstream", json=body, headers=admin, timeout=30).status_code == 200

@@ -155,6 +155,22 @@ def test_loss_and_lora_gradients_equal_trl_grpo_trainer(trl_trainer, case):
             )
 
 
+@pytest.mark.parametrize("seed", [0, 42, 20261205, 123456789, 2**63 - 1])
+def test_completion_seeds_fit_every_generator_for_any_run_seed(seed):
+    seeds = grpo.seeds_for(seed, 7, range(64))
+    assert seeds == grpo.seeds_for(seed, 7, range(64)), "the same on every attempt"
+    assert len(set(seeds)) == 64 and not set(seeds) & set(grpo.seeds_for(seed, 8, range(64)))
+    for value in seeds:
+        assert 0 <= value < 2**63
+        torch.Generator().manual_seed(value)  # raised RuntimeError for training.seed >= ~1.85e7
+
+
+def test_a_seed_no_generator_takes_is_refused_naming_the_field():
+    for seed in (-1, 2**63):
+        with pytest.raises(ConfigError, match="training.seed"):
+            build_config({"base": "ladle://tiny-llama", "data": {"path": "x.jsonl"}}, [f"training.seed={seed}"])
+
+
 def test_advantages_are_trls_group_normalised_rewards_and_none_is_excluded():
     table = torch.tensor([[1.0, float("nan")], [0.0, 1.0], [0.5, float("nan")], [float("nan"), float("nan")]])
     adv, summed = grpo.advantages(table, torch.tensor([1.0, 2.0]), group=2, scale="group")
@@ -301,6 +317,7 @@ def grpo_spec(strategy: str, root: Path, *overrides: str, processes: int = 2):
     return spec.model_copy(update={"reward_files": reward_fns.bundle(cfg.training.rl.rewards)})
 
 
+LARGE_SEED = "training.seed=123456789"
 FULL = ("training.lora.enabled=false", "training.rl.beta=0.04", "training.lr=1e-3")  # a full fine-tune with a KL
 
 
@@ -314,9 +331,9 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
     from ladle.train.checkpoint import complete_steps, step_dir
     from ladle.train.run import TrainingFailed, launch
 
-    specs = {
-        "one": grpo_spec("ddp", tmp_path, processes=1),
-        "zero2": grpo_spec("zero2", tmp_path),
+    specs = {  # a seed past 1.85e7, where the completions' seeds once overflowed torch's generator
+        "one": grpo_spec("ddp", tmp_path, LARGE_SEED, processes=1),
+        "zero2": grpo_spec("zero2", tmp_path, LARGE_SEED),
         "one_full": grpo_spec("ddp", tmp_path, *FULL, processes=1),  # the reference: a copy of the replica
         "zero3": grpo_spec("zero3", tmp_path, *FULL),  # every weight gathered for the rollouts, partitioned after
         # Every unit unsharded for the rollouts, resharded after; each rank's two micro-batches reduce-scattered
@@ -361,7 +378,7 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
     # The one process's step-2 checkpoint resumed on two (DDP, the same global batch of completions), with a reward
     # that breaks at its second call (step 4): step 3 is sampled and learned as the first time, then the run stops
     # with the reward named, its step-2 checkpoint kept.
-    broken = grpo_spec("ddp", tmp_path, processes=2).model_copy(deep=True)
+    broken = grpo_spec("ddp", tmp_path, LARGE_SEED, processes=2).model_copy(deep=True)
     root = storage.join(broken.run_url, "checkpoints")
     storage.upload_dir(step_dir(storage.join(specs["one"].run_url, "checkpoints"), 2), step_dir(root, 2))
     (path,) = list(broken.reward_files)
