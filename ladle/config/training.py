@@ -420,6 +420,19 @@ class RLConfig(Section):
         "weights meanwhile. null: on where the plan fits with that copy, off where it does not (the plan says "
         "which, in GiB). Full fine-tunes have nothing to merge.",
     )
+    probe_every: int = Field(
+        5,
+        ge=0,
+        description="Steps between checks of the general-ability probe (eval.probe) on the live policy during "
+        "training: its trend goes to the report and MLflow (`probe`), and probe_guard acts on it. 0: no checks "
+        "during training (the evaluation stage still gates on it).",
+    )
+    probe_guard: Literal["restore", "report"] = Field(
+        "restore",
+        description="With eval.probe and promote.max_probe_drop: restore: a check that finds the probe more than "
+        "max_probe_drop below its start ends the run with the adapter of the last check within it (LoRA under ddp, "
+        "zero1, zero2; elsewhere the run ends at the breach, which the gate then refuses); report: only reported.",
+    )
     logprob_check_every: int = Field(
         1,
         ge=0,
@@ -476,7 +489,13 @@ class TrainingConfig(Section):
     scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Learning-rate schedule.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, ge=0.0, description="Gradient clipping norm. 0: no clipping.")
-    seed: int = Field(42, description="Seed for initialisation, data order and dropout.")
+    seed: int = Field(
+        42,
+        ge=0,
+        lt=2**63,
+        description="Seed for initialisation, data order, dropout and GRPO's rollouts (0 to 2**63 - 1: what "
+        "every random generator takes).",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Training dtype. auto: float32 on CPU, bfloat16 on GPUs that support it."
     )

@@ -24,7 +24,7 @@ from ladle.data import prompts as prompt_data
 from ladle.platform import storage
 from ladle.serve.engine import Engine
 from ladle.serve.rows import Job
-from ladle.train import checkpoint, common, grpo, kernels, loading, packed_completions, schedule
+from ladle.train import checkpoint, common, grpo, grpo_probe, kernels, loading, packed_completions, schedule
 from ladle.train.runtime.base import runtime_for
 from ladle.train.spec import TrainResult, TrainSpec
 
@@ -51,6 +51,8 @@ class RLSession:
     load_peak_mib: float
     baseline_mib: float
     packed: bool = False  # completions scored as one row of their real tokens (packed_completions)
+    probe: grpo_probe.ProbeWatch | None = None  # eval.probe asked during training (ladle.train.grpo_probe)
+    ended_early: int | None = None  # the step the probe's guard ended the run at
     losses: list[float] = field(default_factory=list)
     eval_before: float = 0.0
     reward_first: float = math.nan
@@ -143,11 +145,14 @@ def setup(spec: TrainSpec) -> RLSession:
         baseline,
         packed,
     )
+    s.probe = grpo_probe.watch_for(cfg, tokenizer, plan.strategy)
     if state:
         s.losses, s.eval_before = list(state.losses), state.eval_before
     else:
         s.eval_before = -held_out_reward(s)
         log({"eval_reward": -s.eval_before}, 0)
+    if s.probe is not None:  # a resumed run's start is the resumed weights' probe (the report says from which step)
+        grpo_probe.check(s, s.probe, s.start, lambda: rollout_weights(s))
     return s
 
 
@@ -196,6 +201,14 @@ def rollout(s: RLSession, step: int) -> tuple[grpo.Rollouts, slice, torch.Tensor
     ro.rewards, ro.advantages = table, adv[mine]
     ro.stats = reward_stats(s, gathered, summed, rl.num_generations)
     return ro, mine, gathered
+
+
+@contextmanager
+def rollout_weights(s: RLSession):
+    """The weights every rank samples with, entered on every rank: gathered whole where sharded, merged where the
+    plan says so."""
+    with runtime_for(s.spec.plan.strategy).whole_weights(s.accelerator, s.model), sampling_weights(s):
+        yield
 
 
 @contextmanager
@@ -411,12 +424,20 @@ def train_loop(s: RLSession) -> tuple[int, float]:
         )
         if cfg.training.eval_every and (step + 1) % cfg.training.eval_every == 0 and step + 1 < s.steps:
             s.log({"eval_reward": held_out_reward(s)}, step + 1)
+        due = s.probe is not None and (step + 1) % s.probe.every == 0 and step + 1 < s.steps
+        if due and grpo_probe.check(s, s.probe, step + 1, lambda: rollout_weights(s)):
+            s.ended_early = step + 1
+            common.emit(acc, "probe_guard", step=step + 1, why=s.probe.breach)
+            break
         common.checkpoint_if_due(s, step + 1)
     return tokens, seconds
 
 
 def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
     acc = s.accelerator
+    last = s.probe is not None and s.ended_early is None and s.steps > s.start  # the last check: the guard's too
+    if last and grpo_probe.check(s, s.probe, s.steps, lambda: rollout_weights(s)):
+        common.emit(acc, "probe_guard", step=s.steps, why=s.probe.breach)
     after = held_out_reward(s)
     s.log({"eval_reward": after}, s.steps)
     adapter_url, model_url = common.save_outputs(acc, s.model, s.spec)
@@ -426,7 +447,7 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
         strategy=s.spec.plan.strategy,
         world_size=acc.num_processes,
         backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else "none",
-        steps=s.steps,
+        steps=s.ended_early or s.steps,
         resumed_from_step=s.start,
         train_losses=losses,
         train_loss_first=losses[0] if losses else 0.0,
@@ -450,6 +471,7 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
             "reward_last_step": nan_free(s.reward_last),
             "rollout_logprob_gap_max": s.gap_max,
             **({} if math.isnan(s.kl_last) else {"kl_last_step": s.kl_last}),
+            **(s.probe.summary() if s.probe is not None else {}),
         },
         kernels=s.kernels,
     )

@@ -68,10 +68,11 @@ class TrainResult(BaseModel):
         description="Preference tuning: held-out rewards, margin and preference accuracy before and after "
         "(`eval_*_before`, `eval_*_after`); null for supervised fine-tuning.",
     )
-    rl: dict[str, float] | None = Field(
+    rl: dict[str, float | str | list[list[float]]] | None = Field(
         None,
         description="grpo: held-out mean reward before and after (`eval_reward_before`, `eval_reward_after`), the "
-        "first and last steps' mean rewards and the largest rollout_logprob_gap; null for other objectives.",
+        "first and last steps' mean rewards, the largest rollout_logprob_gap, the probe's `[step, score]` checks "
+        "during training (`probe_trend`) and what its guard did (`probe_guard`); null for other objectives.",
     )
     parity_probe: list[dict] = Field(
         default_factory=list, description="The probe rows those are of (the spec's, set by the launching task)."

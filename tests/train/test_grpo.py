@@ -564,3 +564,37 @@ def test_merged_adapters_sample_what_the_adapters_compute_and_leave_the_model_as
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)  # the adapters still learn
     with model.disable_adapter(), grpo.merged_adapters(model) as merged:
         assert merged == 0  # disabled adapters: nothing to merge, peft's own forward
+
+
+def test_a_run_that_forgets_the_probe_ends_with_the_adapter_of_its_last_check_within_it(tmp_path):
+    """A probe the tiny model answers wholly at the start (its own greedy answers to five questions), a step size
+    that makes it forget: the probe's checks during training are in the report, the first that finds it more than
+    promote.max_probe_drop down ends the run, and the adapter saved is the last check's within bounds (scored
+    again from the saved files, as the evaluation stage scores it)."""
+    from ladle.config import EvalConfig
+    from ladle.lifecycle.evaluate import probe_score
+    from ladle.lifecycle.merge import merge_adapter
+    from ladle.train.run import launch
+    from tests.helpers import offline_greedy
+
+    questions = ["red blue green", "one two three", "the colour of", "x y z", "count to four"]
+    probe = tmp_path / "probe.jsonl"
+    plain = grpo_spec("ddp", tmp_path, processes=1)
+    answers = [offline_greedy(plain.base_dir, [{"role": "user", "content": q}], 8) for q in questions]
+    probe.write_text(
+        "".join(
+            json.dumps({"question": q, "answers": [a.strip()]}) + "\n" for q, a in zip(questions, answers, strict=True)
+        )
+    )
+    watched = (f"eval.probe={probe}", "eval.probe_max_new_tokens=8", "promote.max_probe_drop=0.1")
+    spec = grpo_spec("ddp", tmp_path, *watched, "training.rl.probe_every=1", "training.lr=5e-2", processes=1)
+    result = launch(spec)
+    trend = result.rl["probe_trend"]
+    assert trend[0] == [0, 1.0], trend
+    assert trend[-1][1] < 0.9 and all(score >= 0.9 for _, score in trend[:-1]), trend
+    kept_step, kept_score = int(trend[-2][0]), trend[-2][1]
+    assert result.steps == trend[-1][0] < 4
+    assert f"the adapter of step {kept_step} (probe {kept_score})" in result.rl["probe_guard"]
+    merge_adapter(plain.base_dir, storage.local_path(result.adapter_url), tmp_path / "merged")
+    again, _ = probe_score(tmp_path / "merged", EvalConfig(probe=str(probe), probe_max_new_tokens=8))
+    assert again == kept_score
