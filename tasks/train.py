@@ -42,6 +42,10 @@ def progress_relay(logger, min_interval_s: float = 2.0):
                 event["elapsed_s"],
             )
             update_progress_artifact(artifact_id, progress=100.0 * event["step"] / event["steps"])
+        elif event["event"] == "probe":
+            logger.info("probe at step %d: %.2f (started at %.2f)", event["step"], event["score"], event["start"])
+        elif event["event"] == "probe_guard":
+            logger.warning("probe guard: %s", event["why"])
         elif event["event"] == "start":
             logger.info("training started: %s", {k: v for k, v in event.items() if k != "event"})
         elif event["event"] == "done":

@@ -66,30 +66,71 @@ class Reward:
     accepts_any: bool  # takes **kwargs: every column is passed, as TRL passes them
     params: frozenset[str]
 
+    failed: int = 0  # completions whose call raised, since the count was last read (``take_failed``)
+
     def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict) -> list:
         """This reward's values for ``completions``, checked: one finite float or None each.
 
+        A call that raises is made again one completion at a time: a completion whose own call raises scores None
+        (the reward does not apply to it) and is counted (``failed``; the step's ``reward/NAME/failed``), so one
+        model output (a JSON nested past Python's recursion limit, a bad schema in one row) cannot end a run.
+
         Raises:
-            RewardError: it raised, or returned the wrong number or kind of values.
+            RewardError: it raised on every completion (the function, the exception and the first row named), or
+                returned the wrong number or kind of values.
         """
         offered = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
-        kwargs = offered if self.accepts_any else {k: v for k, v in offered.items() if k in self.params}
         try:
-            values = self.fn(**kwargs)
-        except Exception as exc:
+            return checked(self.name, self.fn(**self.kwargs(offered)), len(completions))
+        except RewardError:
+            raise
+        except Exception:  # noqa: BLE001 - a user's function: which completion raised is found below
+            pass
+        values: list[float | None] = []
+        first: tuple[int, Exception] | None = None
+        for i in range(len(completions)):
+            one = {k: v[i : i + 1] for k, v in offered.items()}
+            try:
+                values += checked(self.name, self.fn(**self.kwargs(one)), 1)
+            except RewardError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this completion's score, not the run's end
+                first = first or (i, exc)
+                values.append(None)
+                self.failed += 1
+        if first is not None and all(v is None for v in values):
+            i, exc = first
             raise RewardError(
-                f"training.rl.rewards: {self.name} raised {type(exc).__name__}: {exc} (on {len(completions)} "
-                "completions). Fix the function; the run stopped at this step, its last checkpoint kept."
+                f"training.rl.rewards: {self.name} raised {type(exc).__name__}: {exc} on every one of its "
+                f"{len(completions)} completions (the first: row {i}, prompt {shown(prompts[i])!r}). Fix the "
+                "function; the run stopped at this step, its last checkpoint kept."
             ) from exc
-        return checked(self.name, values, len(completions))
+        return values
+
+    def kwargs(self, offered: dict) -> dict:
+        return offered if self.accepts_any else {k: v for k, v in offered.items() if k in self.params}
+
+    def take_failed(self) -> int:
+        """The completions that raised since the last call (and the count starts again)."""
+        count, self.failed = self.failed, 0
+        return count
+
+
+def shown(prompt, limit: int = 80) -> str:
+    """A prompt (text, or a conversation's last turn) cut to ``limit`` characters, for an error line."""
+    text = prompt if isinstance(prompt, str) else str((prompt or [{}])[-1].get("content", prompt))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def checked(name: str, values, count: int) -> list[float | None]:
-    """``values`` as one float (or None) per completion.
+    """``values`` as one float (or None) per completion; numpy's numbers and arrays are numbers too (a TRL reward
+    often returns ``np.float32`` values or an array).
 
     Raises:
         RewardError: naming the reward, what it returned and what was expected.
     """
+    if hasattr(values, "tolist") and not isinstance(values, list | tuple):  # a numpy array or a tensor
+        values = values.tolist()
     if not isinstance(values, list | tuple) or len(values) != count:
         got = f"{len(values)} values" if isinstance(values, list | tuple) else type(values).__name__
         raise RewardError(
@@ -101,12 +142,13 @@ def checked(name: str, values, count: int) -> list[float | None]:
         if value is None:
             out.append(None)
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(float(value)):
+        number = value.item() if hasattr(value, "item") and not isinstance(value, bool) else value  # np.float32
+        if isinstance(number, bool) or not isinstance(number, int | float) or not math.isfinite(float(number)):
             raise RewardError(
                 f"training.rl.rewards: {name} returned {value!r} for completion {i}; each value must be a finite "
                 "float, or None when the reward does not apply."
             )
-        out.append(float(value))
+        out.append(float(number))
     return out
 
 

@@ -29,6 +29,7 @@ import torch
 
 from ladle.data.probe import answered, load_probe
 from ladle.serve.rows import Job
+from ladle.train import common
 
 WHOLE_ON_EACH_RANK = frozenset({"ddp", "zero1", "zero2"})
 
@@ -112,6 +113,7 @@ def check(s, watch: ProbeWatch, step: int, sampling) -> bool:
     value = score(s, watch, sampling)
     watch.trend.append((step, value))
     s.log({"probe": value}, step)
+    common.emit(s.accelerator, "probe", step=step, score=value, start=watch.start)
     floor = watch.start - watch.max_drop if watch.max_drop is not None else -math.inf
     if value >= floor:
         if watch.guard == "restore" and watch.restorable and watch.max_drop is not None:

@@ -237,6 +237,7 @@ def reward_stats(s: RLSession, table: torch.Tensor, summed: torch.Tensor, group:
         column = table[:, j]
         stats[f"reward/{reward.name}/mean"] = float(torch.nanmean(column))
         stats[f"reward/{reward.name}/std"] = float(grpo.nanstd(column)) if column.numel() > 1 else 0.0
+        stats[f"reward/{reward.name}/failed"] = float(reward.take_failed())  # this rank's completions that raised
     stats["reward"] = float(torch.nanmean(summed))
     stats["reward_std"] = float(grpo.nanstd(summed)) if summed.numel() > 1 else 0.0
     spread = grpo.nanstd(summed.view(-1, group), dim=1)

@@ -190,9 +190,14 @@ class Relay:
             self.on_line(line)
 
     def failure(self, what: str) -> TrainingFailed:
-        """``what`` (e.g. "training exited with code 1"), the first rank's reported error and the last output lines."""
-        cause = f"rank {self.errors[0]['rank']}: {self.errors[0]['error']}\n" if self.errors else ""
-        return TrainingFailed(f"{what}; {cause}last output:\n" + "\n".join(self.tail))
+        """``what`` (e.g. "training exited with code 1"), the first rank's reported error, the last output lines, and
+        that error again as the last line."""
+        if not self.errors:
+            return TrainingFailed(f"{what}; last output:\n" + "\n".join(self.tail))
+        # The cause is the first line and the last: the launcher's own "rank N exited" lines end the output, and a
+        # user reads the last line first.
+        cause = f"rank {self.errors[0]['rank']}: {self.errors[0]['error']}"
+        return TrainingFailed(f"{what}; {cause}\nlast output:\n" + "\n".join(self.tail) + f"\n{cause}")
 
 
 def read_result(spec: TrainSpec) -> TrainResult:

@@ -221,12 +221,38 @@ def test_built_in_rewards():
     assert length(texts, texts, [[1], [1, 2, 3], [1, 2, 3, 4]], {}) == [0.0, -0.5, -1.0]
 
 
+def test_a_reward_that_raises_on_one_completion_scores_it_none_and_counts_it():
+    """One model output cannot end a run: a JSON nested past the recursion limit, a row whose schema is not a
+    schema, a user's function that trips on one completion each score None there, counted; numpy's values (as TRL
+    rewards return them) are numbers."""
+    import numpy as np
+
+    made = RLConfig(rewards=[{"fn": "json_schema", "args": {"column": "schema"}}]).rewards
+    (schema,) = reward_fns.load_all(made, {})
+    texts = ["[" * 100_000 + "]" * 100_000, '{"a": 1}', '{"a": 1}']
+    good = {"type": "object", "required": ["a"]}
+    values = schema(texts, texts, [[1]] * 3, {"schema": [good, {"type": 12}, good]})
+    assert values == [None, None, 1.0] and schema.take_failed() == 2 and schema.failed == 0
+
+    def picky(prompts, completions, **kwargs):
+        return np.array([1.0 / len(c) for c in completions], dtype=np.float32)  # "" raises ZeroDivisionError
+
+    user = reward_fns.Reward("picky", 1.0, picky, True, frozenset())
+    assert user(["p", "p"], ["ab", ""], [[1], [2]], {}) == [0.5, None] and user.take_failed() == 1
+    with pytest.raises(reward_fns.RewardError, match=r"picky raised ZeroDivisionError: .* every one of its 2"):
+        user(["p", "q"], ["", ""], [[1], [2]], {})
+
+
 @pytest.mark.parametrize(
     ("source", "entry", "message"),
     [
         (None, "no_such_module_here:fn", "cannot import it (ModuleNotFoundError"),
         ("def f(x):\n    return [0.0]\n", "r.py:f", "has the signature (x); a reward is called as TRL calls it"),
-        ("def f(prompts, completions, **k):\n    raise ValueError('boom')\n", "r.py:f", "f raised ValueError: boom"),
+        (
+            "def f(prompts, completions, **k):\n    raise ValueError('boom')\n",
+            "r.py:f",
+            "f raised ValueError: boom on every one of its 2 completions (the first: row 0, prompt 'p')",
+        ),
         ("def f(prompts, completions, **k):\n    return [1.0]\n", "r.py:f", "f returned 1 values for 2 completions"),
         ("def f(prompts, completions, **k):\n    return ['a', 1]\n", "r.py:f", "f returned 'a' for completion 0"),
         ("def g(prompts, completions, **k):\n    return []\n", "r.py:f", "r.py has no function 'f'"),
@@ -383,13 +409,15 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
     storage.upload_dir(step_dir(storage.join(specs["one"].run_url, "checkpoints"), 2), step_dir(root, 2))
     (path,) = list(broken.reward_files)
     broken.reward_files[path] = REWARD_FILE.replace(
-        "    texts =", "    CALLS.append(1)\n    if len(CALLS) == 2:\n        raise KeyError('score')\n    texts ="
+        "    texts =", "    CALLS.append(1)\n    if len(CALLS) >= 2:\n        raise KeyError('score')\n    texts ="
     ).replace("def digits", "CALLS = []\ndef digits")
     steps: list[dict] = []
     with pytest.raises(
-        TrainingFailed, match=r"training.rl.rewards: digits raised KeyError: 'score' \(on 8 completions\)"
-    ):
+        TrainingFailed, match=r"training.rl.rewards: digits raised KeyError: 'score' on every one of its 8 completions"
+    ) as failed:
         launch(broken, on_progress=lambda e: steps.append(e) if e["event"] == "step" else None)
+    last = str(failed.value).splitlines()[-1]  # what a user reads first: the cause, not the launcher's exit lines
+    assert "digits raised KeyError: 'score' on every one of its 8 completions (the first: row 0, prompt" in last
     assert [e["step"] for e in steps] == [3]
     assert steps[0]["loss"] == pytest.approx(one.train_losses[2], rel=1e-4, abs=1e-6)
     assert complete_steps(root) == [2]
