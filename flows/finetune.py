@@ -71,6 +71,15 @@ def record_check(inputs: RunInputs, flow_run_id: str, decision: str, reason: str
     retraining.record_retraining_check(inputs.tracking_uri, inputs.registered_model, entry)
 
 
+def probe_lines(config, scores, result) -> dict:
+    """The probe's part of the summary: before and after (the gate's), and during training where GRPO asked it (its
+    ``[step, score]`` checks and what its guard did)."""
+    if not config.eval.probe:
+        return {}
+    during = {k: v for k, v in (result.rl or {}).items() if k in ("probe_trend", "probe_guard")}
+    return {"probe_before": scores.base.get("probe"), "probe_after": scores.model.get("probe"), **during}
+
+
 @flow(name="finetune", description="Fine-tune a base model on a dataset, gate it, and serve it.")
 def finetune(
     config: LadleConfig, config_ref: str = "CONFIG", run_id: str | None = None, skip_if_data_unchanged: bool = False
@@ -180,11 +189,7 @@ def finetune(
         "eval_accuracy_after": scores.accuracy_after,
         "eval_examples": scores.examples,
         "eval_metric": scores.metric,
-        **(
-            {"probe_before": scores.base.get("probe"), "probe_after": scores.model.get("probe")}
-            if config.eval.probe
-            else {}
-        ),
+        **probe_lines(config, scores, result),
         "eval_before": scores.base,
         "eval_after": scores.model,
         "resumed_from_step": result.resumed_from_step,

@@ -56,15 +56,15 @@ def progress_relay(logger, min_interval_s: float = 2.0):
 
 def parity_probe(cfg: LadleConfig, prepared: PreparedDataset, base_dir: str):
     """The held-out conversations the served model is compared on (``ladle.lifecycle.parity``), as training
-    tokenizes them; none for grpo (its held-out rows are prompts without answers)."""
+    tokenizes them; for grpo, its held-out chat prompts (their ids are training's)."""
     from pathlib import Path
 
     from ladle.data.prepare import load_tokenizer
     from ladle.lifecycle import parity
-    from ladle.lifecycle.evaluate import load_samples
+    from ladle.lifecycle.evaluate import load_prompt_rows, load_samples
 
     if cfg.training.objective == "grpo":
-        return []
+        return parity.prompt_probe(load_prompt_rows(prepared, 4 * parity.PROBE_ROWS))
     conversations = load_samples(prepared, 4 * parity.PROBE_ROWS)
     return parity.probe(load_tokenizer(Path(base_dir)), conversations, cfg.data) if conversations else []
 

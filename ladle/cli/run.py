@@ -121,9 +121,17 @@ def show_summary(summary: dict) -> None:
         "answer",
         "expected",
         "answer_correct",
+        "probe_before",
+        "probe_after",
+        "probe_trend",
+        "probe_guard",
         "promotion",
     )
     for key in keys:
+        if key.startswith("probe_") and key not in summary:
+            continue
         value = summary[key]
+        if key == "probe_trend":
+            value = " ".join(f"{score:g}@{step:g}" for step, score in value)
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     console.print(table)

@@ -141,3 +141,12 @@ def _label(tokenizer, ids, offsets, spans, seq_len, truncation) -> tuple[Example
         tok if any(s <= start < e for s, e in spans) else IGNORE for tok, (start, _) in zip(ids, offsets, strict=False)
     ]
     return _fit(list(ids), labels, seq_len, truncation)
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    """The token ids that end a generation: the model's ``generation_config`` EOS set (a chat model's end-of-turn
+    among them), else the tokenizer's EOS. One rule for ladle's engine (rollouts, serving) and the evaluation's
+    ``generate``, so the gate scores the completions training rewarded."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = eos if eos is not None else tokenizer.eos_token_id
+    return {int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]) if e is not None}

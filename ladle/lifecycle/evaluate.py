@@ -198,9 +198,11 @@ def reward_score(model_dir: Path, rows: list[dict], rewards, batch_size: int) ->
     import torch
 
     from ladle import rewards as reward_fns
+    from ladle.data.tokenize import stop_ids
 
     model, tokenizer, device = load_model(model_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stops = stop_ids(model, tokenizer)  # training's engine's rule: a completion ends at, and keeps, its EOS
     completions: list[list[int]] = []
     for start in range(0, len(rows), batch_size):
         batch = rows[start : start + batch_size]
@@ -217,10 +219,11 @@ def reward_score(model_dir: Path, rows: list[dict], rewards, batch_size: int) ->
                 max_new_tokens=rewards.max_completion_tokens,
                 do_sample=False,
                 pad_token_id=pad,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=sorted(stops),
             )
         for row in out[:, width:].tolist():
-            completions.append(row[: row.index(pad)] if pad in row else row)
+            end = next((i for i, token in enumerate(row) if token in stops), None)
+            completions.append(row if end is None else row[: end + 1])
     loaded = rewards.loaded()
     summed = reward_fns.weighted_sum(loaded, reward_fns.table(loaded, tokenizer, rows, completions))
     kept = summed[~torch.isnan(summed)]

@@ -55,9 +55,18 @@ class Parity(BaseModel):
 
 def probe(tokenizer, conversations: list[list[dict]], cfg) -> list[ProbeRow]:
     """The first ``PROBE_ROWS`` held-out conversations as training tokenized them (``cfg``: ``data.*``); rows the
-    data code refuses are skipped, as training skipped them."""
+    data code refuses are skipped, as training skipped them.
+
+    The server is asked to render the conversation up to its last answer (``messages[:-1]``, the generation prompt
+    open), so the tokens it must give are training's up to the first token of that answer: found from the
+    conversation's responses (the last span of response tokens), whatever ``data.train_on`` says was trained, and
+    however many turns come before. The log-probabilities are compared on the tokens that carried the loss."""
     from ladle.data.formats import Chat
     from ladle.data.tokenize import IGNORE, tokenize_batch
+
+    def tokenized(messages: list[dict], train_on: str):
+        (example, _), *_ = tokenize_batch(tokenizer, [Chat(messages=messages)], train_on, cfg.seq_len, "right")
+        return example if hasattr(example, "input_ids") else None
 
     rows = []
     for messages in conversations:
@@ -65,14 +74,42 @@ def probe(tokenizer, conversations: list[list[dict]], cfg) -> list[ProbeRow]:
             break
         if not messages or messages[-1].get("role") != "assistant":
             continue
-        (example, _), *_ = tokenize_batch(tokenizer, [Chat(messages=messages)], cfg.train_on, cfg.seq_len, "right")
-        if not hasattr(example, "input_ids"):
+        example = tokenized(messages, cfg.train_on)
+        responses = example if cfg.train_on == "response" or example is None else tokenized(messages, "response")
+        if example is None or responses is None or responses.input_ids != example.input_ids:
             continue
         answer = [i for i, label in enumerate(example.labels) if label != IGNORE]
-        if not answer:
+        start = last_span_start([i for i, label in enumerate(responses.labels) if label != IGNORE])
+        if not answer or start is None:
             continue
-        rows.append(ProbeRow(ids=example.input_ids, prompt_tokens=answer[0], answer=answer, messages=messages[:-1]))
+        rows.append(ProbeRow(ids=example.input_ids, prompt_tokens=start, answer=answer, messages=messages[:-1]))
     return rows
+
+
+def last_span_start(positions: list[int]) -> int | None:
+    """The first position of the last run of consecutive ``positions`` (the last answer's first token)."""
+    if not positions:
+        return None
+    start = positions[-1]
+    for position in reversed(positions[:-1]):
+        if position != start - 1:
+            break
+        start = position
+    return start
+
+
+def prompt_probe(rows: list[dict]) -> list[ProbeRow]:
+    """GRPO's held-out prompts as probe rows: the server must render each chat prompt as training did (its ids,
+    the generation prompt open), and score its tokens as the trained model does. Prompts given as plain text are
+    left out (no chat template to compare)."""
+    probes = []
+    for row in rows:
+        if len(probes) == PROBE_ROWS:
+            break
+        ids, messages = row.get("ids") or [], row.get("prompt")
+        if isinstance(messages, list) and len(ids) > 1:
+            probes.append(ProbeRow(ids=ids, prompt_tokens=len(ids), answer=list(range(1, len(ids))), messages=messages))
+    return probes
 
 
 def saved_logps(model_dir, rows: list[ProbeRow], adapter_dir=None) -> list[list[float]]:

@@ -23,6 +23,7 @@ same command line serves the same adapters.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -78,11 +79,10 @@ class Bindings:
     def save(self) -> None:
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_suffix(".partial")
-        with self.lock:
-            partial.write_text(json.dumps(self.map, indent=1, sort_keys=True), encoding="utf-8")
-        partial.replace(self.path)
+        from ladle.platform.files import write_atomic
+
+        with self.lock:  # written whole through a file of its own, inside the lock: two saves never share a draft
+            write_atomic(self.path, json.dumps(self.map, indent=1, sort_keys=True))
 
 
 class RegistrySync:
@@ -93,6 +93,7 @@ class RegistrySync:
         self.lock = threading.Lock()  # one sync at a time: the timer's and a POST's
         self.last_ok: float | None = None
         self.last_error: str | None = None
+        self.last_pass = time.monotonic()  # when a pass last ended, ok or not (``stalled``)
         self.wake = threading.Event()
 
     def start(self) -> None:
@@ -106,7 +107,22 @@ class RegistrySync:
         while True:
             self.wake.wait(self.every_s)
             self.wake.clear()
-            self.once()
+            try:
+                self.once()
+            except Exception:  # noqa: BLE001 - the thread must outlive any one pass; once() records its own errors
+                logging.getLogger("ladle.serve").exception("adapter sync: a pass failed; the next one tries again")
+
+    def stalled(self) -> str | None:
+        """Why the periodic sync is not keeping up (no pass has ended for three periods, a minute at least), or
+        None: ``/ready`` turns red with it, as a replica that no longer follows the registry is not what it says."""
+        if self.every_s <= 0:
+            return None
+        late = time.monotonic() - self.last_pass
+        if late <= max(3 * self.every_s, 60.0):
+            return None
+        return (
+            f"the adapter sync has not finished a pass for {late:.0f} s (every {self.every_s:g} s); restart the server"
+        )
 
     def state(self) -> dict:
         return {
@@ -127,10 +143,13 @@ class RegistrySync:
                     self.sync(name, registered)
                 except LadleError as exc:  # the registry: what is loaded keeps serving
                     errors.append(f"{name} (models:/{registered}): {exc}")
+                except Exception as exc:  # noqa: BLE001 - a credential error, a race with DELETE: the same
+                    errors.append(f"{name} (models:/{registered}): {type(exc).__name__}: {exc}")
             if errors:
                 self.last_error = "; ".join(errors)[:4000]
             else:
                 self.last_ok, self.last_error = time.time(), None
+            self.last_pass = time.monotonic()
             return self.state()
 
     def sync(self, name: str, registered: str) -> None:
@@ -154,8 +173,9 @@ class RegistrySync:
             try:
                 folder = self.fetch(version)
                 added, dropped = self.catalog.add(name, str(folder), number, sorted(aliases), default)
-            except LadleError as exc:
-                problems.append(f"{name} v{number} ({', '.join(sorted(aliases))}) of models:/{registered}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - a bad adapter_config.json or weights file: this version's problem
+                why = str(exc) if isinstance(exc, LadleError) else f"{type(exc).__name__}: {exc}"
+                problems.append(f"{name} v{number} ({', '.join(sorted(aliases))}) of models:/{registered}: {why}")
                 continue
             self.backend.add_adapter(added.key, added.info.path, added.info.bytes)
             for key in dropped:

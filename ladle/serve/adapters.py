@@ -104,7 +104,12 @@ def inspect(path: str | Path, base: BaseWeights) -> AdapterInfo:
             f"adapter {path}: not a LoRA adapter folder (it needs adapter_config.json and adapter_model.safetensors, "
             "as peft's save_pretrained writes them)."
         )
-    settings = json.loads(config_file.read_text(encoding="utf-8"))
+    try:
+        settings = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise LadleError(f"adapter {path}: adapter_config.json is not JSON ({exc}). Save the adapter again.") from None
+    if not isinstance(settings, dict):
+        raise LadleError(f"adapter {path}: adapter_config.json is not a JSON object. Save the adapter again.")
     if settings.get("peft_type") != "LORA":
         raise LadleError(
             f"adapter {path}: peft_type {settings.get('peft_type')!r}; only LoRA adapters share a batch. Merge it "
@@ -132,9 +137,19 @@ def inspect(path: str | Path, base: BaseWeights) -> AdapterInfo:
                 f"adapter {path}: trained on a base with signature {recorded[:16]}, but this server's base "
                 f"{base.folder} has signature {base.signature[:16]}. Serve it on the base it was trained on."
             )
+    from safetensors import SafetensorError
+
+    try:
+        return described(folder, path, base, settings, recorded, safe_open(weights, framework="pt"))
+    except (OSError, SafetensorError) as exc:  # a torn or corrupt file
+        raise LadleError(f"adapter {path}: adapter_model.safetensors cannot be read ({exc}). Save it again.") from None
+
+
+def described(folder: Path, path, base: BaseWeights, settings: dict, recorded, opened) -> AdapterInfo:
+    """``inspect``'s check of the weights file's tensors (``opened``: its ``safe_open`` handle)."""
     targets: set[str] = set()
     ranks: dict[str, dict[str, int]] = {}  # module -> {"A": rank, "B": rank}
-    with safe_open(weights, framework="pt") as handle:
+    with opened as handle:
         for key in handle.keys():  # noqa: SIM118 - safe_open has no iteration
             name = key.removeprefix("base_model.model.")
             shape = tuple(handle.get_slice(key).get_shape())

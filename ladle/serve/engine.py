@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from ladle.data.tokenize import stop_ids
 from ladle.errors import LadleError
 from ladle.serve.rows import Job, RowStop, adjusted, draw, finish, logprob_entry, sample, token_entry
 
@@ -78,8 +79,7 @@ class Engine:
         self.after_turn: Callable[[], None] = lambda: None  # after each turn: what it emitted can go out together
         self.waiting: deque[Job] = deque()  # taken from ``jobs``, in arrival order, not yet admitted
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [eos])
+        self.eos = stop_ids(model, tokenizer)
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.failures = 0  # steps failed in a row
         self.thread = threading.Thread(target=self.loop, name="ladle-engine", daemon=True)

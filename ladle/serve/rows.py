@@ -55,6 +55,7 @@ class Job:
     generator: torch.Generator | None = None
     sampled: list[float] | None = None  # a rollout's: each chosen token's log-probability at its temperature
     chosen: list[int] = field(default_factory=list)  # with ``sampled``: every token chosen, EOS included
+    stop_token: int | None = None  # the EOS token that ended it (not in ``tokens``), None when none did
     writes_text: bool = True  # False: no text is made as tokens come (a rollout returns token ids; no stop strings)
     adapter: str | None = None  # the engine's key of the LoRA adapter it runs on (``ladle.serve.adapters``); None: base
     key: int | None = None  # its name between a server's API and engine processes (``ladle.serve.wire``)
@@ -199,7 +200,7 @@ class RowStop(StoppingCriteria):
             job.finish = "cancelled"
             return
         if token in self.eos:
-            job.finish = "stop"
+            job.finish, job.stop_token = "stop", token
             self.end(job)
             return
         job.tokens.append(token)

@@ -64,7 +64,7 @@ def create_app(backend: Backend, settings: Settings | str, catalog: Catalog | No
         refused=metrics.count,
         control=settings.control,
     )
-    add_probe_routes(app, backend, settings, metrics, catalog)
+    add_probe_routes(app, backend, settings, metrics, catalog, sync)
     add_adapter_routes(app, backend, catalog, sync, settings.adapter_sources)
     Generation(backend, settings, metrics, catalog).add_to(app)
     return app
@@ -97,7 +97,9 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return await api_error(request, ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
 
 
-def add_probe_routes(app: FastAPI, backend: Backend, settings: Settings, metrics: Metrics, catalog: Catalog) -> None:
+def add_probe_routes(
+    app: FastAPI, backend: Backend, settings: Settings, metrics: Metrics, catalog: Catalog, sync=None
+) -> None:
     """Liveness, readiness, metrics and the model list. The probes run on the event loop itself (they only read
     flags): no hop through a thread pool that a burst of requests may have filled."""
 
@@ -121,9 +123,13 @@ def add_probe_routes(app: FastAPI, backend: Backend, settings: Settings, metrics
                 "every step fails)",
                 kind="server_error",
             )
-        if catalog.problems:  # a version the registry names is not served here: this replica is not what it says
-            named = "; ".join(f"{problem}" for problem in catalog.problems.values())
+        problems = dict(catalog.problems)  # a copy: the sync thread changes it meanwhile
+        if problems:  # a version the registry names is not served here: this replica is not what it says
+            named = "; ".join(f"{problem}" for problem in problems.values())
             raise ApiError(503, f"adapters not served as the registry says: {named}", kind="server_error")
+        stalled = sync.stalled() if sync is not None else None
+        if stalled:
+            raise ApiError(503, stalled, kind="server_error")
         return {"status": "ready", "model": settings.model, "max_batch": backend.max_batch}
 
     @app.get("/metrics")

@@ -172,7 +172,9 @@ def held_out_reward(s: RLSession) -> float:
         s.engine.run(jobs)
         s.policy.train()
     if mine:
-        table = reward_fns.table(s.rewards, s.tokenizer, mine, [job.tokens for job in jobs])
+        # Scored as the rollouts are (and as the evaluation's gate is): the completion with the EOS that ended it.
+        completed = [job.tokens + ([job.stop_token] if job.stop_token is not None else []) for job in jobs]
+        table = reward_fns.table(s.rewards, s.tokenizer, mine, completed)
         summed = reward_fns.weighted_sum(s.rewards, table)
         values = [v for v in summed.tolist() if not math.isnan(v)]
     every = gather_object([values]) if acc.num_processes > 1 else [values]
@@ -441,6 +443,9 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
         common.emit(acc, "probe_guard", step=s.steps, why=s.probe.breach)
     after = held_out_reward(s)
     s.log({"eval_reward": after}, s.steps)
+    from ladle.train.worker import training_parity  # the served model is checked against these (lifecycle.parity)
+
+    parity_logps = training_parity(acc, s.model, s.spec)
     adapter_url, model_url = common.save_outputs(acc, s.model, s.spec)
     losses = s.losses
     nan_free = lambda v: 0.0 if math.isnan(v) else v  # noqa: E731 (JSON has no NaN)
@@ -475,6 +480,7 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
             **(s.probe.summary() if s.probe is not None else {}),
         },
         kernels=s.kernels,
+        parity_logps=parity_logps,
     )
     return common.report_done(acc, s.spec, result)
 

@@ -54,6 +54,34 @@ def test_other_weights_fail_naming_the_token_that_differs_most(served, tiny_mode
     assert found.where.startswith("weights: held-out conversation") and "answer token" in found.where
 
 
+def test_multi_turn_conversations_train_on_all_and_grpo_prompts_pass_against_the_served_model(
+    served, tiny_model, tokenizer
+):
+    """The template check asks the server for the conversation up to its last answer, so it must hold training's
+    tokens up to that answer's first token: with earlier turns, with every token trained (train_on: all), and for
+    GRPO's held-out prompts (their ids as prepared). Before, the check cut at the first trained token and failed
+    every such run."""
+    from ladle.data.prompts import render
+
+    url, _ = served
+    first, second = CONVERSATIONS[0], CONVERSATIONS[1]
+    multi = [*first, *second]  # user, assistant, user, assistant
+    for train_on, conversations in (("response", [multi, multi]), ("all", CONVERSATIONS), ("all", [multi, multi])):
+        rows = parity.probe(tokenizer, conversations, SimpleNamespace(train_on=train_on, seq_len=256))
+        assert len(rows) == parity.PROBE_ROWS, train_on
+        found = parity.check(url, "tiny", rows, parity.saved_logps(tiny_model, rows), "saved weights", 1e-4, tokenizer)
+        assert found.ok is True, (train_on, found.where)
+        if train_on == "all":  # every token but the first carried the loss, and every one is compared
+            assert all(row.answer == list(range(1, len(row.ids))) for row in rows)
+    prompts = [{"ids": render(tokenizer, c[:-1]), "prompt": c[:-1]} for c in CONVERSATIONS] + [
+        {"ids": [1, 2, 3], "prompt": "a plain-text prompt: no template to compare"}
+    ]
+    rows = parity.prompt_probe(prompts)
+    assert len(rows) == parity.PROBE_ROWS
+    found = parity.check(url, "tiny", rows, parity.saved_logps(tiny_model, rows), "saved weights", 1e-4, tokenizer)
+    assert found.ok is True and found.answer_tokens == sum(len(r.ids) - 1 for r in rows), found
+
+
 def test_a_doubled_bos_fails_as_a_template_mismatch(served, tiny_model, tokenizer):
     url, rows = served
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1

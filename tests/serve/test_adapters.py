@@ -540,6 +540,39 @@ def test_a_server_bound_to_a_registered_model_serves_its_aliases_and_a_replica_o
             stop_process(replica, grace_s=20, group=True)
 
 
+def test_a_registered_version_with_damaged_files_is_a_problem_the_sync_reports_and_survives(
+    split, registry, kit, tmp_path
+):
+    """An adapter_config.json that is not JSON, then a torn weights file, registered as the challenger: each sync
+    names the version's problem (and /ready with it) while everything loaded keeps answering; before, either one
+    escaped the sync (a 500 here, the periodic thread's end there) while /ready stayed green."""
+    from mlflow.tracking import MlflowClient
+
+    from ladle.lifecycle import promote
+
+    url = split.url
+    damages = {
+        "adapter_config.json": (b"{not json", "adapter_config.json is not JSON"),
+        "adapter_model.safetensors": (b"torn", "adapter_model.safetensors cannot be read"),
+    }
+    try:
+        for file, (content, words) in damages.items():
+            damaged = shutil.copytree(kit["green"][0], tmp_path / file)
+            (damaged / file).write_bytes(content)
+            version = promote.register(registry, "bot", str(damaged), None, {"ladle.kind": "adapter"})
+            synced = httpx.post(f"{url}/v1/adapters/sync", headers=ADMIN, timeout=60)
+            assert synced.status_code == 200, synced.text
+            problem = synced.json()["problems"]["bot"]
+            assert f"bot v{version.version} (challenger)" in problem and words in problem, problem
+            ready = httpx.get(f"{url}/ready", timeout=10)
+            assert ready.status_code == 503 and words in ready.text
+            assert answer_tokens(url, "bot") is not None and answer_tokens(url, "red") is not None
+    finally:
+        MlflowClient(registry).set_registered_model_alias("bot", "challenger", "2")
+        httpx.post(f"{url}/v1/adapters/sync", headers=ADMIN, timeout=60)
+    assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
+
+
 class AdapterTraffic(Clients):
     """Clients sending greedy completions for their models through the front without pause; each outcome kept as
     (model, HTTP status, pinned version header, answer tokens)."""
