@@ -92,7 +92,7 @@ def cached_copy(url: str, target: Path, sha256: str | None = None) -> Path:
     Raises:
         ValueError: the downloaded weights' digest is not ``sha256`` (both named).
     """
-    if (target / "config.json").exists():
+    if target.is_dir() and any(target.iterdir()):  # ``building`` renames only whole copies into place
         return target
     with building(target) as tmp:
         download_dir(url, tmp)
@@ -104,6 +104,45 @@ def cached_copy(url: str, target: Path, sha256: str | None = None) -> Path:
                     "were written (ladle.model_sha256): the store's copy was changed or is incomplete, and is not "
                     "served. Restore the folder from the run that wrote it, or register a new version."
                 )
+    return target
+
+
+def source_fingerprint(url: str) -> str:
+    """A digest of what the folder at ``url`` holds now, from its listing alone (each file's name, size and the
+    store's change marker: ETag, mtime or LastModified): what changes when a file there is replaced."""
+    import hashlib
+
+    fs, root = filesystem(url)
+    listed = fs.find(root, detail=True)
+    marks = []
+    for path, info in sorted(listed.items()):
+        change = next(
+            (info[k] for k in ("ETag", "etag", "mtime", "LastModified", "last_modified", "created") if k in info), ""
+        )
+        marks.append(f"{path.removeprefix(root)}|{info.get('size')}|{change}")
+    return hashlib.sha256("\n".join(marks).encode()).hexdigest()
+
+
+def current_copy(url: str, root: Path, keep: int = 2) -> Path:
+    """A local copy of the folder at ``url``, a mutable location (an adapter a user points a server at): made
+    again when what is there changed since the last copy (``source_fingerprint``), each copy in a folder of its
+    own under ``root`` (one still being read is never replaced), and only the ``keep`` newest copies of ``url``
+    kept.
+
+    Raises:
+        FileNotFoundError: nothing is at ``url``.
+    """
+    import hashlib
+
+    prefix = hashlib.sha256(url.encode()).hexdigest()[:16]
+    fingerprint = source_fingerprint(url)
+    if fingerprint == hashlib.sha256(b"").hexdigest():
+        raise FileNotFoundError(f"{url}: no files there")
+    target = cached_copy(url, root / f"{prefix}-{fingerprint[:16]}")
+    os.utime(target)  # the newest in use, whether made now or before
+    copies = sorted(root.glob(f"{prefix}-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in copies[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
     return target
 
 

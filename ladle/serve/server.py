@@ -253,15 +253,13 @@ def adapter_folder(path: str) -> Path:
     Raises:
         LadleError: the copy failed.
     """
-    import hashlib
-
     from ladle.assets import ladle_home
     from ladle.platform import storage
 
     if storage.is_local(path):
         return storage.local_path(path)
     try:
-        return storage.cached_copy(path, ladle_home() / "adapters" / hashlib.sha256(path.encode()).hexdigest()[:16])
+        return storage.current_copy(path, ladle_home() / "adapters")  # again when the files there changed
     except (OSError, ValueError) as exc:
         raise LadleError(f"adapter {path}: could not copy it from the artifact store: {exc}") from None
 

@@ -71,3 +71,40 @@ def test_one_builder_at_a_time_a_killed_holder_frees_the_lock_and_a_stuck_one_ti
     with one_builder(target, deadline_s=30):
         target.mkdir()
     assert target.is_dir()
+
+
+def test_an_adapter_in_s3_is_copied_once_again_when_it_changes_and_old_copies_are_dropped(
+    tmp_path, s3_server, monkeypatch
+):
+    """An adapter folder (no config.json) copied once, not on every fetch; replaced at the same URL, it is copied
+    anew into a folder of its own (the old one, possibly still read, untouched) and served; only the two newest
+    copies of a URL are kept."""
+    import fsspec
+
+    from ladle.platform import storage
+    from ladle.serve.server import adapter_folder
+
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("LADLE_HOME", str(tmp_path / "home"))
+    url = "s3://ladle/adapters/bot"
+
+    def publish(weights: bytes) -> None:
+        with fsspec.open(f"{url}/adapter_config.json", "wb") as fh:
+            fh.write(b'{"peft_type": "LORA"}')
+        with fsspec.open(f"{url}/adapter_model.safetensors", "wb") as fh:
+            fh.write(weights)
+
+    publish(b"first")
+    downloads = []
+    real = storage.download_dir
+    monkeypatch.setattr(storage, "download_dir", lambda *a: downloads.append(a[0]) or real(*a))
+    first = adapter_folder(url)
+    assert adapter_folder(url) == first and downloads == [url], "copied once"
+    publish(b"second!")  # the same URL, other weights
+    second = adapter_folder(url)
+    assert second != first and (second / "adapter_model.safetensors").read_bytes() == b"second!"
+    assert (first / "adapter_model.safetensors").read_bytes() == b"first", "a copy in use is never replaced"
+    publish(b"third, longer")
+    third = adapter_folder(url)
+    assert sorted(p.name for p in third.parent.iterdir()) == sorted([second.name, third.name])
