@@ -172,12 +172,11 @@ class RegistrySync:
                 continue
             try:
                 folder = self.fetch(version)
-                added, dropped = self.catalog.add(name, str(folder), number, sorted(aliases), default)
+                added, dropped = self.catalog.add(name, str(folder), number, sorted(aliases), default, self.tell_engine)
             except Exception as exc:  # noqa: BLE001 - a bad adapter_config.json or weights file: this version's problem
                 why = str(exc) if isinstance(exc, LadleError) else f"{type(exc).__name__}: {exc}"
                 problems.append(f"{name} v{number} ({', '.join(sorted(aliases))}) of models:/{registered}: {why}")
                 continue
-            self.backend.add_adapter(added.key, added.info.path, added.info.bytes)
             for key in dropped:
                 self.backend.drop_adapter(key)
         served = self.catalog.labels(name)
@@ -196,6 +195,9 @@ class RegistrySync:
             self.catalog.problems.pop(name, None)
         if not wanted:
             self.catalog.problems[name] = f"models:/{registered} has no champion or challenger to serve"
+
+    def tell_engine(self, version) -> None:
+        self.backend.add_adapter(version.key, version.info.path, version.info.bytes)
 
     def fetch(self, version) -> Path:
         """The version's folder on local disk, its weights checked against its ``ladle.model_sha256``.

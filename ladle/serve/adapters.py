@@ -30,6 +30,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,10 +229,18 @@ class Catalog:
             )
 
     def add(
-        self, name: str, path: str, version: str = "1", aliases: list[str] | None = None, default: bool = True
+        self,
+        name: str,
+        path: str,
+        version: str = "1",
+        aliases: list[str] | None = None,
+        default: bool = True,
+        engine: Callable[[Version], None] | None = None,
     ) -> tuple[Version, list[str]]:
         """Register version ``version`` of adapter ``name`` from ``path`` (checked against the base first).
         Returns the new version and the keys that no name addresses any more (the engine drops them).
+        ``engine(version)``: tells the engine of the new key before any name resolves to it (the backend's
+        ``add_adapter``), so no request reaches the engine with a key it does not know.
 
         Raises:
             LadleError: a bad name, version or alias, or an adapter that does not fit the base (``inspect``).
@@ -250,8 +259,10 @@ class Catalog:
                     f"adapter {name}@{version}: this server already answers for {held} adapter versions, its most "
                     f"(MAX_VERSIONS = {MAX_VERSIONS}); remove some first (DELETE /v1/adapters/NAME?version=V)."
                 )
-            versions = self.names.setdefault(name, {})
             added = Version(next(self.keys), version, info, set(aliases or []))
+            if engine is not None:
+                engine(added)
+            versions = self.names.setdefault(name, {})
             replaced = versions.pop(version, None)
             for other in versions.values():  # an alias names one version at a time
                 other.aliases -= added.aliases
@@ -374,6 +385,9 @@ class Slots:
         self.make = lambda: MultiLora(model)
         self.max_loaded, self.max_bytes = max_loaded, int(max_mb * 2**20)
         self.known: dict[str, tuple[str, int]] = {}  # key -> (folder, bytes)
+        # Dropped keys whose requests may still wait in the queue (they were resolved before the drop): placeable
+        # until no waiting or running row names them, so a swap fails none of them.
+        self.retired: dict[str, tuple[str, int]] = {}
         self.loaded: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
         self.lock = threading.Lock()
         self.loads = 0
@@ -384,7 +398,9 @@ class Slots:
 
     def forget(self, key: str) -> None:
         with self.lock:
-            self.known.pop(key, None)
+            entry = self.known.pop(key, None)
+            if entry is not None:
+                self.retired[key] = entry
 
     def rows_of(self, keys: list[str | None]):
         """A context in which each row of a forward runs on its adapter (None: the base)."""
@@ -403,7 +419,7 @@ class Slots:
             self.loaded.move_to_end(key)
             return True
         with self.lock:
-            entry = self.known.get(key)
+            entry = self.known.get(key) or self.retired.get(key)
         if entry is None:
             raise LadleError(f"adapter {key} is no longer served here (a newer version replaced it); retry.")
         folder, size = entry
@@ -420,11 +436,15 @@ class Slots:
         self.load(key, folder, size)
         return True
 
-    def sweep(self, busy: set[str]) -> None:
-        """Unload what is loaded but no longer registered and used by no running row."""
-        if all(k in self.known for k in self.loaded):
-            return
+    def sweep(self, busy: set[str], waiting: set[str] | None = None) -> None:
+        """Unload what is loaded but no longer registered and used by no running row; forget a dropped key once
+        no waiting row names it either (``waiting``: None when unknown, and then none is forgotten)."""
         with self.lock:
+            if waiting is not None:
+                for key in [k for k in self.retired if k not in busy and k not in waiting]:
+                    del self.retired[key]
+            if all(k in self.known for k in self.loaded):
+                return
             stale = [k for k in self.loaded if k not in self.known and k not in busy]
         for key in stale:
             self.unload(key)

@@ -197,7 +197,8 @@ class Engine:
         holds the batch with them to the end of every row. A job that does not fit waits, and so does everyone
         behind it (no request is passed over for ever by shorter ones)."""
         if self.adapters is not None:  # versions nothing addresses any more go once their rows have ended
-            self.adapters.sweep({job.adapter for job in batch.jobs if job.adapter})
+            waiting = {job.adapter for job in self.waiting if job.adapter}  # queued before a swap: kept placeable
+            self.adapters.sweep({job.adapter for job in batch.jobs if job.adapter}, waiting)
         arrivals: list[Job] = []
         held: list[Job] = []  # their adapter has no slot now: they keep their place, the others go on
         while self.waiting and len(batch.jobs) + len(arrivals) < self.max_batch:

@@ -183,6 +183,9 @@ def add_adapter_routes(
             raise ApiError(400, str(exc), param="name") from None
         return await asyncio.to_thread(sync.once)
 
+    def tell_engine(version) -> None:
+        backend.add_adapter(version.key, version.info.path, version.info.bytes)
+
     @app.post("/v1/adapters")
     async def add(body: AdapterRequest) -> dict:
         """Control: register one version of an adapter from under an `--adapter-source` (loaded on first use)."""
@@ -190,11 +193,10 @@ def add_adapter_routes(
             check_source(body.path, sources)
             path = await asyncio.to_thread(adapter_folder, body.path)
             version, dropped = await asyncio.to_thread(
-                catalog.add, body.name, str(path), body.version, body.aliases, body.default
+                catalog.add, body.name, str(path), body.version, body.aliases, body.default, tell_engine
             )
         except LadleError as exc:
             raise ApiError(400, str(exc), param="path", code="invalid_adapter") from None
-        backend.add_adapter(version.key, version.info.path, version.info.bytes)
         for key in dropped:
             backend.drop_adapter(key)
         return {

@@ -129,6 +129,37 @@ def test_a_new_version_swaps_in_while_a_request_on_the_old_one_finishes_on_it(ki
         catalog.resolve("bot@1")
 
 
+def test_requests_queued_for_a_version_that_is_swapped_out_finish_on_it(kit, merged, tiny_model):
+    """One row at a time: a request runs on bot v1, a second one for bot (resolved to v1) waits behind it; v1 is
+    replaced (the same version label, other weights) and dropped. The waiting request still answers, on the version
+    it was resolved to (before, it got 503 "no longer served": only running rows kept a dropped version); the next
+    one runs on the new weights; the old version is forgotten once nothing names it."""
+    backend = TransformersBackend(str(tiny_model), max_batch=1, max_adapters=4)
+    catalog = Catalog("tiny", BaseWeights.of(tiny_model))
+    told = []
+
+    def engine(version):  # the catalog tells the engine of a key before any name resolves to it
+        assert all(v is not version for v in catalog.names.get("bot", {}).values()), "published before the engine knew"
+        told.append(version.key)
+        backend.add_adapter(version.key, version.info.path, version.info.bytes)
+
+    first, _ = catalog.add("bot", str(kit["red"][0]), version="1", engine=engine)
+    running = submit(backend, PROMPTS[0], catalog.resolve("bot"), max_new_tokens=40, logit_bias={2: -100.0})
+    while not running[0].tokens:
+        time.sleep(0.01)
+    queued = submit(backend, PROMPTS[1], catalog.resolve("bot"), max_new_tokens=6)
+    second, dropped = catalog.add("bot", str(kit["blue"][0]), version="1", engine=engine)
+    assert dropped == [first.key] and told == [first.key, second.key]
+    for key in dropped:
+        backend.drop_adapter(key)
+    answered = finished(queued)  # "done", not a 503
+    assert answered.tokens == finished(submit(merged["red"], PROMPTS[1], max_new_tokens=6)).tokens
+    finished(running)
+    now = finished(submit(backend, PROMPTS[1], catalog.resolve("bot"), max_new_tokens=6))
+    assert now.tokens == finished(submit(merged["blue"], PROMPTS[1], max_new_tokens=6)).tokens
+    assert first.key not in backend.slots.retired and first.key not in backend.slots.loaded
+
+
 def test_an_adapter_the_budget_cannot_hold_gets_503_and_a_held_one_waits_for_a_slot(kit, tiny_model):
     small = TransformersBackend(str(tiny_model), max_batch=4, max_adapters=1, adapters_mb=0.001)
     keys = registered(small, Catalog("tiny", BaseWeights.of(tiny_model)), kit)
