@@ -139,6 +139,19 @@ class LadleConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _grpo_watches_the_probe(self) -> LadleConfig:
+        """GRPO moves the policy wherever its reward pays: unless the config says otherwise, it is watched by the
+        general-ability probe (``eval.probe: ladle://general-probe``, ``promote.max_probe_drop: 0.1``), during
+        training (``training.rl.probe_guard``) and at the gate. The plan says so; ``eval.probe: null`` turns it
+        off."""
+        if self.training.objective != "grpo" or "probe" in self.eval.model_fields_set:
+            return self
+        self.eval.probe = "ladle://general-probe"
+        if "max_probe_drop" not in self.promote.model_fields_set:
+            self.promote.max_probe_drop = 0.1
+        return self
+
+    @model_validator(mode="after")
     def _probe_gate_has_a_probe(self) -> LadleConfig:
         if self.promote.max_probe_drop is not None and self.eval.probe is None:
             raise ValueError(

@@ -38,6 +38,17 @@ def choose_rollouts(
         f"step, {local} sampled on each of {world} rank(s) by ladle's engine on the live weights (no copy, no "
         f"reload); updates {micro} completion(s) per micro-batch, {rl.num_iterations} optimizer step(s) per batch"
     ]
+    if cfg.eval.probe and rl.probe_every:
+        guard = (
+            f"a fall of more than promote.max_probe_drop = {cfg.promote.max_probe_drop} ends the run with the "
+            "adapter of the last check within it"
+            if rl.probe_guard == "restore" and cfg.promote.max_probe_drop is not None
+            else "reported"
+        )
+        reasons.append(
+            f"probe: {cfg.eval.probe} asked of the live policy every {rl.probe_every} step(s) and at the end; "
+            f"{guard} (grpo watches ladle://general-probe unless eval.probe is set; eval.probe=null: off)"
+        )
     if model is not None:
         reasons.append(rollout_memory(cfg, target, model, local, micro))
         if strategy.shards_tensors and not why_not:
