@@ -340,19 +340,27 @@ def build_config(raw: dict, overrides: list[str], gpus: str | None = None, sourc
 
 
 def own_data_held_out(tree: dict, overrides: list[str]) -> list[str]:
-    """``--set data.path=...`` over a config whose held-out file (``data.eval_path``) belongs to its own data:
+    """``--set data.path=...`` (or ``data.sources=[...]``, which then replaces the config's one ``data.path``) over
+    a config whose held-out file (``data.eval_path``) belongs to its own data:
     the run is scored, and its smoke request asked, on the user's data instead (a share of it held out), since a
     held-out file of other tasks would score what the user's data never taught. Returns what was changed, in
     words; nothing where the overrides name a held-out file too."""
     keys = {item.partition("=")[0].strip() for item in overrides}
     data = tree.get("data")
-    if "data.path" not in keys or not isinstance(data, dict):
+    sources_given = any(k == "data.sources" or k.startswith(("data.sources[", "data.sources.")) for k in keys)
+    if not ({"data.path"} & keys or sources_given) or not isinstance(data, dict):
         return []
+    given = "data.path" if "data.path" in keys else "data.sources"
     notes = []
-    if data.get("sources") and "data.sources" not in keys:
+    if given == "data.path" and data.get("sources") and not sources_given:
         names = [s.get("path") if isinstance(s, dict) else s for s in data["sources"]]
         data["sources"] = None
         notes.append(f"data.path was set on the command line, so the config's data.sources {names} are not used.")
+    if given == "data.sources" and data.get("path") and data.get("sources"):
+        notes.append(
+            f"data.sources was set on the command line, so the config's data.path = {data['path']!r} is not used."
+        )
+        data["path"] = None
     if keys & {"data", "data.eval_path"}:
         return notes
     held = data.get("eval_path")
@@ -363,7 +371,7 @@ def own_data_held_out(tree: dict, overrides: list[str]) -> list[str]:
         data["eval_ratio"] = 0.1
     return [
         *notes,
-        f"data.path was set on the command line, so the config's held-out file data.eval_path = {held!r} (for its "
+        f"{given} was set on the command line, so the config's held-out file data.eval_path = {held!r} (for its "
         f"own data) is not used: {data['eval_ratio']:.0%} of your rows are held out, and the evaluation and the "
         "smoke request use them. Pass --set data.eval_path=FILE to score on a file of yours.",
     ]

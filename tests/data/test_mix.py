@@ -189,3 +189,15 @@ def test_data_path_on_the_command_line_replaces_the_sources():
     )
     assert cfg.data.path == "mine.jsonl" and cfg.data.sources is None
     assert "data.sources ['a.jsonl', 'b.jsonl'] are not used" in " ".join(cfg.notes)
+
+
+def test_data_sources_on_the_command_line_replace_a_recipes_one_path():
+    """The natural command over a recipe that has data.path: the sources given win, the report says the recipe's
+    path (and its held-out file, which belonged to that data) are not used."""
+    recipe = {"base": "ladle://tiny-llama", "data": {"path": "ladle://demo-alpaca", "eval_path": "held.jsonl"}}
+    cfg = build_config(recipe, ["data.sources=[{path: a.jsonl, weight: 2}, {path: b.jsonl}]"])
+    assert cfg.data.path is None and [s.path for s in cfg.data.sources] == ["a.jsonl", "b.jsonl"]
+    said = " ".join(cfg.notes)
+    assert "data.path = 'ladle://demo-alpaca' is not used" in said and "data.eval_path = 'held.jsonl'" in said
+    kept = build_config(recipe, ["data.sources=[{path: a.jsonl}]", "data.eval_path=mine.jsonl"])
+    assert kept.data.eval_path == "mine.jsonl"
