@@ -214,6 +214,13 @@ class LadleConfig(Section):
                     "promote.merge = false with training.lora.enabled = false: a full fine-tune has no adapter to "
                     "register unmerged; set training.lora.enabled=true, or promote.merge=true"
                 )
+            if t.lora.enabled and t.lora.modules_to_save:
+                problems.append(
+                    f"promote.merge = false with training.lora.modules_to_save = {t.lora.modules_to_save}: those "
+                    "modules are saved whole in the adapter, and the server's batched adapter product holds linear "
+                    "layers' LoRA only, so it would be refused at deploy, after training; set promote.merge=true, "
+                    "or training.lora.modules_to_save=[]"
+                )
             if not backends.get(self.serve.backend).serves_adapters:
                 problems.append(
                     f"promote.merge = false with serve.backend = {self.serve.backend}: that backend serves no "

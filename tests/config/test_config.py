@@ -176,6 +176,7 @@ def test_every_shipped_recipe_validates(recipe):
     ("sets", "fragment"),
     [
         (["training.lora.enabled=false"], "training.lora.enabled = false: a full fine-tune has no adapter"),
+        (["training.lora.modules_to_save=[lm_head]"], "modules_to_save = ['lm_head']: those modules are saved whole"),
         (["serve.backend=mii"], "serve.backend = mii: that backend serves no adapters"),
     ],
 )
