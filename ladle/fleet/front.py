@@ -176,6 +176,13 @@ class Front:
             registry=self.supervisor.registry,
         )
 
+    def release(self, url: str) -> None:
+        """One request to ``url`` ended; a server with none left is forgotten (a front that swaps for months must
+        not keep a key per server it ever had)."""
+        self.in_flight[url] -= 1
+        if self.in_flight[url] <= 0:
+            del self.in_flight[url]
+
     def persist(self) -> None:
         """The run record says what is served and what canary runs, so a front started after this one died
         adopts both."""
@@ -537,10 +544,10 @@ def add_proxy_route(app: FastAPI, front: Front) -> None:
             try:
                 answer = await until_gone(request, front.client.send(outgoing, stream=True))
             except ClientGone:  # the client hung up before the server answered: its upstream request was closed
-                front.in_flight[upstream["url"]] -= 1
+                front.release(upstream["url"])
                 return Response(status_code=499)
             except httpx.TransportError as exc:
-                front.in_flight[upstream["url"]] -= 1
+                front.release(upstream["url"])
                 if arm == "challenger" and adapter_canary is None:
                     # Counted against it; no answer came back (refused, or dropped before its headers), so the
                     # champion takes the request: a completion has no side effect to repeat.
@@ -560,7 +567,7 @@ def add_proxy_route(app: FastAPI, front: Front) -> None:
                     502, f"{front.name} v{upstream['version']} refused the connection", "server_error", "bad_gateway"
                 )
             except BaseException:
-                front.in_flight[upstream["url"]] -= 1
+                front.release(upstream["url"])
                 raise
             # ok: None until the answer was relayed whole (a client that left is no evidence either way).
             outcome: dict = {"ok": None, "released": False}
@@ -581,7 +588,7 @@ def add_proxy_route(app: FastAPI, front: Front) -> None:
                 if outcome["released"]:
                     return
                 outcome["released"] = True
-                front.in_flight[url] -= 1
+                front.release(url)
                 await answer.aclose()  # a client that left closes the upstream request: it cancels there too
                 if outcome["ok"] is not None and canary is not None:
                     canary.record(arm, outcome["ok"], time.monotonic() - sent)

@@ -319,9 +319,14 @@ class Catalog:
                 raise KeyError(model)
             if not label:
                 return versions[self.default[name]].key
-            for version in versions.values():
-                if label in (version.label, f"v{version.label}") or label in version.aliases:
-                    return version.key
+            # A version's own label first, then an alias, then ``vN`` for version N: never by the order they came.
+            if label in versions:
+                return versions[label].key
+            aliased = next((v for v in versions.values() if label in v.aliases), None)
+            if aliased is not None:
+                return aliased.key
+            if label.startswith("v") and label[1:] in versions:
+                return versions[label[1:]].key
         raise KeyError(model)
 
     def listing(self) -> list[dict]:

@@ -782,3 +782,13 @@ def test_a_bad_adapter_is_refused_before_the_base_loads(tiny_model, tmp_path, mo
     assert "adapter name 'a@b'" in capsys.readouterr().err
     assert serve_main.main([*argv, "--adapter", "nothing"]) == 2
     assert "expected NAME=PATH" in capsys.readouterr().err
+
+
+def test_a_version_is_found_by_its_label_then_an_alias_then_vN_never_by_order(kit, tiny_model):
+    catalog = Catalog("tiny", BaseWeights.of(tiny_model))
+    one, _ = catalog.add("bot", str(kit["red"][0]), version="v1")
+    two, _ = catalog.add("bot", str(kit["blue"][0]), version="1", aliases=["champion"])
+    three, _ = catalog.add("bot", str(kit["green"][0]), version="3", aliases=["v1x"])
+    assert catalog.resolve("bot@v1") == one.key  # the label "v1", though "1" would answer to v1 too
+    assert catalog.resolve("bot@1") == two.key and catalog.resolve("bot@champion") == two.key
+    assert catalog.resolve("bot@v3") == three.key and catalog.resolve("bot@v1x") == three.key
