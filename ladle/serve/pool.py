@@ -186,7 +186,9 @@ def child(request: dict, listener: socket.socket, conn: socket.socket, others) -
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
         log = request.get("log")
-        out = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["append"] else os.O_TRUNC))
+        # A log is never reached through a link (truncating whatever it points at); a new one is its owner's only.
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["append"] else os.O_TRUNC)
+        out = os.open(log, flags | os.O_NOFOLLOW, 0o600) if log else os.open(os.devnull, os.O_WRONLY)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(out, 1)
@@ -229,8 +231,13 @@ def serve(path: str) -> int:
     preload()
     Path(path).unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    os.chmod(path, 0o600)  # the pool runs whatever server it is asked to, as its own user: only that user asks
+    # The pool runs whatever server it is asked to, as its own user: only that user may ask. The socket is made
+    # 0600 as it is bound (a umask), never open to others between bind and a chmod.
+    mask = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(mask)
     listener.listen(16)
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -213,6 +213,12 @@ def test_a_server_forks_from_the_warm_pool_and_reports_its_exit_through_it(tmp_p
     assert started.wait(timeout=60) == 2  # main's exit status, carried back by the pool
     assert "--model /nonexistent" in (tmp_path / "warm.log").read_text()
     assert not psutil.pid_exists(started.pid) or gone(started.pid)
+    assert os.stat(sock).st_mode & 0o777 == 0o600, "only the pool's user may ask it for a server"
+    target = tmp_path / "someone-elses-file"
+    target.write_text("kept")
+    (tmp_path / "linked.log").symlink_to(target)
+    linked = pool.launch(argv, tmp_path / "linked.log")  # a log through a link: never truncated
+    assert linked.wait(timeout=60) != 0 and target.read_text() == "kept"
 
     cold = pool.launch(argv, tmp_path / "cold.log", {**os.environ, pool.ENV: str(tmp_path / "no.sock")})
     assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=60) == 2
