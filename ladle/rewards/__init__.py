@@ -64,11 +64,14 @@ class Reward:
     weight: float
     fn: Callable
     accepts_any: bool  # takes **kwargs: every column is passed, as TRL passes them
-    params: frozenset[str]
+    params: frozenset[str]  # the names it takes (a column it names is passed when the data has it)
+    required: frozenset[str] = frozenset()  # the names it takes without a default: columns every row must have
 
     failed: int = 0  # completions whose call raised, since the count was last read (``take_failed``)
 
-    def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict) -> list:
+    def __call__(
+        self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict, state=None
+    ) -> list:
         """This reward's values for ``completions``, checked: one finite float or None each.
 
         A call that raises is made again one completion at a time: a completion whose own call raises scores None
@@ -81,7 +84,7 @@ class Reward:
         """
         offered = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
         try:
-            return checked(self.name, self.fn(**self.kwargs(offered)), len(completions))
+            return checked(self.name, self.fn(**self.kwargs(offered, state)), len(completions))
         except RewardError:
             raise
         except Exception:  # noqa: BLE001 - a user's function: which completion raised is found below
@@ -91,7 +94,7 @@ class Reward:
         for i in range(len(completions)):
             one = {k: v[i : i + 1] for k, v in offered.items()}
             try:
-                values += checked(self.name, self.fn(**self.kwargs(one)), 1)
+                values += checked(self.name, self.fn(**self.kwargs(one, state)), 1)
             except RewardError:
                 raise
             except Exception as exc:  # noqa: BLE001 - this completion's score, not the run's end
@@ -107,7 +110,11 @@ class Reward:
             ) from exc
         return values
 
-    def kwargs(self, offered: dict) -> dict:
+    def kwargs(self, offered: dict, state=None) -> dict:
+        """What the function is called with: every value offered (``**kwargs``) or those it names; TRL's
+        ``trainer_state`` (a ``transformers.TrainerState``: ``global_step``, ``max_steps``) where it takes it."""
+        if state is not None and (self.accepts_any or "trainer_state" in self.params):
+            offered = {**offered, "trainer_state": state}
         return offered if self.accepts_any else {k: v for k, v in offered.items() if k in self.params}
 
     def take_failed(self) -> int:
@@ -240,8 +247,9 @@ def module_from(entry: str, target: str, files: dict[str, str]):
         ) from exc
 
 
-def accepted(entry: str, fn: Callable) -> tuple[bool, frozenset[str]]:
-    """Whether ``fn`` takes every keyword (``**kwargs``), and the names it takes.
+def accepted(entry: str, fn: Callable) -> tuple[bool, frozenset[str], frozenset[str]]:
+    """Whether ``fn`` takes every keyword (``**kwargs``), the names it takes, and those of them without a
+    default (a parameter with a default is a column passed when present, never demanded).
 
     Raises:
         RewardError: it cannot be called with ``completions`` by name.
@@ -263,7 +271,10 @@ def accepted(entry: str, fn: Callable) -> tuple[bool, frozenset[str]]:
             "TRL calls it, fn(prompts=..., completions=..., completion_ids=..., **columns). Give it those "
             "parameters (or **kwargs)."
         )
-    return any_kw, frozenset(named | required)
+    return any_kw, named, frozenset(required)
+
+
+PASSED = frozenset({"prompts", "completions", "completion_ids", "trainer_state"})  # what ladle passes, not columns
 
 
 def columns_needed(cfg_rewards: list[RewardConfig], files: dict[str, str]) -> list[str] | None:
@@ -277,7 +288,7 @@ def columns_needed(cfg_rewards: list[RewardConfig], files: dict[str, str]) -> li
         loaded = load(reward, files)
         if loaded.accepts_any:
             return None
-        names |= loaded.params - {"prompts", "completions", "completion_ids"}
+        names |= loaded.required - PASSED
     return sorted(names)
 
 
@@ -291,9 +302,10 @@ def completions_of(tokenizer, rows: list[dict], completion_ids: list[list[int]])
     ]
 
 
-def table(loaded: list[Reward], tokenizer, rows: list[dict], completion_ids: list[list[int]]):
+def table(loaded: list[Reward], tokenizer, rows: list[dict], completion_ids: list[list[int]], state=None):
     """``[completions, rewards]`` (a float32 tensor): each reward's value on the completions of ``rows`` (each row
-    a prepared prompt row: its prompt and columns), NaN where it does not apply."""
+    a prepared prompt row: its prompt and columns), NaN where it does not apply. ``state``: what a reward taking
+    TRL's ``trainer_state`` receives (``trainer_state(step, steps)``), None outside training."""
     import torch
 
     prompts = [row["prompt"] for row in rows]
@@ -302,9 +314,17 @@ def table(loaded: list[Reward], tokenizer, rows: list[dict], completion_ids: lis
     columns = {k: [row.get("columns", {}).get(k) for row in rows] for k in names}
     out = torch.full((len(rows), len(loaded)), float("nan"), dtype=torch.float32)
     for j, reward in enumerate(loaded):
-        values = reward(prompts, completions, completion_ids, columns)
+        values = reward(prompts, completions, completion_ids, columns, state)
         out[:, j] = torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
     return out
+
+
+def trainer_state(step: int, steps: int):
+    """TRL's ``trainer_state`` for a reward at ``step`` (0-based, the step being taken) of ``steps``: a
+    ``transformers.TrainerState`` as TRL's ``GRPOTrainer`` passes ``self.state`` (rewards read ``global_step``)."""
+    from transformers import TrainerState
+
+    return TrainerState(global_step=step, max_steps=steps)
 
 
 def weighted_sum(loaded: list[Reward], values):

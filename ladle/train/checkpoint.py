@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import io
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,7 @@ class ResumeState:
     step: int
     losses: list[float]
     eval_before: float
+    extra: dict = field(default_factory=dict)  # the objective's own running figures (grpo: its first reward, ...)
 
 
 def step_dir(root: str, step: int) -> str:
@@ -62,8 +63,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses, eval_before, plan, runtime) -> None:
-    """Gather every rank's RNG and the training state (collectives), then mark the step complete.
+def save(
+    accelerator, root: str, step: int, model, optimizer, scheduler, losses, eval_before, plan, runtime, extra=None
+) -> None:
+    """Gather every rank's RNG and the training state (collectives), then mark the step complete. ``extra``: the
+    objective's running figures a resumed run reports as the uninterrupted one would (plain numbers only).
 
     Every rank writes and uploads its own files (a DCP checkpoint, or the strategy's native ones) before
     rank 0 writes ``state.pt`` and the marker.
@@ -80,6 +84,7 @@ def save(accelerator, root: str, step: int, model, optimizer, scheduler, losses,
         "rng": rngs,
         "losses": losses,
         "eval_before": eval_before,
+        "extra": dict(extra or {}),
         "strategy": plan.strategy,
         "world_size": plan.world_size,
         "format": checkpoint_format(runtime),
@@ -138,4 +143,9 @@ def load_latest(accelerator, root: str, model, optimizer, scheduler, plan, runti
     scheduler.load_state_dict(payload["scheduler"])
     rngs = payload["rng"]  # one per rank that wrote it; a DCP checkpoint may resume on more ranks
     set_rng_state(rngs[accelerator.process_index % len(rngs)])
-    return ResumeState(step=payload["step"], losses=payload["losses"], eval_before=payload["eval_before"])
+    return ResumeState(
+        step=payload["step"],
+        losses=payload["losses"],
+        eval_before=payload["eval_before"],
+        extra=dict(payload.get("extra") or {}),
+    )

@@ -307,6 +307,7 @@ def save_checkpoint(session, steps_done: int) -> None:
         session.eval_before,
         plan,
         runtime_for(plan.strategy),
+        extra=session.resume_extra() if hasattr(session, "resume_extra") else None,
     )
 
 
@@ -319,3 +320,27 @@ def report_done(accelerator: Accelerator, spec: TrainSpec, result):
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
+
+
+def training_parity(acc, model, spec: TrainSpec) -> list[list[float]] | None:
+    """Each parity probe row's per-token log-probabilities (``ladle.lifecycle.parity``; position i: of token i
+    given those before, 0 for the first) by the model as trained, in the training process; every rank runs every
+    forward (a sharded forward is a collective). None without rows, or when the strategy splits one forward over
+    ranks (pipeline, sequence parallel): the deploy stage then compares with the saved weights."""
+    from ladle import strategies
+
+    strategy = strategies.get(spec.plan.strategy)
+    if not spec.parity_probe or not strategy.runs_whole_forward(strategy.options(spec.config)):
+        return None
+    was_training = model.training
+    model.eval()
+    found = []
+    with torch.no_grad():
+        for row in spec.parity_probe:
+            ids = torch.tensor([row["ids"]], device=acc.device)
+            positions = torch.arange(len(row["ids"]), device=acc.device)[None]
+            keep = torch.ones((1, len(row["ids"]) - 1), dtype=torch.bool, device=acc.device)
+            logps = preference.token_logps(model, ids, ids, positions, keep)
+            found.append([0.0, *logps.float().cpu().tolist()])
+    model.train(was_training)
+    return found

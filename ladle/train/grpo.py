@@ -159,9 +159,10 @@ def seed_of(*parts: int) -> int:
     return int.from_bytes(digest, "big") >> 1  # 63 bits: non-negative, within every generator's range
 
 
-def score(loaded: list[reward_fns.Reward], tokenizer, ro: Rollouts) -> torch.Tensor:
-    """``[completions, rewards]``: each reward's value (NaN where it does not apply) on this rank's completions."""
-    return reward_fns.table(loaded, tokenizer, ro.rows, ro.completion_ids)
+def score(loaded: list[reward_fns.Reward], tokenizer, ro: Rollouts, state=None) -> torch.Tensor:
+    """``[completions, rewards]``: each reward's value (NaN where it does not apply) on this rank's completions
+    (``state``: TRL's ``trainer_state``, ``reward_fns.trainer_state``)."""
+    return reward_fns.table(loaded, tokenizer, ro.rows, ro.completion_ids, state)
 
 
 def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:

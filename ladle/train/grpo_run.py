@@ -60,6 +60,12 @@ class RLSession:
     gap_max: float = 0.0
     kl_last: float = math.nan
 
+    RESUMED = ("reward_first", "reward_last", "gap_max", "kl_last")  # what a checkpoint keeps of the figures
+
+    def resume_extra(self) -> dict:
+        """The running figures a resumed run reports as the uninterrupted one would (``checkpoint.save``)."""
+        return {name: float(getattr(self, name)) for name in self.RESUMED}
+
 
 def setup(spec: TrainSpec) -> RLSession:
     """Accelerator -> prompts -> rewards (checked before any weight loads) -> model (+LoRA) -> strategy wrap ->
@@ -148,6 +154,8 @@ def setup(spec: TrainSpec) -> RLSession:
     s.probe = grpo_probe.watch_for(cfg, tokenizer, plan.strategy)
     if state:
         s.losses, s.eval_before = list(state.losses), state.eval_before
+        for name in RLSession.RESUMED:
+            setattr(s, name, float(state.extra.get(name, getattr(s, name))))
     else:
         s.eval_before = -held_out_reward(s)
         log({"eval_reward": -s.eval_before}, 0)
@@ -196,7 +204,7 @@ def rollout(s: RLSession, step: int) -> tuple[grpo.Rollouts, slice, torch.Tensor
         seeds = grpo.seeds_for(cfg.training.seed, step, range(mine.start, mine.stop))
         ro = grpo.sample(s.engine, every[mine], rl, seeds)
     s.policy.train()
-    table = grpo.score(s.rewards, s.tokenizer, ro)
+    table = grpo.score(s.rewards, s.tokenizer, ro, reward_fns.trainer_state(step, s.steps))
     gathered = acc.gather(table.to(acc.device)).cpu() if acc.num_processes > 1 else table
     weights = torch.tensor([r.weight for r in s.rewards], dtype=torch.float32)
     adv, summed = grpo.advantages(gathered, weights, rl.num_generations, rl.scale_rewards)
@@ -443,9 +451,8 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
         common.emit(acc, "probe_guard", step=s.steps, why=s.probe.breach)
     after = held_out_reward(s)
     s.log({"eval_reward": after}, s.steps)
-    from ladle.train.worker import training_parity  # the served model is checked against these (lifecycle.parity)
-
-    parity_logps = training_parity(acc, s.model, s.spec)
+    parity_logps = common.training_parity(  # the served model is checked against these (lifecycle.parity)
+        acc, s.model, s.spec)
     adapter_url, model_url = common.save_outputs(acc, s.model, s.spec)
     losses = s.losses
     nan_free = lambda v: 0.0 if math.isnan(v) else v  # noqa: E731 (JSON has no NaN)

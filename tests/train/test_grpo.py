@@ -9,6 +9,7 @@ of 2 processes (DDP and ZeRO-2 beside one process), a resume, and the refusals.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -208,6 +209,25 @@ def test_a_reward_written_for_trl_runs_unchanged_with_the_datas_columns(tmp_path
     assert reward_fns.digest(files, cfg) != reward_fns.digest({"my_rewards.py": source + "#"}, cfg)
 
 
+def test_a_rewards_optional_parameters_are_not_demanded_and_it_gets_trls_trainer_state(tmp_path):
+    """A parameter with a default is a column passed when the data has it, never one every row must have; a reward
+    naming ``trainer_state`` receives a ``transformers.TrainerState`` at the step being taken, as TRL passes it."""
+    source = (
+        "def scaled(completions, answer, bonus=None, trainer_state=None):\n"
+        "    late = trainer_state.global_step / trainer_state.max_steps\n"
+        "    extra = bonus or [0.0] * len(completions)\n"
+        "    return [late * float(c == a) + b for c, a, b in zip(completions, answer, extra)]\n"
+    )
+    (tmp_path / "r.py").write_text(source)
+    cfg = RLConfig(rewards=["r.py:scaled"]).rewards
+    files = reward_fns.bundle(cfg, root=tmp_path)
+    assert reward_fns.columns_needed(cfg, files) == ["answer"]  # not bonus, not trainer_state
+    (scaled,) = reward_fns.load_all(cfg, files)
+    state = reward_fns.trainer_state(3, 4)
+    assert scaled(["p", "p"], ["4", "5"], [[1], [2]], {"answer": ["4", "4"]}, state) == [0.75, 0.0]
+    assert scaled(["p"], ["4"], [[1]], {"answer": ["4"], "bonus": [1.0]}, state) == [1.75]  # the column given
+
+
 def test_built_in_rewards():
     made = RLConfig(
         rewards=[
@@ -405,6 +425,11 @@ def test_rollouts_by_the_engine_match_the_trainer_ranks_agree_and_a_resume_sampl
 
     root = storage.join(specs["one"].run_url, "checkpoints")
     assert complete_steps(root) == [2, 4]
+    # A checkpoint keeps the run's running figures, so a resumed run reports its first step's reward, its largest
+    # sampler-trainer gap and its last KL as the uninterrupted one does (they were lost on resume).
+    kept = torch.load(io.BytesIO(storage.read_bytes(storage.join(step_dir(root, 4), "state.pt"))), weights_only=True)
+    assert kept["extra"]["reward_first"] == pytest.approx(one.rl["reward_first_step"])
+    assert kept["extra"]["gap_max"] == pytest.approx(one.rl["rollout_logprob_gap_max"])
     # The one process's step-2 checkpoint resumed on two (DDP, the same global batch of completions), with a reward
     # that breaks at its second call (step 4): step 3 is sampled and learned as the first time, then the run stops
     # with the reward named, its step-2 checkpoint kept.
