@@ -340,10 +340,13 @@ def per_token_loss(
     else:
         loss = -torch.min(coef * adv, torch.clamp(coef, low, high) * adv)
     stats = {}
-    with torch.no_grad():
-        clipped_low = ((coef < low) & (adv < 0)).float().expand_as(cmask)
-        clipped_high = ((coef > high) & (adv > 0)).float().expand_as(cmask)
-        stats["clipped"] = float(((clipped_low + clipped_high) * cmask).sum())
+    with torch.no_grad():  # TRL's clip statistics: cispo's is its cap on the ratio, sapo's soft gate clips nothing
+        if rl.loss == "cispo":
+            clipped = ((coef > rl.clip_high) & (adv > 0)).float().expand_as(cmask)
+        else:
+            clipped = (((coef < low) & (adv < 0)) | ((coef > high) & (adv > 0))).float().expand_as(cmask)
+        if rl.loss != "sapo":
+            stats["clipped"] = float((clipped * cmask).sum())
     if rl.beta:
         # k3's estimate of KL(policy || reference), times the importance ratio (TRL 1.16's default
         # use_bias_correction_kl, after DeepSeek-V3.2: its gradient is then the unbiased reverse-KL gradient)

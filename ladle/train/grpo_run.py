@@ -320,7 +320,7 @@ def update(s: RLSession, ro: grpo.Rollouts, iteration: int, check: bool) -> dict
             loss = grpo.reduce(per_token, cmask, rl, completions_all, tokens_all)
             runtime.backward(acc, s.model, loss * world, boundary=last)
         sums["loss"] += float(loss.detach())
-        sums["clipped"] += stats["clipped"]
+        sums["clipped"] += stats.get("clipped", 0.0)
         sums["kl"] += stats.get("kl", 0.0)
         if check:
             sampled = grpo.padded([ro.sampler_logps[i] for i in rows], width).to(acc.device)
@@ -336,7 +336,9 @@ def update(s: RLSession, ro: grpo.Rollouts, iteration: int, check: bool) -> dict
         )
     runtime.optimizer_step(acc, s.model, s.optimizer, cfg.training.max_grad_norm)
     s.scheduler.step()
-    out = {"loss": loss_all, "clip_ratio": clipped_all / max(tokens_all, 1)}
+    out = {"loss": loss_all}
+    if rl.loss != "sapo":  # sapo's gate is soft: nothing is clipped (TRL logs no clip ratio for it)
+        out["clip_ratio"] = clipped_all / max(tokens_all, 1)
     if rl.beta:
         out["kl"] = kl_all / max(tokens_all, 1)
     if check:

@@ -112,13 +112,21 @@ def ladle_loss_and_grads(
     model.zero_grad(set_to_none=True)
     logps, scored = grpo.completion_logps(model, rows, COMPLETIONS, 0, "cpu", rl.temperature, share, packed)
     assert torch.equal(scored, cmask)
-    per_token, _ = grpo.per_token_loss(logps, logps.detach() if old is None else old, adv, cmask, rl, ref)
+    per_token, stats = grpo.per_token_loss(logps, logps.detach() if old is None else old, adv, cmask, rl, ref)
     value = grpo.reduce(per_token, cmask, rl, len(COMPLETIONS), int(cmask.sum()))
     value.backward()
     # The same reduction of the terms' sizes: what a float32 sum's rounding scales with (the loss itself is a sum of
     # terms of both signs, so it can be far smaller than its rounding error; docs/guide/testing.md).
     magnitude = float(grpo.reduce(per_token.detach().abs(), cmask, rl, len(COMPLETIONS), int(cmask.sum())))
-    return float(value), grads(model), magnitude
+    clip_ratio = stats["clipped"] / float(cmask.sum()) if "clipped" in stats else None
+    return float(value), grads(model), magnitude, clip_ratio
+
+
+def trl_clip_ratio(trainer, rl: RLConfig) -> float | None:
+    """The clip ratio TRL logged for its last loss (``clip_ratio/region_mean``; cispo's own; none for sapo)."""
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    name = {"cispo": "cispo_clip_ratio", "sapo": None}.get(rl.loss, "clip_ratio/region_mean")
+    return metrics[name][-1] if name else None
 
 
 def grads(model) -> dict:
@@ -147,9 +155,13 @@ def test_loss_and_lora_gradients_equal_trl_grpo_trainer(trl_trainer, case):
     old = (current - shift) * cmask  # ratios away from 1: some clip
     ref = (current + shift.flip(0)) * cmask if rl.beta else None
     expected, expected_grads = trl_loss_and_grads(trl_trainer, rl, old, ref)
+    expected_clip = trl_clip_ratio(trl_trainer, rl)
+    # The batch clips some tokens, not all (a sequence's mean ratio stays within gspo's bounds here).
+    assert expected_clip is None or 0 < expected_clip < 1 or (expected_clip == 0 and case == "gspo")
     for share, packed in ((True, True), (True, False), (False, False)):
-        value, got, magnitude = ladle_loss_and_grads(model, rl, old, ref, share, packed)
+        value, got, magnitude, clip_ratio = ladle_loss_and_grads(model, rl, old, ref, share, packed)
         assert value == pytest.approx(expected, abs=FLOAT32_SUMS * magnitude), (share, packed)
+        assert clip_ratio == (None if expected_clip is None else pytest.approx(expected_clip, abs=1e-6))
         assert expected_grads.keys() == got.keys() and got
         for name, grad in expected_grads.items():
             # Shared prompts reach the completions through the cache, so float32 sums run in another order: each
