@@ -95,14 +95,31 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
                 type(base) is torch.nn.Linear
                 and isinstance(dropout, torch.nn.Identity)
                 and not getattr(self, "fan_in_fan_out", False)
-                and x.dtype == weight.dtype == a.dtype == b.dtype
                 and not weight.requires_grad
                 and (bias is None or not bias.requires_grad)
             ):
-                tokens = x.numel() // x.shape[-1]
-                fn = Merged if merges(tokens, weight.shape[1], weight.shape[0]) else Factored
-                return fn.apply(x, weight, bias, a, b, float(self.scaling[name]))
+                out = fused_call(x, weight, bias, a, b, float(self.scaling[name]))
+                if out is not None:  # None: operands of mixed dtypes, which peft's layer casts its own way
+                    return out
     return self.ladle_peft_forward(x, *args, **kwargs)
+
+
+def fused_call(x, weight, bias, a, b, scale: float) -> torch.Tensor | None:
+    """The fused function on one dtype (None where the operands' dtypes differ outside autocast). Under autocast (mixed precision on a GPU) every operand is cast to
+    autocast's dtype, as autocast casts ``F.linear``'s, and the function runs with autocast off: an autograd
+    function's own products are not cast by autocast, and without the cast its inputs (a bf16 activation, fp32
+    weights) differ in dtype, so every call went to peft's path while the run reported the fused layers on."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        cast = [t if t is None else t.to(dtype) for t in (x, weight, bias, a, b)]
+        with torch.autocast(device, enabled=False):
+            return fused_call(*cast, scale)
+    if not (x.dtype == weight.dtype == a.dtype == b.dtype and (bias is None or bias.dtype == x.dtype)):
+        return None
+    tokens = x.numel() // x.shape[-1]
+    fn = Merged if merges(tokens, weight.shape[1], weight.shape[0]) else Factored
+    return fn.apply(x, weight, bias, a, b, scale)
 
 
 _classes: dict[type, type] = {}

@@ -76,3 +76,22 @@ def test_other_calls_run_peft_own_forward(calls):
     layer.base_layer.bias.requires_grad_(False)
     model(x)
     assert calls == [lora_fused.Factored]  # 4 tokens x (8 + 8) < 2 x 8 x 8: the three products
+
+
+@pytest.mark.parametrize("tokens", [64, 3])
+def test_under_autocast_the_fused_path_runs_and_equals_peft(calls, tokens):
+    """Mixed precision (autocast; a GPU run's bf16, here on the CPU) takes the fused path: every operand cast to
+    autocast's dtype as autocast casts a linear layer's; it went to peft's path before while reported on."""
+    model, layer = lora_layer(16, 24, bias=True)
+    x = torch.randn(1, tokens, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = forward_backward(model, layer, x)
+    lora_fused.install(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = forward_backward(model, layer, x)
+    assert calls == [lora_fused.Merged if lora_fused.merges(tokens, 16, 24) else lora_fused.Factored]
+    assert got[0].dtype == expected[0].dtype == torch.bfloat16
+    assert got[2].dtype == torch.float32  # the adapter's gradient reaches its float32 weight
+    for e, g, what in zip(expected, got, ("output", "input grad", "A grad", "B grad"), strict=True):
+        # bf16 keeps 8 bits of mantissa: both sides round each product to it, in another order
+        torch.testing.assert_close(g.float(), e.float(), rtol=2e-2, atol=2e-2 * float(e.abs().max()), msg=what)
