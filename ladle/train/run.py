@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import shlex
 import subprocess
 import tempfile
@@ -49,6 +50,10 @@ def worker_env(spec: TrainSpec) -> dict[str, str]:
     config = getattr(spec, "config", None)  # (a spec stand-in for the environment alone has none)
     if config is not None:
         env["LADLE_PREEMPT_GRACE_S"] = str(config.training.preempt_grace_s)  # the launchers' wait (preempt)
+        # torchrun's agent (under accelerate launch) gives its workers 30 s between its SIGTERM and a SIGKILL:
+        # ranks still writing their checkpoint past that were killed, whatever preempt_grace_s said. torch reads
+        # this variable where --shutdown-timeout is not given (pytorch#172596, torch >= 2.11; an older one ignores it).
+        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(math.ceil(config.training.preempt_grace_s))
     # glibc raises its mmap threshold to the size of each large block freed (up to 32 MB), after which the
     # one-tensor-at-a-time loading's blocks come from the heap and stay there when freed: measured, a ZeRO-3
     # rank of a 1.5 GB model kept +500 MB after loading. A fixed 4 MiB threshold returns large blocks to the

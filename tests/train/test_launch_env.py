@@ -40,3 +40,20 @@ def test_cpu_runs_share_the_cores_and_get_no_nccl_hints(monkeypatch):
         SimpleNamespace(plan=SimpleNamespace(device="cpu", processes_per_machine=2, num_machines=1), tracking_uri=None)
     )
     assert int(env["OMP_NUM_THREADS"]) >= 1 and "NCCL_DEBUG" not in env
+
+
+def test_torchrun_waits_the_runs_grace_before_killing_a_stopping_rank(monkeypatch):
+    """accelerate launch's torchrun agent killed ranks 30 s after its SIGTERM, whatever training.preempt_grace_s
+    gave them to checkpoint: the launch environment now sets the agent's shutdown timeout to the grace, and torch's
+    own launcher reads it."""
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from ladle.config import build_config
+
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    cfg = build_config({"base": "ladle://tiny-llama", "data": {"path": "x.jsonl"}}, ["training.preempt_grace_s=170.5"])
+    env = worker_env(SimpleNamespace(plan=spec("cuda").plan, tracking_uri=None, config=cfg))
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "171"
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    launch_config, _, _ = config_from_args(get_args_parser().parse_args(["--nproc-per-node", "2", "train.py"]))
+    assert launch_config.shutdown_timeout == 171
