@@ -92,6 +92,7 @@ class MultiLora:
         self.layers: dict[str, MultiLoraLinear] = {}
         self.ids: dict[str, int] = {}  # key -> adapter id (0, 1, ...; -1: the base)
         self.rows: torch.Tensor | None = None
+        self.row_ids: set[int] = set()  # the adapter ids ``rows`` holds, on the host
         self.masks: dict[tuple, torch.Tensor | None] = {}  # per forward: one mask per column layout
         self.dtype = next(model.parameters()).dtype
 
@@ -165,19 +166,22 @@ class MultiLora:
         several devices gets each layer's mask where that layer's activations are."""
         key = (layout, dims, str(device))
         if key not in self.masks:
-            rows = self.rows.to(device)
-            owner = torch.cat([torch.full((rank,), adapter, device=device) for adapter, rank in layout])
-            keep = owner[None, :] == rows[:, None]
-            shape = (rows.shape[0], *([1] * (dims - 2)), owner.shape[0])
-            self.masks[key] = keep.to(self.dtype).view(shape) if bool(keep.any()) else None
+            self.masks[key] = None
+            if self.row_ids & {adapter for adapter, _ in layout}:  # decided on the host: no device sync per layer
+                rows = self.rows.to(device)
+                owner = torch.cat([torch.full((rank,), adapter, device=device) for adapter, rank in layout])
+                shape = (rows.shape[0], *([1] * (dims - 2)), owner.shape[0])
+                self.masks[key] = (owner[None, :] == rows[:, None]).to(self.dtype).view(shape)
         return self.masks[key]
 
     @contextlib.contextmanager
     def rows_of(self, keys: list[str | None]):
         """During the block, row ``i`` of a forward runs on adapter ``keys[i]`` (None: the base)."""
-        self.rows = torch.tensor([self.ids[k] if k is not None else -1 for k in keys])  # moved per layer's device
+        ids = [self.ids[k] if k is not None else -1 for k in keys]
+        self.rows = torch.tensor(ids)  # moved per layer's device
+        self.row_ids = set(ids)
         self.masks = {}
         try:
             yield
         finally:
-            self.rows, self.masks = None, {}
+            self.rows, self.row_ids, self.masks = None, set(), {}

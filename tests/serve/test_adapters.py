@@ -792,3 +792,37 @@ def test_a_version_is_found_by_its_label_then_an_alias_then_vN_never_by_order(ki
     assert catalog.resolve("bot@v1") == one.key  # the label "v1", though "1" would answer to v1 too
     assert catalog.resolve("bot@1") == two.key and catalog.resolve("bot@champion") == two.key
     assert catalog.resolve("bot@v3") == three.key and catalog.resolve("bot@v1x") == three.key
+
+
+def test_a_base_placed_over_several_devices_gets_each_layers_adapter_and_rows_on_that_layers_device(tmp_path):
+    """A base spread over devices (``machine.placement``: layers over every GPU) keeps each layer's adapter
+    tensors, row ids and mask on that layer's own device; they all went to the first parameter's. Here the second
+    layer sits on the meta device, the CPU's stand-in for a second card: a tensor sent to the first device would
+    meet it in one product and fail."""
+    from safetensors.torch import save_file
+
+    from ladle.serve.multi_lora import MultiLora
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5, bias=False), torch.nn.Linear(5, 4, bias=False))
+    model[1].to("meta")
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "target_modules": ["0", "1"]}))
+    tensors = {}
+    for name, (fan_in, fan_out) in {"0": (6, 5), "1": (5, 4)}.items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(2, fan_in)
+        tensors[f"base_model.model.{name}.lora_B.weight"] = torch.randn(fan_out, 2)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    group = MultiLora(model)
+    group.add("a", folder)
+    first, second = group.layers["0"], group.layers["1"]
+    assert first.a_cat.device.type == "cpu" and second.a_cat.device.type == "meta" == second.b_cat.device.type
+    x = torch.randn(2, 3, 6)
+    with group.rows_of(["a", None]):
+        out = second(torch.empty(2, 3, 5, device="meta"))  # its mask made on its device, from the rows on the CPU
+        expected = (
+            x @ model[0].weight.T + ((x @ first.a_cat.T) @ first.b_cat.T) * torch.tensor([1.0, 0.0])[:, None, None]
+        )
+        torch.testing.assert_close(first(x), expected)
+    assert out.device.type == "meta" and out.shape == (2, 3, 4)
