@@ -104,16 +104,9 @@ def finetune(
     flow_run_id = str(runtime.flow_run.id or uuid.uuid4())
     inputs = inputs_task(config)  # resolved once: every stage below takes what it needs from here
     if skip_if_data_unchanged:
-        fp = inputs.fingerprint
-        same, why = data_unchanged(inputs)
-        if same is not None:
-            reason = f"skipped: {why} (fingerprint {fp})"
-            get_run_logger().info(reason)
-            record_check(inputs, flow_run_id, "skipped", why)
-            summary = {"status": "skipped", "reason": reason, "champion_version": same.version}
-            return Completed(message=reason, data={**summary, "dataset_fingerprint": fp, "flow_run_id": flow_run_id})
-        get_run_logger().info("retraining: %s (fingerprint %s)", why, fp)
-        record_check(inputs, flow_run_id, "trained", why)
+        skipped = skip_check(inputs, flow_run_id)
+        if skipped is not None:
+            return skipped
     run_name = run_id or f"{config.name}-{flow_run_id[:8]}"
     run_url = storage.join(inputs.output, "runs", run_name)
     parent = runtime.flow_run.parent_flow_run_id
@@ -159,12 +152,40 @@ def finetune(
         ok = True
     finally:
         tracking.end_run(track, ok)
-    summary = {
+    summary = run_summary(config, inputs, run_name, run_url, flow_run_id, track, result, merged, scores, endpoint)
+    summary.update(
+        promoted=decision.promoted if decision else None,
+        canary=decision.canary if decision else None,
+        promotion=decision.reason if decision else "promotion off (promote.enabled=false): nothing registered",
+        dataset_fingerprint=prepared.fingerprint,
+        stage_seconds=clock.seconds,
+    )
+    storage.write_json(storage.join(run_url, "summary.json"), summary)
+    return Completed(message=summary["promotion"], data=summary)
+
+
+def skip_check(inputs, flow_run_id: str) -> Completed | None:
+    """Scheduled retraining's first question: a Completed "skipped" state when the champion was trained from the
+    same data, base and settings (``ladle.lifecycle.lineage``), else None (and the reason to train is logged);
+    either way the decision is recorded on the registered model."""
+    fp = inputs.fingerprint
+    same, why = data_unchanged(inputs)
+    if same is None:
+        get_run_logger().info("retraining: %s (fingerprint %s)", why, fp)
+        record_check(inputs, flow_run_id, "trained", why)
+        return None
+    reason = f"skipped: {why} (fingerprint {fp})"
+    get_run_logger().info(reason)
+    record_check(inputs, flow_run_id, "skipped", why)
+    summary = {"status": "skipped", "reason": reason, "champion_version": same.version}
+    return Completed(message=reason, data={**summary, "dataset_fingerprint": fp, "flow_run_id": flow_run_id})
+
+
+def run_summary(config, inputs, run_name, run_url, flow_run_id, track, result, merged, scores, endpoint) -> dict:
+    """What a finished run reports (``summary.json``, the flow's result): its outcome at each stage."""
+    return {
         "status": "ok",
         "run_id": run_name,
-        "promoted": decision.promoted if decision else None,
-        "canary": decision.canary if decision else None,
-        "promotion": decision.reason if decision else "promotion off (promote.enabled=false): nothing registered",
         "registered_model": inputs.registered_model,
         "endpoint": endpoint.url,
         "endpoint_running": endpoint.running,
@@ -197,11 +218,7 @@ def finetune(
         "steps": result.steps,
         "output_url": run_url,
         "merged_model_url": merged.url,
-        "dataset_fingerprint": prepared.fingerprint,
-        "stage_seconds": clock.seconds,
     }
-    storage.write_json(storage.join(run_url, "summary.json"), summary)
-    return Completed(message=summary["promotion"], data=summary)
 
 
 class HideUserErrorTracebacks(logging.Filter):

@@ -30,66 +30,11 @@ def decide(
     cuda = device == "cuda"
     traits = strategies.get(strategy)
     whole = traits.whole_forward if whole_forward is None else whole_forward
-    if kernels.compile == "auto":
-        compile_on = cuda and traits.compiles_blocks
-        why = (
-            "on: CUDA and a strategy whose blocks compile"
-            if compile_on
-            else ("off: CPU, where compiling costs more than short runs gain" if not cuda else f"off: {strategy}")
-        )
-    else:
-        compile_on = bool(kernels.compile)
-        why = "on (training.kernels.compile = true)" if compile_on else "off (training.kernels.compile = false)"
-    if compile_asked and not compile_on:
-        compile_on, why = True, f"on ({compile_asked})"
-    if kernels.fused_loss == "off" or not whole:
-        loss = "off"
-        loss_why = (
-            "off (training.kernels.fused_loss = off)"
-            if kernels.fused_loss == "off"
-            else f"off: {strategy} computes its loss in its own stages"
-        )
-    elif kernels.fused_loss == "auto":
-        loss = "auto" if cuda else "chunked"
-        loss_why = (
-            "Liger's fused linear cross-entropy where liger-kernel is installed on the training host, else chunked"
-            if cuda
-            else "chunked (Liger needs CUDA)"
-        )
-    else:
-        loss, loss_why = kernels.fused_loss, f"{kernels.fused_loss} (training.kernels.fused_loss)"
-    if kernels.liger == "auto":
-        liger = "auto" if cuda and not compile_on else "off"
-        liger_why = (
-            "where liger-kernel is installed on the training host"
-            if liger == "auto"
-            else ("off: the blocks are compiled (inductor fuses the same)" if cuda else "off: CPU")
-        )
-    else:
-        liger = "on" if kernels.liger else "off"
-        liger_why = f"{liger} (training.kernels.liger)"
-    if kernels.padding_free == "auto":
-        joined = whole
-        joined_why = (
-            "per micro-batch, where one row of its real tokens computes less than its padded rows"
-            if joined
-            else f"off: {strategy} keeps fixed row shapes"
-        )
-    else:
-        joined = bool(kernels.padding_free)
-        joined_why = f"{'on' if joined else 'off'} (training.kernels.padding_free)"
-    if kernels.packed_attention == "auto":
-        # On CUDA since 2026-11-28: the 8B LoRA row on one H200 ran 1.26x faster (14,511 vs 11,488 tokens/s,
-        # the same losses) and 1.5 GiB lower, its compiled blocks calling SDPA's flash kernel per example.
-        by_example = "auto" if whole else "off"
-        by_example_why = (
-            "on where the model's attention is plain causal attention"
-            if by_example == "auto"
-            else f"off: {strategy} keeps its own attention masks"
-        )
-    else:
-        by_example = "on" if kernels.packed_attention else "off"
-        by_example_why = f"{by_example} (training.kernels.packed_attention)"
+    compile_on, why = compile_decision(kernels, strategy, cuda, traits.compiles_blocks, compile_asked)
+    loss, loss_why = fused_loss_decision(kernels, strategy, cuda, whole)
+    liger, liger_why = liger_decision(kernels, cuda, compile_on)
+    joined, joined_why = padding_free_decision(kernels, strategy, whole)
+    by_example, by_example_why = packed_attention_decision(kernels, strategy, whole)
     if rows == "rollouts":
         rollout_why = "off: grpo rows are a prompt and its completion, padded and masked"
         loss, loss_why = "off", "off: grpo scores each sampled token itself"
@@ -101,16 +46,7 @@ def decide(
             )
         if compile_on and not compile_asked:  # the engine decodes through the same blocks, one shape per step
             compile_on, why = False, "off: grpo's rollouts decode through the blocks with a cache that grows each token"
-    if kernels.lora_fused == "auto":
-        lora_fused = traits.fuses_lora and not cuda
-        lora_fused_why = (
-            "one autograd function per adapted layer (merged where a call's tokens outnumber its widths)"
-            if lora_fused
-            else ("off: not yet run on a GPU" if cuda else f"off: {strategy} gathers each module's weights as called")
-        )
-    else:
-        lora_fused = bool(kernels.lora_fused)
-        lora_fused_why = f"{'on' if lora_fused else 'off'} (training.kernels.lora_fused)"
+    lora_fused, lora_fused_why = lora_fused_decision(kernels, strategy, cuda, traits.fuses_lora)
     lora_compute = kernels.lora_compute
     sixteen = dtype != "float32"
     decided = {
@@ -134,6 +70,85 @@ def decide(
         + f"; fused LoRA layers {lora_fused_why}"
     ]
     return decided, reasons
+
+
+def compile_decision(kernels, strategy: str, cuda: bool, compiles: bool, asked: str | None) -> tuple[bool, str]:
+    """Per-block ``torch.compile``: auto on CUDA for a strategy whose blocks compile; the strategy's own option
+    asking for it wins."""
+    if kernels.compile == "auto":
+        on = cuda and compiles
+        why = (
+            "on: CUDA and a strategy whose blocks compile"
+            if on
+            else ("off: CPU, where compiling costs more than short runs gain" if not cuda else f"off: {strategy}")
+        )
+    else:
+        on = bool(kernels.compile)
+        why = "on (training.kernels.compile = true)" if on else "off (training.kernels.compile = false)"
+    if asked and not on:
+        on, why = True, f"on ({asked})"
+    return on, why
+
+
+def fused_loss_decision(kernels, strategy: str, cuda: bool, whole: bool) -> tuple[str, str]:
+    """The fused (or chunked) head and cross-entropy: off where a strategy computes its loss in its own stages."""
+    if kernels.fused_loss == "off" or not whole:
+        why = (
+            "off (training.kernels.fused_loss = off)"
+            if kernels.fused_loss == "off"
+            else f"off: {strategy} computes its loss in its own stages"
+        )
+        return "off", why
+    if kernels.fused_loss == "auto":
+        if cuda:
+            return (
+                "auto",
+                "Liger's fused linear cross-entropy where liger-kernel is installed on the training host, else chunked",
+            )
+        return "chunked", "chunked (Liger needs CUDA)"
+    return kernels.fused_loss, f"{kernels.fused_loss} (training.kernels.fused_loss)"
+
+
+def liger_decision(kernels, cuda: bool, compile_on: bool) -> tuple[str, str]:
+    """Liger's RMSNorm/SwiGLU/RoPE kernels: auto on CUDA unless the blocks are compiled (inductor fuses them)."""
+    if kernels.liger != "auto":
+        liger = "on" if kernels.liger else "off"
+        return liger, f"{liger} (training.kernels.liger)"
+    if cuda and not compile_on:
+        return "auto", "where liger-kernel is installed on the training host"
+    return "off", "off: the blocks are compiled (inductor fuses the same)" if cuda else "off: CPU"
+
+
+def padding_free_decision(kernels, strategy: str, whole: bool) -> tuple[bool, str]:
+    """A micro-batch's rows joined into one row of their real tokens, where the strategy allows other shapes."""
+    if kernels.padding_free != "auto":
+        joined = bool(kernels.padding_free)
+        return joined, f"{'on' if joined else 'off'} (training.kernels.padding_free)"
+    if whole:
+        return True, "per micro-batch, where one row of its real tokens computes less than its padded rows"
+    return False, f"off: {strategy} keeps fixed row shapes"
+
+
+def packed_attention_decision(kernels, strategy: str, whole: bool) -> tuple[str, str]:
+    """Attention example by example inside a packed row."""
+    if kernels.packed_attention != "auto":
+        by_example = "on" if kernels.packed_attention else "off"
+        return by_example, f"{by_example} (training.kernels.packed_attention)"
+    # On CUDA since 2026-11-28: the 8B LoRA row on one H200 ran 1.26x faster (14,511 vs 11,488 tokens/s, the same
+    # losses) and 1.5 GiB lower, its compiled blocks calling SDPA's flash kernel per example.
+    if whole:
+        return "auto", "on where the model's attention is plain causal attention"
+    return "off", f"off: {strategy} keeps its own attention masks"
+
+
+def lora_fused_decision(kernels, strategy: str, cuda: bool, fuses: bool) -> tuple[bool, str]:
+    """Fused LoRA layers (``ladle.train.lora_fused``): auto on CPU for strategies that call whole modules."""
+    if kernels.lora_fused != "auto":
+        on = bool(kernels.lora_fused)
+        return on, f"{'on' if on else 'off'} (training.kernels.lora_fused)"
+    if fuses and not cuda:
+        return True, "one autograd function per adapted layer (merged where a call's tokens outnumber its widths)"
+    return False, "off: not yet run on a GPU" if cuda else f"off: {strategy} gathers each module's weights as called"
 
 
 def problems(kernels, strategy: str, device: str, whole_forward: bool | None = None) -> list[str]:
