@@ -29,14 +29,13 @@ import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter, generate_latest
-from pydantic import ValidationError
 
 from ladle.assets import ladle_home
-from ladle.config import CanaryConfig
 from ladle.fleet.canary import Canary, challenger_alive
+from ladle.fleet.front_canary import add_canary_routes
 from ladle.fleet.supervisor import Supervisor
 from ladle.platform.files import write_atomic
-from ladle.serve.adapters import MAX_VERSIONS, PINNED_HEADER
+from ladle.serve.adapters import PINNED_HEADER
 from ladle.serve.guard import Guard, Refused, envelope
 from ladle.serve.limits import ServeLimits
 
@@ -80,10 +79,6 @@ how long a request waits for a connection when a thousand are open."""
 
 
 DEFAULT_BODY_BYTES = ServeLimits.model_fields["max_body_bytes"].default
-
-MAX_ADAPTER_CANARIES = MAX_VERSIONS // 2
-"""Adapter canaries one front runs at once: as many as its server follows registered models (each serving two
-versions), so the front's state stays bounded whatever admin requests arrive."""
 
 
 class NotAdmin(Exception):
@@ -407,100 +402,6 @@ def add_upstream_routes(app: FastAPI, front: Front) -> None:
             await asyncio.sleep(0.02)
         left = front.in_flight[old["url"]] if old and old["url"] != new["url"] else 0
         return {"previous": old, "current": new, "drained": left == 0, "in_flight": left}
-
-
-def add_canary_routes(app: FastAPI, front: Front) -> None:
-    """Admin: start, read, roll back and forget a canary: the served model's (a second server), or with
-    ``?adapter=NAME`` (``adapter`` in a PUT's body) one adapter's on a base's front (two versions one server holds)."""
-
-    @app.get("/ladle/canary", dependencies=[front.admin_only])
-    def get_canary(adapter: str | None = None):
-        """Admin: the canary's state: status, reason, limits and each arm's requests, errors and p95 (``adapter``:
-        that adapter's). Without ``adapter``, ``adapters`` lists the adapters' canaries."""
-        if adapter is not None:
-            return {"canary": front.adapter_summary(adapter)}
-        canary = front.state.get("canary")
-        return {"canary": canary.summary() if canary else None, "adapters": sorted(front.adapter_canaries)}
-
-    @app.put("/ladle/canary", dependencies=[front.admin_only])
-    async def put_canary(request: Request):
-        """Admin: start a canary of the server in the body (as for a swap, plus ``limits``: promote.canary's
-        fields) against the current one, or, with ``adapter``, of that adapter's ``version`` against its
-        ``champion_version`` (both served by the server behind the front); the same version again answers its
-        state, another while one is not finished 409; past ``MAX_ADAPTER_CANARIES`` at once, 409."""
-        body = await request.json()
-        adapter = body.get("adapter")
-        canary = front.state.get("canary") if adapter is None else front.adapter_canaries.get(adapter)
-        if canary is not None:
-            if canary.version == str(body.get("version")):
-                return {"canary": canary.summary() if adapter is None else front.adapter_summary(adapter)}
-            what = f"{adapter} " if adapter else ""
-            return error(
-                409,
-                f"{front.name}: the canary of {what}v{canary.version} is not finished",
-                "invalid_request_error",
-                "busy",
-            )
-        upstream = front.state["upstream"]
-        if upstream is None:
-            return error(
-                409, f"{front.name}: no champion is served to compare with", "invalid_request_error", "not_ready"
-            )
-        if adapter is not None and len(front.adapter_canaries) >= MAX_ADAPTER_CANARIES:
-            return error(
-                409,
-                f"{front.name}: {len(front.adapter_canaries)} adapter canaries already (MAX_ADAPTER_CANARIES); "
-                "finish or delete one first (DELETE /ladle/canary?adapter=NAME)",
-                "invalid_request_error",
-                "busy",
-            )
-        try:
-            limits = CanaryConfig.model_validate(body.get("limits") or {})
-            if adapter is not None:
-                if not isinstance(adapter, str) or not adapter or "@" in adapter:
-                    raise KeyError("adapter")
-                where = {"url": upstream["url"], "pid": upstream.get("pid"), "adapter": adapter}
-                challenger = {**where, "version": str(body["version"])}
-                measured = {**where, "version": str(body["champion_version"])}
-            else:
-                challenger = {k: body[k] for k in ("url", "version", "pid", "model_dir")}
-                challenger.update({k: body[k] for k in ("argv", "log") if k in body})
-                measured = dict(upstream)
-        except (ValidationError, KeyError) as exc:
-            return error(422, f"bad canary: {exc}", "invalid_request_error", "invalid")
-        if adapter is not None:
-            front.adapter_canaries[adapter] = Canary(challenger, measured, limits)
-            front.persist()
-            return {"canary": front.adapter_summary(adapter)}
-        front.state["canary"] = Canary(challenger, measured, limits)
-        front.persist()
-        return {"canary": front.state["canary"].summary()}
-
-    @app.patch("/ladle/canary", dependencies=[front.admin_only])
-    def end_canary(reason: str = "stopped by the operator", adapter: str | None = None):
-        """Admin: roll back a running canary with ``?reason=`` and keep its verdict for whoever follows it (an
-        operator's rollback); its state."""
-        canary = front.state.get("canary") if adapter is None else front.adapter_canaries.get(adapter)
-        if canary is not None and canary.status == "running":
-            canary.end("rolled_back", reason)
-            front.persist()
-        if adapter is not None:
-            return {"canary": front.adapter_summary(adapter)}
-        return {"canary": canary.summary() if canary else None}
-
-    @app.delete("/ladle/canary", dependencies=[front.admin_only])
-    def delete_canary(reason: str = "stopped by the operator", adapter: str | None = None):
-        """Admin: end the canary (one still running is rolled back with ``?reason=``) and forget it; its final
-        state."""
-        summary = front.adapter_summary(adapter) if adapter is not None else None
-        canary = front.state.pop("canary", None) if adapter is None else front.adapter_canaries.pop(adapter, None)
-        if canary is not None and canary.status == "running":
-            canary.end("rolled_back", reason)
-            summary = {**(summary or {}), "status": canary.status, "reason": canary.reason}
-        front.persist()
-        if adapter is not None:
-            return {"canary": summary}
-        return {"canary": canary.summary() if canary else None}
 
 
 def add_proxy_route(app: FastAPI, front: Front) -> None:

@@ -454,7 +454,8 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
     after = held_out_reward(s)
     s.log({"eval_reward": after}, s.steps)
     parity_logps = common.training_parity(  # the served model is checked against these (lifecycle.parity)
-        acc, s.model, s.spec)
+        acc, s.model, s.spec
+    )
     adapter_url, model_url = common.save_outputs(acc, s.model, s.spec)
     losses = s.losses
     nan_free = lambda v: 0.0 if math.isnan(v) else v  # noqa: E731 (JSON has no NaN)

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 
 from ladle.config import CanaryConfig, ServeConfig, build_config
 from ladle.errors import LadleError
-from ladle.fleet import champion
+from ladle.fleet import champion, front_canary
 from ladle.fleet import front as router
 from ladle.fleet.canary import Canary, pending
 from ladle.lifecycle import gate as gates
@@ -302,7 +302,7 @@ def test_an_adapter_canary_splits_only_its_adapter_and_a_restarted_front_adopts_
 
             running_again = {"adapter": "ops", "version": "7", "champion_version": "6", "limits": {"duration_s": 120}}
             assert httpx.put(f"{front.url}/ladle/canary", json=running_again, headers=ADMIN).status_code == 200
-            monkeypatch.setattr(router, "MAX_ADAPTER_CANARIES", 1)  # a front's adapter canaries are bounded
+            monkeypatch.setattr(front_canary, "MAX_ADAPTER_CANARIES", 1)  # a front's adapter canaries are bounded
             another = {**running_again, "adapter": "billing"}
             refused = httpx.put(f"{front.url}/ladle/canary", json=another, headers=ADMIN)
             assert refused.status_code == 409 and "MAX_ADAPTER_CANARIES" in refused.text
