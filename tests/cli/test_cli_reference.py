@@ -31,10 +31,10 @@ def test_the_cli_reference_is_current():
 
 def test_the_http_events_and_metrics_reference_is_current():
     done = subprocess.run(
-        [sys.executable, "-m", "ladle.reference"], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "ladle.cli.reference"], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert (ROOT / "docs" / "http.md").read_text() == done.stdout, "run: python -m ladle.reference > docs/http.md"
+    assert (ROOT / "docs" / "http.md").read_text() == done.stdout, "run: python -m ladle.cli.reference > docs/http.md"
     # Every route and event is there, from the code itself.
     for fragment in (
         "`/v1/chat/completions`",

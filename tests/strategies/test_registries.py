@@ -338,6 +338,58 @@ def test_no_two_packages_import_each_other():
     assert "ladle.train" not in edges.get("ladle.strategies", set()) | edges.get("ladle.plan", set())
 
 
+FLOORS = [  # top to bottom: docs/layout.md draws the same picture (flows/, tasks/, blocks/ install as ladle.*)
+    ["cli"],
+    ["flows"],
+    ["tasks"],
+    ["blocks"],
+    ["fleet"],
+    ["plan"],
+    ["compute"],
+    ["lifecycle"],
+    ["train"],
+    ["rewards"],
+    ["serve"],
+    ["kubernetes", "data"],
+    ["config"],
+    ["assets"],
+    ["strategies"],
+    ["machine"],
+    ["platform", "sizing"],
+    ["errors", "pluggable", "section"],
+]
+ARROWS_UP = {  # the imports that go up a floor, each with the reason it stays; a new one fails the test below
+    ("config", "serve"): "the schema takes its backend choices and serve.limits from the backends' registry",
+    ("serve", "lifecycle"): "a server following the registry reads its aliases and the copies of a version",
+    ("train", "plan"): "each rank reads the plan it applies (plan.model.Plan) and the kernels it allows",
+}
+
+
+def part_of(module: str) -> str:
+    """``ladle.plan.memory`` -> ``plan``; ``ladle.errors`` -> ``errors``."""
+    return module.split(".")[1]
+
+
+def floor_of(module: str) -> int:
+    return next(i for i, floor in enumerate(FLOORS) if part_of(module) in floor)
+
+
+def test_imports_go_down_the_floors():
+    """Each package imports only those below it (functions and ``TYPE_CHECKING`` blocks included), but for the
+    three arrows up that ``ARROWS_UP`` names with their reasons: a new one moves the shared thing down or becomes a
+    parameter."""
+    known = {name: path for name, path in module_files().items() if name.startswith("ladle.")}
+    assert {part_of(name) for name in known} == {n for floor in FLOORS for n in floor}, "a package has no floor"
+    up: dict[tuple[str, str], list[str]] = {}
+    for name, path in known.items():
+        for target in imported(name, path, known):
+            if floor_of(target) < floor_of(name):
+                up.setdefault((part_of(name), part_of(target)), []).append(f"{name} -> {target}")
+    unexplained = {arrow: where for arrow, where in up.items() if arrow not in ARROWS_UP}
+    assert not unexplained, unexplained
+    assert len(ARROWS_UP) <= 3 and set(up) == set(ARROWS_UP), "an arrow in ARROWS_UP that is gone: remove it"
+
+
 def test_no_strategy_name_is_compared_outside_the_strategies_package():
     """A strategy's behaviour is its traits and methods: code elsewhere never tests ``strategy == "fsdp2"``
     (adding a strategy would then mean finding every such test). Compares against any registered name are

@@ -1,7 +1,7 @@
 """The HTTP API, events and metrics reference (``docs/http.md``), generated from the apps, the request models,
 the Prometheus registries and ``ladle.lifecycle.events.EVENTS`` themselves, so it cannot drift.
 
-``python -m ladle.reference > docs/http.md``; ``tests/cli/test_cli_reference.py`` checks it is current.
+``python -m ladle.cli.reference > docs/http.md``; ``tests/cli/test_cli_reference.py`` checks it is current.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def render() -> str:
     lines = [
         "# HTTP API, events and metrics",
         "",
-        "Generated from the code (`python -m ladle.reference > docs/http.md`); a test keeps it current.",
+        "Generated from the code (`python -m ladle.cli.reference > docs/http.md`); a test keeps it current.",
         "",
         "## The model server (`ladle serve`, and each version behind the front)",
         "",
