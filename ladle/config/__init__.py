@@ -42,6 +42,7 @@ from ladle.config.training import (
 from ladle.errors import ConfigError, LadleError
 from ladle.section import Section
 from ladle.serve import backends
+from ladle.serve.adapters import SAVED_MODULES
 
 __all__ = [
     "BUILTIN_METRICS",
@@ -214,12 +215,13 @@ class LadleConfig(Section):
                     "promote.merge = false with training.lora.enabled = false: a full fine-tune has no adapter to "
                     "register unmerged; set training.lora.enabled=true, or promote.merge=true"
                 )
-            if t.lora.enabled and t.lora.modules_to_save:
+            unserved = [m for m in t.lora.modules_to_save if m.rsplit(".", 1)[-1] not in SAVED_MODULES]
+            if t.lora.enabled and unserved:
                 problems.append(
-                    f"promote.merge = false with training.lora.modules_to_save = {t.lora.modules_to_save}: those "
-                    "modules are saved whole in the adapter, and the server's batched adapter product holds linear "
-                    "layers' LoRA only, so it would be refused at deploy, after training; set promote.merge=true, "
-                    "or training.lora.modules_to_save=[]"
+                    f"promote.merge = false with training.lora.modules_to_save = {t.lora.modules_to_save}: an "
+                    f"adapter served beside its base may replace only the output head or the input embedding "
+                    f"({', '.join(SAVED_MODULES)}) whole, not {', '.join(unserved)}, so it would be refused at deploy, "
+                    "after training; set promote.merge=true, or drop those from training.lora.modules_to_save"
                 )
             if not backends.get(self.serve.backend).serves_adapters:
                 problems.append(

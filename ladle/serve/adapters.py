@@ -88,6 +88,7 @@ class AdapterInfo:
     targets: tuple[str, ...]
     bytes: int
     base_signature: str | None  # None: trained elsewhere, no record of its base (its shapes were checked)
+    saved: tuple[str, ...] = ()  # modules it replaces whole (peft's modules_to_save: a head, an embedding)
 
 
 def inspect(path: str | Path, base: BaseWeights) -> AdapterInfo:
@@ -149,6 +150,7 @@ def inspect(path: str | Path, base: BaseWeights) -> AdapterInfo:
 def described(folder: Path, path, base: BaseWeights, settings: dict, recorded, opened) -> AdapterInfo:
     """``inspect``'s check of the weights file's tensors (``opened``: its ``safe_open`` handle)."""
     targets: set[str] = set()
+    saved: set[str] = set()
     ranks: dict[str, dict[str, int]] = {}  # module -> {"A": rank, "B": rank}
     with opened as handle:
         for key in handle.keys():  # noqa: SIM118 - safe_open has no iteration
@@ -177,11 +179,13 @@ def described(folder: Path, path, base: BaseWeights, settings: dict, recorded, o
                         f"(shape {list(target)}): it was trained on another base."
                     )
                 targets.add(module.rsplit(".", 1)[-1])
-            else:  # modules_to_save, an embedding's LoRA, a bias: not a low-rank update of a linear layer
+            elif ".lora_" not in name and name.endswith((".weight", ".bias")):  # modules_to_save: a whole module
+                saved.add(checked_saved(path, base, name, shape))
+            else:  # an embedding's LoRA (lora_embedding_A/B), or a tensor peft does not write
                 raise LadleError(
-                    f"adapter {path}: holds {name}, which is not a LoRA weight of a linear layer (a whole tensor "
-                    "replaced by modules_to_save, or an embedding's LoRA): the batched adapter product holds linear "
-                    "layers' LoRA only. Merge it and serve it as a model of its own (promote.merge: true)."
+                    f"adapter {path}: holds {name}, which is neither a LoRA weight of a linear layer nor a module "
+                    "saved whole (modules_to_save): the batched adapter product holds those only. Merge it and "
+                    "serve it as a model of its own (promote.merge: true)."
                 )
     if not targets:
         raise LadleError(f"adapter {path}: holds no LoRA weights.")
@@ -192,7 +196,41 @@ def described(folder: Path, path, base: BaseWeights, settings: dict, recorded, o
                 "both present): the file is damaged or not peft's. Save the adapter again."
             )
     size = sum(file.stat().st_size for file in folder.glob("adapter_model.*"))
-    return AdapterInfo(str(folder), int(settings.get("r", 0)), tuple(sorted(targets)), size, recorded)
+    return AdapterInfo(
+        str(folder), int(settings.get("r", 0)), tuple(sorted(targets)), size, recorded, tuple(sorted(saved))
+    )
+
+
+SAVED_MODULES = ("lm_head", "embed_tokens")
+"""The modules an adapter may replace whole when served unmerged (peft's ``modules_to_save``): the output head and
+the input embedding, a copy per adapter chosen per row (``ladle.serve.multi_lora``). Teams that add chat tokens
+train both; any other module saved whole is served merged."""
+
+
+def checked_saved(path, base: BaseWeights, name: str, shape: tuple[int, ...]) -> str:
+    """The module that ``name`` (a tensor saved whole by ``modules_to_save``) replaces, checked against the base.
+
+    Raises:
+        LadleError: a module other than the head or the input embedding, or a shape the base's does not have (a
+            vocabulary resized for added tokens).
+    """
+    module, _, part = name.rpartition(".")
+    if module.rsplit(".", 1)[-1] not in SAVED_MODULES:
+        raise LadleError(
+            f"adapter {path}: holds {name}, a module saved whole (modules_to_save) that is not the output head or "
+            f"the input embedding ({', '.join(SAVED_MODULES)}): a served adapter replaces only those per request. "
+            "Merge it and serve it as a model of its own (promote.merge: true)."
+        )
+    known = base.shapes.get(name)
+    if known is None and module.endswith("lm_head") and part == "weight":  # a tied head: the embedding's weight
+        known = next((v for k, v in base.shapes.items() if k.endswith("embed_tokens.weight")), None)
+    if known is None or tuple(known) != tuple(shape):
+        raise LadleError(
+            f"adapter {path}: {name} has shape {list(shape)}, where the base {base.folder} has "
+            f"{list(known) if known else 'no such tensor'}: it was trained on another base, or with a vocabulary "
+            "resized for added tokens, which a base's server cannot share. Merge it (promote.merge: true)."
+        )
+    return module
 
 
 @dataclass

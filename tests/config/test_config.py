@@ -176,7 +176,7 @@ def test_every_shipped_recipe_validates(recipe):
     ("sets", "fragment"),
     [
         (["training.lora.enabled=false"], "training.lora.enabled = false: a full fine-tune has no adapter"),
-        (["training.lora.modules_to_save=[lm_head]"], "modules_to_save = ['lm_head']: those modules are saved whole"),
+        (["training.lora.modules_to_save=[lm_head, norm]"], "the input embedding (lm_head, embed_tokens) whole, not norm"),
         (["serve.backend=mii"], "serve.backend = mii: that backend serves no adapters"),
     ],
 )
@@ -185,6 +185,9 @@ def test_an_unmerged_adapter_refuses_what_cannot_serve_it(sets, fragment):
         build_config(MINIMAL, ["promote.merge=false", *sets])
     assert fragment in str(info.value) and "promote.merge=true" in str(info.value)
     assert build_config(MINIMAL, ["promote.merge=false"]).promote.merge is False
+    # A head and an embedding saved whole are served beside the base, a copy per adapter (tests/serve).
+    ends = build_config(MINIMAL, ["promote.merge=false", "training.lora.modules_to_save=[lm_head, embed_tokens]"])
+    assert ends.training.lora.modules_to_save == ["lm_head", "embed_tokens"]
     canaried = build_config(MINIMAL, ["promote.merge=false", "promote.canary={weight: 0.2, duration_s: 60}"])
     assert canaried.promote.canary.weight == 0.2  # an adapter's canary runs at its base's front
     assert build_config(MINIMAL, ["promote.merge=false", "serve.target=kubernetes"]).serve.target == "kubernetes"

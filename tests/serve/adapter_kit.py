@@ -15,7 +15,10 @@ SHAPES = {  # name: (rank, target modules, seed)
 }
 
 
-def make_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int, record: bool = True) -> Path:
+def make_adapter(
+    base: Path, out: Path, rank: int, targets: list[str], seed: int, record: bool = True, saved: tuple = ()
+) -> Path:
+    """``saved``: modules the adapter replaces whole (peft's ``modules_to_save``), each copy moved off the base's."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -23,10 +26,14 @@ def make_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    settings = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, modules_to_save=list(saved) or None)
+    peft = get_peft_model(model, settings)
     for name, tensor in peft.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(tensor, std=0.3)
+        elif "modules_to_save" in name:
+            with torch.no_grad():
+                tensor.add_(torch.randn_like(tensor) * tensor.std())
     peft.save_pretrained(out)
     AutoTokenizer.from_pretrained(base).save_pretrained(out)  # as training saves an adapter
     if record:

@@ -826,3 +826,40 @@ def test_a_base_placed_over_several_devices_gets_each_layers_adapter_and_rows_on
         )
         torch.testing.assert_close(first(x), expected)
     assert out.device.type == "meta" and out.shape == (2, 3, 4)
+
+
+def test_an_adapter_with_its_own_head_and_embedding_answers_as_its_merged_model_beside_others(
+    kit, merged, tiny_model, tmp_path
+):
+    """peft's ``modules_to_save`` puts a whole head and input embedding in the adapter (as teams that add chat tokens
+    train them; the demo recipe saves both): served beside the base, each such adapter's rows take their head and
+    embedding from its own copies while the other rows of the same batch keep the base's, and its greedy answers and
+    log-probabilities equal its merged model's. It was refused at deploy, after training."""
+    from ladle.lifecycle.merge import merge_adapter
+
+    folder = make_adapter(tiny_model, tmp_path / "ends", 4, ["q_proj", "v_proj"], 9, saved=("lm_head", "embed_tokens"))
+    merge_adapter(tiny_model, folder, tmp_path / "ends-merged")
+    reference = TransformersBackend(str(tmp_path / "ends-merged"), max_batch=8)
+    info = inspect(folder, BaseWeights.of(tiny_model))
+    assert info.saved == ("lm_head", "model.embed_tokens")
+    backend = TransformersBackend(str(tiny_model), max_batch=8)
+    keys = {None: None, "ends": "ends#1", "red": "red#1"}
+    backend.add_adapter("ends#1", str(folder), info.bytes)
+    backend.add_adapter("red#1", str(kit["red"][0]), inspect(kit["red"][0], BaseWeights.of(tiny_model)).bytes)
+    sent = [(name, p, submit(backend, p, keys[name], logprobs=1)) for p in PROMPTS for name in ("ends", None, "red")]
+    alone_ends = [(p, submit(backend, p, "ends#1", logprobs=1)) for p in PROMPTS[:2]]  # batches of its rows only
+    references = {"ends": reference, None: merged[None], "red": merged["red"]}
+    for name, prompt, job in [*sent, *[("ends", p, j) for p, j in alone_ends]]:
+        got, alone = finished(job), finished(submit(references[name], prompt, logprobs=1))
+        assert got.tokens == alone.tokens, (name, prompt)
+        gap = max(
+            abs(a["logprob"] - b["logprob"]) for a, b in zip(got.token_logprobs, alone.token_logprobs, strict=True)
+        )
+        assert gap < 1e-4, (name, prompt, gap)
+    base_answer = finished(submit(merged[None], PROMPTS[0])).tokens
+    assert finished(submit(reference, PROMPTS[0])).tokens != base_answer, "its own head changes the answer"
+    assert set(backend.slots.lora.layers["lm_head"].saved) == {backend.slots.lora.ids["ends#1"]}
+    backend.drop_adapter("ends#1")  # unloaded at the next placement: its copies go with it, the base's untouched
+    finished(submit(backend, PROMPTS[0], "red#1"))
+    assert "ends#1" not in backend.slots.lora.ids and not backend.slots.lora.layers["lm_head"].saved
+    assert finished(submit(backend, PROMPTS[0])).tokens == base_answer
