@@ -1,6 +1,6 @@
 # ladle: two commands set up a fresh machine and use it.
 #   make demo   the whole pipeline on the bundled tiny model and data
-#   make test   the test suite
+#   make test   the test suite that proves every capability (make test-all: and the long runs; CI runs it)
 # Both run `make setup` first; it is idempotent (a stamp file records success).
 
 PYTHON ?= python3.11
@@ -19,7 +19,7 @@ EXTRAS ?= dev
 # slower (777 s against 733-750 s, the CPU 99.6 % busy). conftest.py gives each its share of the cores.
 TEST_WORKERS ?= 2
 
-.PHONY: setup slurm browser demo test docs screenshots bench clean
+.PHONY: setup slurm browser demo test test-all docs screenshots bench clean
 
 setup: $(STAMP)
 
@@ -67,15 +67,25 @@ screenshots: setup browser
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# Lint, format and the docs build are checked first (a failure fails the run), then the suite; the 15
-# slowest tests are printed at the end, and the test phase's wall time after them.
+# Lint, format and the docs build are checked first (a failure fails the run), then the suite that proves every
+# capability (the tests not marked slow); the 15 slowest tests are printed at the end, and the test phase's wall
+# time after them.
+PYTEST := PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+  --no-loadscope-reorder --durations=15
 test: setup slurm browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	@start=$$(date +%s); \
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15; rc=$$?; \
+	$(PYTEST) -m "not slow"; rc=$$?; \
 	echo "test phase: $$(( $$(date +%s) - start )) s (pytest exit $$rc)"; exit $$rc
+
+# Everything: `make test`, then the long runs marked slow (real-model runs, further multi-process and pipeline
+# runs, each beside a shorter proof of its capability in `make test`). CI runs this (.ci/run).
+test-all: test
+	@start=$$(date +%s); \
+	$(PYTEST) -m slow; rc=$$?; \
+	echo "slow phase: $$(( $$(date +%s) - start )) s (pytest exit $$rc)"; exit $$rc
 
 bench: setup
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[bench]"

@@ -66,7 +66,7 @@ def test_chunked_loss_equals_plain(lora):
     loss, grads = loss_and_grads(model, ids, labels, fused)
     assert fused.count == int((labels[:, 1:] != IGNORE).sum()) > 7
     assert loss.dtype == torch.float32
-    assert loss.item() == pytest.approx(plain.item(), rel=1e-6)
+    assert loss.item() == pytest.approx(plain.item(), rel=1e-5)  # float32 sums of positive terms (testing guide)
     assert grads.keys() == plain_grads.keys() and grads
     assert ("lm_head.weight" in grads) is not lora
     for name, grad in grads.items():
@@ -89,7 +89,7 @@ def test_token_loss_uses_the_fused_head_and_says_when_it_was_not_called():
     run_state.on(model).fused = fused_head
     fused, fused_count = token_loss(model, data, [0, 1, 2], "cpu")
     assert fused_count == count == fused_head.count
-    assert fused.item() == pytest.approx(plain.item(), rel=1e-6)
+    assert fused.item() == pytest.approx(plain.item(), rel=1e-5)  # float32 sums of positive terms (testing guide)
     other = tiny(lora=True)  # another run's model in the same process: the plain loss, not this run's head
     assert token_loss(other, data, [0, 1, 2], "cpu")[1] == count
     run_state.on(other).fused = fused_head  # a state whose head is not this model's
