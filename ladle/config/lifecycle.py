@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from ladle.config.compute import KubernetesPods
 from ladle.section import Section
 from ladle.serve import backends
+from ladle.serve.capture import CaptureSettings
 from ladle.serve.limits import ServeLimits
 
 BUILTIN_METRICS = ("exact_match", "loss", "preference_accuracy", "reward")
@@ -175,6 +176,11 @@ class ServeConfig(Section):
         default_factory=ServeLimits,
         description="What one request may ask of the server: body size, messages, prompt characters, stop strings, "
         "max_tokens, and its place and wait in the queue.",
+    )
+    capture: CaptureSettings = Field(
+        default_factory=CaptureSettings,
+        description="Traffic capture and feedback (off by default): each answered request, redacted, and what users "
+        "said about the answers (POST /v1/feedback), kept as files for the next model to learn from.",
     )
 
     _known_backend = field_validator("backend", mode="before")(backends.REGISTRY.validator())

@@ -123,7 +123,8 @@ def start_version(name: str, version: promote.Version, cfg: ServeConfig) -> tupl
     """Start ``version`` on a free port; ready and answering (its process, URL and log), or stopped and
     ``SwapFailed``."""
     backends.get(cfg.backend).check_host()
-    proc, url, log_path = start_server(model_dir_of(version), name, cfg, free_port())
+    extra = ["--model-version", str(version.version)]  # its captured traffic is partitioned by it
+    proc, url, log_path = start_server(model_dir_of(version), name, cfg, free_port(), extra=extra)
     try:
         wait_healthy(proc, url, cfg.health_timeout_s, log_path)
         answer = smoke(url, name, cfg, [{"role": "user", "content": cfg.smoke_prompt or DEFAULT_SMOKE}])

@@ -93,6 +93,8 @@ def server_argv(model_dir: Path, name: str, cfg: ServeConfig, port: int, extra: 
             argv += ["--option", f"{option}={value}"]
     if cfg.api_key_env:
         argv += ["--api-key-env", cfg.api_key_env]
+    if cfg.capture.enabled:
+        argv += ["--capture", cfg.capture.model_dump_json()]
     return argv + list(extra or [])
 
 

@@ -147,23 +147,30 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--limits", default="{}", help="serve.limits as JSON (what one request may ask; its defaults when left out)."
     )
+    parser.add_argument(
+        "--capture",
+        default="{}",
+        help='serve.capture as JSON: {"enabled": true} records each answered request (redacted) and takes '
+        "POST /v1/feedback, into ./traffic unless its url says where.",
+    )
+    parser.add_argument(
+        "--model-version", default=None, help="The registered version served (captured traffic is partitioned by it)."
+    )
     return parser
 
 
 def start(args: argparse.Namespace):
     """The backend and app from ``args``; an exit code after an error it printed."""
-    from pydantic import ValidationError
-
+    from ladle.serve.capture import CaptureSettings
     from ladle.serve.guard import Control
     from ladle.serve.limits import ServeLimits
     from ladle.serve.server import Settings, admin_key_from_file, api_key_from_env, create_app
 
     try:
-        limits = ServeLimits.model_validate_json(args.limits)
-    except ValidationError as exc:
-        problem = exc.errors()[0]
-        where = ".".join(str(p) for p in problem["loc"])
-        print(f"error: --limits: serve.limits.{where}: {problem['msg']}", file=sys.stderr)
+        limits = section_of(ServeLimits, args.limits, "--limits", "limits")
+        capture = section_of(CaptureSettings, args.capture, "--capture", "capture")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         key = api_key_from_env(args.api_key_env)
@@ -185,9 +192,27 @@ def start(args: argparse.Namespace):
         backend.close()
         print(f"error: {err}", file=sys.stderr)
         return 2
-    settings = Settings(name, args.max_new_tokens, key, limits, control, tuple(args.adapter_source))
+    settings = Settings(
+        name, args.max_new_tokens, key, limits, control, tuple(args.adapter_source), capture, args.model_version
+    )
     app = create_app(backend, settings, catalog, sync)
     return backend, app, name, model
+
+
+def section_of(kind, text: str, flag: str, field: str):
+    """``serve.FIELD`` from a flag's JSON.
+
+    Raises:
+        ValueError: naming the flag, the field and the problem.
+    """
+    from pydantic import ValidationError
+
+    try:
+        return kind.model_validate_json(text)
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = ".".join(str(p) for p in problem["loc"])
+        raise ValueError(f"{flag}: serve.{field}.{where}: {problem['msg']}") from None
 
 
 def check_adapters(items: list[str], model: str | Path, name: str, kind) -> None:
@@ -289,6 +314,8 @@ def run(args: argparse.Namespace, backend, app, name: str, model) -> int:
     finally:
         record.unlink(missing_ok=True)
         backend.close()
+        if getattr(app.state, "capture", None) is not None:  # what waits is written (bounded)
+            app.state.capture.close()
     return 1 if died else 0
 
 

@@ -342,6 +342,15 @@ class Catalog:
             if default:
                 self.default[name] = version
 
+    def named(self, key: str) -> tuple[str, str] | None:
+        """The adapter name and version label of engine key ``key``; None when no version has it (any more)."""
+        with self.lock:
+            for name, versions in self.names.items():
+                for version in versions.values():
+                    if version.key == key:
+                        return name, version.label
+        return None
+
     def resolve(self, model: str | None) -> str | None:
         """The engine key that the OpenAI ``model`` field addresses; None for the base.
 

@@ -24,6 +24,18 @@ class Metrics:
         self.batch = Histogram(
             "ladle_batch_size", "Requests per generation batch.", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
         )
+        self.captured = Counter(
+            "ladle_captured", "Records kept by serve.capture, by kind (captures, feedback).", ["kind"], registry=r
+        )
+        self.capture_dropped = Counter(
+            "ladle_capture_dropped", "Records serve.capture did not keep, by reason.", ["reason"], registry=r
+        )
+        self.capture_stopped = Gauge(
+            "ladle_capture_stopped",
+            "1 once serve.capture stopped (serving goes on), by reason.",
+            ["reason"],
+            registry=r,
+        )
         depth = Gauge("ladle_queue_depth", "Requests waiting for a batch.", registry=r)
         depth.set_function(backend.queue_depth)
 

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 
+from ladle.serve import capture as capture_api
 from ladle.serve import tools as tools_api
 from ladle.serve.adapters import PINNED_HEADER, Catalog
 from ladle.serve.backends import Backend
@@ -40,8 +41,9 @@ from ladle.serve.settings import Settings
 class Generation:
     """``POST /v1/completions`` and ``/v1/chat/completions`` over one backend."""
 
-    def __init__(self, backend: Backend, settings: Settings, metrics: Metrics, catalog: Catalog):
+    def __init__(self, backend: Backend, settings: Settings, metrics: Metrics, catalog: Catalog, capture=None):
         self.backend, self.settings, self.metrics, self.catalog = backend, settings, metrics, catalog
+        self.capture = capture  # a ``ladle.serve.capture.Recorder`` with serve.capture on, else None
         self.limits = settings.limits
         self.prompt_chars = self.limits.prompt_chars(backend.context_length)
 
@@ -162,10 +164,11 @@ class Generation:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 watcher.cancel()  # from here the streaming response hears the hang-up
                 echo = req.prompt if job.echo else None
+                keep = lambda text, calls, done: self.captured(req, reply, job, text, calls, done, started)  # noqa: E731
                 chunks = (
-                    self.stream_calls(first, events, job, reply, include_usage, started, route, tooling)
+                    self.stream_calls(first, events, job, reply, include_usage, started, route, tooling, keep)
                     if tooling is not None and tooling.parses
-                    else self.stream(first, events, job, reply, include_usage, started, route, echo)
+                    else self.stream(first, events, job, reply, include_usage, started, route, echo, keep)
                 )
                 return StreamingResponse(chunks, media_type="text/event-stream")
             text, done, logprobs = await self.collect(first, events, job)
@@ -175,7 +178,9 @@ class Generation:
         if tooling is not None and tooling.parses:
             content, calls = tooling.format.parse(raw_text(self.backend, job, text))
             if calls:
+                self.captured(req, reply, job, content, calls, {**done, "finish_reason": "tool_calls"}, started)
                 return reply.whole(content, {**done, "finish_reason": "tool_calls"}, logprobs, calls)
+        self.captured(req, reply, job, text, None, done, started)
         if job.echo:  # the prompt as sent, then the answer; the prompt's tokens first in the log-probabilities
             text = req.prompt + text
             logprobs = None if logprobs is None else [*(job.prompt_logprobs or []), *logprobs]
@@ -222,6 +227,30 @@ class Generation:
         self.metrics.completion_tokens.inc(done["completion_tokens"])
         self.metrics.latency.observe(time.monotonic() - started)
 
+    def captured(self, req: Sampling, reply: Reply, job: Job, text: str, calls, done: dict, started: float) -> None:
+        """Hand an answered request to the capture (``serve.capture``): the request as sent (its messages or
+        prompt and its sampling), the answer, the tokens, the latency and the model version that answered."""
+        if self.capture is None:
+            return
+        model, version = self.settings.model, self.settings.version
+        if job.adapter is not None:  # an adapter's rows: its own name and version label
+            model, version = self.catalog.named(job.adapter) or (req.model or model, None)
+        answer = {"content": text}
+        if calls:
+            answer["tool_calls"] = tools_api.openai_calls(calls)
+        record = {
+            "at": capture_api.now_iso(),
+            "route": "chat" if reply.chat else "completions",
+            "asked_model": req.model,
+            "request": req.model_dump(mode="json", exclude_none=True, exclude={"stream", "stream_options", "model"}),
+            "answer": answer,
+            "finish_reason": done["finish_reason"],
+            "prompt_tokens": done["prompt_tokens"],
+            "completion_tokens": done["completion_tokens"],
+            "latency_s": round(time.monotonic() - started, 4),
+        }
+        self.capture.record(reply.id, record, model, version)
+
     async def next_event(self, events: asyncio.Queue) -> tuple[str, dict]:
         """The job's next event; an error is raised as the status it carries (500 when none)."""
         event, data = await events.get()
@@ -249,7 +278,16 @@ class Generation:
             raise
 
     async def stream_calls(
-        self, first, events, job: Job, reply: Reply, include_usage: bool, started: float, route: str, tooling: Tooling
+        self,
+        first,
+        events,
+        job: Job,
+        reply: Reply,
+        include_usage: bool,
+        started: float,
+        route: str,
+        tooling: Tooling,
+        keep=None,
     ):
         """A streamed answer that may be tool calls, as OpenAI streams one: the role, the content as it is
         written (``tools_api.ContentStream``: up to where a call may begin), then, once the answer is whole and
@@ -286,6 +324,12 @@ class Generation:
             if include_usage:
                 yield sse({**reply.head(), "choices": [], "usage": usage(done)})
             self.finished(done, started, route)
+            if keep is not None:  # the capture's record of the whole answer
+                keep(
+                    content if calls else split.text,
+                    calls or None,
+                    {**done, "finish_reason": "tool_calls"} if calls else done,
+                )
             yield "data: [DONE]\n\n"
         finally:
             if not ended:  # the client went away while the answer was streamed
@@ -296,10 +340,20 @@ class Generation:
         return getattr(self.backend, "tokenizer", None)
 
     async def stream(
-        self, first, events, job: Job, reply: Reply, include_usage: bool, started: float, route: str, echo: str | None
+        self,
+        first,
+        events,
+        job: Job,
+        reply: Reply,
+        include_usage: bool,
+        started: float,
+        route: str,
+        echo: str | None,
+        keep=None,
     ):
         ended, (event, data), offset = False, first, 0
         wanted = job.logprobs is not None
+        pieces: list[str] = []  # the answer's text, for the capture
         try:
             if echo is None:
                 yield sse(reply.chunk({"role": "assistant", "content": ""} if reply.chat else ""))
@@ -310,6 +364,7 @@ class Generation:
             while True:
                 logprobs = data.get("logprobs", []) if wanted else None
                 if event == "text":
+                    pieces.append(data["text"])
                     yield sse(
                         reply.chunk({"content": data["text"]} if reply.chat else data["text"], None, logprobs, offset)
                     )
@@ -320,6 +375,8 @@ class Generation:
                     if include_usage:
                         yield sse({**reply.head(), "choices": [], "usage": usage(data)})
                     self.finished(data, started, route)
+                    if keep is not None:  # the capture's record of the whole answer
+                        keep("".join(pieces), None, data)
                     break
                 try:
                     event, data = await self.next_event(events)

@@ -7,6 +7,7 @@ sent.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from fastapi.exceptions import RequestValidationError
@@ -140,6 +141,33 @@ class BindRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(description="What the OpenAI `model` field says to use it.")
     registered_model: str = Field(description="The registered model (its versions are LoRA adapters of this base).")
+
+
+class FeedbackSource(BaseModel):
+    """Who judged (MLflow's ``AssessmentSource``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    source_type: Literal["HUMAN", "LLM_JUDGE", "CODE"] = Field("HUMAN", description="A person, a judge model, code.")
+    source_id: str | None = Field(None, max_length=256, description="Which one (a user id, a judge's name).")
+
+
+class FeedbackRequest(BaseModel):
+    """``POST /v1/feedback``: what a user (or a judge) said about one answer, shaped as MLflow's assessments."""
+
+    model_config = ConfigDict(extra="forbid")
+    response_id: str = Field(min_length=1, max_length=200, description="The answer's `id`, as the server returned it.")
+    name: str = Field("user_feedback", min_length=1, max_length=100, description="What is judged (MLflow's name).")
+    value: bool | float = Field(description="true (thumbs up) or false (thumbs down), or a score.")
+    rationale: str | None = Field(None, description="The user's comment.")
+    correction: str | None = Field(None, description="The answer it should have given (MLflow's expectation).")
+    source: FeedbackSource = Field(default_factory=FeedbackSource)
+
+    @field_validator("value")
+    @classmethod
+    def _finite(cls, value: bool | float) -> bool | float:
+        if not isinstance(value, bool) and not math.isfinite(value):
+            raise ValueError("a score must be a finite number (or true / false)")
+        return value
 
 
 class Sampling(BaseModel):

@@ -31,7 +31,7 @@ from ladle.serve.backends import Backend
 from ladle.serve.guard import Guard
 from ladle.serve.metrics import Metrics
 from ladle.serve.routes import Generation
-from ladle.serve.schema import AdapterRequest, ApiError, BindRequest, ClientGone, validation_error
+from ladle.serve.schema import AdapterRequest, ApiError, BindRequest, ClientGone, FeedbackRequest, validation_error
 from ladle.serve.settings import Settings
 
 __all__ = ["OPEN_PATHS", "ROUTES", "Settings", "admin_key_from_file", "api_key_from_env", "create_app"]
@@ -40,7 +40,9 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """Routes a probe or a scraper reads without the API key."""
 
 
-ROUTES = frozenset({*OPEN_PATHS, "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/adapters", "/tokenize"})
+ROUTES = frozenset(
+    {*OPEN_PATHS, "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/adapters", "/v1/feedback", "/tokenize"}
+)
 
 
 def create_app(backend: Backend, settings: Settings | str, catalog: Catalog | None = None, sync=None) -> FastAPI:
@@ -66,8 +68,65 @@ def create_app(backend: Backend, settings: Settings | str, catalog: Catalog | No
     )
     add_probe_routes(app, backend, settings, metrics, catalog, sync)
     add_adapter_routes(app, backend, catalog, sync, settings.adapter_sources)
-    Generation(backend, settings, metrics, catalog).add_to(app)
+    app.state.capture = recorder_for(settings, metrics)
+    add_feedback_route(app, settings, app.state.capture)
+    Generation(backend, settings, metrics, catalog, app.state.capture).add_to(app)
     return app
+
+
+def recorder_for(settings: Settings, metrics: Metrics):
+    """The server's capture (``serve.capture``), or None when it is off."""
+    if not settings.capture.enabled:
+        return None
+    from ladle.serve.capture import Recorder
+
+    url = settings.capture.url or str(Path.cwd() / "traffic")
+    return Recorder(settings.capture, url, settings.model, settings.version, metrics)
+
+
+def add_feedback_route(app: FastAPI, settings: Settings, recorder) -> None:
+    """``POST /v1/feedback``: a score, a corrected answer and a comment for one answer of this server (the API
+    key's, as generation; the front forwards it), kept beside the captured traffic."""
+    from ladle.serve.capture import FeedbackRefused
+
+    @app.post("/v1/feedback")
+    async def feedback(body: FeedbackRequest) -> dict:
+        """Keep a feedback for the answer `response_id`: `value` (true / false, or a score), `correction` (the
+        answer it should have given), `rationale` (a comment), `source` (who judged). 404 for an id this server
+        does not know, 409 for a second one where serve.capture.feedback is refuse, 413 for an oversize
+        correction or comment; nothing is kept then."""
+        if recorder is None:
+            raise ApiError(
+                404,
+                "this server keeps no feedback (serve.capture.enabled = false).",
+                code="capture_off",
+                kind="not_found_error",
+            )
+        bounds = (
+            ("correction", settings.capture.max_correction_chars),
+            ("rationale", settings.capture.max_comment_chars),
+        )
+        for field, most in bounds:
+            text = getattr(body, field)
+            if text is not None and len(text) > most:
+                raise ApiError(
+                    413,
+                    f"{field} has {len(text)} characters; this server keeps at most {most} "
+                    f"(serve.capture.max_{'correction' if field == 'correction' else 'comment'}_chars).",
+                    param=field,
+                    code="too_long",
+                )
+        try:
+            kept = recorder.feedback(body.model_dump(mode="json"))
+        except FeedbackRefused as exc:
+            kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+            raise ApiError(exc.status, exc.message, param="response_id", code=exc.code, kind=kind) from None
+        return {
+            "object": "feedback",
+            "response_id": body.response_id,
+            "model": kept["model"],
+            "version": kept["version"],
+        }
 
 
 def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:

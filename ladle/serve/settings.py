@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ladle.serve.capture import CaptureSettings
 from ladle.serve.guard import Control
 from ladle.serve.limits import ServeLimits
 
@@ -18,3 +19,5 @@ class Settings:
     limits: ServeLimits = field(default_factory=ServeLimits)
     control: Control = field(default_factory=Control)  # who may use the control routes (none by default)
     adapter_sources: tuple[str, ...] = ()  # where POST /v1/adapters may load from (none: it loads nothing)
+    capture: CaptureSettings = field(default_factory=CaptureSettings)  # serve.capture (off by default)
+    version: str | None = None  # the registered version served (captured records are partitioned by it)
