@@ -2,6 +2,7 @@
 vs ``transformers serve --continuous-batching`` (the peer a user would pick), side by side in one run.
 
     .venv/bin/python bench/serve_load.py [--model DIR] [--seconds 8] [--levels 1,8,32,64]
+    .venv/bin/python bench/serve_load.py --levels 32 --only "ladle (batched, 32);ladle (batched, 32, capture on)"
 
 Each server serves the same model folder (default: the newest demo merged model under runs/) on CPU in
 float32; clients send greedy streaming chat requests (max_tokens 32) for a fixed time at each concurrency.
@@ -35,11 +36,16 @@ PROMPTS = [
 ]
 
 
+CAPTURE = json.dumps({"enabled": True, "url": str(Path(tempfile.gettempdir()) / "ladle-bench-capture")})
+
+
 def servers(model: Path, port: int) -> dict[str, list[str]]:
     bin_dir = Path(sys.executable).parent
     ladle = [sys.executable, "-m", "ladle.serve", "--model", str(model), "--name", "m", "--port", str(port)]
     return {
         "ladle (batched, 32)": [*ladle, "--option", "max_batch=32"],
+        # serve.capture on: every answer recorded (redacted, batched into files by a thread of its own)
+        "ladle (batched, 32, capture on)": [*ladle, "--option", "max_batch=32", "--capture", CAPTURE],
         "ladle (batch 1)": [*ladle, "--option", "max_batch=1"],
         "transformers serve --continuous-batching": [
             str(bin_dir / "transformers"),

@@ -251,20 +251,24 @@ def test_a_state_that_comes_back_is_followed_to_the_end(tmp_path, monkeypatch):
     assert target.follow("7", tmp_path / "none.out", relay)["JobState"] == "COMPLETED"
 
 
-def test_the_batch_script_told_to_stop_by_sigterm_waits_for_the_checkpoint_and_requeues(tmp_path):
+@pytest.mark.parametrize("state", ["RUNNING", "COMPLETING"])
+def test_the_batch_script_told_to_stop_by_sigterm_waits_for_the_checkpoint_and_requeues(tmp_path, state):
     """A preemption's SIGTERM reaches the batch shell as well as the ranks: the script waits for its step (whose
     ranks checkpoint, exit 0 and leave the stopped file) and requeues the job. Without its trap the shell died at
-    the signal and the requeue never ran. ``srun`` and ``scontrol`` are stand-ins on PATH: the script's own
-    handling of the signal runs for real in bash (the two-node test stops a job through Slurm with SIGUSR1)."""
+    the signal and the requeue never ran. A job a user cancelled (scancel: SIGTERM too, the job CANCELLED) keeps its
+    checkpoint and is not requeued. ``srun`` and ``scontrol`` are stand-ins on PATH: the script's own handling of
+    the signal runs for real in bash (the two-node tests stop and cancel jobs through Slurm itself)."""
     from types import SimpleNamespace
 
     from ladle.compute import slurm
 
-    bin_dir, log = tmp_path / "bin", tmp_path / "calls"
+    bin_dir, log, began = tmp_path / "bin", tmp_path / "calls", tmp_path / "step-began"
     bin_dir.mkdir()
     stand_ins = {  # srun: the ranks, which checkpoint on SIGTERM and leave the file `ladle launch` writes
-        "srun": 'stopped="${@: -1}"\ntrap \'touch "$stopped"; exit 0\' TERM\nsleep 30 & wait $!\nexit 1\n',
-        "scontrol": f'echo "scontrol $*" >> {log}\n[ "$1" = show ] && [ "$2" = hostnames ] && echo n1\nexit 0\n',
+        "srun": f'stopped="${{@: -1}}"\ntrap \'touch "$stopped"; exit 0\' TERM\ntouch {began}\n'
+        "sleep 60 & wait $!\nexit 1\n",
+        "scontrol": f'echo "scontrol $*" >> {log}\n[ "$1" = show ] && [ "$2" = hostnames ] && echo n1\n'
+        f'[ "$1" = show ] && [ "$2" = job ] && echo "JobId=41 JobState={state} Reason=None"\nexit 0\n',
     }
     for name, body in stand_ins.items():
         (bin_dir / name).write_text("#!/bin/bash\n" + body)
@@ -274,24 +278,31 @@ def test_the_batch_script_told_to_stop_by_sigterm_waits_for_the_checkpoint_and_r
     script = tmp_path / "train.sbatch"
     script.write_text(target.script("file:///spec.json", plan, tmp_path / "train-%j.out"))
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n[1-2]"}
-    shell = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    shell = subprocess.Popen(
+        ["bash", str(script)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        deadline = time.monotonic() + 20
-        while (
-            "srun"
-            not in subprocess.run(
-                ["ps", "-o", "args=", "--ppid", str(shell.pid)], capture_output=True, text=True
-            ).stdout
-        ):
+        deadline = time.monotonic() + 60  # a busy machine starts processes slowly
+        while not began.exists():  # the step's trap is set: the signal finds both ready
+            assert shell.poll() is None, f"the script ended before its step: {shell.communicate()[0]}"
             assert time.monotonic() < deadline, "the script never started its step"
             time.sleep(0.05)
         os.killpg(shell.pid, signal.SIGTERM)  # what Slurm does on preemption: the shell and its step
-        out, _ = shell.communicate(timeout=20)
+        out, _ = shell.communicate(timeout=60)
     finally:
         if shell.poll() is None:
             os.killpg(shell.pid, signal.SIGKILL)
             shell.wait()
     assert shell.returncode == 0, out
     assert "told to stop (SIGTERM); waiting for its ranks to checkpoint" in out
-    assert "checkpointed when told to stop; requeueing it" in out
-    assert "scontrol requeue 41" in log.read_text()
+    if state == "RUNNING":
+        assert "checkpointed when told to stop (JobState=RUNNING); requeueing it" in out
+        assert "scontrol requeue 41" in log.read_text()
+    else:
+        assert "was cancelled; its checkpoint is kept, the job is not requeued" in out
+        assert "requeue" not in log.read_text()
