@@ -71,6 +71,9 @@ def test_checkpoints_are_complete(local_run):
     assert complete_steps(storage.join(summary["output_url"], "checkpoints")) == [150, 200]
 
 
+# slow: DPO is proven in make test by tests/train/test_preference.py (TRL parity, 2-process strategies, resume) and
+# unmerged serving by tests/serve/test_adapters.py; this adds the whole pipeline from the demo's champion.
+@pytest.mark.slow
 def test_preference_tuning_starts_from_the_champion_and_is_served_as_an_adapter_of_it(local_run, tmp_path, monkeypatch):
     """The shipped DPO recipe after the demo, in the demo's output (its registry), registering its adapter unmerged
     (``promote.merge=false``): the base is the demo's champion (``models:/tiny-cpu@champion``), the run records
@@ -124,6 +127,9 @@ def test_preference_tuning_starts_from_the_champion_and_is_served_as_an_adapter_
         assert stop_served(where["base"])["server_pid"] == where["server_pid"]  # `ladle model stop BASE`
 
 
+# slow: GRPO is proven in make test by tests/train/test_grpo.py (TRL parity, engine rollouts on 1 and 2 ranks,
+# resume, the probe's guard); this adds the whole pipeline from the demo's champion.
+@pytest.mark.slow
 def test_grpo_starts_from_the_champion_learns_what_it_could_not_and_is_promoted(local_run):
     """The shipped GRPO recipe after the demo (16 of its 60 steps): rollouts by ladle's engine inside the training
     processes, scored by a reward written as TRL calls one and by exact match; the held-out prompts' mean reward

@@ -88,6 +88,9 @@ def held_out(spec, limit: int) -> list[list[dict]]:
     return [prompt_of(m) for m in load_samples(spec.dataset, limit)]
 
 
+# slow: a real model's conversion and answers are proven in make test (the test above); merged == base + adapter
+# by tests/train/test_merge.py on the tiny model. This adds a real model's fine-tune.
+@pytest.mark.slow
 def test_a_real_fine_tune_merges_to_what_base_plus_adapter_answers(smollm2, fine_tuned):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -128,6 +131,8 @@ def test_a_real_fine_tune_merges_to_what_base_plus_adapter_answers(smollm2, fine
     assert max(kl_adapter) > 0.05, kl_adapter  # three steps moved the model: the comparison is not vacuous
 
 
+# slow: streaming == offline generate is proven in make test by tests/serve on the tiny model.
+@pytest.mark.slow
 def test_the_merged_real_model_streams_what_offline_generate_answers(fine_tuned):
     from ladle.serve.backends import TransformersBackend
     from ladle.serve.server import Settings, create_app

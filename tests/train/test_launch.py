@@ -161,6 +161,9 @@ def launcher_python() -> list[str]:
     return [sys.executable, "-m", "ladle.train.launch"]
 
 
+# slow: launching ranks is proven in make test by the tests above; this adds the launcher's other start-up
+# (new interpreters when a thread runs), which a Prefect task's process takes.
+@pytest.mark.slow
 def test_with_another_thread_running_the_ranks_start_as_new_interpreters(tmp_path, tiny_model):
     """A fork copies only the forking thread; with another one running (a library's pool) the launcher does not
     fork: it starts each rank as ``python -m ladle.train.worker`` would be, and the run trains as usual."""

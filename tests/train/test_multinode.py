@@ -77,6 +77,9 @@ def test_multinode_needs_a_fixed_port():
         make_plan(config(nodes=2), CPU)
 
 
+# slow: two nodes are proven in make test by the test above, ZeRO++ by tests/train/test_strategies.py; this adds
+# ZeRO++'s secondary copy across nodes.
+@pytest.mark.slow
 def test_zeropp_across_two_nodes_shards_a_secondary_copy_within_each(tmp_path, tiny_model, single_node):
     """2 machines x 2 processes: hpZ defaults to the processes per machine and every parameter gets its
     secondary shard; the losses equal one machine's DDP on the same global batch (hpZ only changes where
