@@ -176,7 +176,10 @@ def test_every_shipped_recipe_validates(recipe):
     ("sets", "fragment"),
     [
         (["training.lora.enabled=false"], "training.lora.enabled = false: a full fine-tune has no adapter"),
-        (["training.lora.modules_to_save=[lm_head, norm]"], "the input embedding (lm_head, embed_tokens) whole, not norm"),
+        (
+            ["training.lora.modules_to_save=[lm_head, norm]"],
+            "the input embedding (lm_head, embed_tokens) whole, not norm",
+        ),
         (["serve.backend=mii"], "serve.backend = mii: that backend serves no adapters"),
     ],
 )
