@@ -248,10 +248,14 @@ class Recorder:
                 item = self.queue.get(timeout=0.2)
             except queue.Empty:
                 item = None
-            if item is not None and not self.stopped:
-                self.take(*item)
-            self.flush(force=self.closing.is_set())
-        self.flush(force=True)
+            try:
+                if item is not None and not self.stopped:
+                    self.take(*item)
+                self.flush(force=self.closing.is_set())
+            except Exception as exc:  # noqa: BLE001 - the writer never dies silently: capture stops, said once
+                self.stop("error", f"{type(exc).__name__}: {exc}")
+        if not self.stopped:
+            self.flush(force=True)
 
     def remember_written(self) -> None:
         """The ids of the newest records already in the store, up to ``feedback_window``: a server restarted or

@@ -215,3 +215,20 @@ def test_redaction_covers_keys_tokens_passwords_addresses_and_the_operators_patt
     assert redactor.text("the colour is red, 3 items") == "the colour is red, 3 items"  # ordinary text untouched
     with pytest.raises(ValueError, match="is not a regular expression"):
         CaptureSettings(redact=["(unclosed"])
+
+
+def test_an_error_in_the_writer_stops_capture_once_and_never_kills_it_silently(tmp_path, capsys):
+    from ladle.serve.capture import Recorder
+
+    recorder = Recorder(CaptureSettings(enabled=True, url=str(tmp_path), flush_s=0.1), str(tmp_path), "m", "1")
+    try:
+        recorder.record("a", {"answer": {"content": "kept"}})
+        wait_for(lambda: read_records(str(tmp_path), "captures"), what="the first record")
+        recorder.redactor.record = lambda record: 1 / 0  # a bug in the writer's path
+        recorder.record("b", {"answer": {"content": "lost"}})
+        wait_for(lambda: recorder.stopped == "error", what="the capture to stop")
+        assert not recorder.record("c", {}) and recorder.thread.is_alive()  # stopped, the request path unharmed
+    finally:
+        recorder.close()
+    assert [r["id"] for r in read_records(str(tmp_path), "captures")] == ["a"]  # what was written stays
+    assert "capture stopped, serving goes on: ZeroDivisionError" in capsys.readouterr().err
