@@ -221,14 +221,14 @@ class Recorder:
                     f"response_id {response_id!r} already has a feedback (serve.capture.feedback = refuse).",
                     "feedback_exists",
                 )
+            if self.stopped:
+                raise FeedbackRefused(
+                    503, f"capture stopped ({self.stopped}): the feedback cannot be kept.", "capture_stopped"
+                )
+            kept = {"model": answered[0], "version": answered[1], "at": now_iso(), **body}
+            if not self.put(("feedback", kept)):  # not marked judged: a retry may still keep it
+                raise FeedbackRefused(503, "the capture queue is full: retry in a few seconds.", "capture_busy")
             self.judged.add(response_id)
-        kept = {"model": answered[0], "version": answered[1], "at": now_iso(), **body}
-        if self.stopped:
-            raise FeedbackRefused(
-                503, f"capture stopped ({self.stopped}): the feedback cannot be kept.", "capture_stopped"
-            )
-        if not self.put(("feedback", kept)):
-            raise FeedbackRefused(503, "the capture queue is full: retry in a few seconds.", "capture_busy")
         return kept
 
     def put(self, item) -> bool:

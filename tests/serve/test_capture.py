@@ -168,12 +168,13 @@ def test_a_failing_store_stops_capture_never_serving_and_a_second_feedback_may_b
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
     settings = Settings(
-        "tiny", 8, capture=CaptureSettings(enabled=True, url=str(blocked / "traffic"), flush_s=0.1, feedback="refuse")
+        "tiny", 8, capture=CaptureSettings(enabled=True, url=str(blocked / "traffic"), flush_s=3.0, feedback="refuse")
     )
     app = create_app(backend, settings)
     running = Running(app)
     try:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+        # Its record is written (and the write fails) up to flush_s = 3 s later: the feedbacks come before that.
         first = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "red"}], max_tokens=4
         )
