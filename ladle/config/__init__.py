@@ -140,6 +140,16 @@ class LadleConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _capture_beside_the_output(self) -> LadleConfig:
+        """``serve.capture.url`` left out: the traffic goes to ``output``/traffic, beside the runs that will learn
+        from it (a server process's working folder is wherever it was started)."""
+        if self.serve.capture.enabled and self.serve.capture.url is None:
+            from ladle.platform import storage
+
+            self.serve.capture.url = storage.join(self.output, "traffic")
+        return self
+
+    @model_validator(mode="after")
     def _grpo_watches_the_probe(self) -> LadleConfig:
         """GRPO moves the policy wherever its reward pays: unless the config says otherwise, it is watched by the
         general-ability probe (``eval.probe: ladle://general-probe``, ``promote.max_probe_drop: 0.1``), during

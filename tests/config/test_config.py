@@ -188,6 +188,9 @@ def test_an_unmerged_adapter_refuses_what_cannot_serve_it(sets, fragment):
         build_config(MINIMAL, ["promote.merge=false", *sets])
     assert fragment in str(info.value) and "promote.merge=true" in str(info.value)
     assert build_config(MINIMAL, ["promote.merge=false"]).promote.merge is False
+    captured = build_config(MINIMAL, ["serve.capture.enabled=true", "output=s3://bucket/out"])
+    assert captured.serve.capture.url == "s3://bucket/out/traffic"  # beside the runs, not the server's folder
+    assert build_config(MINIMAL, []).serve.capture.url is None  # off: nothing decided
     # A head and an embedding saved whole are served beside the base, a copy per adapter (tests/serve).
     ends = build_config(MINIMAL, ["promote.merge=false", "training.lora.modules_to_save=[lm_head, embed_tokens]"])
     assert ends.training.lora.modules_to_save == ["lm_head", "embed_tokens"]
