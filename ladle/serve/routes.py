@@ -164,23 +164,23 @@ class Generation:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 watcher.cancel()  # from here the streaming response hears the hang-up
                 echo = req.prompt if job.echo else None
-                keep = lambda text, calls, done: self.captured(req, reply, job, text, calls, done, started)  # noqa: E731
+                answered = lambda text, calls, done: self.finished(req, reply, job, text, calls, done, started, route)  # noqa: E731
                 chunks = (
-                    self.stream_calls(first, events, job, reply, include_usage, started, route, tooling, keep)
+                    self.stream_calls(first, events, job, reply, include_usage, tooling, answered)
                     if tooling is not None and tooling.parses
-                    else self.stream(first, events, job, reply, include_usage, started, route, echo, keep)
+                    else self.stream(first, events, job, reply, include_usage, echo, answered)
                 )
                 return StreamingResponse(chunks, media_type="text/event-stream")
             text, done, logprobs = await self.collect(first, events, job)
         finally:
             watcher.cancel()
-        self.finished(done, started, route)
         if tooling is not None and tooling.parses:
             content, calls = tooling.format.parse(raw_text(self.backend, job, text))
             if calls:
-                self.captured(req, reply, job, content, calls, {**done, "finish_reason": "tool_calls"}, started)
-                return reply.whole(content, {**done, "finish_reason": "tool_calls"}, logprobs, calls)
-        self.captured(req, reply, job, text, None, done, started)
+                done = {**done, "finish_reason": "tool_calls"}
+                self.finished(req, reply, job, content, calls, done, started, route)
+                return reply.whole(content, done, logprobs, calls)
+        self.finished(req, reply, job, text, None, done, started, route)
         if job.echo:  # the prompt as sent, then the answer; the prompt's tokens first in the log-probabilities
             text = req.prompt + text
             logprobs = None if logprobs is None else [*(job.prompt_logprobs or []), *logprobs]
@@ -221,15 +221,16 @@ class Generation:
         self.metrics.cancelled.inc()
         events.put_nowait(("gone", {}))
 
-    def finished(self, done: dict, started: float, route: str) -> None:
+    def finished(
+        self, req: Sampling, reply: Reply, job: Job, text: str, calls, done: dict, started: float, route: str
+    ) -> None:
+        """An answer given whole (``text`` and ``calls``, ended as ``done`` says): counted in the metrics, and
+        handed to the capture (``serve.capture``) with the request as sent (its messages or prompt and its
+        sampling), the tokens, the latency and the model version that answered."""
         self.metrics.count(route, 200)
         self.metrics.prompt_tokens.inc(done["prompt_tokens"])
         self.metrics.completion_tokens.inc(done["completion_tokens"])
         self.metrics.latency.observe(time.monotonic() - started)
-
-    def captured(self, req: Sampling, reply: Reply, job: Job, text: str, calls, done: dict, started: float) -> None:
-        """Hand an answered request to the capture (``serve.capture``): the request as sent (its messages or
-        prompt and its sampling), the answer, the tokens, the latency and the model version that answered."""
         if self.capture is None:
             return
         model, version = self.settings.model, self.settings.version
@@ -278,16 +279,7 @@ class Generation:
             raise
 
     async def stream_calls(
-        self,
-        first,
-        events,
-        job: Job,
-        reply: Reply,
-        include_usage: bool,
-        started: float,
-        route: str,
-        tooling: Tooling,
-        keep=None,
+        self, first, events, job: Job, reply: Reply, include_usage: bool, tooling: Tooling, answered
     ):
         """A streamed answer that may be tool calls, as OpenAI streams one: the role, the content as it is
         written (``tools_api.ContentStream``: up to where a call may begin), then, once the answer is whole and
@@ -323,13 +315,11 @@ class Generation:
             yield sse(reply.chunk({}, "tool_calls" if calls else done["finish_reason"]))
             if include_usage:
                 yield sse({**reply.head(), "choices": [], "usage": usage(done)})
-            self.finished(done, started, route)
-            if keep is not None:  # the capture's record of the whole answer
-                keep(
-                    content if calls else split.text,
-                    calls or None,
-                    {**done, "finish_reason": "tool_calls"} if calls else done,
-                )
+            answered(
+                content if calls else split.text,
+                calls or None,
+                {**done, "finish_reason": "tool_calls"} if calls else done,
+            )
             yield "data: [DONE]\n\n"
         finally:
             if not ended:  # the client went away while the answer was streamed
@@ -339,18 +329,7 @@ class Generation:
     def backend_tokenizer(self):
         return getattr(self.backend, "tokenizer", None)
 
-    async def stream(
-        self,
-        first,
-        events,
-        job: Job,
-        reply: Reply,
-        include_usage: bool,
-        started: float,
-        route: str,
-        echo: str | None,
-        keep=None,
-    ):
+    async def stream(self, first, events, job: Job, reply: Reply, include_usage: bool, echo: str | None, answered):
         ended, (event, data), offset = False, first, 0
         wanted = job.logprobs is not None
         pieces: list[str] = []  # the answer's text, for the capture
@@ -374,9 +353,7 @@ class Generation:
                     yield sse(reply.chunk({} if reply.chat else "", data["finish_reason"], logprobs, offset))
                     if include_usage:
                         yield sse({**reply.head(), "choices": [], "usage": usage(data)})
-                    self.finished(data, started, route)
-                    if keep is not None:  # the capture's record of the whole answer
-                        keep("".join(pieces), None, data)
+                    answered("".join(pieces), None, data)
                     break
                 try:
                     event, data = await self.next_event(events)
