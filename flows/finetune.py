@@ -27,6 +27,7 @@ from ladle.tasks.plan import plan_task
 from ladle.tasks.prepare import prepare_cached, publish_report
 from ladle.tasks.probe import probe_task
 from ladle.tasks.promote import promote_task
+from ladle.tasks.traffic import traffic_tags, traffic_task
 from ladle.tasks.train import train_task
 
 
@@ -102,9 +103,14 @@ def finetune(
             f"run_id = {run_id!r}: use 1-100 letters, digits, '.', '_' or '-', starting with one of the first two."
         )
     flow_run_id = str(runtime.flow_run.id or uuid.uuid4())
+    traffic = None
+    if config.retrain.from_traffic:  # the served model's traffic as one more source, before anything is resolved
+        config, traffic = traffic_task(config, reward_columns(config))
     inputs = inputs_task(config)  # resolved once: every stage below takes what it needs from here
+    if traffic is not None:
+        inputs = inputs.model_copy(update={"traffic": traffic.model_dump()})
     if skip_if_data_unchanged:
-        skipped = skip_check(inputs, flow_run_id)
+        skipped = skip_check(inputs, flow_run_id, config)
         if skipped is not None:
             return skipped
     run_name = run_id or f"{config.name}-{flow_run_id[:8]}"
@@ -118,6 +124,9 @@ def finetune(
         where=(inputs.tracking_uri, inputs.artifact_location),
     )
     create_link_artifact(key="mlflow-run", link=track.ui_link, description=f"MLflow run {track.run_id} ({track.uri})")
+    if traffic is not None:  # lineage: traffic -> rows -> this run (-> the version promote registers)
+        tracking.set_tags(track, traffic_tags(traffic))
+        tracking.log_json(track, "traffic/report.json", traffic.model_dump())
     clock = Stopwatch()
     ok = False
     try:
@@ -164,12 +173,46 @@ def finetune(
     return Completed(message=summary["promotion"], data=summary)
 
 
-def skip_check(inputs, flow_run_id: str) -> Completed | None:
+def reward_columns(config: LadleConfig) -> list[str] | None:
+    if config.training.objective != "grpo":
+        return None
+    from ladle import rewards
+
+    return rewards.columns_needed(config.training.rl.rewards, rewards.bundle(config.training.rl.rewards))
+
+
+def too_little_traffic(inputs, config: LadleConfig) -> tuple[promote.Version, str] | None:
+    """``retrain.min_new_feedback``: (the champion, why) when the traffic brought fewer new rows of the objective's
+    kind than asked since the champion's window; None when there are enough, no champion, or no such rule."""
+    need = config.retrain.min_new_feedback
+    if not (config.retrain.from_traffic and need and inputs.traffic is not None):
+        return None
+    current = promote.champion(inputs.tracking_uri, inputs.registered_model)
+    if current is None:
+        return None
+    from ladle.data.traffic import KIND_OF_OBJECTIVE
+
+    kind = KIND_OF_OBJECTIVE.get(config.training.objective, "")
+    new = inputs.traffic["new_rows"].get(kind, 0)
+    if new >= need:
+        return None
+    since = inputs.traffic.get("new_after") or "the start of the traffic"
+    return current, (
+        f"{new} new {kind} rows from traffic since champion v{current.version}'s window ({since}); "
+        f"retrain.min_new_feedback = {need}"
+    )
+
+
+def skip_check(inputs, flow_run_id: str, config: LadleConfig | None = None) -> Completed | None:
     """Scheduled retraining's first question: a Completed "skipped" state when the champion was trained from the
-    same data, base and settings (``ladle.lifecycle.lineage``), else None (and the reason to train is logged);
-    either way the decision is recorded on the registered model."""
+    same data, base and settings (``ladle.lifecycle.lineage``), or when the traffic brought too few new rows to
+    learn from (``retrain.min_new_feedback``), else None (and the reason to train is logged); either way the
+    decision is recorded on the registered model."""
     fp = inputs.fingerprint
     same, why = data_unchanged(inputs)
+    little = too_little_traffic(inputs, config) if config is not None and same is None else None
+    if little is not None:
+        same, why = little
     if same is None:
         get_run_logger().info("retraining: %s (fingerprint %s)", why, fp)
         record_check(inputs, flow_run_id, "trained", why)

@@ -59,7 +59,7 @@ def lineage_tags(
         "ladle.data_fingerprint": inputs.data_fingerprint,
         lineage.TAG: inputs.fingerprint,
         lineage.PARTS_TAG: json.dumps(inputs.lineage),
-        "ladle.data_path": cfg.data.path,
+        "ladle.data_path": cfg.data.path or ",".join(s.path for s in cfg.data.sources or []),
         "ladle.model_sha256": merged.sha256,
         "ladle.base": cfg.base,
         **({"ladle.base_version": inputs.base_version} if inputs.base_version else {}),
@@ -71,6 +71,11 @@ def lineage_tags(
         "ladle.steps": str(result.steps),
         "ladle.eval_metric": cfg.eval.metric,
     }
+    if inputs.traffic is not None:  # lineage: the traffic window and counts this version learned from
+        from ladle.data.traffic import TrafficReport
+        from ladle.tasks.traffic import traffic_tags
+
+        tags.update(traffic_tags(TrafficReport.model_validate(inputs.traffic)))
     tags.update({f"ladle.metric.{metric_key(k)}": repr(v) for k, v in evaluation.model.items()})
     tags.update({f"ladle.base_metric.{metric_key(k)}": repr(v) for k, v in evaluation.base.items()})
     return tags

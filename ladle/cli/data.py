@@ -131,3 +131,67 @@ def show_mask_cmd(
             text.append(piece, style="bold black on green" if trained else "dim")
         console.print(text)
         console.print()
+
+
+def day(value: str | None, flag: str):
+    """``--since``/``--until`` as a date, or the error naming the flag, the value and the form."""
+    from datetime import date
+
+    from ladle.errors import LadleError
+
+    if value is None:
+        return None
+    try:
+        return date.fromisoformat(value)
+    except ValueError:
+        raise LadleError(f"{flag} = {value!r}: not a day; give it as YYYY-MM-DD (e.g. 2026-12-01).") from None
+
+
+@app.command("from-traffic")
+@command
+def from_traffic_cmd(
+    config: str = CONFIG,
+    since: str = typer.Option(None, "--since", help="Oldest capture day used (YYYY-MM-DD). Default: retrain.since."),
+    until: str = typer.Option(None, "--until", help="Newest capture day used (YYYY-MM-DD). Default: today."),
+    model: str = typer.Option(None, "--model", help="Only the traffic this served model (or adapter) answered."),
+    traffic: str = typer.Option(
+        None, "--traffic", help="Where the server captured to. Default: retrain.traffic_url, serve.capture.url."
+    ),
+    out: str = typer.Option(None, "--out", help="Folder for the rows. Default: output/traffic-data/<digest>."),
+    set_: list[str] = SET,
+    as_json: bool = JSON,
+) -> None:
+    """Turn the server's captured traffic and its users' feedback into training rows (sft, dpo, kto, grpo), without
+    duplicates or overlap with the evaluation set, and print the data.sources entry to add to the recipe."""
+    from ladle.data.traffic import KINDS, curate
+
+    cfg = load(config, set_)
+    report = curate(
+        cfg, traffic, day(since, "--since"), day(until, "--until"), model, out, reward_columns=reward_columns(cfg)
+    )
+    if as_json:
+        print_json(report.model_dump())
+        return
+    table = Table(title=f"traffic ({report.traffic_url})", show_header=False)
+    table.add_row("window", f"{report.first_at} .. {report.last_at}")
+    table.add_row("requests", f"{report.requests:,} ({report.with_feedback:,} with feedback)")
+    table.add_row("feedback", f"{report.feedback:,} ({report.feedback_unmatched:,} on answers not captured here)")
+    for kind in KINDS:
+        table.add_row(f"{kind} rows", f"{report.rows.get(kind, 0):,}  {report.files.get(kind, '')}")
+    console.print(table)
+    for reason, count in report.dropped.items():
+        console.print(f"  dropped {count:>6} x {reason}", highlight=False)
+    for prompt in report.overlap_examples:
+        console.print(f"  overlaps the evaluation set: {prompt!r}", highlight=False)
+    if report.sources:
+        import yaml
+
+        entry = yaml.safe_dump({"data": {"sources": report.sources}}, sort_keys=False)
+        console.print(
+            "Add to the recipe (beside its own data, as a data.sources entry), or set retrain.from_traffic=true:\n"
+            + entry,
+            highlight=False,
+            soft_wrap=True,
+        )
+    else:
+        console.print(f"no {cfg.training.objective} rows from this traffic.", highlight=False)

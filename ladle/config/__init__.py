@@ -24,6 +24,7 @@ from ladle.config.lifecycle import (
     CanaryConfig,
     EvalConfig,
     PromoteConfig,
+    RetrainConfig,
     ServeConfig,
     ServeKubernetesConfig,
     TrackingConfig,
@@ -60,6 +61,7 @@ __all__ = [
     "LoraConfig",
     "ParallelismConfig",
     "PromoteConfig",
+    "RetrainConfig",
     "QuantizationConfig",
     "ServeConfig",
     "ServeKubernetesConfig",
@@ -103,6 +105,11 @@ class LadleConfig(Section):
         description="The gate from `challenger` to `champion` (MLflow registered-model aliases).",
     )
     serve: ServeConfig = Field(default_factory=ServeConfig, description="Inference server.")
+    retrain: RetrainConfig = Field(
+        default_factory=RetrainConfig,
+        description="Learning from the served model's traffic and feedback (serve.capture), and when a scheduled "
+        "run trains.",
+    )
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     storage: StorageConfig = Field(
         default_factory=StorageConfig, description="Deadlines of requests to the artifact store (object stores)."

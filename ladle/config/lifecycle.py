@@ -4,6 +4,7 @@ promotion gate and its canary, and tracking."""
 from __future__ import annotations
 
 import re
+from datetime import date
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -302,6 +303,59 @@ class CanaryConfig(Section):
         description="A p95 latency at most this many seconds above the champion's is never a breach, whatever the "
         "ratio (milliseconds of jitter on fast answers are not a regression).",
     )
+
+
+class RetrainConfig(Section):
+    """``retrain``: what a run learns from its served model's traffic (``serve.capture``), and when a scheduled
+    run trains."""
+
+    from_traffic: bool = Field(
+        False,
+        description="Add the captured traffic's rows of training.objective's kind (sft: corrections and well-judged "
+        "answers; dpo: corrections against the answers they correct; grpo: the captured prompts) to the run's data "
+        "as one more data.sources entry (`ladle data from-traffic` shows what it would add).",
+    )
+    traffic_url: str | None = Field(
+        None, description="Where the server captured to. null: serve.capture.url (the output's traffic folder)."
+    )
+    since: date | None = Field(None, description="The oldest capture day used (YYYY-MM-DD). null: all of it.")
+    traffic_epochs: float = Field(
+        2.0,
+        gt=0,
+        le=100,
+        description="Passes over the traffic rows in the mix (their data.sources entry's epochs). Epochs, not a "
+        "weight: a weight would shrink the recipe's own data to the traffic's size (the mix uses weighted sources "
+        "until the first runs out).",
+    )
+    good_score: float = Field(
+        0.5,
+        description="A numeric feedback at least this is good (a score of 4 of 5 stars: set 4); true/false feedback "
+        "is good/bad as it says.",
+    )
+    overlap_ngram: int = Field(
+        8,
+        ge=3,
+        le=50,
+        description="Word n-grams a traffic prompt may not share with the evaluation set (held-out rows, "
+        "data.eval_path, eval.probe); a shorter prompt may not equal one of them.",
+    )
+    min_new_feedback: int = Field(
+        0,
+        ge=0,
+        le=10**9,
+        description="Scheduled retraining (retrain.from_traffic): train only when at least this many new rows of the "
+        "objective's kind came from traffic newer than the champion's (its ladle.traffic.last_at); otherwise skip, "
+        "saying how many there are. 0: train whenever the inputs changed.",
+    )
+
+    @field_validator("traffic_url")
+    @classmethod
+    def _no_password(cls, value: str | None) -> str | None:
+        from ladle.platform.secrets import refuse_url_password
+
+        return refuse_url_password(
+            value, "retrain.traffic_url", "Give the store's credentials through its own settings"
+        )
 
 
 class PromoteConfig(Section):

@@ -184,3 +184,12 @@ def log_evaluation(tracking: Tracking, result, data_fingerprint: str) -> None:
 def metric_key(name: str) -> str:
     """A metric's name as MLflow accepts it: a user metric's ``module:function`` becomes ``module.function``."""
     return "".join(c if c.isalnum() or c in "_-./ " else "." for c in name)
+
+
+def set_tags(tracking: Tracking, tags: dict[str, str]) -> None:
+    """Tags on the run (its lineage: what it learned from)."""
+    from mlflow.entities import RunTag
+
+    items = [RunTag(k[:250], redact(str(v))[:5000]) for k, v in tags.items()]
+    if items:
+        client(tracking.uri).log_batch(tracking.run_id, tags=items)

@@ -46,6 +46,9 @@ class RunInputs(BaseModel):
     artifact_location: str | None
     """Where a new experiment keeps its artifacts (None: the server decides)."""
     registered_model: str
+    traffic: dict | None = None
+    """``retrain.from_traffic``: what the run learns from the served model's traffic (``ladle.data.traffic``'s
+    report: its window, counts and rows), kept in the run's lineage."""
     base_version: str | None = None
     """Where ``base`` names a registered model (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``): the version
     it resolved to, ``NAME vN``; the run records it (its lineage), and the base's weights are in the fingerprint."""
