@@ -19,7 +19,7 @@ from ladle.plan.inputs import RunInputs
 from ladle.platform import storage
 from ladle.platform.secrets import install_log_redaction, redact_url
 from ladle.rewards import RewardSet
-from ladle.tasks.deploy import deploy_task
+from ladle.tasks.deploy import deploy_task, shadow_plan
 from ladle.tasks.evaluate import evaluate_task
 from ladle.tasks.inputs import inputs_task
 from ladle.tasks.merge import merge_task
@@ -150,7 +150,12 @@ def finetune(
             RewardSet.of_run(config.training, inputs.reward_files),
         )
         clock.lap("evaluate")
-        endpoint = deploy_task(config.serving(), config.name, merged, prepared, result, config.promote, inputs.base_dir)
+        shadow = shadow_plan(config, inputs.tracking_uri, inputs.registered_model)
+        endpoint = deploy_task(
+            config.serving(), config.name, merged, prepared, result, config.promote, inputs.base_dir, shadow
+        )
+        if endpoint.shadow is not None:  # both answers of every replayed request, for a person to read
+            tracking.log_json(track, "shadow/report.json", endpoint.shadow)
         clock.lap("deploy")
         decision = (
             promote_task(config, inputs, merged, prepared, scores, endpoint, result, plan, track, flow_run_id)
@@ -190,13 +195,15 @@ def too_little_traffic(inputs, config: LadleConfig) -> tuple[promote.Version, st
     current = promote.champion(inputs.tracking_uri, inputs.registered_model)
     if current is None:
         return None
-    from ladle.data.traffic import KIND_OF_OBJECTIVE
+    from ladle.data.traffic import KIND_OF_OBJECTIVE, count_new
+    from ladle.tasks.traffic import LAST_AT_TAG
 
     kind = KIND_OF_OBJECTIVE.get(config.training.objective, "")
-    new = inputs.traffic["new_rows"].get(kind, 0)
+    after = current.tags.get(LAST_AT_TAG)
+    new = count_new(inputs.traffic.get("folder"), kind, after)
     if new >= need:
         return None
-    since = inputs.traffic.get("new_after") or "the start of the traffic"
+    since = after or "the start of the traffic"
     return current, (
         f"{new} new {kind} rows from traffic since champion v{current.version}'s window ({since}); "
         f"retrain.min_new_feedback = {need}"
@@ -239,6 +246,7 @@ def run_summary(config, inputs, run_name, run_url, flow_run_id, track, result, m
         "answer_correct": endpoint.answer_correct,
         "parity": endpoint.parity.model_dump() if endpoint.parity else None,
         "served_unmerged": endpoint.unmerged,
+        "shadow": {k: v for k, v in endpoint.shadow.items() if k != "worst"} if endpoint.shadow else None,
         "mlflow_run_id": track.run_id,
         "mlflow_tracking_uri": redact_url(track.uri),
         "flow_run_id": flow_run_id,

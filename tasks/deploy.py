@@ -13,6 +13,7 @@ from ladle.fleet.deploy import Endpoint, deploy
 from ladle.lifecycle import parity
 from ladle.lifecycle.evaluate import load_samples
 from ladle.lifecycle.merge import MergedModel
+from ladle.lifecycle.shadow import ShadowPlan
 from ladle.serve import backends
 from ladle.tasks.policy import retry_unless_user_error
 from ladle.train.spec import TrainResult
@@ -55,6 +56,7 @@ def deploy_task(
     result: TrainResult | None = None,
     promote: PromoteConfig | None = None,
     base_dir: str | None = None,
+    shadow: ShadowPlan | None = None,
 ) -> Endpoint:
     unmerged = promote is not None and not promote.merge and merged.adapter_url is not None
     check = None
@@ -73,6 +75,7 @@ def deploy_task(
         held_out=load_samples(prepared, 1),
         base_dir=Path(base_dir) if unmerged else None,
         parity_of=check,
+        shadow_of=shadow.check if shadow is not None else None,
     )
     logger = get_run_logger()
     verdict = (
@@ -95,6 +98,13 @@ def deploy_task(
             )
         else:
             logger.warning("parity: the served model is not the trained one: %s", p.where)
+    if shadow is not None:
+        said = (
+            endpoint.shadow["reason"]
+            if endpoint.shadow
+            else (f"shadow: {shadow.champion_name} has no captured request under {shadow.traffic_url} to replay")
+        )
+        (logger.warning if endpoint.shadow and endpoint.shadow["regressed"] else logger.info)(said)
     if endpoint.running:
         create_link_artifact(
             key="endpoint", link=endpoint.url, description=f"{endpoint.backend} server, pid {endpoint.pid}"
@@ -103,3 +113,25 @@ def deploy_task(
     else:
         logger.info("server stopped after the smoke request (serve.keep_running=false)")
     return endpoint
+
+
+def shadow_plan(cfg, uri: str, registered_model: str) -> ShadowPlan | None:
+    """``promote.shadow`` resolved: the champion whose traffic is replayed (None: off, or no champion yet)."""
+    if not cfg.promote.shadow.requests:
+        return None
+    from ladle.lifecycle import promote
+    from ladle.platform import storage
+
+    current = promote.champion(uri, registered_model)
+    if current is None:
+        return None
+    url = cfg.retrain.traffic_url or cfg.serve.capture.url or storage.join(cfg.output, "traffic")
+    return ShadowPlan(
+        traffic_url=storage.normalise(url),
+        champion_name=registered_model,
+        champion_version=str(current.version),
+        requests=cfg.promote.shadow.requests,
+        max_regression=cfg.promote.shadow.max_regression,
+        alpha=cfg.promote.shadow.alpha,
+        good_score=cfg.retrain.good_score,
+    )

@@ -116,6 +116,12 @@ def promote_task(
         tags["ladle.parity"] = endpoint.parity.model_dump_json()
         if endpoint.parity.ok is False and cfg.promote.parity:
             parity_failure = endpoint.parity.where
+    shadow_failure = shadow_win = None
+    if endpoint.shadow is not None:
+        tags["ladle.shadow"] = json.dumps({k: v for k, v in endpoint.shadow.items() if k != "worst"})
+        shadow_failure = endpoint.shadow["reason"] if endpoint.shadow["regressed"] else None
+        if endpoint.shadow["improved"]:
+            shadow_win = (f"champion v{endpoint.shadow['champion_version']}", endpoint.shadow["reason"])
     metric = cfg.gate_metric()
     rule = gate.Rule(
         metric=metric,
@@ -124,6 +130,8 @@ def promote_task(
         max_probe_drop=cfg.promote.max_probe_drop,
         canary=canary_plan(cfg),
         parity_failure=parity_failure,
+        shadow_failure=shadow_failure,
+        shadow_win=shadow_win,
     )
     version, decision, current = gate.gate_and_promote(
         tracking.uri,

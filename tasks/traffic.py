@@ -6,7 +6,6 @@ from prefect import get_run_logger, task
 
 from ladle.config import LadleConfig
 from ladle.data.traffic import KIND_OF_OBJECTIVE, TrafficReport, curate
-from ladle.lifecycle import promote, tracking
 from ladle.tasks.policy import retry_unless_user_error
 
 LAST_AT_TAG = "ladle.traffic.last_at"
@@ -25,21 +24,16 @@ def with_traffic(cfg: LadleConfig, report: TrafficReport) -> LadleConfig:
 
 @task(name="curate-traffic", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
 def traffic_task(cfg: LadleConfig, reward_columns: list[str] | None = None) -> tuple[LadleConfig, TrafficReport]:
-    """Curate the traffic (``ladle.data.traffic``), counting as new what is newer than the champion's window, and
-    return the config that learns from it."""
-    uri, _ = tracking.tracking_uri(cfg)
-    current = promote.champion(uri, cfg.tracking.registered_model or cfg.name)
-    after = current.tags.get(LAST_AT_TAG) if current else None
-    report = curate(cfg, new_after=after, reward_columns=reward_columns, empty_ok=True)
+    """Curate the traffic (``ladle.data.traffic``) and return the config that learns from it. What is new since the
+    champion's window is counted by the scheduled run's check (``count_new``), once the inputs are resolved."""
+    report = curate(cfg, reward_columns=reward_columns, empty_ok=True)
     kind = KIND_OF_OBJECTIVE.get(cfg.training.objective, "")
     get_run_logger().info(
-        "traffic: %d requests (%d with feedback) -> %d %s rows, %d newer than the champion's window (%s); dropped %s",
+        "traffic: %d requests (%d with feedback) -> %d %s rows; dropped %s",
         report.requests,
         report.with_feedback,
         report.rows.get(kind, 0),
         kind,
-        report.new_rows.get(kind, 0),
-        after or "none",
         report.dropped or "none",
     )
     return with_traffic(cfg, report), report

@@ -179,6 +179,23 @@ class LadleConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _shadow_can_score(self) -> LadleConfig:
+        if not self.promote.shadow.requests:
+            return self
+        if not self.promote.enabled:
+            raise ValueError(
+                f"promote.shadow.requests = {self.promote.shadow.requests} but promote.enabled = false: there is no "
+                "champion to replay and no gate to hold; set promote.enabled=true, or promote.shadow.requests=0"
+            )
+        if self.eval.metric != "exact_match":
+            raise ValueError(
+                f"promote.shadow.requests = {self.promote.shadow.requests} with eval.metric = {self.eval.metric!r}: "
+                "the replay is scored by exact match against what users corrected or approved; set "
+                "eval.metric=exact_match, or promote.shadow.requests=0"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _canary_needs_a_front(self) -> LadleConfig:
         if self.promote.canary is not None and self.serve.target == "kubernetes":
             raise ValueError(

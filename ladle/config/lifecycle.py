@@ -358,6 +358,33 @@ class RetrainConfig(Section):
         )
 
 
+class ShadowConfig(Section):
+    """``promote.shadow``: the challenger answers a replay of the champion's captured traffic before it takes any."""
+
+    requests: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="The champion's newest captured requests (serve.capture) the challenger answers on the deploy "
+        "stage's server, as they were sent; those a user corrected or approved are scored (eval.metric exact_match) "
+        "and a significant regression holds promotion back. 0: off.",
+    )
+    max_regression: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Drop in success rate tolerated on the replay (on top of the measured run-to-run spread: a "
+        "sampled request is replayed twice, and the challenger's own difference between the passes is allowed).",
+    )
+    alpha: float = Field(
+        0.05,
+        gt=0.0,
+        lt=1.0,
+        description="Significance of McNemar's exact paired test: a drop counts only when losing that many of the "
+        "requests the two disagree on has a chance below alpha under 'equally good'.",
+    )
+
+
 class PromoteConfig(Section):
     merge: bool = Field(
         True,
@@ -406,6 +433,11 @@ class PromoteConfig(Section):
         description="A version that passes the gate first serves a share of live traffic beside the champion "
         "(where the champion is served: the serving deployment or `ladle model serve`); the front compares their "
         "error rates and latencies and promotes it or rolls it back by itself. null: the gate promotes directly.",
+    )
+    shadow: ShadowConfig = Field(
+        default_factory=ShadowConfig,
+        description="Shadow evaluation before any live traffic: the champion's captured requests replayed to the "
+        "challenger, gated by a paired test (off until promote.shadow.requests is set).",
     )
 
 

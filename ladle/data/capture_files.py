@@ -12,6 +12,10 @@ import json
 import re
 from typing import Literal
 
+INTERNAL_HEADER = "x-ladle-internal"
+"""Sent (value ``1``) by ladle's own requests to a server (the smoke request, the shadow replay): no user asked
+them, so the capture keeps nothing of them."""
+
 
 def safe(part: str) -> str:
     """A partition folder's value: the characters a path and an object key take."""

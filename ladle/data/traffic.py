@@ -433,3 +433,19 @@ def write(cfg, curation: Curation, report: TrafficReport, out: str | None) -> No
             }
         ]
     storage.write_json(storage.join(folder, "report.json"), report.model_dump())
+    times = {kind: sorted(r.at for r in rows) for kind, rows in curation.rows.items() if rows}
+    storage.write_json(storage.join(folder, "times.json"), times)
+
+
+def count_new(folder: str | None, kind: str, after: str | None) -> int:
+    """The rows of ``kind`` in a curation's ``folder`` whose request or feedback is newer than ``after`` (all of them
+    for None): what a scheduled run weighs against ``retrain.min_new_feedback``."""
+    from ladle.platform import storage
+
+    if folder is None:
+        return 0
+    try:
+        times = storage.read_json(storage.join(folder, "times.json")).get(kind, [])
+    except FileNotFoundError:
+        return 0
+    return sum(1 for at in times if after is None or at > after)

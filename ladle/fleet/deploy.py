@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from ladle.assets import ladle_home
 from ladle.config import ServeConfig
+from ladle.data.capture_files import INTERNAL_HEADER
 from ladle.errors import LadleError
 from ladle.lifecycle.merge import MergedModel
 from ladle.lifecycle.parity import Parity
@@ -34,6 +35,9 @@ class Endpoint(BaseModel):
     log: str = Field(description="Server log file.")
     parity: Parity | None = Field(None, description="Whether the server computes what training did (null: off).")
     unmerged: bool = Field(False, description="The adapter was served unmerged on its base (promote.merge: false).")
+    shadow: dict | None = Field(
+        None, description="The shadow replay's result (``ladle.lifecycle.shadow.ShadowResult``); null: not run."
+    )
 
 
 class DeployFailed(RuntimeError):
@@ -156,6 +160,7 @@ def deploy(
     held_out: list[list[dict]] | None = None,
     base_dir: Path | None = None,
     parity_of: Callable[[str, str, dict], Parity] | None = None,
+    shadow_of: Callable[[str, str, dict], dict | None] | None = None,
 ) -> Endpoint:
     """Serve ``merged``, check it answers (and, with ``parity_of``, that it computes what training did), and stop it
     unless ``cfg.keep_running``. With ``base_dir``, the adapter is served unmerged on that base, as model ``name``.
@@ -163,6 +168,7 @@ def deploy(
     Args:
         held_out: eval conversations; the first is the smoke request when ``serve.smoke_prompt`` is null.
         parity_of: ``(url, model name, headers) -> Parity`` (``ladle.lifecycle.parity``).
+        shadow_of: ``(url, model name, headers) -> the shadow replay's result`` (``ladle.lifecycle.shadow``).
 
     Raises:
         LadleError: the backend cannot run on this host.
@@ -170,6 +176,10 @@ def deploy(
     """
     backends.get(cfg.backend).check_host()
     port = cfg.port or free_port()
+    if cfg.capture.enabled and not cfg.keep_running:
+        # A server that answers only this stage's own requests (the smoke request, parity, the shadow replay) hears
+        # no user: nothing of it is traffic to learn from. One left running serves users, and captures.
+        cfg = cfg.model_copy(update={"capture": cfg.capture.model_copy(update={"enabled": False})})
     if base_dir is not None:
         adapter = local_model_dir(MergedModel(url=merged.adapter_url, sha256=merged.adapter_sha256, parameters=0))
         served = ["--adapter", f"{name}={adapter}"]
@@ -181,6 +191,7 @@ def deploy(
         wait_healthy(proc, url, cfg.health_timeout_s, log_path)
         answer = smoke(url, name, cfg, messages)
         parity = parity_of(url, name, auth_headers(cfg)) if parity_of is not None else None
+        shadow = shadow_of(url, name, auth_headers(cfg)) if shadow_of is not None else None
     except BaseException:
         stop_process(proc, grace_s=20, group=True)
         raise
@@ -200,6 +211,7 @@ def deploy(
         log=str(log_path),
         parity=parity,
         unmerged=base_dir is not None,
+        shadow=shadow,
     )
 
 
@@ -210,7 +222,8 @@ def auth_headers(cfg: ServeConfig) -> dict:
 def smoke(url: str, name: str, cfg: ServeConfig, messages: list[dict]) -> str:
     """One greedy chat completion; returns the reply text."""
     body = {"model": name, "messages": messages, "max_tokens": cfg.max_new_tokens, "temperature": 0}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth_headers(cfg), timeout=120)
+    headers = {**auth_headers(cfg), INTERNAL_HEADER: "1"}  # ladle's own request: not traffic to learn from
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
     if response.status_code != 200:
         raise DeployFailed(f"smoke request got HTTP {response.status_code}: {response.text[:500]}")
     return response.json()["choices"][0]["message"]["content"]

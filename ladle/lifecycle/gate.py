@@ -125,6 +125,27 @@ def guard_parity(decision: Decision, failure: str | None) -> Decision:
     return decision.model_copy(update={"promoted": False, "reason": reason})
 
 
+def win_on_traffic(decision: Decision, win: tuple[str, str] | None) -> Decision:
+    """The task gate's ``decision``, promoted when it failed only for want of improvement (the metric did not get
+    worse) and the challenger beat this same champion on its users' replayed traffic: what users corrected is the
+    truest held-out set there is, and a held-out task already at its ceiling cannot improve."""
+    if win is None or decision.promoted or decision.improvement is None or decision.improvement < 0:
+        return decision
+    against, how = win
+    if against != decision.against:
+        return decision
+    reason = f"promoted: {how}; the task gate: {decision.reason.removeprefix('not promoted: ')}"
+    return decision.model_copy(update={"promoted": True, "reason": reason})
+
+
+def guard_shadow(decision: Decision, failure: str | None) -> Decision:
+    """The gate's ``decision``, held back when the challenger regressed on the champion's replayed traffic."""
+    if failure is None or not decision.promoted:
+        return decision
+    reason = f"not promoted: {failure}; the task gate alone said: {decision.reason}"
+    return decision.model_copy(update={"promoted": False, "reason": reason})
+
+
 class Rule(BaseModel):
     """What a new version must do to replace the champion (``eval.metric``, ``promote.*``)."""
 
@@ -140,6 +161,12 @@ class Rule(BaseModel):
     parity_failure: str | None = None
     """Where the served model differs from the trained one (``ladle.lifecycle.parity``); None: it does not, or the
     check was not made or does not gate."""
+    shadow_failure: str | None = None
+    """How the challenger regressed on the replayed traffic (``ladle.lifecycle.shadow``); None: it did not, or no
+    replay was made."""
+    shadow_win: tuple[str, str] | None = None
+    """``(the champion replayed, e.g. "champion v3"; how the challenger beat it)`` where it did significantly on the
+    replayed traffic: enough to promote it when the task metric did not get worse."""
 
 
 def gate_and_promote(
@@ -176,8 +203,10 @@ def gate_and_promote(
         decision = decide(
             metric, rule.greater_is_better, scores.get(metric), reference.get(metric), against, rule.min_improvement
         )
+        decision = win_on_traffic(decision, rule.shadow_win)
         decision = guard_probe(decision, scores.get("probe"), reference.get("probe"), rule.max_probe_drop)
         decision = guard_parity(decision, rule.parity_failure)
+        decision = guard_shadow(decision, rule.shadow_failure)
         if rule.canary is not None:
             decision = to_canary(decision, rule.canary)
         with champion_lock(uri, name, f"the gate of v{version.version}"):

@@ -41,7 +41,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from ladle.data.capture_files import newest_files, part_files, read_records, safe  # noqa: F401 - the layout's readers
+from ladle.data.capture_files import (  # noqa: F401 - the layout's readers, and the header of ladle's own requests
+    INTERNAL_HEADER,
+    newest_files,
+    part_files,
+    read_records,
+    safe,
+)
 from ladle.section import Section
 
 # What is never written: (kind, pattern). Keys first (an e-mail inside a URL with a key is still a key).

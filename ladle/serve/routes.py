@@ -146,6 +146,7 @@ class Generation:
         adapter = self.adapter_of(req.model, request.headers.get(PINNED_HEADER))
         job = make_job(req, ids, self.backend, self.settings)
         job.adapter = adapter
+        job.captured = request.headers.get(capture_api.INTERNAL_HEADER) != "1"
         job.constraint = await asyncio.to_thread(constraint_of, req, self.backend, tooling)
         started, route = time.monotonic(), request.url.path
         job.deadline = job.submitted + self.limits.queue_timeout_s
@@ -231,7 +232,7 @@ class Generation:
         self.metrics.prompt_tokens.inc(done["prompt_tokens"])
         self.metrics.completion_tokens.inc(done["completion_tokens"])
         self.metrics.latency.observe(time.monotonic() - started)
-        if self.capture is None:
+        if self.capture is None or not job.captured:
             return
         model, version = self.settings.model, self.settings.version
         if job.adapter is not None:  # an adapter's rows: its own name and version label

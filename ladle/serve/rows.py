@@ -58,6 +58,7 @@ class Job:
     stop_token: int | None = None  # the EOS token that ended it (not in ``tokens``), None when none did
     writes_text: bool = True  # False: no text is made as tokens come (a rollout returns token ids; no stop strings)
     adapter: str | None = None  # the engine's key of the LoRA adapter it runs on (``ladle.serve.adapters``); None: base
+    captured: bool = True  # kept by serve.capture; False for ladle's own requests (``capture.INTERNAL_HEADER``)
     key: int | None = None  # its name between a server's API and engine processes (``ladle.serve.wire``)
     ids_sent: int = 0  # tokens the engine process has told the API process of ...
     prompt_sent: bool = False  # ... and whether it sent ``prompt_logprobs``

@@ -141,6 +141,8 @@ def test_traffic_becomes_rows_of_every_kind_without_duplicates_or_eval_overlap(r
     # Rows are new after a time when their request or their feedback is newer (the champion's window's end).
     assert traffic.curate(cfg, str(store), new_after=report.last_at).new_rows == dict.fromkeys(traffic.KINDS, 0)
     assert traffic.curate(cfg, str(store), new_after="2026-12-07T09:00:00").new_rows["sft"] == 4
+    assert traffic.count_new(report.folder, "sft", report.last_at) == 0  # what a scheduled run weighs
+    assert traffic.count_new(report.folder, "sft", None) == 4 and traffic.count_new(report.folder, "dpo", None) == 2
 
 
 def test_from_traffic_cli_and_what_it_refuses(recipe, tmp_path):

@@ -155,3 +155,73 @@ def test_grpo_starts_from_the_champion_learns_what_it_could_not_and_is_promoted(
     assert max(history["rollout_logprob_gap"]) < 1e-4
     (version,) = [v for v in client.search_model_versions("name='tiny-grpo-cpu'") if v.run_id == run.info.run_id]
     assert version.tags["ladle.base_version"] == "tiny-cpu v1"
+
+
+# slow: make test proves each link apart: the capture and feedback through a real server and front
+# (tests/serve/test_capture.py), the curation into rows and their preparation beside the recipe's data
+# (tests/data/test_traffic.py); this runs the loop whole, from the demo's served champion. Last in the file: its run
+# registers a tiny-cpu version, which the tests above read as the champion.
+@pytest.mark.slow
+def test_the_served_champions_traffic_and_corrections_become_the_next_runs_data(local_run, tmp_path, monkeypatch):
+    """The flywheel on the demo: its champion served with capture on, users (the OpenAI SDK) ask a task it never
+    learned and send corrections through the front; a run with ``retrain.from_traffic`` learns from them (the data
+    report's traffic source), and its MLflow run and registered version keep the traffic's window and counts; a
+    scheduled run with more ``retrain.min_new_feedback`` than the traffic gives skips, saying how many it has."""
+    import openai
+    from mlflow.tracking import MlflowClient
+
+    from ladle.fleet.champion import stop as stop_served
+    from ladle.platform.processes import free_port
+
+    out = local_run.output
+    home = {"LADLE_HOME": str(tmp_path / "home")}
+    capture = ["--set", "serve.capture.enabled=true", "--set", "serve.capture.flush_s=0.2"]
+    serve = ["--set", f"output={out}", *capture, "--set", f"serve.front_port={free_port()}"]
+    served = run_cli("model", "serve", RECIPE, "--json", *serve, env=home)
+    assert served.returncode == 0, served.stderr[-4000:]
+    where = json.loads(served.stdout.strip().splitlines()[-1])
+    try:
+        client = openai.OpenAI(base_url=f"{where['front_url']}/v1", api_key="none", timeout=60, max_retries=0)
+        lists = ["red blue", "green yellow black", "purple orange", "white red green", "black blue", "yellow white"]
+        for colours in lists:
+            asked = [{"role": "user", "content": f"What is the first colour?\n{colours}"}]
+            answer = client.chat.completions.create(model="tiny-cpu", messages=asked, max_tokens=16, temperature=0)
+            said = {"response_id": answer.id, "value": False, "correction": colours.split()[0]}
+            kept = httpx.post(f"{where['front_url']}/v1/feedback", json=said, timeout=30)
+            assert kept.status_code == 200, kept.text
+    finally:
+        monkeypatch.setenv("LADLE_HOME", home["LADLE_HOME"])
+        stop_served("tiny-cpu")  # the server writes what waits as it stops
+
+    learn = ["--set", f"output={out}", "--set", "retrain.from_traffic=true", "--set", "training.max_steps=40"]
+    shadow = ["--set", "promote.shadow.requests=6"]  # the champion's six answers, replayed to the challenger
+    done = run_cli("run", RECIPE, "--json", *learn, *shadow, "--set", "training.checkpoint_every=40")
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    said = [line for line in done.stderr.splitlines() if "traffic: " in line]
+    assert any("traffic: 6 requests (6 with feedback) -> 6 sft rows" in line for line in said), said
+    assert summary["shadow"]["requests"] == 6 and summary["shadow"]["scored"] == 6, summary["shadow"]
+    assert summary["shadow"]["reason"] in done.stderr  # the deploy stage's log says what the replay found
+    if summary["shadow"]["regressed"]:
+        assert summary["promotion"].startswith("not promoted: shadow: regressed"), summary["promotion"]
+    mlflow = MlflowClient(summary["mlflow_tracking_uri"])
+    run = mlflow.get_run(summary["mlflow_run_id"])
+    assert run.data.tags["ladle.traffic.requests"] == "6" and run.data.tags["ladle.traffic.with_feedback"] == "6"
+    assert "sft=6" in run.data.tags["ladle.traffic.rows"]
+    assert json.loads(run.data.params["config.data.sources"])[1]["name"] == "traffic-sft"
+    with open(mlflow.download_artifacts(run.info.run_id, "data_report.json", str(tmp_path))) as handle:
+        mix = {m["name"]: m for m in json.load(handle)["mix"]}
+    assert mix["traffic-sft"]["training_records"] + mix["traffic-sft"]["held_out"] == 6
+    (version,) = [v for v in mlflow.search_model_versions("name='tiny-cpu'") if v.run_id == run.info.run_id]
+    assert version.tags["ladle.traffic.last_at"] == run.data.tags["ladle.traffic.last_at"]
+    assert json.loads(version.tags["ladle.shadow"])["requests"] == 6
+    with open(mlflow.download_artifacts(run.info.run_id, "shadow/report.json", str(tmp_path))) as handle:
+        assert len(json.load(handle)["worst"]) == min(5, summary["shadow"]["losses"])
+
+    skip = [*learn, "--set", "retrain.min_new_feedback=1000", "--skip-if-data-unchanged"]
+    again = run_cli("run", RECIPE, "--json", *skip)
+    assert again.returncode == 0, again.stderr[-4000:]
+    skipped = json.loads(again.stdout.strip().splitlines()[-1])
+    assert skipped["status"] == "skipped", skipped
+    assert "new sft rows from traffic since champion v" in skipped["reason"]
+    assert "retrain.min_new_feedback = 1000" in skipped["reason"]

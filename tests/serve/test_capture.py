@@ -18,7 +18,7 @@ import pytest
 from ladle.fleet import front as router
 from ladle.platform.processes import free_port, stop_process
 from ladle.serve import pool
-from ladle.serve.capture import CaptureSettings, Redactor, part_files, read_records
+from ladle.serve.capture import INTERNAL_HEADER, CaptureSettings, Redactor, part_files, read_records
 from ladle.serve.server import Settings, create_app
 from tests.serve.running import Running
 
@@ -75,6 +75,12 @@ def feedback(where: str, body: dict, key: str | None = KEY) -> httpx.Response:
 
 def test_answers_are_captured_redacted_and_feedback_through_the_front_is_kept(captured):
     client = openai.OpenAI(base_url=f"{captured.front}/v1", api_key=KEY, max_retries=0)
+    own = client.chat.completions.create(  # ladle's own request (a smoke request, the shadow replay): not kept
+        model="tiny",
+        messages=[{"role": "user", "content": "smoke"}],
+        max_tokens=2,
+        extra_headers={INTERNAL_HEADER: "1"},
+    )
     whole = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": SECRET_TEXT}], max_tokens=6, temperature=0
     )
@@ -90,7 +96,7 @@ def test_answers_are_captured_redacted_and_feedback_through_the_front_is_kept(ca
 
     wait_for(lambda: len(read_records(str(captured.store), "captures")) == 3, what="three records")
     records = {r["id"]: r for r in read_records(str(captured.store), "captures")}
-    assert set(records) == ids
+    assert set(records) == ids and own.id not in records  # queued in order: the internal one would be first
     first = records[whole.id]
     assert first["model"] == "tiny" and first["version"] == "7" and first["route"] == "chat"
     assert first["answer"]["content"] == whole.choices[0].message.content

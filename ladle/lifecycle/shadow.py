@@ -1,0 +1,237 @@
+"""Shadow evaluation (``promote.shadow``): before a challenger takes any live traffic, it answers a replay of the
+champion's last captured requests, and promotion waits on a paired test of the two on those same requests.
+
+The challenger is asked on the deploy stage's own server (the served path: the same chat template, engine and
+sampling code that will answer users), each request exactly as the champion got it: its messages, tools and
+sampling settings (temperature, top_p, max_tokens, stop, seed). Nothing of it is captured.
+
+What is scored (``eval.metric: exact_match``, the recipe's scorer): a request has a reference where its user said
+what the right answer was, a correction, or approved the champion's answer (a thumbs up or a good score: that
+answer is the reference). On those, the champion is right or wrong by its logged answer, the challenger by its
+replayed one, and the test is McNemar's exact test on the discordant pairs, one-sided: the probability of the
+challenger losing at least as many as it did were the two equally good. Requests nobody judged still count in the
+agreement (the share of answers equal to the champion's) and in the worst-regressed list when scored.
+
+The threshold: a challenger regresses when its success rate is below the champion's by more than
+``promote.shadow.max_regression`` and more than the run-to-run spread measured on this replay (a sampled request
+is replayed twice: the challenger's own difference between the two passes is the noise any comparison carries;
+greedy requests have none), and that loss is significant (p below ``promote.shadow.alpha``). A regression holds
+promotion back, naming the worst requests with both answers. A challenger better by more than the threshold,
+significantly (the same test the other way), is promoted even where the held-out task metric only held (it may
+not get worse): what users corrected is the truest held-out set there is, and a task at its ceiling cannot rise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+from pydantic import BaseModel, Field
+
+from ladle.data import capture_files
+from ladle.errors import LadleError
+
+
+class Replayed(BaseModel):
+    """One replayed request: what was asked, the reference where a user gave one, and both answers."""
+
+    id: str
+    prompt: str
+    reference: str | None = None
+    champion: str
+    challenger: str
+    champion_ok: bool | None = None
+    challenger_ok: bool | None = None
+
+
+class ShadowResult(BaseModel):
+    champion_version: str | None = Field(None, description="The champion whose traffic was replayed.")
+    requests: int = Field(description="Captured requests replayed to the challenger.")
+    scored: int = Field(description="Of them, those with a reference (a correction or an approved answer).")
+    champion: float | None = Field(None, description="The champion's success rate on the scored requests.")
+    challenger: float | None = Field(None, description="The challenger's, on the same requests.")
+    difference: float | None = Field(None, description="challenger - champion (positive: better).")
+    wins: int = Field(0, description="Scored requests the challenger got right and the champion wrong.")
+    losses: int = Field(0, description="Scored requests the champion got right and the challenger wrong.")
+    p_value: float | None = Field(None, description="McNemar's exact one-sided p: losses this many by chance.")
+    p_better: float | None = Field(None, description="The same for the wins: p of winning this many by chance.")
+    spread: float = Field(0.0, description="The challenger's success-rate difference between two replays.")
+    threshold: float = Field(description="The drop allowed: max(promote.shadow.max_regression, spread).")
+    agreement: float = Field(description="Share of replayed answers equal to the champion's.")
+    regressed: bool
+    improved: bool = Field(False, description="Better by more than the threshold, and significantly (p_better).")
+    reason: str
+    worst: list[Replayed] = Field(default_factory=list, description="Requests the challenger lost, both answers.")
+
+
+class ShadowPlan(BaseModel):
+    """What the deploy stage replays (``promote.shadow``), resolved by the flow: whose traffic and where."""
+
+    traffic_url: str
+    champion_name: str
+    champion_version: str | None
+    requests: int
+    max_regression: float
+    alpha: float
+    good_score: float
+
+    def check(self, url: str, name: str, headers: dict) -> dict | None:
+        result = shadow_check(url, name, headers, **self.model_dump())
+        return None if result is None else result.model_dump()
+
+
+def mcnemar_p(wins: int, losses: int) -> float:
+    """One-sided exact McNemar: P(X >= losses), X ~ Binomial(wins + losses, 1/2)."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    return min(1.0, sum(math.comb(n, k) for k in range(losses, n + 1)) / 2**n)
+
+
+def last_requests(url: str, model: str, version: str | None, k: int) -> list[tuple[dict, dict | None]]:
+    """The newest ``k`` captured chat requests ``model`` answered (its ``version``'s where it has any, any version
+    otherwise), each with its latest feedback, oldest first."""
+    captures = [r for r in capture_files.read_records(url, "captures") if r.get("route") == "chat"]
+    mine = [r for r in captures if r.get("model") == model]
+    if version is not None and any(r.get("version") == str(version) for r in mine):
+        mine = [r for r in mine if r.get("version") == str(version)]
+    feedback = {f["response_id"]: f for f in capture_files.read_records(url, "feedback") if "response_id" in f}
+    return [(r, feedback.get(r.get("id"))) for r in mine[-k:]]
+
+
+def reference_of(record: dict, said: dict | None, good_score: float) -> str | None:
+    """A user's correction, or the champion's answer where a user approved it; None: nobody said."""
+    if said is None:
+        return None
+    correction = said.get("correction")
+    if isinstance(correction, str) and correction.strip():
+        return correction
+    value = said.get("value")
+    good = bool(value) if isinstance(value, bool) else isinstance(value, int | float) and value >= good_score
+    return (record.get("answer") or {}).get("content") if good else None
+
+
+def ask(client: httpx.Client, url: str, name: str, request: dict, seed_offset: int) -> str:
+    """The challenger's answer to a captured request, sent as it was (a sampled one with a seed, so a second pass
+    differs only by the seed)."""
+    body = {**request, "model": name, "stream": False, "n": 1}
+    if body.get("temperature", 1.0) and seed_offset:
+        body["seed"] = int(body.get("seed") or 0) + seed_offset
+    reply = client.post(f"{url}/v1/chat/completions", json=body)
+    if reply.status_code != 200:
+        raise LadleError(f"shadow replay: the challenger's server answered {reply.status_code}: {reply.text[:300]}")
+    message = reply.json()["choices"][0]["message"]
+    text = message.get("content") or ""
+    if message.get("tool_calls"):
+        text += json.dumps([c["function"] for c in message["tool_calls"]], sort_keys=True)
+    return text
+
+
+def logged_answer(record: dict) -> str:
+    answer = record.get("answer") or {}
+    text = answer.get("content") or ""
+    if answer.get("tool_calls"):
+        text += json.dumps([c["function"] for c in answer["tool_calls"]], sort_keys=True)
+    return text
+
+
+def same(a: str, b: str) -> bool:
+    return a.strip() == b.strip()
+
+
+def success(rows: list[Replayed], answers: list[str]) -> float:
+    scored = [(r, a) for r, a in zip(rows, answers, strict=True) if r.reference is not None]
+    return sum(same(a, r.reference) for r, a in scored) / max(1, len(scored))
+
+
+def shadow_check(
+    url: str,
+    name: str,
+    headers: dict,
+    traffic_url: str,
+    champion_name: str,
+    champion_version: str | None,
+    requests: int,
+    max_regression: float,
+    alpha: float,
+    good_score: float,
+    timeout_s: float = 60.0,
+) -> ShadowResult | None:
+    """Replay the champion's last ``requests`` captured requests to the challenger's server at ``url`` and
+    compare (see the module's text); None when the champion has no captured request to replay."""
+    taken = last_requests(traffic_url, champion_name, champion_version, requests)
+    if not taken:
+        return None
+    rows: list[Replayed] = []
+    sampled = False
+    with httpx.Client(headers={**headers, capture_files.INTERNAL_HEADER: "1"}, timeout=timeout_s) as client:
+        for record, said in taken:
+            request = record.get("request") or {}
+            sampled |= bool(request.get("temperature", 1.0))
+            prompt = next(
+                (m.get("content") for m in reversed(request.get("messages", [])) if m.get("role") == "user"), ""
+            )
+            rows.append(
+                Replayed(
+                    id=record.get("id", ""),
+                    prompt=str(prompt)[:500],
+                    reference=reference_of(record, said, good_score),
+                    champion=logged_answer(record),
+                    challenger=ask(client, url, name, request, 0),
+                )
+            )
+        second = [ask(client, url, name, r.get("request") or {}, 1) for r, _ in taken] if sampled else None
+    for row in rows:
+        if row.reference is not None:
+            row.champion_ok, row.challenger_ok = same(row.champion, row.reference), same(row.challenger, row.reference)
+    scored = [r for r in rows if r.reference is not None]
+    wins = sum(1 for r in scored if r.challenger_ok and not r.champion_ok)
+    losses = sum(1 for r in scored if r.champion_ok and not r.challenger_ok)
+    agreement = sum(same(r.champion, r.challenger) for r in rows) / len(rows)
+    spread = abs(success(rows, [r.challenger for r in rows]) - success(rows, second)) if second and scored else 0.0
+    threshold = max(max_regression, spread)
+    worst = [r for r in scored if r.champion_ok and not r.challenger_ok][:5]
+    if not scored:
+        return ShadowResult(
+            champion_version=champion_version,
+            requests=len(rows),
+            scored=0,
+            spread=spread,
+            threshold=threshold,
+            agreement=round(agreement, 4),
+            regressed=False,
+            reason=f"shadow: {len(rows)} requests replayed, none with a user's reference to score "
+            f"(agreement with the champion {agreement:.0%})",
+        )
+    champ = sum(bool(r.champion_ok) for r in scored) / len(scored)
+    chall = sum(bool(r.challenger_ok) for r in scored) / len(scored)
+    p, p_better = mcnemar_p(wins, losses), mcnemar_p(losses, wins)
+    regressed = chall - champ < -threshold and p < alpha
+    improved = chall - champ > threshold and p_better < alpha
+    verdict = "regressed" if regressed else "better" if improved else "no significant difference"
+    shown_p = p_better if improved else p
+    reason = (
+        f"shadow: {verdict} on {len(scored)} replayed requests with a reference: challenger {chall:.1%} against "
+        f"champion {champ:.1%} ({wins} won, {losses} lost, McNemar p = {shown_p:.3g}, alpha {alpha:g}; threshold "
+        f"{threshold:.1%}, spread {spread:.1%})"
+    )
+    return ShadowResult(
+        champion_version=champion_version,
+        requests=len(rows),
+        scored=len(scored),
+        champion=round(champ, 4),
+        challenger=round(chall, 4),
+        difference=round(chall - champ, 4),
+        wins=wins,
+        losses=losses,
+        p_value=p,
+        p_better=p_better,
+        spread=round(spread, 4),
+        threshold=round(threshold, 4),
+        agreement=round(agreement, 4),
+        regressed=regressed,
+        improved=improved,
+        reason=reason,
+        worst=worst,
+    )
