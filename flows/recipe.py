@@ -78,7 +78,7 @@ def finetune_recipe(
     recipe: RecipeName = "tiny-cpu",
     gpus: Literal["auto"] | int = "auto",
     data_path: str | None = None,
-    objective: Literal["sft", "dpo", "grpo"] | None = None,
+    objective: Literal["sft", "dpo", "kto", "grpo"] | None = None,
     max_steps: int | None = None,
     lr: float | None = None,
     lora_r: int | None = None,

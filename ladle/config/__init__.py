@@ -222,6 +222,13 @@ class LadleConfig(Section):
                 f"eval.metric = preference_accuracy with training.objective = {t.objective}: only preference pairs "
                 "have it; set training.objective=dpo, or eval.metric=exact_match"
             )
+        if t.objective == "kto" and (pref.loss != "sigmoid" or pref.sft_weight or pref.label_smoothing):
+            problems.append(
+                f"training.objective = kto with training.preference.loss = {pref.loss}, sft_weight = "
+                f"{pref.sft_weight}, label_smoothing = {pref.label_smoothing}: those shape DPO's pair loss; KTO's "
+                "is set by training.preference.beta, desirable_weight and undesirable_weight. Remove them, or set "
+                "training.objective=dpo"
+            )
         if self.eval.metric == "reward" and t.objective != "grpo":
             problems.append(
                 f"eval.metric = reward with training.objective = {t.objective}: only a grpo run has rewards to score "

@@ -13,7 +13,9 @@ from ladle.section import Section
 MAX_GPU_COUNT = 128
 
 
-FORMAT_NAMES = Literal["auto", "alpaca", "sharegpt", "messages", "chatml", "text", "tokenized", "preference", "prompt"]
+FORMAT_NAMES = Literal[
+    "auto", "alpaca", "sharegpt", "messages", "chatml", "text", "tokenized", "preference", "kto", "prompt"
+]
 
 
 class DataSource(Section):
@@ -100,7 +102,8 @@ class DataConfig(Section):
         "{from, value}; `messages`/`chatml`: messages of {role, content}; `text`: a `text` field; "
         "`tokenized`: `input_ids` (and optional `labels`); `preference` (training.objective: dpo): chosen and "
         "rejected, with a prompt (string or turns), as whole conversations sharing the prompt, or after ShareGPT "
-        "conversations; `prompt` (training.objective: grpo): a `prompt` (a string, used as it is, or a message list, "
+        "conversations; `kto` (training.objective: kto): TRL's unpaired preferences, a prompt, a completion and a "
+        "label (true: desirable); `prompt` (training.objective: grpo): a `prompt` (a string, used as it is, or a message list, "
         "rendered by the chat template with the assistant's turn opened), and any other columns, which the "
         "rewards receive. `auto` detects it from the first record.",
     )
@@ -299,8 +302,9 @@ class KernelsConfig(Section):
 
 
 class PreferenceConfig(Section):
-    """Preference tuning (``training.objective: dpo``): the loss over (chosen, rejected) pairs and how the
-    reference model's log-probabilities are obtained. Defaults are TRL's ``DPOConfig``'s."""
+    """Preference tuning (``training.objective: dpo`` or ``kto``): the loss over (chosen, rejected) pairs or
+    judged answers, and how the reference model's log-probabilities are obtained. Defaults are TRL's ``DPOConfig``'s
+    and ``KTOConfig``'s."""
 
     loss: Literal["sigmoid", "ipo", "robust", "simpo"] = Field(
         "sigmoid",
@@ -309,7 +313,17 @@ class PreferenceConfig(Section):
         "(label_smoothing: the chance a pair's preference is flipped); simpo: reference-free, the margin of the "
         "policy's per-token average log-probabilities minus simpo_gamma/beta (no reference pass at all).",
     )
-    beta: float = Field(0.1, gt=0, le=100, description="How far the policy may move from the reference (DPO's beta).")
+    beta: float = Field(
+        0.1, gt=0, le=100, description="How far the policy may move from the reference (DPO's and KTO's beta)."
+    )
+    desirable_weight: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="kto: the weight of a desirable answer's loss (TRL's; raise it when desirable answers are "
+        "fewer: KTO's paper keeps desirable x weight / (undesirable x weight) within [1, 4/3]).",
+    )
+    undesirable_weight: float = Field(1.0, gt=0, le=100, description="kto: the weight of an undesirable answer's loss.")
     label_smoothing: float = Field(
         0.0,
         ge=0.0,
@@ -454,10 +468,12 @@ class RLConfig(Section):
 
 
 class TrainingConfig(Section):
-    objective: Literal["sft", "dpo", "grpo"] = Field(
+    objective: Literal["sft", "dpo", "kto", "grpo"] = Field(
         "sft",
         description="sft: next-token cross-entropy on conversations; dpo: preference tuning on (prompt, chosen, "
-        "rejected) pairs with the loss in `training.preference` (DPO, IPO, robust DPO or SimPO); grpo: online "
+        "rejected) pairs with the loss in `training.preference` (DPO, IPO, robust DPO or SimPO); kto: on unpaired "
+        "answers judged desirable or not (prompt, completion, label: the shape of users' thumbs up and down), TRL's "
+        "KTO loss with training.preference's beta and weights; grpo: online "
         "reinforcement learning on prompts, completions sampled by ladle's engine and scored by "
         "`training.rl.rewards` (GRPO, Dr. GRPO, DAPO, CISPO, SAPO, GSPO). With grpo, micro_batch_size and "
         "global_batch_size count completions, as TRL's do.",

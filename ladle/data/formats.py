@@ -205,6 +205,7 @@ FORMATS: dict[str, Callable[[dict], Sample]] = {
 # First match wins: preference pairs first (a ShareGPT pair also has `conversations`).
 DETECTORS: list[tuple[str, Callable[[dict], bool]]] = [
     ("preference", lambda r: "chosen" in r and "rejected" in r),
+    ("kto", lambda r: "completion" in r and "label" in r and "prompt" in r),
     ("tokenized", lambda r: "input_ids" in r),
     ("messages", lambda r: "messages" in r),
     ("sharegpt", lambda r: "conversations" in r),

@@ -36,6 +36,7 @@ class PackedRows:
     labels: list[list[int]] = field(default_factory=list)
     position_ids: list[list[int]] = field(default_factory=list)
     real_tokens_per_row: list[int] = field(default_factory=list)
+    label: list[int] = field(default_factory=list)  # kto's rows: each one's label (1 desirable, 0 not)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -46,14 +47,15 @@ class PackedRows:
 
     def to_table(self) -> pa.Table:
         pa = arrow()
-        return pa.table(
-            {
-                "input_ids": pa.array(self.input_ids, type=pa.list_(pa.int32())),
-                "labels": pa.array(self.labels, type=pa.list_(pa.int32())),
-                "position_ids": pa.array(self.position_ids, type=pa.list_(pa.int32())),
-                "real_tokens": pa.array(self.real_tokens_per_row, type=pa.int32()),
-            }
-        )
+        columns = {
+            "input_ids": pa.array(self.input_ids, type=pa.list_(pa.int32())),
+            "labels": pa.array(self.labels, type=pa.list_(pa.int32())),
+            "position_ids": pa.array(self.position_ids, type=pa.list_(pa.int32())),
+            "real_tokens": pa.array(self.real_tokens_per_row, type=pa.int32()),
+        }
+        if self.label:
+            columns["label"] = pa.array(self.label, type=pa.int32())
+        return pa.table(columns)
 
     def to_parquet_bytes(self) -> bytes:
         return table_bytes(self.to_table())
@@ -103,6 +105,8 @@ def pack_examples(examples, seq_len: int, pad_id: int, pack: bool = True) -> Pac
         rows.labels.append(labels + [IGNORE] * pad)
         rows.position_ids.append(positions + list(range(pad)))
         rows.real_tokens_per_row.append(real)
+        if len(group) == 1 and getattr(examples[group[0]], "label", None) is not None:
+            rows.label.append(examples[group[0]].label)
     return rows
 
 

@@ -58,6 +58,7 @@ class PairExample:
     positions: list[int]
     prompt_truncated: bool = False
     completion_truncated: bool = False
+    label: int | None = None  # kto: 1 desirable, 0 undesirable (its first side); None for a dpo pair
 
     @property
     def trained(self) -> int:
@@ -148,6 +149,54 @@ def parse_pair(row: dict) -> Pair:
     return Pair(prompt, chosen, rejected, tools if isinstance(tools, list) else None)
 
 
+@dataclass
+class KtoRow:
+    """An unpaired preference (``training.objective: kto``, TRL's ``prompt``/``completion``/``label``): one answer
+    to a prompt, judged desirable or not."""
+
+    prompt: Messages
+    completion: Messages
+    label: bool
+    tools: list[dict] | None = None
+
+    def chat(self) -> Chat:
+        return Chat([*self.prompt, *self.completion], self.tools)
+
+
+def parse_kto(row: dict) -> KtoRow:
+    """TRL's unpaired preference row: ``prompt`` (a string or turns), ``completion`` (a string, a turn or turns; a
+    whole conversation repeating the prompt's turns is cut after them) and ``label`` (true/false, or 1/0)."""
+    for key in ("prompt", "completion", "label"):
+        if row.get(key) is None:
+            raise RowError(f"missing field {key!r}: an unpaired preference needs prompt, completion and label")
+    label = row["label"]
+    if isinstance(label, bool):
+        good = label
+    elif isinstance(label, int) and label in (0, 1):
+        good = bool(label)
+    else:
+        raise RowError(f"label = {label!r}: give true or false (desirable or not), or 1 or 0")
+    prompt = _prompt(row["prompt"])
+    completion = _turns(row["completion"], "completion")
+    if completion[: len(prompt)] == prompt and len(completion) > len(prompt):
+        completion = completion[len(prompt) :]
+    if not any(m["role"] == "user" for m in prompt):
+        raise RowError("the prompt has no user turn")
+    if completion[0]["role"] != "assistant" or completion[-1]["role"] != "assistant":
+        raise RowError("completion: the answer must be the assistant's turn(s), after the prompt")
+    if not "".join(t["content"] for t in completion).strip():
+        raise RowError("completion is empty")
+    tools = row.get("tools")
+    return KtoRow(prompt, completion, good, tools if isinstance(tools, list) else None)
+
+
+def kto_pairs(rows: list[KtoRow]) -> list[Pair]:
+    """Each row's completion beside a mismatched one, the KL side: the completion of the row before it (the first
+    takes the last's), TRL's rotation by one within a batch. The KL side estimates the KL term of KTO's loss (how
+    far the policy moved on answers that are not the prompt's own)."""
+    return [Pair(row.prompt, row.completion, rows[i - 1].completion, row.tools) for i, row in enumerate(rows)]
+
+
 TRANSCRIPT_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant): ")
 
 
@@ -181,7 +230,7 @@ def _render(tokenizer, messages: Messages, tools, prompt: bool) -> str:
         raise RowError(f"chat template failed: {exc}") from None
 
 
-def pair_texts(tokenizer, pair: Pair) -> tuple[str, str, str]:
+def pair_texts(tokenizer, pair: Pair, allow_equal: bool = False) -> tuple[str, str, str]:
     """The rendered prompt (with the generation prompt) and each side's completion text, through its last EOS.
 
     Raises:
@@ -202,20 +251,26 @@ def pair_texts(tokenizer, pair: Pair) -> tuple[str, str, str]:
         if cut < 0:
             raise RowError(f"{side}: the assistant turn does not end with the EOS token in the chat template")
         completions.append(whole[len(prompt) : cut + len(eos)])
-    if completions[0] == completions[1]:
+    if completions[0] == completions[1] and not allow_equal:
         raise RowError("chosen equals rejected once rendered: the pair prefers nothing")
     return prompt, completions[0], completions[1]
 
 
 def tokenize_pairs(
-    tokenizer, pairs: list[Pair], seq_len: int, max_prompt: int | None, truncation: str
+    tokenizer,
+    pairs: list[Pair],
+    seq_len: int,
+    max_prompt: int | None,
+    truncation: str,
+    labels: list[bool] | None = None,
 ) -> list[PairExample | RowError]:
-    """Each pair's row (``PairExample``), or the reason it cannot be used; one tokenizer call for the batch."""
+    """Each pair's row (``PairExample``), or the reason it cannot be used; one tokenizer call for the batch.
+    ``labels``: kto's rows (``kto_pairs``), whose second side (the KL side) may equal the first."""
     out: list[PairExample | RowError | None] = [None] * len(pairs)
     texts, where = [], []
     for i, pair in enumerate(pairs):
         try:
-            texts += list(pair_texts(tokenizer, pair))
+            texts += list(pair_texts(tokenizer, pair, labels is not None))
             where.append(i)
         except RowError as exc:
             out[i] = exc
@@ -223,14 +278,24 @@ def tokenize_pairs(
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         for j, i in enumerate(where):
             try:
-                out[i] = pair_row(ids[3 * j], ids[3 * j + 1], ids[3 * j + 2], seq_len, max_prompt, truncation)
+                out[i] = pair_row(
+                    ids[3 * j], ids[3 * j + 1], ids[3 * j + 2], seq_len, max_prompt, truncation, labels is not None
+                )
+                if labels is not None:
+                    out[i].label = int(labels[i])
             except RowError as exc:
                 out[i] = exc
     return out  # type: ignore[return-value]
 
 
 def pair_row(
-    prompt: list[int], chosen: list[int], rejected: list[int], seq_len: int, max_prompt: int | None, truncation: str
+    prompt: list[int],
+    chosen: list[int],
+    rejected: list[int],
+    seq_len: int,
+    max_prompt: int | None,
+    truncation: str,
+    allow_equal: bool = False,
 ) -> PairExample:
     """Apply the truncation rules and lay both sides out in one row (see the module)."""
     prompt_cut = max_prompt is not None and len(prompt) > max_prompt
@@ -255,6 +320,6 @@ def pair_row(
         labels += [IGNORE] * len(prompt) + completion
         positions += list(range(len(prompt) + len(completion)))
     half = len(prompt) + min(len(chosen), seq_len - len(prompt))
-    if ids[len(prompt) : half] == ids[half + len(prompt) :]:
+    if ids[len(prompt) : half] == ids[half + len(prompt) :] and not allow_equal:
         raise RowError("chosen equals rejected after truncation: the pair prefers nothing")
     return PairExample(ids, labels, positions, prompt_cut, completion_cut)

@@ -23,7 +23,7 @@ from ladle.config.training import DataSource
 from ladle.data import mix, sources
 from ladle.data.formats import FORMATS, Chat, RowError, Sample, Text, detect_format
 from ladle.data.packing import SplitWriter
-from ladle.data.preference import Pair, PairExample, pair_key, parse_pair, tokenize_pairs
+from ladle.data.preference import KtoRow, Pair, PairExample, kto_pairs, pair_key, parse_kto, parse_pair, tokenize_pairs
 from ladle.data.prompts import parse_row as parse_prompt_row
 from ladle.data.report import DataReport, LengthHistogram, histogram_png
 from ladle.data.tokenize import IGNORE, Example, TooLong, tokenize_batch
@@ -37,7 +37,9 @@ BATCH = 512
 # Held-out conversations kept verbatim for the evaluate stage (exact match of greedy answers).
 EVAL_SAMPLES_MAX = 1000
 
-PARSERS = {**FORMATS, "preference": parse_pair, "prompt": parse_prompt_row}
+PARSERS = {**FORMATS, "preference": parse_pair, "kto": parse_kto, "prompt": parse_prompt_row}
+PAIR_FORMAT = {"dpo": "preference", "kto": "kto"}
+"""The objectives that train on two-sided rows (``ladle.data.preference``), and the format each reads."""
 """Every ``data.format`` but ``auto``, by name: one row into a sample (a pair for ``preference``)."""
 
 __all__ = ["IGNORE", "Example", "PreparedDataset", "prepare", "fingerprint", "check_not_empty", "iter_samples"]
@@ -106,32 +108,45 @@ def resolve_format(cfg: DataConfig, files: list[str], objective: str = "sft", fi
         from ladle.data.prompts import check_format
 
         return check_format(cfg, files, field)
-    pairs = objective == "dpo"
-    if cfg.format != "auto" and (cfg.format == "preference") != pairs:
+    wanted = PAIR_FORMAT.get(objective)
+    if cfg.format != "auto" and wanted is not None and cfg.format != wanted:
         raise LadleError(
-            f"data.format = {cfg.format} with training.objective = {objective}: "
-            + (
-                "preference tuning reads chosen/rejected pairs; set data.format=preference (or auto)"
-                if pairs
-                else "preference pairs train with training.objective=dpo; set it, or data.format to your rows' format"
-            )
+            f"data.format = {cfg.format} with training.objective = {objective}: it reads "
+            + ("chosen/rejected pairs" if wanted == "preference" else "prompt/completion/label rows")
+            + f"; set data.format={wanted} (or auto)"
+        )
+    if cfg.format != "auto" and wanted is None and cfg.format in PAIR_FORMAT.values():
+        trains = next(o for o, f in PAIR_FORMAT.items() if f == cfg.format)
+        raise LadleError(
+            f"data.format = {cfg.format} with training.objective = {objective}: those rows train with "
+            f"training.objective={trains}; set it, or data.format to your rows' format"
         )
     for url in files:
         for _, row in sources.iter_records(url):
             if isinstance(row, RowError):
                 continue
             found = detect_format(row)
-            if found == "preference" and not pairs:
-                raise LadleError(
-                    f"{field} = {cfg.path!r}: rows are preference pairs (chosen/rejected) and "
-                    "training.objective = sft. Set training.objective=dpo to tune on them, or use instruction, "
-                    "chat or text data."
+            if found in PAIR_FORMAT.values() and wanted is None:
+                trains = next(o for o, f in PAIR_FORMAT.items() if f == found)
+                shape = (
+                    "preference pairs (chosen/rejected)"
+                    if found == "preference"
+                    else "unpaired preferences (completion/label)"
                 )
-            if pairs and found != "preference":
                 raise LadleError(
-                    f"{field} = {cfg.path!r}: training.objective = dpo needs preference pairs (chosen and "
-                    f"rejected in each row), but the first record of {url!r} is {found or 'of no known format'} "
-                    f"(keys: {sorted(row)[:8]}). Give pairs, or set training.objective=sft."
+                    f"{field} = {cfg.path!r}: rows are {shape} and training.objective = {objective}. Set "
+                    f"training.objective={trains} to tune on them, or use instruction, chat or text data."
+                )
+            if wanted is not None and found != wanted:
+                shape = (
+                    "preference pairs (chosen and rejected in each row)"
+                    if wanted == "preference"
+                    else ("unpaired preferences (prompt, completion and label in each row)")
+                )
+                raise LadleError(
+                    f"{field} = {cfg.path!r}: training.objective = {objective} needs {shape}, but the first record "
+                    f"of {url!r} is {found or 'of no known format'} (keys: {sorted(row)[:8]}). Give such rows, or "
+                    "set training.objective=sft."
                 )
             if cfg.format != "auto":
                 return cfg.format
@@ -143,7 +158,7 @@ def resolve_format(cfg: DataConfig, files: list[str], objective: str = "sft", fi
             return found
     if cfg.format != "auto":
         return cfg.format
-    return "preference" if pairs else "alpaca"
+    return wanted or "alpaca"
 
 
 def iter_samples(files: list[str], fmt: str, state: dict) -> Iterator[tuple[str, int, int, Sample | RowError, object]]:
@@ -180,6 +195,8 @@ def sample_key(sample: Sample | Pair) -> bytes:
     body = (
         pair_key(sample)
         if isinstance(sample, Pair)
+        else [sample.prompt, sample.completion, sample.label]
+        if isinstance(sample, KtoRow)
         else sample.messages
         if isinstance(sample, Chat)
         else sample.text
@@ -235,6 +252,8 @@ class Collector:
         prompt with its chosen side."""
         if isinstance(sample, Pair):
             sample = sample.chat("chosen")
+        if isinstance(sample, KtoRow):  # a desirable answer is a reference; an undesirable one is not
+            sample = sample.chat() if sample.label else None
         if (
             isinstance(sample, Chat)
             and sample.messages[-1]["role"] == "assistant"
@@ -285,6 +304,11 @@ class Collector:
 
 def with_system(sample: Sample | Pair, prompt: str | None) -> Sample | Pair:
     """``sample`` with ``data.system_prompt`` as its first turn when it is a conversation without one."""
+    if isinstance(sample, KtoRow):
+        if prompt is None or sample.prompt[0]["role"] == "system":
+            return sample
+        system = [{"role": "system", "content": prompt}]
+        return KtoRow([*system, *sample.prompt], sample.completion, sample.label, sample.tools)
     if isinstance(sample, Pair):
         if prompt is None or sample.prompt[0]["role"] == "system":
             return sample
@@ -301,7 +325,10 @@ def tokenize_samples(tokenizer, samples: list, cfg: DataConfig, pairs: bool) -> 
     one row each (``ladle.data.preference``)."""
     if not pairs:
         return tokenize_batch(tokenizer, samples, cfg.train_on, cfg.seq_len, cfg.truncation)
-    rows = tokenize_pairs(tokenizer, samples, cfg.seq_len, cfg.max_prompt_tokens, cfg.truncation)
+    labels = None
+    if samples and isinstance(samples[0], KtoRow):  # kto: each answer beside a mismatched one (its KL side)
+        labels, samples = [row.label for row in samples], kto_pairs(samples)
+    rows = tokenize_pairs(tokenizer, samples, cfg.seq_len, cfg.max_prompt_tokens, cfg.truncation, labels)
     return [(r, not isinstance(r, RowError) and (r.prompt_truncated or r.completion_truncated)) for r in rows]
 
 
@@ -417,7 +444,7 @@ def prepare(
     fmt = "+".join(dict.fromkeys(part.fmt for part in found))
     held = eval_part(cfg, objective, None if cfg.sources else found[0].fmt)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    collector = Collector(cfg, url, pad, pairs=objective == "dpo")
+    collector = Collector(cfg, url, pad, pairs=objective in PAIR_FORMAT)
     consume(collector, tokenizer, itertools.chain(mix.stream(cfg, found), eval_items(held)), on_progress)
     collector.finish()
     files = [f for part in found for f in part.files]

@@ -8,7 +8,7 @@ answers (``POST /v1/feedback``) become rows in the shapes ladle and TRL train on
 - **dpo** (``preference``, TRL's ``prompt``/``chosen``/``rejected``): a correction (chosen) against the answer it
   corrects (rejected); and, for one prompt answered more than once, an answer judged good against one judged bad;
 - **kto** (TRL's unpaired ``prompt``/``completion``/``label``): every judged answer with its label, and every
-  correction as a good one; written for TRL's KTOTrainer (ladle trains sft, dpo and grpo);
+  correction as a good one (``training.objective: kto``: the natural shape of thumbs up and down);
 - **grpo** (``prompt``): every captured chat prompt, which the recipe's rewards score at training time (only where
   the rewards read no column beyond the prompt: traffic carries no reference answers).
 
@@ -37,8 +37,8 @@ from ladle.data import capture_files
 from ladle.errors import LadleError
 
 KINDS = ("sft", "dpo", "kto", "grpo")
-FORMAT = {"sft": "messages", "dpo": "preference", "grpo": "prompt"}  # kto: TRL's shape, not a ladle objective
-KIND_OF_OBJECTIVE = {"sft": "sft", "dpo": "dpo", "grpo": "grpo"}
+FORMAT = {"sft": "messages", "dpo": "preference", "kto": "kto", "grpo": "prompt"}
+KIND_OF_OBJECTIVE = {"sft": "sft", "dpo": "dpo", "kto": "kto", "grpo": "grpo"}
 WORD = re.compile(r"\w+", re.UNICODE)
 
 

@@ -355,7 +355,7 @@ def row_tokens(cfg: LadleConfig) -> int:
     """Tokens of one training row through every layer: seq_len; a preference pair's two sides; a prompt and
     its completion."""
     t = cfg.training
-    if t.objective == "dpo":
+    if t.objective in ("dpo", "kto"):  # two sides: a pair's, or a judged answer's and its KL side's
         return 2 * cfg.data.seq_len
     if t.objective == "grpo":
         return cfg.data.seq_len + t.rl.max_completion_tokens
@@ -373,7 +373,7 @@ def size_candidates(cfg: LadleConfig, job: sizing.Job, interconnect: str, capaci
             continue
         strategy = candidate.strategy
         options = strategy.options(strategy.with_options(cfg, candidate.options))
-        if cfg.training.objective == "dpo" and strategy.pairs_refusal(options):
+        if cfg.training.objective in ("dpo", "kto") and strategy.pairs_refusal(options):
             continue  # pairs train only where the whole forward runs on whole rows
         if cfg.training.objective == "grpo" and strategy.rollouts_refusal(options):
             continue  # rollouts sample where every rank holds whole weights

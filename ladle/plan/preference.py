@@ -14,13 +14,13 @@ def choose_reference(cfg: LadleConfig, strategy: Strategy, target: Target, model
     """``training.preference.reference`` resolved, and why; with the strategy's refusal where it cannot train
     pairs."""
     t = cfg.training
-    if t.objective != "dpo":
+    if t.objective not in ("dpo", "kto"):
         return Decision(None)
     problems = []
     why_not = strategy.pairs_refusal(strategy.options(cfg))
     if why_not:
         problems.append(
-            f"training.objective = dpo with parallelism.strategy = {strategy.name}: {why_not}. Use ddp, zero1, "
+            f"training.objective = {t.objective} with parallelism.strategy = {strategy.name}: {why_not}. Use ddp, zero1, "
             "zero2, zero3, zero++ or fsdp2 (or parallelism.strategy=auto)."
         )
     pref = t.preference

@@ -93,7 +93,7 @@ def load_model(spec: TrainSpec, accelerator: Accelerator):
         )
         loading.init_adapters(model, cfg.training.seed)
         ran["lora_compute"] = kernels.lora_in_run_dtype(model, plan.kernels, plan.strategy, plan.device)
-    if cfg.training.objective == "dpo" and cfg.training.preference.disable_dropout:
+    if cfg.training.objective in ("dpo", "kto") and cfg.training.preference.disable_dropout:
         ran["dropout"] = preference.disable_dropout(model)  # before compiling: the graphs see p = 0
     ran["compile"] = kernels.compile_blocks(model, plan.kernels, plan.strategy)
     if pending is not None:

@@ -1,4 +1,5 @@
-"""Preference tuning's loss (``training.objective: dpo``): DPO, IPO, robust DPO and SimPO over pair rows.
+"""Preference tuning's loss (``training.objective: dpo``): DPO, IPO, robust DPO and SimPO over pair rows; and
+KTO's (``kto``) over rows of a judged answer beside a mismatched one (``KtoLoss``).
 
 A pair's row holds the chosen side, then the rejected side (``ladle.data.preference``), labels on the completions
 only. One forward over a micro-batch of pair rows gives every labelled token's log-probability; a side's
@@ -243,6 +244,100 @@ class PairLoss:
             "reward_margin": float(sums[3]) / n,
             "preference_accuracy": float(sums[4]) / n,
         }
+
+
+class KtoLoss(PairLoss):
+    """KTO (``training.objective: kto``), as TRL's ``KTOTrainer`` computes it (``loss_type="kto"``, trl 1.16) over
+    kto rows: each row's first side is the judged answer, its second the KL side (another row's answer after this
+    row's prompt, ``ladle.data.preference.kto_pairs``), ``data["label"]`` says which answers are desirable.
+
+    With ``r`` an answer's log-ratio against the reference and ``z`` the micro-batch's mean log-ratio of its KL
+    sides (no gradient, averaged over the ranks as TRL gathers it, clamped at 0), a desirable answer's loss is
+    ``desirable_weight x (1 - sigmoid(beta (r - z)))`` and an undesirable one's ``undesirable_weight x (1 -
+    sigmoid(beta (z - r)))``. The step's loss is their mean, as TRL's ``nanmean`` of the micro-batch."""
+
+    def __init__(self, beta: float, reference: str, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+        super().__init__("sigmoid", beta, 0.0, 0.0, reference)
+        self.weights = (undesirable_weight, desirable_weight)
+        self.kls: list[float] = []
+
+    @classmethod
+    def from_config(cls, cfg, plan_reference: str) -> KtoLoss:
+        pref = cfg.training.preference
+        return cls(pref.beta, plan_reference, pref.desirable_weight, pref.undesirable_weight)
+
+    def __call__(
+        self, model, data: dict[str, torch.Tensor], rows: list[int], device, record: bool = True
+    ) -> tuple[torch.Tensor, int]:
+        logps, _ = pair_logps(model, data, rows, device)
+        reference = self.reference_logps(model, data, rows, device)
+        labels = data["label"][torch.tensor(rows, dtype=torch.long)].to(device=logps.device).bool()
+        losses, rewards, kl = self.kto_losses(logps, reference, labels)
+        if record:
+            self.kls.append(float(kl))
+            for row, reward, good in zip(rows, rewards.tolist(), labels.tolist(), strict=True):
+                self.stats[row] = (reward, float(good))
+        return losses.sum(), len(rows)
+
+    def kto_losses(
+        self, logps: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-row losses, rewards (beta x the answer's log-ratio) and the KL estimate, from the rows' summed
+        log-probabilities (rows x 2: answer, KL side) and the reference's."""
+        ratios = logps - reference
+        if kl is None:
+            kl = ratios[:, 1].detach().mean()
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                world = torch.distributed.get_world_size()
+                if world > 1:  # TRL's gather_for_metrics(kl).mean(): every rank's micro-batch estimate
+                    kl = kl.clone()
+                    torch.distributed.all_reduce(kl)
+                    kl = kl / world
+            kl = kl.clamp(min=0)
+        beta, (bad, good) = self.beta, self.weights
+        answer = ratios[:, 0]
+        losses = torch.where(
+            labels, good * (1 - torch.sigmoid(beta * (answer - kl))), bad * (1 - torch.sigmoid(beta * (kl - answer)))
+        )
+        return losses, (beta * answer).detach(), kl
+
+    def at_reference(self, data: dict[str, torch.Tensor]) -> float:
+        """The mean loss while the policy is the reference: every log-ratio 0, the KL estimate 0, so each row's
+        loss is its weight x (1 - sigmoid(0)). No forward runs."""
+        reference = data["reference"]
+        self.stats, self.kls = {}, []
+        if len(reference) == 0:
+            return 0.0
+        labels = data["label"].bool()
+        zero = torch.zeros((), dtype=reference.dtype)
+        losses, _, _ = self.kto_losses(reference, reference, labels, zero)
+        self.stats = {row: (0.0, float(good)) for row, good in enumerate(labels.tolist())}
+        self.kls = [0.0]
+        return float(losses.mean())
+
+    def take_stats(self, accelerator) -> dict[str, float]:
+        """The desirable and undesirable answers' mean rewards, their margin and the mean KL estimate, over every
+        rank's rows since the last call (collective)."""
+        values, kls = list(self.stats.values()), self.kls
+        self.stats, self.kls = {}, []
+        sums = torch.zeros(6, dtype=torch.float64, device=accelerator.device)
+        if values:
+            reward, good = torch.tensor(values, dtype=torch.float64).T
+            local = [good.sum(), (reward * good).sum(), (1 - good).sum(), (reward * (1 - good)).sum()]
+            local += [sum(kls), len(kls)]
+            sums += torch.tensor([float(v) for v in local], dtype=torch.float64, device=accelerator.device)
+        if accelerator.num_processes > 1:
+            sums = accelerator.reduce(sums, reduction="sum")
+        out = {}
+        if float(sums[0]):
+            out["rewards_chosen"] = float(sums[1]) / float(sums[0])
+        if float(sums[2]):
+            out["rewards_rejected"] = float(sums[3]) / float(sums[2])
+        if "rewards_chosen" in out and "rewards_rejected" in out:
+            out["reward_margin"] = out["rewards_chosen"] - out["rewards_rejected"]
+        if float(sums[5]):
+            out["kl"] = float(sums[4]) / float(sums[5])
+        return out
 
 
 def reference_table(

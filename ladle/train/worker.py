@@ -245,6 +245,8 @@ def setup(spec: TrainSpec) -> Session:
     loss_fn = token_loss
     if cfg.training.objective == "dpo":
         loss_fn = preference.PairLoss.from_config(cfg, plan.reference or "precomputed")
+    elif cfg.training.objective == "kto":
+        loss_fn = preference.KtoLoss.from_config(cfg, plan.reference or "precomputed")
     ran["reference"], scored_now = with_reference(spec, accelerator, model, loss_fn, {"train": train, "eval": evals})
     release_freed_memory(accelerator)
     load_peak = peak_memory_mib(accelerator)  # loading and wrapping done: the load's share of the peak

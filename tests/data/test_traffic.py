@@ -188,6 +188,10 @@ def test_a_run_learning_from_traffic_prepares_it_beside_the_recipes_data(recipe,
     mix = {m["name"]: m for m in prepared.report.mix}
     assert mix["traffic-sft"]["training_records"] + mix["traffic-sft"]["held_out"] == 4
     assert mix["traffic-sft"]["dropped"] == 0 and mix["demo-alpaca"]["dropped"] == 0
+    # The thumbs as unpaired preferences, trained by training.objective: kto in TRL's shape.
+    kto = cfg.data.model_copy(update={"path": report.files["kto"], "format": "kto", "eval_ratio": 0.0})
+    thumbs = prepare(kto, tiny_model, str(tmp_path / "kto"), objective="kto")
+    assert thumbs.report.rows_used == report.rows["kto"] and not thumbs.report.dropped
     tags = traffic_tags(report)
     assert tags["ladle.traffic.last_at"] == report.last_at and tags["ladle.traffic.requests"] == "11"
     assert with_traffic(cfg, traffic.curate(cfg, str(tmp_path / "none"), empty_ok=True)) is cfg  # nothing to add

@@ -133,23 +133,6 @@ def pair_data(pairs=PAIRS) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.fixture
-def fast_paths(request):
-    """``plain``: the model's own head over padded pair rows; ``fused+joined``: the chunked fused head (a few
-    tokens per chunk) over the micro-batch joined into one row of real tokens."""
-    from ladle.train import run_state
-    from ladle.train.kernels import FusedHead
-    from ladle.train.padding_free import JoinRows
-
-    def install(model):
-        if request.param == "fused+joined":
-            state = run_state.on(model)
-            state.fused = FusedHead.install(model.get_output_embeddings(), "chunked", 5)
-            state.joiner = JoinRows.for_config(model.config, by_example=True)
-
-    return request.param, install
-
-
 @pytest.mark.parametrize("fast_paths", ["plain", "fused+joined"], indirect=True)
 @pytest.mark.parametrize(
     ("loss", "smoothing", "pairs"),
