@@ -328,15 +328,19 @@ def wait_for_requests(traffic: Traffic, n: int, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
-def deployments_file(folder: Path, **serving) -> Path:
+def deployments_file(folder: Path, feedback_threshold: int | None = None, **serving) -> Path:
     """deployments/prefect.yaml as an operator adapts it: ``serving`` parameters (front port, artifact store)
-    set on the `champion` deployment and on its trigger; written to ``folder/prefect.yaml``."""
+    set on the `champion` deployment and on its trigger, and the feedback trigger's threshold; written to
+    ``folder/prefect.yaml``."""
     import yaml
 
     spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
     champion = next(d for d in spec["deployments"] if d["name"] == "champion")
     champion["parameters"].update(serving)
     champion["triggers"][0]["parameters"].update(serving)
+    if feedback_threshold is not None:
+        on_feedback = next(d for d in spec["deployments"] if d["name"] == "tiny-cpu-on-feedback")
+        on_feedback["triggers"][0]["threshold"] = feedback_threshold
     path = folder / "prefect.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path

@@ -195,8 +195,9 @@ def judged(record: dict, prompt: list[dict], tools, feedback: dict, good_score: 
     )
 
 
-def curate_records(captures: list[dict], feedback: dict[str, dict], good_score: float, grpo: bool) -> Curation:
-    """The rows of every kind from ``captures`` and the latest ``feedback`` per response id."""
+def curate_records(captures, feedback: dict[str, dict], good_score: float, grpo: bool) -> Curation:
+    """The rows of every kind from ``captures`` (an iterable, read once) and the latest ``feedback`` per response
+    id."""
     out = Curation()
     by_prompt: dict[str, list[Judged]] = {}  # prompt key -> its judged answers without a correction
     for record in captures:
@@ -364,10 +365,33 @@ def curate(
         traffic_url=url, since=since and since.isoformat(), until=until and until.isoformat(), model=model
     )
     dropped: Counter = Counter()
-    captures = list(read(url, "captures", since, until, model, dropped))
-    if not captures and empty_ok:
-        return report
-    if not captures:
+    feedback: dict[str, dict] = {}  # smaller than the captures: held whole; the captures stream past
+    for record in read(url, "feedback", since, until, None, dropped):
+        report.feedback += 1
+        if isinstance(record.get("response_id"), str) and "value" in record:
+            feedback[record["response_id"]] = record  # files oldest first: the last one wins
+    matched: set[str] = set()
+    times: list[str] = []
+
+    def counted(records):
+        for record in records:
+            report.requests += 1
+            at = record.get("at", "")
+            said = feedback.get(record.get("id", ""))
+            if said is not None:
+                matched.add(record["id"])
+                at = max(at, said.get("at", ""))
+            times[:] = [min([record.get("at", ""), *times[:1]]), max([at, *times[1:]])]
+            yield record
+
+    needed = [c for c in reward_columns or [] if c != "prompt"]
+    grpo_ok = not (cfg.training.objective == "grpo" and needed)
+    curation = curate_records(
+        counted(read(url, "captures", since, until, model, dropped)), feedback, settings.good_score, grpo_ok
+    )
+    if not report.requests:
+        if empty_ok:
+            return report
         window = f" from {since}" if since else ""
         window += f" to {until}" if until else ""
         raise LadleError(
@@ -375,23 +399,10 @@ def curate(
             "serve.capture.enabled=true (and send requests), or point --traffic (retrain.traffic_url) at the folder "
             "the server captured to."
         )
-    feedback: dict[str, dict] = {}
-    for record in read(url, "feedback", since, until, None, dropped):
-        report.feedback += 1
-        if isinstance(record.get("response_id"), str) and "value" in record:
-            feedback[record["response_id"]] = record  # files oldest first: the last one wins
-    ids = {r.get("id") for r in captures}
-    report.requests = len(captures)
-    report.with_feedback = sum(1 for i in ids if i in feedback)
-    report.feedback_unmatched = sum(1 for i in feedback if i not in ids)
-    times = [r.get("at", "") for r in captures] + [f.get("at", "") for i, f in feedback.items() if i in ids]
-    report.first_at, report.last_at = min(r.get("at", "") for r in captures) or None, max(times) or None
-    grpo_ok = True
-    needed = [c for c in reward_columns or [] if c != "prompt"]
-    if cfg.training.objective == "grpo" and needed:
-        grpo_ok = False
-        dropped[f"grpo: the rewards read {', '.join(needed)}, which traffic does not carry"] += len(captures)
-    curation = curate_records(captures, feedback, settings.good_score, grpo_ok)
+    report.with_feedback, report.feedback_unmatched = len(matched), len(feedback) - len(matched)
+    report.first_at, report.last_at = times[0] or None, times[1] or None
+    if not grpo_ok:
+        dropped[f"grpo: the rewards read {', '.join(needed)}, which traffic does not carry"] += report.requests
     curation.dropped.update(dropped)
     recipe = recipe_data(cfg)
     report.overlap_examples = filter_rows(curation, recipe, Overlap(recipe.eval_texts, settings.overlap_ngram))

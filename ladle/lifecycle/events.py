@@ -4,7 +4,8 @@
   rollback);
 * ``ladle.model.canary`` when a version passed the offline gate and waits for its canary (``promote.canary``);
 * ``ladle.model.canary_rolled_back`` when a canary was rolled back (the champion did not change);
-* ``ladle.model.restarted`` when the front restarted the server behind it (``ladle.fleet.supervisor``).
+* ``ladle.model.restarted`` when the front restarted the server behind it (``ladle.fleet.supervisor``);
+* ``ladle.feedback.received`` for each user feedback a capturing server kept (``ladle.serve.capture``).
 
 The serving deployment's trigger listens for the first two: it swaps the served version, or runs the canary.
 
@@ -13,10 +14,13 @@ Resource: ``ladle.model.<name>``, with labels ``ladle.model.name`` and ``ladle.m
 
 from __future__ import annotations
 
+from ladle.serve.capture import FEEDBACK_EVENT
+
 PROMOTED = "ladle.model.promoted"
 CANARY = "ladle.model.canary"
 CANARY_ROLLED_BACK = "ladle.model.canary_rolled_back"
 RESTARTED = "ladle.model.restarted"
+FEEDBACK = FEEDBACK_EVENT
 
 EVENTS = {
     PROMOTED: (
@@ -31,6 +35,11 @@ EVENTS = {
     RESTARTED: (
         "the front restarted the server behind it",
         "`reason` (why it was restarted), `restarts_in_window`",
+    ),
+    FEEDBACK: (
+        "a capturing server kept a user's feedback on one of its answers (`POST /v1/feedback`); a retraining "
+        "deployment's trigger may count them",
+        "`response_id`, `value`, `corrected` (a correction came with it), `version`",
     ),
 }
 """Every event ladle emits: what it means and its payload (the reference page is generated from this)."""

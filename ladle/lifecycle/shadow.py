@@ -91,13 +91,28 @@ def mcnemar_p(wins: int, losses: int) -> float:
 
 def last_requests(url: str, model: str, version: str | None, k: int) -> list[tuple[dict, dict | None]]:
     """The newest ``k`` captured chat requests ``model`` answered (its ``version``'s where it has any, any version
-    otherwise), each with its latest feedback, oldest first."""
-    captures = [r for r in capture_files.read_records(url, "captures") if r.get("route") == "chat"]
-    mine = [r for r in captures if r.get("model") == model]
-    if version is not None and any(r.get("version") == str(version) for r in mine):
-        mine = [r for r in mine if r.get("version") == str(version)]
+    otherwise), each with its latest feedback, oldest first. Files are read newest first, until ``k`` are found."""
+
+    def newest(wanted_version: str | None) -> list[dict]:
+        found: list[dict] = []
+        for lines in capture_files.newest_files(url, "captures"):
+            for line in reversed(lines):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if record.get("route") != "chat" or record.get("model") != model:
+                    continue
+                if wanted_version is None or record.get("version") == wanted_version:
+                    found.append(record)
+                    if len(found) == k:
+                        return found[::-1]
+        return found[::-1]
+
+    taken = newest(str(version)) if version is not None else []
+    taken = taken or newest(None)
     feedback = {f["response_id"]: f for f in capture_files.read_records(url, "feedback") if "response_id" in f}
-    return [(r, feedback.get(r.get("id"))) for r in mine[-k:]]
+    return [(r, feedback.get(r.get("id"))) for r in taken]
 
 
 def reference_of(record: dict, said: dict | None, good_score: float) -> str | None:

@@ -327,6 +327,8 @@ class Recorder:
             self.stop("write_failed", f"{type(exc).__name__}: {exc}")
             return
         self.written_bytes += len(data)
+        if folder.startswith("feedback/"):
+            emit_feedback(records)
 
     def stop(self, reason: str, why: str) -> None:
         if self.stopped:
@@ -348,3 +350,36 @@ class Recorder:
 
 def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+FEEDBACK_EVENT = "ladle.feedback.received"
+"""The Prefect event of each feedback kept (once its file is written): a retraining deployment's trigger may count
+them (``threshold`` within a window) to retrain when users have said enough (deployments/prefect.yaml)."""
+
+
+def emit_feedback(records: list[str]) -> None:
+    """``FEEDBACK_EVENT`` for each written feedback, from the writer thread (never the request path); best effort,
+    and only where a Prefect API is configured (``PREFECT_API_URL``): a server runs with or without one."""
+    if not os.environ.get("PREFECT_API_URL"):
+        return
+    try:
+        from prefect.events import emit_event
+
+        for line in records:
+            kept = json.loads(line)
+            emit_event(
+                event=FEEDBACK_EVENT,
+                resource={
+                    "prefect.resource.id": f"ladle.model.{kept['model']}",
+                    "ladle.model.name": kept["model"],
+                    "ladle.model.version": str(kept["version"]),
+                },
+                payload={
+                    "response_id": kept["response_id"],
+                    "value": kept["value"],
+                    "corrected": bool(kept.get("correction")),
+                    "version": str(kept["version"]),
+                },
+            )
+    except Exception as exc:  # noqa: BLE001 - an event that cannot be sent must not stop the capture
+        print(f"ladle serve: {FEEDBACK_EVENT} not emitted: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -78,6 +78,7 @@ SECRET_MLFLOW = "mlflow-pass-5a8e3c1f0b"  # the MLflow password, in the worker's
 MODEL = "tiny-cpu"  # the registered model of the tiny-cpu recipe
 # The serving deployment runs canaries (step 6): short, on half the traffic. Its latency limit is loose because
 # both servers share this machine's cores (tests/fleet/test_canary.py proves the latency rollback).
+FEEDBACK_THRESHOLD = 3  # the feedback trigger's (20 as shipped), for step 8
 CANARY = [
     "promote.canary.duration_s=6",
     "promote.canary.weight=0.5",
@@ -187,7 +188,11 @@ def lifecycle(prefect_server, mlflow_server, s3_server, tmp_path_factory, demo_d
             "deploy",
             "--all",
             "--prefect-file",
-            str(deployments_file(tmp, front_port=front_port, artifact_store="lifecycle-store", overrides=CANARY)),
+            str(
+                deployments_file(
+                    tmp, FEEDBACK_THRESHOLD, front_port=front_port, artifact_store="lifecycle-store", overrides=CANARY
+                )
+            ),
             env=env,
         )
         store = (
@@ -456,3 +461,39 @@ def test_lifecycle_7_the_prefect_and_mlflow_uis_show_the_run_its_artifacts_and_t
     assert "promoted" in page and MODEL in page, page[:2000]
     page = look(f"{lc.mlflow}/#/models/{MODEL}", shots / "mlflow-registered-model.png")
     assert MODEL in page and "champion" in page and "Version 3" in page, page[:2000]
+
+
+def test_lifecycle_8_enough_user_feedback_starts_the_retraining_deployment(lifecycle, tmp_path):
+    """The event-driven retraining: a capturing server's writer (its own process, the Prefect API in its
+    environment) keeps three feedbacks and emits ``ladle.feedback.received`` for each; the `tiny-cpu-on-feedback`
+    deployment's trigger (threshold 3 here, 20 as shipped) starts a run of it. The run is cancelled: what it would do
+    (curate, the min_new_feedback check, train) is proven by the flywheel's tests."""
+    lc = lifecycle
+    writer = (
+        "import sys; from ladle.serve.capture import CaptureSettings, Recorder\n"
+        "rec = Recorder(CaptureSettings(enabled=True, flush_s=0.1), sys.argv[1], 'tiny-cpu', '3')\n"
+        "for i in range(3):\n"
+        "    rec.record(f'chatcmpl-{i}', {'route': 'chat', 'request': {'messages': []}, 'answer': {'content': 'x'}})\n"
+        "    rec.feedback({'response_id': f'chatcmpl-{i}', 'name': 'user_feedback', 'value': i > 0})\n"
+        "rec.close()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", writer, str(tmp_path / "traffic")],
+        env=lc.env,
+        cwd=ROOT,
+        timeout=120,
+        text=True,
+        capture_output=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not emitted" not in done.stderr, done.stderr[-3000:]
+    deployment = api(lc.env, "GET", "/deployments/name/finetune-recipe/tiny-cpu-on-feedback")
+    assert deployment["parameters"]["overrides"] == ["retrain.from_traffic=true", "retrain.min_new_feedback=10"]
+    deadline = time.monotonic() + 90
+    while not (runs := api(lc.env, "POST", "/flow_runs/filter", deployments={"id": {"any_": [deployment["id"]]}})):
+        assert time.monotonic() < deadline, "the feedback trigger started no run"
+        time.sleep(1)
+    (run,) = runs
+    api(lc.env, "POST", f"/flow_runs/{run['id']}/set_state", state={"type": "CANCELLING"}, force=True)
+    ended = wait_run(lc.env, run["id"], timeout=120)
+    assert ended["state"]["type"] in ("CANCELLED", "COMPLETED", "FAILED", "CRASHED"), ended["state"]
