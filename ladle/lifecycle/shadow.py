@@ -134,6 +134,9 @@ def ask(client: httpx.Client, url: str, name: str, request: dict, seed_offset: i
     if body.get("temperature", 1.0) and seed_offset:
         body["seed"] = int(body.get("seed") or 0) + seed_offset
     reply = client.post(f"{url}/v1/chat/completions", json=body)
+    if 400 <= reply.status_code < 500 and reply.status_code != 429:
+        # Refused (a limit the champion's server did not have, say): the challenger gave no answer to it.
+        return f"[refused: HTTP {reply.status_code}]"
     if reply.status_code != 200:
         raise LadleError(f"shadow replay: the challenger's server answered {reply.status_code}: {reply.text[:300]}")
     message = reply.json()["choices"][0]["message"]

@@ -23,11 +23,15 @@ def answers(server, prompts, **sampling) -> list[str]:
     return out
 
 
-def champion_traffic(store, cases, version: str = "1", temperature: float = 0.0) -> None:
+def champion_traffic(store, cases, version: str = "1", temperature: float = 0.0, max_tokens: int = 4) -> None:
     """What the champion answered and what its users said: ``cases`` of (prompt, logged answer, feedback)."""
     rec = Recorder(CaptureSettings(enabled=True, flush_s=0.05), str(store), "tiny-cpu", version)
     for i, (prompt, answer, _) in enumerate(cases):
-        request = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "temperature": temperature}
+        request = {
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+        }
         if temperature:
             request["seed"] = 11
         record = {"at": f"2026-12-07T10:00:{i:02d}", "route": "chat", "request": request, "answer": {"content": answer}}
@@ -93,6 +97,12 @@ def test_a_challenger_that_loses_what_users_approved_is_held_back_and_one_that_f
     assert (noisy["scored"], noisy["wins"], noisy["losses"]) == (4, 1, 3)
     assert noisy["p_value"] == pytest.approx(5 / 16) and noisy["regressed"] is False and noisy["improved"] is False
     assert noisy["agreement"] == 0.5  # the four unjudged answers equal the challenger's
+
+    # A request the challenger's server refuses (here: more tokens than it allows) is an answer it did not give.
+    refused = tmp_path / "refused"
+    champion_traffic(refused, [(PROMPTS[0], "right", {"value": True})], max_tokens=10**6)
+    lost = plan(refused).check(server.url, "tiny", {})
+    assert lost["worst"][0]["challenger"].startswith("[refused: HTTP 400")
 
 
 def test_sampled_requests_are_replayed_twice_and_only_the_champions_version_is_used(server, tmp_path):
