@@ -102,6 +102,14 @@ class CaptureSettings(Section):
     queue_records: int = Field(
         10_000, ge=1, le=1_000_000, description="Records waiting to be written, at most; past it one is dropped."
     )
+    mlflow_experiment: str | None = Field(
+        None,
+        description="Also log each captured call as an MLflow trace (its request as inputs, its answer as outputs, "
+        "tagged ladle.response_id) and each feedback as its assessment (the score as MLflow feedback, a correction "
+        "as the expected response), in this experiment of the server's MLFLOW_TRACKING_URI. The files stay the "
+        'source of truth: a trace MLflow refuses is counted (ladle_capture_dropped{reason="trace_failed"}) and '
+        "skipped. null: off.",
+    )
     feedback: Literal["last_wins", "refuse"] = Field(
         "last_wins",
         description="A second feedback for the same response id: last_wins keeps both and the later one counts "
@@ -185,6 +193,8 @@ class Recorder:
         self.sequence = 0
         self.random = random.Random()
         self.closing = threading.Event()
+        self.traces: Traces | None = None  # serve.capture.mlflow_experiment: opened by the writer on first use
+        self.trace_warned = False
         self.thread = threading.Thread(target=self.run, name="ladle-capture", daemon=True)
         self.thread.start()
 
@@ -329,6 +339,23 @@ class Recorder:
         self.written_bytes += len(data)
         if folder.startswith("feedback/"):
             emit_feedback(records)
+        if self.settings.mlflow_experiment:
+            self.trace(folder.split("/", 1)[0], records)
+
+    def trace(self, kind: str, records: list[str]) -> None:
+        """The written records as MLflow traces (captures) or their assessments (feedback), best effort."""
+        try:
+            if self.traces is None:
+                self.traces = Traces(self.settings.mlflow_experiment, self.settings.feedback_window)
+            for line in records:
+                (self.traces.log if kind == "captures" else self.traces.judge)(json.loads(line))
+            if kind == "captures":  # exported now: a feedback that follows finds its trace
+                self.traces.mlflow.flush_trace_async_logging()
+        except Exception as exc:  # noqa: BLE001 - MLflow's errors of any kind: the files already hold the record
+            self.count_dropped("trace_failed")
+            if not self.trace_warned:
+                self.trace_warned = True
+                print(f"ladle serve: capture: MLflow trace not logged ({type(exc).__name__}: {exc})", file=sys.stderr)
 
     def stop(self, reason: str, why: str) -> None:
         if self.stopped:
@@ -383,3 +410,66 @@ def emit_feedback(records: list[str]) -> None:
             )
     except Exception as exc:  # noqa: BLE001 - an event that cannot be sent must not stop the capture
         print(f"ladle serve: {FEEDBACK_EVENT} not emitted: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
+class Traces:
+    """Captured calls as MLflow traces and feedback as their assessments (MLflow 3), for MLflow's own UI and
+    evaluation tools; the tracking server is the process's ``MLFLOW_TRACKING_URI``."""
+
+    def __init__(self, experiment: str, remembered: int):
+        import mlflow
+
+        self.mlflow = mlflow
+        self.client = mlflow.MlflowClient()
+        found = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        self.ids: OrderedDict[str, str] = OrderedDict()  # response id -> trace id, the newest
+        self.remembered = remembered
+
+    def log(self, record: dict) -> None:
+        request, answer = record.get("request", {}), record.get("answer", {})
+        tags = {"ladle.response_id": record["id"], "ladle.model": record["model"], "ladle.version": record["version"]}
+        span = self.client.start_trace(
+            name=f"ladle.{record.get('route', 'chat')}",
+            span_type="LLM",
+            inputs=request,
+            attributes={"prompt_tokens": record.get("prompt_tokens"), "latency_s": record.get("latency_s")},
+            tags=tags,
+            experiment_id=self.experiment_id,
+        )
+        self.client.end_trace(
+            span.trace_id,
+            outputs=answer,
+            attributes={"completion_tokens": record.get("completion_tokens"), "finish": record.get("finish_reason")},
+        )
+        self.ids[record["id"]] = span.trace_id
+        if len(self.ids) > self.remembered:
+            self.ids.popitem(last=False)
+
+    def trace_of(self, response_id: str) -> str | None:
+        if response_id in self.ids:
+            return self.ids[response_id]
+        found = self.client.search_traces(
+            locations=[self.experiment_id], filter_string=f"tags.`ladle.response_id` = '{response_id}'", max_results=1
+        )
+        return found[0].info.trace_id if found else None
+
+    def judge(self, feedback: dict) -> None:
+        from mlflow.entities import AssessmentSource
+
+        trace_id = self.trace_of(feedback["response_id"])
+        if trace_id is None:  # an answer that was not sampled, or older than the traces kept
+            return
+        source = feedback.get("source") or {}
+        who = AssessmentSource(source_type=source.get("source_type", "HUMAN"), source_id=source.get("source_id"))
+        self.mlflow.log_feedback(
+            trace_id=trace_id,
+            name=feedback.get("name", "user_feedback"),
+            value=feedback["value"],
+            source=who,
+            rationale=feedback.get("rationale"),
+        )
+        if feedback.get("correction"):
+            self.mlflow.log_expectation(
+                trace_id=trace_id, name="expected_response", value=feedback["correction"], source=who
+            )

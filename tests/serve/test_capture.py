@@ -239,3 +239,40 @@ def test_an_error_in_the_writer_stops_capture_once_and_never_kills_it_silently(t
         recorder.close()
     assert [r["id"] for r in read_records(str(tmp_path), "captures")] == ["a"]  # what was written stays
     assert "capture stopped, serving goes on: ZeroDivisionError" in capsys.readouterr().err
+
+
+def test_each_captured_call_is_also_an_mlflow_trace_and_its_feedback_an_assessment(tmp_path, monkeypatch):
+    """``serve.capture.mlflow_experiment``: the writer logs each written record as an MLflow trace (inputs the
+    request, outputs the answer, tagged with the response id) and each feedback as MLflow feedback on it, a
+    correction as its expected response; a feedback after a restart finds its trace by the tag."""
+    from mlflow import MlflowClient
+
+    from ladle.serve.capture import Recorder
+    from tests.helpers import fresh_registry
+
+    uri = fresh_registry(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    settings = CaptureSettings(enabled=True, flush_s=0.05, mlflow_experiment="ladle-traffic")
+    rec = Recorder(settings, str(tmp_path / "traffic"), "tiny", "4")
+    request = {"messages": [{"role": "user", "content": "my password: hunter2hunter2"}], "max_tokens": 4}
+    for i in range(2):
+        rec.record(f"chatcmpl-{i}", {"route": "chat", "request": request, "answer": {"content": f"a{i}"}})
+    rec.feedback({"response_id": "chatcmpl-0", "name": "user_feedback", "value": False, "correction": "b0"})
+    rec.close()
+    assert rec.stopped is None and not rec.trace_warned
+    later = Recorder(settings, str(tmp_path / "traffic"), "tiny", "4")  # another server: no memory of the traces
+    wait_for(lambda: "chatcmpl-1" in later.known, what="the earlier answers read back")
+    later.feedback({"response_id": "chatcmpl-1", "name": "user_feedback", "value": 0.75, "rationale": "fine"})
+    later.close()
+    assert not later.trace_warned
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("ladle-traffic")
+    traces = {t.info.tags["ladle.response_id"]: t for t in client.search_traces(locations=[experiment.experiment_id])}
+    assert set(traces) == {"chatcmpl-0", "chatcmpl-1"}
+    first = traces["chatcmpl-0"]
+    assert first.info.tags["ladle.version"] == "4" and "hunter2" not in json.dumps(first.data.request)
+    assert json.loads(first.data.response) == {"content": "a0"}
+    said = {(a.name, str(getattr(a, "value", None))) for a in first.info.assessments}
+    assert ("user_feedback", "False") in said and ("expected_response", "b0") in said
+    assert ("user_feedback", "0.75") in {(a.name, str(a.value)) for a in traces["chatcmpl-1"].info.assessments}
