@@ -25,7 +25,9 @@ def parity_check(merged: MergedModel, result: TrainResult, promote: PromoteConfi
     rows = [parity.ProbeRow.model_validate(row) for row in result.parity_probe]
     if not rows:
         return None
-    tolerance = promote.parity_tolerance or parity.TOLERANCE[result.weights_dtype]
+    # The coarser of the served weights' dtype and the dtype the training forward computed in.
+    compared = result.weights_dtype if result.weights_dtype != "float32" else (result.parity_dtype or "float32")
+    tolerance = promote.parity_tolerance or parity.TOLERANCE[compared]
 
     def measure(url: str, model: str, headers: dict) -> parity.Parity:
         from transformers import AutoTokenizer

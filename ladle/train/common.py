@@ -322,25 +322,41 @@ def report_done(accelerator: Accelerator, spec: TrainSpec, result):
     return result
 
 
-def training_parity(acc, model, spec: TrainSpec) -> list[list[float]] | None:
+def training_parity(acc, model, spec: TrainSpec) -> tuple[list[list[float]] | None, str]:
     """Each parity probe row's per-token log-probabilities (``ladle.lifecycle.parity``; position i: of token i
-    given those before, 0 for the first) by the model as trained, in the training process; every rank runs every
-    forward (a sharded forward is a collective). None without rows, or when the strategy splits one forward over
-    ranks (pipeline, sequence parallel): the deploy stage then compares with the saved weights."""
+    given those before, 0 for the first) by the model as trained, in the training process, and the dtype that
+    forward computed in; every rank runs every forward (a sharded forward is a collective). None without rows, or
+    when the strategy splits one forward over ranks (pipeline, sequence parallel): the deploy stage then compares
+    with the saved weights.
+
+    Where mixed precision is accelerate's autocast around float32 master weights (a 16-bit run under DDP, ZeRO-less
+    strategies, on a CPU or a GPU), the forward runs without it: the weights as they are, which the merge writes
+    and the server runs, so the comparison is float32's (1e-4), not autocast's rounding (about 3e-3 per token on
+    SmolLM2 under CPU bf16) against float32. Strategies that hold or compute 16-bit weights themselves keep it."""
     from ladle import strategies
 
     strategy = strategies.get(spec.plan.strategy)
+    computes = spec.plan.dtype
     if not spec.parity_probe or not strategy.runs_whole_forward(strategy.options(spec.config)):
-        return None
+        return None, computes
+    inner = getattr(model, "module", model)
+    original = inner.__dict__.get("_original_forward")  # accelerate's forward before its autocast wrapper
+    wrapped = inner.__dict__.get("forward")
+    if strategy.autocast and original is not None and all(p.dtype == torch.float32 for p in inner.parameters()):
+        inner.forward, computes = original, "float32"
     was_training = model.training
     model.eval()
     found = []
-    with torch.no_grad():
-        for row in spec.parity_probe:
-            ids = torch.tensor([row["ids"]], device=acc.device)
-            positions = torch.arange(len(row["ids"]), device=acc.device)[None]
-            keep = torch.ones((1, len(row["ids"]) - 1), dtype=torch.bool, device=acc.device)
-            logps = preference.token_logps(model, ids, ids, positions, keep)
-            found.append([0.0, *logps.float().cpu().tolist()])
-    model.train(was_training)
-    return found
+    try:
+        with torch.no_grad():
+            for row in spec.parity_probe:
+                ids = torch.tensor([row["ids"]], device=acc.device)
+                positions = torch.arange(len(row["ids"]), device=acc.device)[None]
+                keep = torch.ones((1, len(row["ids"]) - 1), dtype=torch.bool, device=acc.device)
+                logps = preference.token_logps(model, ids, ids, positions, keep)
+                found.append([0.0, *logps.float().cpu().tolist()])
+    finally:
+        if wrapped is not None:
+            inner.forward = wrapped
+        model.train(was_training)
+    return found, computes

@@ -453,7 +453,7 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
         common.emit(acc, "probe_guard", step=s.steps, why=s.probe.breach)
     after = held_out_reward(s)
     s.log({"eval_reward": after}, s.steps)
-    parity_logps = common.training_parity(  # the served model is checked against these (lifecycle.parity)
+    parity_logps, parity_dtype = common.training_parity(  # the served model is checked against these
         acc, s.model, s.spec
     )
     adapter_url, model_url = common.save_outputs(acc, s.model, s.spec)
@@ -491,6 +491,7 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
         },
         kernels=s.kernels,
         parity_logps=parity_logps,
+        parity_dtype=parity_dtype,
     )
     return common.report_done(acc, s.spec, result)
 

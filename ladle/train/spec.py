@@ -60,6 +60,11 @@ class TrainResult(BaseModel):
     weights_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="The dtype the trained weights were held in (the merge writes this dtype)."
     )
+    parity_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="The dtype the training process's parity forward computed in (parity_logps): float32 where "
+        "autocast was set aside for it; null: weights_dtype.",
+    )
     sharding: dict = Field(
         default_factory=dict, description="What the strategy verified in the worker (e.g. per-rank parameter share)."
     )

@@ -337,7 +337,7 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
     if isinstance(s.loss_fn, preference.PairLoss):
         pairs = {f"{k}_after": v for k, v in after.items() if k != "eval_loss"}
         pairs.update({f"{k}_before": v for k, v in (s.eval_stats_before or {}).items()})
-    parity_logps = training_parity(acc, s.model, s.spec)
+    parity_logps, parity_dtype = training_parity(acc, s.model, s.spec)
     adapter_url, model_url = save_outputs(acc, s.model, s.spec)
     padding_free.report(s.kernels, s.model)
     sequence_parallel.report(s.kernels, s.model)
@@ -365,6 +365,7 @@ def finish(s: Session, tokens: int, seconds: float) -> TrainResult:
         weights_dtype=s.spec.plan.dtype if s.spec.plan.device == "cuda" else "float32",
         preference=pairs,
         parity_logps=parity_logps,
+        parity_dtype=parity_dtype,
         kernels=s.kernels,
     )
     return report_done(acc, s.spec, result)
