@@ -113,6 +113,7 @@ def finetune(
         skipped = skip_check(inputs, flow_run_id, config)
         if skipped is not None:
             return skipped
+    shadow = shadow_plan(config, inputs)  # its refusals before anything trains; replayed at the deploy stage
     run_name = run_id or f"{config.name}-{flow_run_id[:8]}"
     run_url = storage.join(inputs.output, "runs", run_name)
     parent = runtime.flow_run.parent_flow_run_id
@@ -150,7 +151,6 @@ def finetune(
             RewardSet.of_run(config.training, inputs.reward_files),
         )
         clock.lap("evaluate")
-        shadow = shadow_plan(config, inputs.tracking_uri, inputs.registered_model)
         endpoint = deploy_task(
             config.serving(), config.name, merged, prepared, result, config.promote, inputs.base_dir, shadow
         )

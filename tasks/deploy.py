@@ -117,23 +117,44 @@ def deploy_task(
     return endpoint
 
 
-def shadow_plan(cfg, uri: str, registered_model: str) -> ShadowPlan | None:
-    """``promote.shadow`` resolved: the champion whose traffic is replayed (None: off, or no champion yet)."""
+def shadow_plan(cfg, inputs) -> ShadowPlan | None:
+    """``promote.shadow`` resolved: the champion whose traffic is replayed and how it is scored (None: off, or no
+    champion yet).
+
+    Raises:
+        LadleError: the replay is scored by rewards that read data columns, which captured traffic does not carry
+            (checked before training, by the flow).
+    """
     if not cfg.promote.shadow.requests:
         return None
+    from ladle.errors import LadleError
     from ladle.lifecycle import promote
     from ladle.platform import storage
+    from ladle.rewards import RewardSet
 
-    current = promote.champion(uri, registered_model)
+    scorer = "reward" if cfg.eval.metric == "reward" else "exact_match"
+    rewards = RewardSet.of_run(cfg.training, inputs.reward_files) if scorer == "reward" else None
+    extra = [c for c in inputs.reward_columns or [] if c != "prompt"]
+    if scorer == "reward" and (extra or inputs.reward_columns is None):
+        read = ", ".join(extra) or "every column (**kwargs)"
+        raise LadleError(
+            f"promote.shadow.requests = {cfg.promote.shadow.requests} with eval.metric = reward: the rewards read "
+            f"{read}, which captured traffic does not carry; score the replay by rewards of the prompt and the "
+            "answer only, or set promote.shadow.requests=0"
+        )
+    current = promote.champion(inputs.tracking_uri, inputs.registered_model)
     if current is None:
         return None
     url = cfg.retrain.traffic_url or cfg.serve.capture.url or storage.join(cfg.output, "traffic")
     return ShadowPlan(
         traffic_url=storage.normalise(url),
-        champion_name=registered_model,
+        champion_name=inputs.registered_model,
         champion_version=str(current.version),
         requests=cfg.promote.shadow.requests,
         max_regression=cfg.promote.shadow.max_regression,
         alpha=cfg.promote.shadow.alpha,
         good_score=cfg.retrain.good_score,
+        scorer=scorer,
+        rewards=rewards.model_dump() if rewards else None,
+        tokenizer_dir=str(inputs.base_dir),
     )

@@ -187,11 +187,11 @@ class LadleConfig(Section):
                 f"promote.shadow.requests = {self.promote.shadow.requests} but promote.enabled = false: there is no "
                 "champion to replay and no gate to hold; set promote.enabled=true, or promote.shadow.requests=0"
             )
-        if self.eval.metric != "exact_match":
+        if self.eval.metric not in ("exact_match", "reward"):
             raise ValueError(
                 f"promote.shadow.requests = {self.promote.shadow.requests} with eval.metric = {self.eval.metric!r}: "
-                "the replay is scored by exact match against what users corrected or approved; set "
-                "eval.metric=exact_match, or promote.shadow.requests=0"
+                "the replay is scored by exact match against what users corrected or approved, or by the run's "
+                "rewards; set eval.metric to exact_match (or reward for grpo), or promote.shadow.requests=0"
             )
         return self
 

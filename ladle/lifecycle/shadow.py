@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel, Field
@@ -43,18 +44,27 @@ class Replayed(BaseModel):
     challenger: str
     champion_ok: bool | None = None
     challenger_ok: bool | None = None
+    champion_reward: float | None = None
+    challenger_reward: float | None = None
 
 
 class ShadowResult(BaseModel):
     champion_version: str | None = Field(None, description="The champion whose traffic was replayed.")
+    scorer: Literal["exact_match", "reward"] = Field("exact_match", description="eval.metric: how answers were scored.")
     requests: int = Field(description="Captured requests replayed to the challenger.")
     scored: int = Field(description="Of them, those with a reference (a correction or an approved answer).")
-    champion: float | None = Field(None, description="The champion's success rate on the scored requests.")
+    champion: float | None = Field(
+        None, description="The champion's success rate (exact_match) or mean reward (reward) on the scored requests."
+    )
     challenger: float | None = Field(None, description="The challenger's, on the same requests.")
     difference: float | None = Field(None, description="challenger - champion (positive: better).")
     wins: int = Field(0, description="Scored requests the challenger got right and the champion wrong.")
     losses: int = Field(0, description="Scored requests the champion got right and the challenger wrong.")
-    p_value: float | None = Field(None, description="McNemar's exact one-sided p: losses this many by chance.")
+    p_value: float | None = Field(
+        None,
+        description="One-sided p of the challenger being worse by chance: McNemar's exact test (exact_match), a "
+        "paired sign-flip test of the reward differences (reward).",
+    )
     p_better: float | None = Field(None, description="The same for the wins: p of winning this many by chance.")
     spread: float = Field(0.0, description="The challenger's success-rate difference between two replays.")
     threshold: float = Field(description="The drop allowed: max(promote.shadow.max_regression, spread).")
@@ -75,6 +85,9 @@ class ShadowPlan(BaseModel):
     max_regression: float
     alpha: float
     good_score: float
+    scorer: Literal["exact_match", "reward"] = "exact_match"
+    rewards: dict | None = None  # scorer reward: the run's ``ladle.rewards.RewardSet`` (its fields)
+    tokenizer_dir: str | None = None  # scorer reward: the completions' token ids, for rewards that read them
 
     def check(self, url: str, name: str, headers: dict) -> dict | None:
         result = shadow_check(url, name, headers, **self.model_dump())
@@ -174,6 +187,9 @@ def shadow_check(
     max_regression: float,
     alpha: float,
     good_score: float,
+    scorer: str = "exact_match",
+    rewards: dict | None = None,
+    tokenizer_dir: str | None = None,
     timeout_s: float = 60.0,
 ) -> ShadowResult | None:
     """Replay the champion's last ``requests`` captured requests to the challenger's server at ``url`` and
@@ -200,6 +216,17 @@ def shadow_check(
                 )
             )
         second = [ask(client, url, name, r.get("request") or {}, 1) for r, _ in taken] if sampled else None
+    common = {"champion_version": champion_version, "max_regression": max_regression, "alpha": alpha}
+    if scorer == "reward":
+        messages = [(r.get("request") or {}).get("messages", []) for r, _ in taken]
+        return by_reward(rows, second, messages, rewards or {}, tokenizer_dir, **common)
+    return by_exact_match(rows, second, **common)
+
+
+def by_exact_match(
+    rows: list[Replayed], second: list[str] | None, champion_version, max_regression: float, alpha: float
+) -> ShadowResult:
+    """The replay scored against users' references, McNemar's exact test on the discordant pairs."""
     for row in rows:
         if row.reference is not None:
             row.champion_ok, row.challenger_ok = same(row.champion, row.reference), same(row.challenger, row.reference)
@@ -244,6 +271,130 @@ def shadow_check(
         wins=wins,
         losses=losses,
         p_value=p,
+        p_better=p_better,
+        spread=round(spread, 4),
+        threshold=round(threshold, 4),
+        agreement=round(agreement, 4),
+        regressed=regressed,
+        improved=improved,
+        reason=reason,
+        worst=worst,
+    )
+
+
+def sign_flip_p(differences: list[float], seed: int = 0, draws: int = 4000) -> tuple[float, float]:
+    """Paired sign-flip test of the mean difference: ``(p of a mean this low, p of a mean this high)`` were the
+    differences symmetric about 0 (no model better); exact for up to 12 pairs, else ``draws`` seeded flips."""
+    import itertools
+    import random
+
+    n = len(differences)
+    if n == 0:
+        return 1.0, 1.0
+    observed = sum(differences) / n
+    if n <= 12:
+        means = [
+            sum(s * d for s, d in zip(signs, differences, strict=True)) / n
+            for signs in itertools.product((1, -1), repeat=n)
+        ]
+    else:
+        rng = random.Random(seed)
+        means = [sum(d if rng.random() < 0.5 else -d for d in differences) / n for _ in range(draws)]
+    low = sum(1 for m in means if m <= observed + 1e-12) / len(means)
+    high = sum(1 for m in means if m >= observed - 1e-12) / len(means)
+    return low, high
+
+
+def reward_values(rewards: dict, tokenizer_dir: str | None, messages: list[list[dict]], answers: list[str]) -> list:
+    """Each answer's weighted reward (None where no reward applies), scored as training scores completions: the
+    prompt as its message list, the answer as one assistant message, its token ids by the model's tokenizer."""
+    import math
+
+    from ladle.rewards import RewardSet, weighted_sum
+
+    reward_set = RewardSet.model_validate(rewards)
+    loaded = reward_set.loaded()
+    ids: list[list[int]] = [[] for _ in answers]
+    if tokenizer_dir:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        ids = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in answers]
+    import torch
+
+    completions = [[{"role": "assistant", "content": a}] for a in answers]
+    table = torch.full((len(answers), len(loaded)), float("nan"), dtype=torch.float32)
+    for j, reward in enumerate(loaded):
+        values = reward(messages, completions, ids, {}, None)
+        table[:, j] = torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
+    return [None if math.isnan(v) else float(v) for v in weighted_sum(loaded, table).tolist()]
+
+
+def by_reward(
+    rows: list[Replayed],
+    second: list[str] | None,
+    messages: list[list[dict]],
+    rewards: dict,
+    tokenizer_dir: str | None,
+    champion_version,
+    max_regression: float,
+    alpha: float,
+) -> ShadowResult:
+    """The replay scored by the run's rewards (``eval.metric: reward``): every request, no reference needed; a
+    paired sign-flip test of the challenger's reward minus the champion's."""
+    champ = reward_values(rewards, tokenizer_dir, messages, [r.champion for r in rows])
+    chall = reward_values(rewards, tokenizer_dir, messages, [r.challenger for r in rows])
+    for row, a, b in zip(rows, champ, chall, strict=True):
+        row.champion_reward, row.challenger_reward = a, b
+    scored = [r for r in rows if r.champion_reward is not None and r.challenger_reward is not None]
+    diffs = [r.challenger_reward - r.champion_reward for r in scored]
+    spread = 0.0
+    if second is not None and scored:
+        again = reward_values(rewards, tokenizer_dir, messages, second)
+        pairs = [(r.challenger_reward, g) for r, g in zip(rows, again, strict=True) if r in scored and g is not None]
+        if pairs:
+            spread = abs(sum(a - b for a, b in pairs) / len(pairs))
+    threshold = max(max_regression, spread)
+    agreement = sum(same(r.champion, r.challenger) for r in rows) / len(rows)
+    if not scored:
+        return ShadowResult(
+            champion_version=champion_version,
+            scorer="reward",
+            requests=len(rows),
+            scored=0,
+            spread=spread,
+            threshold=threshold,
+            agreement=round(agreement, 4),
+            regressed=False,
+            reason=f"shadow: {len(rows)} requests replayed, none the rewards apply to",
+        )
+    mean_a = sum(r.champion_reward for r in scored) / len(scored)
+    mean_b = sum(r.challenger_reward for r in scored) / len(scored)
+    p_worse, p_better = sign_flip_p(diffs)
+    regressed = mean_b - mean_a < -threshold and p_worse < alpha
+    improved = mean_b - mean_a > threshold and p_better < alpha
+    verdict = "regressed" if regressed else "better" if improved else "no significant difference"
+    shown_p = p_better if improved else p_worse
+    reason = (
+        f"shadow: {verdict} on {len(scored)} replayed requests scored by the rewards: challenger {mean_b:.4g} "
+        f"against champion {mean_a:.4g} (paired sign-flip p = {shown_p:.3g}, alpha {alpha:g}; threshold "
+        f"{threshold:.4g}, spread {spread:.4g})"
+    )
+    worst = sorted(
+        (r for r in scored if r.challenger_reward < r.champion_reward),
+        key=lambda r: r.challenger_reward - r.champion_reward,
+    )[:5]
+    return ShadowResult(
+        champion_version=champion_version,
+        scorer="reward",
+        requests=len(rows),
+        scored=len(scored),
+        champion=round(mean_a, 4),
+        challenger=round(mean_b, 4),
+        difference=round(mean_b - mean_a, 4),
+        wins=sum(1 for d in diffs if d > 0),
+        losses=sum(1 for d in diffs if d < 0),
+        p_value=p_worse,
         p_better=p_better,
         spread=round(spread, 4),
         threshold=round(threshold, 4),

@@ -141,3 +141,56 @@ def test_the_gate_holds_back_a_promotion_the_replay_says_regressed_and_promotes_
     assert gate.win_on_traffic(tied, ("champion v2", "shadow: better")) is tied  # another champion was replayed
     worse = tied.model_copy(update={"improvement": -0.01})
     assert gate.win_on_traffic(worse, ("champion v1", "shadow: better")) is worse  # the task may not get worse
+
+
+def test_a_grpo_run_scores_the_replay_by_its_rewards_with_a_paired_sign_flip_test(server, tiny_model, tmp_path):
+    """``eval.metric: reward``: every replayed request is scored by the run's rewards (no user reference needed),
+    the champion's logged answer against the challenger's, and the paired sign-flip test decides."""
+    import re
+
+    from ladle.config.training import RewardConfig
+    from ladle.lifecycle.shadow import sign_flip_p
+    from ladle.rewards import RewardSet
+
+    assert sign_flip_p([-1.0] * 8) == (pytest.approx(1 / 256), 1.0)
+    assert sign_flip_p([1.0, -1.0]) == (0.75, 0.75)
+    challenger = answers(server, PROMPTS, temperature=0)
+    store = tmp_path / "traffic"
+    champion_traffic(store, [(p, f"right-{i}", None) for i, p in enumerate(PROMPTS)])  # nobody judged them
+
+    def scored_by(pattern: str) -> dict:
+        rewards = RewardSet(rewards=[RewardConfig(fn="regex", args={"pattern": pattern})])
+        replay = plan(store).model_copy(
+            update={"scorer": "reward", "rewards": rewards.model_dump(), "tokenizer_dir": str(tiny_model)}
+        )
+        return replay.check(server.url, "tiny", {})
+
+    lost = scored_by("^right")  # the champion's answers score 1, the challenger's 0
+    assert (lost["scorer"], lost["scored"], lost["losses"], lost["regressed"]) == ("reward", 8, 8, True)
+    assert lost["p_value"] == pytest.approx(1 / 256) and lost["champion"] == 1.0 and lost["challenger"] == 0.0
+    assert lost["worst"][0]["champion_reward"] == 1.0 and lost["worst"][0]["challenger_reward"] == 0.0
+    won = scored_by("(?:" + "|".join(re.escape(a) for a in challenger) + r")\Z")
+    assert (won["wins"], won["improved"], won["regressed"]) == (8, True, False)
+    assert "paired sign-flip p" in won["reason"]
+
+
+def test_a_replay_the_rewards_cannot_score_is_refused_before_training_and_other_scorers_at_validation():
+    from types import SimpleNamespace
+
+    from ladle.config import build_config
+    from ladle.errors import ConfigError, LadleError
+    from ladle.tasks.deploy import shadow_plan
+
+    grpo = {
+        "base": "ladle://tiny-llama",
+        "data": {"path": "ladle://demo-prompts", "format": "prompt"},
+        "training": {"objective": "grpo", "rl": {"rewards": [{"fn": "exact_match", "args": {"column": "answer"}}]}},
+        "eval": {"metric": "reward"},
+        "promote": {"shadow": {"requests": 50}},
+    }
+    cfg = build_config(grpo, [])
+    inputs = SimpleNamespace(reward_columns=["answer"], reward_files={}, base_dir="/nowhere")
+    with pytest.raises(LadleError, match="the rewards read answer, which captured traffic does not carry"):
+        shadow_plan(cfg, inputs)
+    with pytest.raises(ConfigError, match="promote.shadow.requests = 50 with eval.metric = 'loss'"):
+        build_config({**grpo, "eval": {"metric": "loss"}}, [])
