@@ -341,6 +341,8 @@ def deployments_file(folder: Path, feedback_threshold: int | None = None, **serv
     if feedback_threshold is not None:
         on_feedback = next(d for d in spec["deployments"] if d["name"] == "tiny-cpu-on-feedback")
         on_feedback["triggers"][0]["threshold"] = feedback_threshold
+        if "artifact_store" in serving:  # its runs' outputs in the operator's store too
+            on_feedback["parameters"]["artifact_store"] = serving["artifact_store"]
     path = folder / "prefect.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path

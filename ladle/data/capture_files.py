@@ -12,6 +12,11 @@ import json
 import re
 from typing import Literal
 
+FEEDBACK_EVENT = "ladle.feedback.received"
+"""The Prefect event of each feedback a capturing server kept (once its file is written): a retraining deployment's
+trigger may count them (``threshold`` within a window) to retrain when users have said enough
+(deployments/prefect.yaml)."""
+
 INTERNAL_HEADER = "x-ladle-internal"
 """Sent (value ``1``) by ladle's own requests to a server (the smoke request, the shadow replay): no user asked
 them, so the capture keeps nothing of them."""

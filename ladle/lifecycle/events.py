@@ -14,7 +14,7 @@ Resource: ``ladle.model.<name>``, with labels ``ladle.model.name`` and ``ladle.m
 
 from __future__ import annotations
 
-from ladle.serve.capture import FEEDBACK_EVENT
+from ladle.data.capture_files import FEEDBACK_EVENT
 
 PROMOTED = "ladle.model.promoted"
 CANARY = "ladle.model.canary"

@@ -42,6 +42,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from ladle.data.capture_files import (  # noqa: F401 - the layout's readers, and the header of ladle's own requests
+    FEEDBACK_EVENT,
     INTERNAL_HEADER,
     newest_files,
     part_files,
@@ -377,11 +378,6 @@ class Recorder:
 
 def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
-
-
-FEEDBACK_EVENT = "ladle.feedback.received"
-"""The Prefect event of each feedback kept (once its file is written): a retraining deployment's trigger may count
-them (``threshold`` within a window) to retrain when users have said enough (deployments/prefect.yaml)."""
 
 
 def emit_feedback(records: list[str]) -> None:

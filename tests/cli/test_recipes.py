@@ -21,6 +21,7 @@ SHIPPED = [
     "qwen3-32b-zeropp",
     "smollm2-135m-cpu",
     "smollm2-135m-dpo-cpu",
+    "smollm2-135m-flywheel-cpu",
     "smollm2-135m-grpo-cpu",
     "tiny-cpu",
     "tiny-dpo-cpu",
