@@ -45,6 +45,12 @@ def slurm_config(tmp_path, max_steps: int = 4, **slurm):
     )
 
 
+# slow: make test proves each part of it: the real cluster's sbatch path and its cancellation
+# (test_a_cancelled_flow_run_cancels_its_slurm_job), the batch script's stop, checkpoint and requeue
+# (test_the_batch_script_told_to_stop_by_sigterm_waits_for_the_checkpoint_and_requeues), a run told to stop resuming
+# as if uninterrupted (tests/train/test_resume.py) and two nodes equal to one (tests/train/test_multinode.py); this
+# runs them together on the two-node cluster.
+@pytest.mark.slow
 def test_training_through_sbatch_on_two_nodes_told_to_stop_resumes_and_equals_the_local_run(slurm_env, tmp_path):
     """Through sbatch on two nodes, and told to stop the way Slurm warns a job before its time limit (SIGUSR1 to
     the job's steps, ``scancel --signal=USR1``): the ranks checkpoint their step, the job requeues itself, resumes
