@@ -59,9 +59,25 @@ def held_out_and_trained(known: traffic.RecipeData) -> tuple[str, str, str]:
 
 
 def write_traffic(store: Path, known: traffic.RecipeData) -> dict:
-    """What a served model heard over a day, written by the server's own recorder; returns the ids by case."""
+    """What a served model heard over a day, written by the server's own recorder, with a crash's leftovers beside
+    it; returns the cases."""
+    cases = write_traffic_to(str(store), known)
+    # What a crash or another tool may leave: a writer's temporary file and a torn line in a whole file.
+    day = next((store / "captures").iterdir())
+    part = next(day.rglob("part-*.jsonl"))
+    (part.parent / ".part-tmp-123.jsonl").write_text('{"torn": ')
+    part.write_text(part.read_text() + '{"id": "chatcmpl-torn", "rou\n')
+    (store / "feedback" / day.name).mkdir(parents=True, exist_ok=True)
+    (store / "feedback" / day.name / "part-h-1-1765100000000-000001.jsonl").write_text(
+        json.dumps({"response_id": "chatcmpl-elsewhere", "value": True, "at": "2026-12-07T11:00:00"}) + "\n"
+    )
+    return cases
+
+
+def write_traffic_to(url: str, known: traffic.RecipeData) -> dict:
+    """The day's requests and feedback, through the server's own recorder, into ``url`` (a folder or an fsspec URL)."""
     held, trained_prompt, trained_answer = held_out_and_trained(known)
-    rec = Recorder(CaptureSettings(enabled=True, flush_s=0.1), str(store), "tiny-cpu", "3")
+    rec = Recorder(CaptureSettings(enabled=True, flush_s=0.1), url, "tiny-cpu", "3")
     cases = {
         "liked": (record("Name a warm colour.", "red"), {"value": True}),
         "liked_again": (record("Name a warm colour.", "red"), {"value": True}),  # a duplicate of the first
@@ -82,15 +98,6 @@ def write_traffic(store: Path, known: traffic.RecipeData) -> dict:
             rec.feedback({"response_id": f"chatcmpl-{name}", "name": "user_feedback", **said})
     rec.close()
     assert rec.stopped is None
-    # What a crash or another tool may leave: a writer's temporary file and a torn line in a whole file.
-    day = next((store / "captures").iterdir())
-    part = next(day.rglob("part-*.jsonl"))
-    (part.parent / ".part-tmp-123.jsonl").write_text('{"torn": ')
-    part.write_text(part.read_text() + '{"id": "chatcmpl-torn", "rou\n')
-    (store / "feedback" / day.name).mkdir(parents=True, exist_ok=True)
-    (store / "feedback" / day.name / "part-h-1-1765100000000-000001.jsonl").write_text(
-        json.dumps({"response_id": "chatcmpl-elsewhere", "value": True, "at": "2026-12-07T11:00:00"}) + "\n"
-    )
     return cases
 
 
@@ -195,3 +202,25 @@ def test_a_run_learning_from_traffic_prepares_it_beside_the_recipes_data(recipe,
     tags = traffic_tags(report)
     assert tags["ladle.traffic.last_at"] == report.last_at and tags["ladle.traffic.requests"] == "11"
     assert with_traffic(cfg, traffic.curate(cfg, str(tmp_path / "none"), empty_ok=True)) is cfg  # nothing to add
+
+
+def test_traffic_in_s3_is_captured_curated_and_replayed_from_the_store(recipe, s3_server, monkeypatch):
+    """The capture, the curation and the shadow replay's reading of the newest requests, on an object store (a
+    moto S3 server on 127.0.0.1), as on a local folder."""
+    from ladle.lifecycle.shadow import last_requests
+    from ladle.platform import storage
+
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    cfg, _, known = recipe
+    cfg = cfg.model_copy(update={"output": "s3://ladle/flywheel"})
+    url = "s3://ladle/flywheel/traffic"
+    write_traffic_to(url, known)
+    report = traffic.curate(cfg, url)
+    assert report.requests == 11 and report.rows["sft"] == 4
+    assert report.folder.startswith("s3://ladle/flywheel/traffic-data/")
+    rows_text = storage.read_bytes(report.files["sft"]).decode()
+    assert "Name a cold colour." in rows_text and "hunter2" not in rows_text
+    taken = last_requests(url, "tiny-cpu", "3", 3)
+    assert [r["id"] for r, _ in taken] == ["chatcmpl-held_out", "chatcmpl-in_recipe", "chatcmpl-secret"]
+    assert taken[0][1]["correction"] == "right"  # with its latest feedback
