@@ -223,9 +223,62 @@ def shadow_check(
     return by_exact_match(rows, second, **common)
 
 
-def by_exact_match(
-    rows: list[Replayed], second: list[str] | None, champion_version, max_regression: float, alpha: float
+def settle(
+    rows: list[Replayed],
+    scored: list[Replayed],
+    scores: tuple[float, float] | None,
+    tests: tuple[int, int, float, float],
+    spread: float,
+    common: dict,
+    worst: list[Replayed],
+    words: dict[str, str],
 ) -> ShadowResult:
+    """The shared verdict: regressed (worse by more than the threshold, and significantly: ``p_worse`` below
+    alpha), better (the same the other way), or neither. ``scores``: the champion's and the challenger's figure on
+    the scored requests (None: none scored); ``tests``: (wins, losses, p_worse, p_better); ``words``: what the
+    requests were scored by (``by``), what none scored means (``none``), the test (``test``), how a figure is
+    written (``figure``)."""
+    threshold = max(common["max_regression"], spread)
+    agreement = sum(same(r.champion, r.challenger) for r in rows) / len(rows)
+    base = {
+        "champion_version": common["champion_version"],
+        "scorer": common["scorer"],
+        "requests": len(rows),
+        "scored": len(scored),
+        "spread": round(spread, 4),
+        "threshold": round(threshold, 4),
+        "agreement": round(agreement, 4),
+    }
+    test, figure = words["test"], words["figure"]
+    if scores is None:
+        return ShadowResult(**base, regressed=False, reason=f"shadow: {len(rows)} requests replayed, {words['none']}")
+    (champ, chall), (wins, losses, p_worse, p_better) = scores, tests
+    alpha = common["alpha"]
+    regressed = chall - champ < -threshold and p_worse < alpha
+    improved = chall - champ > threshold and p_better < alpha
+    verdict = "regressed" if regressed else "better" if improved else "no significant difference"
+    reason = (
+        f"shadow: {verdict} on {len(scored)} replayed requests {words['by']}: challenger "
+        f"{chall:{figure}} against champion {champ:{figure}} ({test} = {p_better if improved else p_worse:.3g}, "
+        f"alpha {alpha:g}; threshold {threshold:{figure}}, spread {spread:{figure}})"
+    )
+    return ShadowResult(
+        **base,
+        champion=round(champ, 4),
+        challenger=round(chall, 4),
+        difference=round(chall - champ, 4),
+        wins=wins,
+        losses=losses,
+        p_value=p_worse,
+        p_better=p_better,
+        regressed=regressed,
+        improved=improved,
+        reason=reason,
+        worst=worst,
+    )
+
+
+def by_exact_match(rows: list[Replayed], second: list[str] | None, **common) -> ShadowResult:
     """The replay scored against users' references, McNemar's exact test on the discordant pairs."""
     for row in rows:
         if row.reference is not None:
@@ -233,52 +286,29 @@ def by_exact_match(
     scored = [r for r in rows if r.reference is not None]
     wins = sum(1 for r in scored if r.challenger_ok and not r.champion_ok)
     losses = sum(1 for r in scored if r.champion_ok and not r.challenger_ok)
-    agreement = sum(same(r.champion, r.challenger) for r in rows) / len(rows)
     spread = abs(success(rows, [r.challenger for r in rows]) - success(rows, second)) if second and scored else 0.0
-    threshold = max(max_regression, spread)
     worst = [r for r in scored if r.champion_ok and not r.challenger_ok][:5]
-    if not scored:
-        return ShadowResult(
-            champion_version=champion_version,
-            requests=len(rows),
-            scored=0,
-            spread=spread,
-            threshold=threshold,
-            agreement=round(agreement, 4),
-            regressed=False,
-            reason=f"shadow: {len(rows)} requests replayed, none with a user's reference to score "
-            f"(agreement with the champion {agreement:.0%})",
+    scores = None
+    if scored:
+        scores = tuple(
+            sum(bool(getattr(r, side)) for r in scored) / len(scored) for side in ("champion_ok", "challenger_ok")
         )
-    champ = sum(bool(r.champion_ok) for r in scored) / len(scored)
-    chall = sum(bool(r.challenger_ok) for r in scored) / len(scored)
-    p, p_better = mcnemar_p(wins, losses), mcnemar_p(losses, wins)
-    regressed = chall - champ < -threshold and p < alpha
-    improved = chall - champ > threshold and p_better < alpha
-    verdict = "regressed" if regressed else "better" if improved else "no significant difference"
-    shown_p = p_better if improved else p
-    reason = (
-        f"shadow: {verdict} on {len(scored)} replayed requests with a reference: challenger {chall:.1%} against "
-        f"champion {champ:.1%} ({wins} won, {losses} lost, McNemar p = {shown_p:.3g}, alpha {alpha:g}; threshold "
-        f"{threshold:.1%}, spread {spread:.1%})"
-    )
-    return ShadowResult(
-        champion_version=champion_version,
-        requests=len(rows),
-        scored=len(scored),
-        champion=round(champ, 4),
-        challenger=round(chall, 4),
-        difference=round(chall - champ, 4),
-        wins=wins,
-        losses=losses,
-        p_value=p,
-        p_better=p_better,
-        spread=round(spread, 4),
-        threshold=round(threshold, 4),
-        agreement=round(agreement, 4),
-        regressed=regressed,
-        improved=improved,
-        reason=reason,
-        worst=worst,
+    agreement = sum(same(r.champion, r.challenger) for r in rows) / len(rows)
+    words = {
+        "by": "with a reference",
+        "none": f"none with a user's reference to score (agreement with the champion {agreement:.0%})",
+        "test": f"{wins} won, {losses} lost, McNemar p",
+        "figure": ".1%",
+    }
+    return settle(
+        rows,
+        scored,
+        scores,
+        (wins, losses, mcnemar_p(wins, losses), mcnemar_p(losses, wins)),
+        spread,
+        {**common, "scorer": "exact_match"},
+        worst,
+        words,
     )
 
 
@@ -336,9 +366,7 @@ def by_reward(
     messages: list[list[dict]],
     rewards: dict,
     tokenizer_dir: str | None,
-    champion_version,
-    max_regression: float,
-    alpha: float,
+    **common,
 ) -> ShadowResult:
     """The replay scored by the run's rewards (``eval.metric: reward``): every request, no reference needed; a
     paired sign-flip test of the challenger's reward minus the champion's."""
@@ -351,56 +379,23 @@ def by_reward(
     spread = 0.0
     if second is not None and scored:
         again = reward_values(rewards, tokenizer_dir, messages, second)
-        pairs = [(r.challenger_reward, g) for r, g in zip(rows, again, strict=True) if r in scored and g is not None]
+        pairs = [
+            (r.challenger_reward, g)
+            for r, g in zip(rows, again, strict=True)
+            if r.challenger_reward is not None and r.champion_reward is not None and g is not None
+        ]
         if pairs:
             spread = abs(sum(a - b for a, b in pairs) / len(pairs))
-    threshold = max(max_regression, spread)
-    agreement = sum(same(r.champion, r.challenger) for r in rows) / len(rows)
-    if not scored:
-        return ShadowResult(
-            champion_version=champion_version,
-            scorer="reward",
-            requests=len(rows),
-            scored=0,
-            spread=spread,
-            threshold=threshold,
-            agreement=round(agreement, 4),
-            regressed=False,
-            reason=f"shadow: {len(rows)} requests replayed, none the rewards apply to",
-        )
-    mean_a = sum(r.champion_reward for r in scored) / len(scored)
-    mean_b = sum(r.challenger_reward for r in scored) / len(scored)
-    p_worse, p_better = sign_flip_p(diffs)
-    regressed = mean_b - mean_a < -threshold and p_worse < alpha
-    improved = mean_b - mean_a > threshold and p_better < alpha
-    verdict = "regressed" if regressed else "better" if improved else "no significant difference"
-    shown_p = p_better if improved else p_worse
-    reason = (
-        f"shadow: {verdict} on {len(scored)} replayed requests scored by the rewards: challenger {mean_b:.4g} "
-        f"against champion {mean_a:.4g} (paired sign-flip p = {shown_p:.3g}, alpha {alpha:g}; threshold "
-        f"{threshold:.4g}, spread {spread:.4g})"
-    )
     worst = sorted(
         (r for r in scored if r.challenger_reward < r.champion_reward),
         key=lambda r: r.challenger_reward - r.champion_reward,
     )[:5]
-    return ShadowResult(
-        champion_version=champion_version,
-        scorer="reward",
-        requests=len(rows),
-        scored=len(scored),
-        champion=round(mean_a, 4),
-        challenger=round(mean_b, 4),
-        difference=round(mean_b - mean_a, 4),
-        wins=sum(1 for d in diffs if d > 0),
-        losses=sum(1 for d in diffs if d < 0),
-        p_value=p_worse,
-        p_better=p_better,
-        spread=round(spread, 4),
-        threshold=round(threshold, 4),
-        agreement=round(agreement, 4),
-        regressed=regressed,
-        improved=improved,
-        reason=reason,
-        worst=worst,
-    )
+    scores = None
+    if scored:
+        scores = tuple(
+            sum(getattr(r, side) for r in scored) / len(scored) for side in ("champion_reward", "challenger_reward")
+        )
+    tests = (sum(1 for d in diffs if d > 0), sum(1 for d in diffs if d < 0), *sign_flip_p(diffs))
+    words = {"by": "scored by the rewards", "none": "none the rewards apply to", "test": "paired sign-flip p"}
+    words["figure"] = ".4g"
+    return settle(rows, scored, scores, tests, spread, {**common, "scorer": "reward"}, worst, words)
