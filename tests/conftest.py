@@ -265,3 +265,11 @@ def s3_server():
             time.sleep(0.3)
     yield env
     stop_process(proc)
+
+
+@pytest.fixture(scope="session")
+def tool_caller(tmp_path_factory) -> Path:
+    """A tiny model taught to call the calculator, with a Hermes template (``tests/agents/tool_caller.py``)."""
+    from tests.agents.tool_caller import teach
+
+    return teach(tmp_path_factory.mktemp("tool-caller") / "model")

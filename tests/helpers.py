@@ -189,13 +189,13 @@ def offline_greedy(model_dir, messages, max_new_tokens):
 def train_spec(cfg, root: Path, run: str = "run", topo=None):
     """A ``TrainSpec`` for ``cfg``: planned for ``topo`` (default: this machine as a CPU host), its
     dataset prepared under ``root``, its outputs under ``root/run``."""
-    from ladle.assets import resolve_base
     from ladle.data.prepare import prepare
     from ladle.machine.topology import probe
+    from ladle.plan.inputs import base_dir_of
     from ladle.plan.planner import make_plan
     from ladle.train.spec import TrainSpec
 
-    base = resolve_base(cfg.base, cfg.training.dtype)
+    base = base_dir_of(cfg)  # the run's base folder: with the config's chat_template, where it has one
     model = json.loads((base / "config.json").read_text(encoding="utf-8"))
     plan = make_plan(cfg, topo or probe(env={}, query_output=""), model=model)
     dataset = prepare(cfg.data, base, str(root), objective=cfg.training.objective)

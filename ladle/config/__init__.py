@@ -94,6 +94,13 @@ class LadleConfig(Section):
         "`models:/my-sft@champion`: a preference-tuning run starting from the supervised champion) or "
         "`models:/NAME/VERSION`, resolved once per run and recorded with it (`ladle.base_version`)."
     )
+    chat_template: str | None = Field(
+        None,
+        description="A chat template that replaces the base's: a Jinja file (local path or fsspec URL) or a shipped "
+        "one, `ladle://templates/chatml-tools` (ChatML with Hermes tool calls, for ChatML models such as SmolLM2 "
+        "whose own template renders no tools). Preparation and training render with it, and the trained model is "
+        "saved, evaluated and served with it. null: the base's own.",
+    )
     task: Literal["sft"] = Field("sft", description="Training task: supervised fine-tuning.")
     data: DataConfig = Field(description="Dataset and preparation.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation.")
@@ -519,6 +526,11 @@ def rl_problems(t) -> list[str]:
     """What is wrong with ``training.rl`` for ``training.objective: grpo`` (nothing for other objectives)."""
     rl = t.rl
     if t.objective != "grpo":
+        if rl.environment:
+            return [
+                f"training.rl.environment = {rl.environment!r} with training.objective = {t.objective}: an agent's "
+                "episodes are rolled out and rewarded online; set training.objective=grpo (or remove the environment)"
+            ]
         return []
     problems = []
     if not rl.rewards:

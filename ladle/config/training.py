@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, create_model, field_validator, model_validator
 
 from ladle import strategies
+from ladle.config.rl import BUILTIN_REWARDS, EpisodeConfig, RewardConfig, RLConfig  # noqa: F401 (re-exported)
 from ladle.section import Section
 
 MAX_GPU_COUNT = 128
@@ -353,118 +354,6 @@ class PreferenceConfig(Section):
         "layers and attention dropout), as TRL's DPOConfig does by default: the reference is scored without "
         "dropout, and a policy with it would compare noisy log-probabilities against it.",
     )
-
-
-BUILTIN_REWARDS = ("exact_match", "json_schema", "regex", "length")
-"""Rewards ladle ships (``ladle.rewards``), named in ``training.rl.rewards`` by these names."""
-
-
-class RewardConfig(Section):
-    """One reward function of ``training.rl.rewards``: a TRL-style callable, or one of ladle's built-ins."""
-
-    fn: str = Field(
-        description="`path/to/file.py:function` (the file travels with the run), `package.module:function`, or a "
-        "built-in: `exact_match` (the completion, stripped, equals a column; `column`), `json_schema` (the "
-        "completion parses as JSON and validates against `schema`, or the JSON schema in a column), `regex` (the "
-        "completion matches `pattern` from its start), `length` (-(tokens beyond `max_tokens`) / max_tokens, 0 "
-        "within it). A function is called as TRL calls it: `fn(prompts=..., completions=..., "
-        "completion_ids=..., **columns)`, returning one float (or None: not applicable) per completion."
-    )
-    weight: float = Field(1.0, description="Weight of this reward in the sum each completion is scored by.")
-    args: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Built-ins' settings: exact_match {column}; json_schema {schema | column}; regex {pattern}; "
-        "length {max_tokens}. Empty for a user function.",
-    )
-
-
-class RLConfig(Section):
-    """Online reinforcement learning from checkable rewards (``training.objective: grpo``): the group of
-    completions sampled per prompt by ladle's own batching engine on the policy's live weights, the rewards
-    that score them, and the loss. Defaults are TRL 1.16's ``GRPOConfig``'s."""
-
-    num_generations: int = Field(
-        8, ge=1, le=1024, description="Completions sampled per prompt (the group whose rewards are compared)."
-    )
-    max_completion_tokens: int = Field(
-        512, ge=1, le=131072, description="Tokens sampled per completion at most (TRL's max_completion_length)."
-    )
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature of the rollouts.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of the rollouts. 1: off.")
-    top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens only. 0: off.")
-    loss: Literal["grpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
-        "dapo",
-        description="As TRL defines them. grpo: each completion's token mean, then the mean over completions; "
-        "dr_grpo: tokens summed over (completions x max_completion_tokens); dapo: the token mean over the whole "
-        "step; cispo: the clipped importance weight (not its gradient) times the log-probability (MiniMax-M1); "
-        "sapo: a sigmoid-softened trust region instead of clipping. TRL's bnpo normalises by each process's "
-        "micro-batch and so changes with the world size; dapo is its step-wide form.",
-    )
-    importance_sampling: Literal["token", "sequence"] = Field(
-        "token",
-        description="token: a ratio per token (GRPO); sequence: the completion's mean log-ratio as one ratio for "
-        "all its tokens (GSPO).",
-    )
-    beta: float = Field(
-        0.0, ge=0.0, le=100.0, description="Weight of the KL to the reference (k3 estimator). 0: no reference pass."
-    )
-    epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="Lower clipping bound: ratios below 1 - epsilon clip.")
-    epsilon_high: float | None = Field(
-        None, gt=0.0, description="Upper clipping bound (DAPO's clip-higher; cispo: the ratio cap). null: epsilon."
-    )
-    sapo_temperature_pos: float = Field(1.0, gt=0.0, description="sapo: softness for positive advantages.")
-    sapo_temperature_neg: float = Field(1.05, gt=0.0, description="sapo: softness for negative advantages.")
-    num_iterations: int = Field(
-        1, ge=1, le=64, description="Policy updates per batch of rollouts (TRL's mu); above 1 the ratios move."
-    )
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group",
-        description="Advantages = reward - its group's mean, divided by the group's standard deviation (group), "
-        "the whole step's (batch), or not divided (none, Dr. GRPO).",
-    )
-    rewards: list[RewardConfig] = Field(
-        default_factory=list,
-        description="Reward functions, summed with their weights. A bare string is {fn: STRING}.",
-    )
-    merge_for_rollouts: bool | None = Field(
-        None,
-        description="LoRA: the engine samples with each adapted layer's weight and its adapter summed into one "
-        "matrix, made afresh from the live tensors at each step's rollouts and freed after (the adapter's two "
-        "extra products a layer cost a quarter of a decode step on a CPU); it holds a copy of the adapted "
-        "weights meanwhile. null: on where the plan fits with that copy, off where it does not (the plan says "
-        "which, in GiB). Full fine-tunes have nothing to merge.",
-    )
-    probe_every: int = Field(
-        5,
-        ge=0,
-        description="Steps between checks of the general-ability probe (eval.probe) on the live policy during "
-        "training: its trend goes to the report and MLflow (`probe`), and probe_guard acts on it. 0: no checks "
-        "during training (the evaluation stage still gates on it).",
-    )
-    probe_guard: Literal["restore", "report"] = Field(
-        "restore",
-        description="With eval.probe and promote.max_probe_drop: restore: a check that finds the probe more than "
-        "max_probe_drop below its start ends the run with the adapter of the last check within it (LoRA under ddp, "
-        "zero1, zero2; elsewhere the run ends at the breach, which the gate then refuses); report: only reported.",
-    )
-    logprob_check_every: int = Field(
-        1,
-        ge=0,
-        description="Steps between checks of the sampler against the trainer: the engine's log-probabilities of "
-        "the tokens it sampled beside the training forward's on the same tokens, logged as rollout_logprob_gap "
-        "(the largest absolute difference). 0: never.",
-    )
-
-    @field_validator("rewards", mode="before")
-    @classmethod
-    def _strings_are_functions(cls, value: object) -> object:
-        if isinstance(value, list):
-            return [{"fn": item} if isinstance(item, str) else item for item in value]
-        return value
-
-    @property
-    def clip_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 class TrainingConfig(Section):

@@ -201,6 +201,8 @@ def reward_score(model_dir: Path, rows: list[dict], rewards, batch_size: int) ->
     from ladle.data.tokenize import stop_ids
 
     model, tokenizer, device = load_model(model_dir)
+    if rewards.environment:
+        return episode_score(model, tokenizer, device, rows, rewards, batch_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stops = stop_ids(model, tokenizer)  # training's engine's rule: a completion ends at, and keeps, its EOS
     completions: list[list[int]] = []
@@ -232,6 +234,31 @@ def reward_score(model_dir: Path, rows: list[dict], rewards, batch_size: int) ->
         values={"reward": round(float(kept.mean()), 4) if len(kept) else 0.0},
         total=len(rows),
         answers=[reward_fns.text_of(t) for t in texts[:5]],
+    )
+
+
+def episode_score(model, tokenizer, device, rows: list[dict], rewards, batch_size: int) -> Score:
+    """An agent's ``reward``: one greedy episode per held-out prompt, run as training runs them (ladle's engine,
+    the template's tool format, the tools in their host), scored by the run's rewards on the whole episode."""
+    import torch
+
+    from ladle import rewards as reward_fns
+    from ladle.agents import environments, episodes
+
+    env = environments.load(rewards.environment, rewards.files)
+    ep = rewards.episode
+    settings = episodes.Settings(ep.max_turns, rewards.max_completion_tokens, ep.max_tool_result_tokens)
+    done = episodes.held_out(model, tokenizer, device, rows, env, settings, ep, batch_size)
+    scored = [{**r, "ids": e.prompt_ids} for r, e in zip(rows, done, strict=True)]
+    records = [e.record() for e in done]
+    loaded = rewards.loaded()
+    table = reward_fns.table(loaded, tokenizer, scored, [e.ids for e in done], episodes=records)
+    summed = reward_fns.weighted_sum(loaded, table)
+    kept = summed[~torch.isnan(summed)]
+    return Score(
+        values={"reward": round(float(kept.mean()), 4) if len(kept) else 0.0},
+        total=len(rows),
+        answers=[reward_fns.text_of(r["messages"]) for r in records[:5]],
     )
 
 
@@ -369,6 +396,8 @@ def model_key(
         from ladle.rewards import digest as rewards_digest
 
         digest.update(f"{rewards_digest(rewards.files, rewards.rewards)}/{rewards.max_completion_tokens}".encode())
+        if rewards.environment:  # the episodes' environment and limits decide it too
+            digest.update(f"{rewards.environment}/{rewards.episode.model_dump_json()}".encode())
     return digest.hexdigest()[:24]
 
 

@@ -32,6 +32,11 @@ def parts(cfg: LadleConfig, data_fingerprint: str, base_dir: Path) -> dict:
         from ladle import rewards
 
         found["rewards"] = rewards.digest(rewards.bundle(cfg.training.rl.rewards), cfg.training.rl.rewards)
+        if cfg.training.rl.environment:  # the environment's file, as the rewards' files
+            from ladle.agents import environments
+
+            entry = cfg.training.rl.environment
+            found["environment"] = environments.digest(entry, environments.bundle(entry))
     return found
 
 

@@ -84,6 +84,8 @@ def resolve_inputs(cfg: LadleConfig) -> RunInputs:
 
         reward_files = rewards.bundle(cfg.training.rl.rewards)
         columns = rewards.columns_needed(cfg.training.rl.rewards, reward_files)
+        if cfg.training.rl.environment:
+            reward_files.update(check_environment(cfg.training.rl.environment, base))
     uri, artifacts = tracking.tracking_uri(cfg)
     return RunInputs(
         base_dir=str(base),
@@ -100,6 +102,31 @@ def resolve_inputs(cfg: LadleConfig) -> RunInputs:
         registered_model=cfg.tracking.registered_model or cfg.name,
         base_version=f"{version.name} v{version.version}" if version else None,
     )
+
+
+def check_environment(entry: str, base: Path) -> dict[str, str]:
+    """The agent's environment loaded and its tools described, and the chat template able to carry tool calls,
+    before anything trains; its file's text (to travel with the run's rewards).
+
+    Raises:
+        LadleError: the environment or the template cannot serve episodes (naming the field and the fix).
+    """
+    from transformers import AutoTokenizer
+
+    from ladle.agents import environments
+    from ladle.serve.tools import ToolError, format_of
+
+    files = environments.bundle(entry)
+    environments.load(entry, files)
+    template = AutoTokenizer.from_pretrained(base).chat_template
+    try:
+        format_of(template)
+    except ToolError as exc:
+        raise LadleError(
+            f"training.rl.environment = {entry!r} with base's chat template: {exc}. Set chat_template to one "
+            "that does (ladle://templates/chatml-tools for ChatML models such as SmolLM2)."
+        ) from None
+    return files
 
 
 REGISTERED = "models:/"
@@ -150,8 +177,10 @@ def base_dir_of(cfg: LadleConfig, version=None) -> Path:
     ``resolve_base``'s."""
     if version is None and cfg.base.startswith(REGISTERED):
         version = registered_version(cfg)
+    from ladle.assets.templates import with_template
+
     if version is None:
-        return resolve_base(cfg.base, cfg.training.dtype)
+        return with_template(resolve_base(cfg.base, cfg.training.dtype), cfg.chat_template)
     from ladle.lifecycle.copies import full_model_dir_of
 
     folder = full_model_dir_of(version)
@@ -161,7 +190,7 @@ def base_dir_of(cfg: LadleConfig, version=None) -> Path:
             "(no config.json). Point base at another version, or at a model folder.",
             exit_code=1,
         )
-    return folder
+    return with_template(folder, cfg.chat_template)
 
 
 def check_inputs(cfg: LadleConfig, version=None) -> dict:

@@ -302,7 +302,7 @@ def rollout_parts(cfg: LadleConfig, model: dict, target: Target, local: int) -> 
     from ladle.sizing import params
 
     t = cfg.training
-    width = cfg.data.seq_len + t.rl.max_completion_tokens
+    width = cfg.data.seq_len + t.rl.completion_budget
     layers = int(model.get("num_hidden_layers") or 0)
     heads = int(model.get("num_key_value_heads") or model.get("num_attention_heads") or 0)
     head_dim = int(
@@ -318,7 +318,7 @@ def rollout_parts(cfg: LadleConfig, model: dict, target: Target, local: int) -> 
         # the logits, scaled by the temperature, their log-softmax and probabilities (float32) and running sums
         # (float64) that the draw reads (``ladle.serve.engine.plain_rollouts``)
         "logits": local * int(model.get("vocab_size") or 0) * (4 * 4 + 8),
-        "buffers": local * t.rl.max_completion_tokens * 4 * (1 + (t.rl.num_iterations > 1) + (t.rl.beta > 0)),
+        "buffers": local * t.rl.completion_budget * 4 * (1 + (t.rl.num_iterations > 1) + (t.rl.beta > 0)),
     }
 
 
@@ -345,7 +345,7 @@ def grpo_rows(cfg: LadleConfig, micro: int) -> dict[str, int]:
     group = max(t.rl.num_generations, 1)
     shared = 0 if t.gradient_checkpointing is True else min(micro, -(-micro // group) + (micro % group != 0))
     return {
-        "completion_tokens": t.rl.max_completion_tokens,
+        "completion_tokens": t.rl.completion_budget,
         "shared_prompts": shared,
         "frozen_reference": not t.lora.enabled and t.rl.beta > 0,
     }
@@ -358,7 +358,7 @@ def row_tokens(cfg: LadleConfig) -> int:
     if t.objective in ("dpo", "kto"):  # two sides: a pair's, or a judged answer's and its KL side's
         return 2 * cfg.data.seq_len
     if t.objective == "grpo":
-        return cfg.data.seq_len + t.rl.max_completion_tokens
+        return cfg.data.seq_len + t.rl.completion_budget
     return cfg.data.seq_len
 
 

@@ -156,10 +156,10 @@ def rollout_memory(cfg: LadleConfig, target: Target, model: dict, local: int, mi
         return "rollout memory: not sized (the base's config.json lacks the shape)"
     parts = rollout_parts(cfg, model, target, local)
     layers = int(model.get("num_hidden_layers") or 0)
-    logits = micro * (rl.max_completion_tokens + 1) * shape.vocab * 4 * 2  # the logits and their log-softmax
+    logits = micro * (rl.completion_budget + 1) * shape.vocab * 4 * 2  # the logits and their log-softmax
     return (
         f"rollout memory per rank: KV cache {sizing.gib(parts['kv'])} ({local} completions x "
-        f"{cfg.data.seq_len + rl.max_completion_tokens} tokens x {layers} layers), sampling logits "
+        f"{cfg.data.seq_len + rl.completion_budget} tokens x {layers} layers), sampling logits "
         f"{sizing.gib(parts['logits'])}, log-probability buffers {sizing.gib(parts['buffers'])}; completion logits "
         f"{sizing.gib(logits)} per update micro-batch"
     )

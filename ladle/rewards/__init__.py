@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from ladle.config.training import BUILTIN_REWARDS, RewardConfig
+from ladle.config.training import BUILTIN_REWARDS, EpisodeConfig, RewardConfig
 from ladle.errors import LadleError
 
 
@@ -39,6 +39,8 @@ class RewardSet(BaseModel):
     rewards: list[RewardConfig]
     files: dict[str, str] = {}
     max_completion_tokens: int = 512
+    environment: str | None = None  # an agent's (training.rl.environment): the evaluation runs episodes
+    episode: EpisodeConfig = EpisodeConfig()
 
     def loaded(self) -> list[Reward]:
         return load_all(self.rewards, self.files)
@@ -49,7 +51,13 @@ class RewardSet(BaseModel):
         if training.objective != "grpo":
             return None
         rl = training.rl
-        return cls(rewards=rl.rewards, files=files, max_completion_tokens=rl.max_completion_tokens)
+        return cls(
+            rewards=rl.rewards,
+            files=files,
+            max_completion_tokens=rl.max_completion_tokens,
+            environment=rl.environment,
+            episode=rl.episode,
+        )
 
 
 class RewardError(LadleError):
@@ -274,7 +282,9 @@ def accepted(entry: str, fn: Callable) -> tuple[bool, frozenset[str], frozenset[
     return any_kw, named, frozenset(required)
 
 
-PASSED = frozenset({"prompts", "completions", "completion_ids", "trainer_state"})  # what ladle passes, not columns
+PASSED = frozenset(
+    {"prompts", "completions", "completion_ids", "trainer_state", "episodes"}
+)  # what ladle passes, not columns
 
 
 def columns_needed(cfg_rewards: list[RewardConfig], files: dict[str, str]) -> list[str] | None:
@@ -302,16 +312,33 @@ def completions_of(tokenizer, rows: list[dict], completion_ids: list[list[int]])
     ]
 
 
-def table(loaded: list[Reward], tokenizer, rows: list[dict], completion_ids: list[list[int]], state=None):
+def table(
+    loaded: list[Reward],
+    tokenizer,
+    rows: list[dict],
+    completion_ids: list[list[int]],
+    state=None,
+    episodes: list[dict] | None = None,
+):
     """``[completions, rewards]`` (a float32 tensor): each reward's value on the completions of ``rows`` (each row
     a prepared prompt row: its prompt and columns), NaN where it does not apply. ``state``: what a reward taking
-    TRL's ``trainer_state`` receives (``trainer_state(step, steps)``), None outside training."""
+    TRL's ``trainer_state`` receives (``trainer_state(step, steps)``), None outside training.
+
+    ``episodes`` (an agent's, ``ladle.agents.episodes``): each completion is then its episode's messages after
+    the prompt (the assistant's turns with their ``tool_calls``, the tool results), as TRL hands a tool-using
+    completion to rewards, and a reward naming ``episodes`` receives each episode's record (its turns, calls,
+    results and how it ``ended``)."""
     import torch
 
     prompts = [row["prompt"] for row in rows]
-    completions = completions_of(tokenizer, rows, completion_ids)
+    if episodes is None:
+        completions = completions_of(tokenizer, rows, completion_ids)
+    else:
+        completions = [episode["messages"] for episode in episodes]
     names = sorted({k for row in rows for k in row.get("columns", {})})
     columns = {k: [row.get("columns", {}).get(k) for row in rows] for k in names}
+    if episodes is not None:
+        columns["episodes"] = episodes
     out = torch.full((len(rows), len(loaded)), float("nan"), dtype=torch.float32)
     for j, reward in enumerate(loaded):
         values = reward(prompts, completions, completion_ids, columns, state)
@@ -340,10 +367,12 @@ def weighted_sum(loaded: list[Reward], values):
 
 
 def text_of(completion) -> str:
-    """A completion's text: a string, or the content of a one-turn assistant message list."""
+    """A completion's text: a string, or the content of the last assistant turn of a message list (an agent's
+    episode: its final answer, after its tool calls and their results)."""
     if isinstance(completion, str):
         return completion
-    return "".join(str(turn.get("content") or "") for turn in completion)
+    answers = [turn for turn in completion if turn.get("role", "assistant") == "assistant"]
+    return str(answers[-1].get("content") or "") if answers else ""
 
 
 def builtin(reward: RewardConfig) -> Callable:

@@ -60,10 +60,27 @@ class Rollouts:
     old_logps: torch.Tensor | None = None  # [completions, width]: where num_iterations > 1
     ref_logps: torch.Tensor | None = None  # [completions, width]: where beta > 0
     stats: dict = field(default_factory=dict)
+    masks: list[list[int]] | None = None  # an agent's episodes: 1 on the model's tokens, 0 on the tools' blocks
+    episodes: list[dict] | None = None  # an agent's episodes' records (``ladle.agents.episodes.Episode.record``)
 
     @property
     def tokens(self) -> int:
+        """The tokens the model wrote (an episode's tool blocks are not counted)."""
+        if self.masks is not None:
+            return sum(sum(m) for m in self.masks)
         return sum(len(c) for c in self.completion_ids)
+
+    def loss_mask(self, rows: list[int], cmask: torch.Tensor) -> torch.Tensor:
+        """``cmask`` (the completions' real tokens) times the episodes' masks: where the loss applies (TRL's
+        ``completion_mask * tool_mask``)."""
+        if self.masks is None:
+            return cmask
+        tool = torch.zeros_like(cmask)
+        for r, i in enumerate(rows):
+            m = self.masks[i][: cmask.shape[1]]
+            if m:
+                tool[r, : len(m)] = torch.tensor(m, dtype=cmask.dtype)
+        return cmask * tool
 
 
 def step_prompts(step: int, prompts: int, per_step: int, seed: int) -> list[int]:
@@ -162,7 +179,7 @@ def seed_of(*parts: int) -> int:
 def score(loaded: list[reward_fns.Reward], tokenizer, ro: Rollouts, state=None) -> torch.Tensor:
     """``[completions, rewards]``: each reward's value (NaN where it does not apply) on this rank's completions
     (``state``: TRL's ``trainer_state``, ``reward_fns.trainer_state``)."""
-    return reward_fns.table(loaded, tokenizer, ro.rows, ro.completion_ids, state)
+    return reward_fns.table(loaded, tokenizer, ro.rows, ro.completion_ids, state, ro.episodes)
 
 
 def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -361,7 +378,7 @@ def reduce(loss: torch.Tensor, cmask: torch.Tensor, rl: RLConfig, completions: i
     if rl.loss in ("grpo", "sapo"):
         return ((loss * cmask).sum(-1) / cmask.sum(-1).clamp(min=1.0)).sum() / completions
     if rl.loss == "dr_grpo":
-        return (loss * cmask).sum() / (completions * rl.max_completion_tokens)
+        return (loss * cmask).sum() / (completions * rl.completion_budget)
     return (loss * cmask).sum() / max(tokens, 1)  # dapo, cispo
 
 

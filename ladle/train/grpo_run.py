@@ -14,6 +14,7 @@ import math
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from accelerate import Accelerator
@@ -24,7 +25,17 @@ from ladle.data import prompts as prompt_data
 from ladle.platform import storage
 from ladle.serve.engine import Engine
 from ladle.serve.rows import Job
-from ladle.train import checkpoint, common, grpo, grpo_probe, kernels, loading, packed_completions, schedule
+from ladle.train import (
+    checkpoint,
+    common,
+    grpo,
+    grpo_agent,
+    grpo_probe,
+    kernels,
+    loading,
+    packed_completions,
+    schedule,
+)
 from ladle.train.runtime.base import runtime_for
 from ladle.train.spec import TrainResult, TrainSpec
 
@@ -59,6 +70,7 @@ class RLSession:
     reward_last: float = math.nan
     gap_max: float = 0.0
     kl_last: float = math.nan
+    agent: grpo_agent.Agent | None = None  # training.rl.environment: episodes through the tool host
 
     RESUMED = ("reward_first", "reward_last", "gap_max", "kl_last")  # what a checkpoint keeps of the figures
 
@@ -84,6 +96,19 @@ def setup(spec: TrainSpec) -> RLSession:
     common.warm_imports(runtime)
     torch.manual_seed(cfg.training.seed)
     loaded_rewards = reward_fns.load_all(rl.rewards, spec.reward_files)
+    tokenizer = AutoTokenizer.from_pretrained(spec.base_dir)
+    agent = grpo_agent.start(rl, spec.reward_files, tokenizer)  # checked, its host started, before any weight loads
+    try:
+        return setup_with(spec, accelerator, runtime, loaded_rewards, tokenizer, agent)
+    except BaseException:
+        if agent is not None:
+            agent.close()
+        raise
+
+
+def setup_with(spec: TrainSpec, accelerator, runtime, loaded_rewards, tokenizer, agent) -> RLSession:
+    plan, cfg = spec.plan, spec.config
+    rl = cfg.training.rl
     train = prompt_data.read_split(spec.dataset.url, spec.dataset.shards["train"])
     evals = prompt_data.read_split(spec.dataset.url, spec.dataset.shards.get("eval", []))
     per_step = plan.global_batch_size // rl.num_generations
@@ -119,7 +144,6 @@ def setup(spec: TrainSpec) -> RLSession:
         not grpo.shares_prompts(plan),
     )
     sharding = runtime.check_applied(accelerator, model, plan)
-    tokenizer = AutoTokenizer.from_pretrained(spec.base_dir)
     local = plan.global_batch_size // accelerator.num_processes
     engine = Engine(policy, tokenizer, plan.device if plan.device == "cpu" else accelerator.device, local, thread=False)
     common.release_freed_memory(accelerator)
@@ -151,22 +175,24 @@ def setup(spec: TrainSpec) -> RLSession:
         baseline,
         packed,
     )
+    s.agent = agent
     s.probe = grpo_probe.watch_for(cfg, tokenizer, plan.strategy)
     if state:
         s.losses, s.eval_before = list(state.losses), state.eval_before
         for name in RLSession.RESUMED:
             setattr(s, name, float(state.extra.get(name, getattr(s, name))))
     else:
-        s.eval_before = -held_out_reward(s)
+        s.eval_before = -held_out_reward(s, "heldout-before.jsonl")
         log({"eval_reward": -s.eval_before}, 0)
     if s.probe is not None:  # a resumed run's start is the resumed weights' probe (the report says from which step)
         grpo_probe.check(s, s.probe, s.start, lambda: rollout_weights(s))
     return s
 
 
-def held_out_reward(s: RLSession) -> float:
-    """The mean weighted reward of one greedy completion per held-out prompt (every rank's share gathered); NaN
-    without held-out prompts."""
+def held_out_reward(s: RLSession, log_as: str | None = None) -> float:
+    """The mean weighted reward of one greedy completion (an agent's: one greedy episode) per held-out prompt
+    (every rank's share gathered); NaN without held-out prompts. ``log_as``: the agent's episode log to keep them
+    in."""
     from accelerate.utils import gather_object
 
     acc, rl = s.accelerator, s.spec.config.training.rl
@@ -175,16 +201,25 @@ def held_out_reward(s: RLSession) -> float:
     mine = s.evals[acc.process_index :: acc.num_processes]
     values: list[float] = []
     jobs = [Job(ids=list(row["ids"]), max_new_tokens=rl.max_completion_tokens) for row in mine]
+    records: list[dict] | None = None
     with runtime_for(s.spec.plan.strategy).whole_weights(acc, s.model), sampling_weights(s):  # every rank enters
         s.policy.eval()
-        s.engine.run(jobs)
+        if s.agent is not None:
+            mine, completed, records = grpo_agent.greedy(s.agent, s.engine, s.tokenizer, mine, rl)
+        else:
+            s.engine.run(jobs)
+            # Scored as the rollouts are (and as the evaluation's gate is): the completion with the EOS that ended it.
+            completed = [job.tokens + ([job.stop_token] if job.stop_token is not None else []) for job in jobs]
         s.policy.train()
     if mine:
-        # Scored as the rollouts are (and as the evaluation's gate is): the completion with the EOS that ended it.
-        completed = [job.tokens + ([job.stop_token] if job.stop_token is not None else []) for job in jobs]
-        table = reward_fns.table(s.rewards, s.tokenizer, mine, completed)
+        table = reward_fns.table(s.rewards, s.tokenizer, mine, completed, episodes=records)
         summed = reward_fns.weighted_sum(s.rewards, table)
         values = [v for v in summed.tolist() if not math.isnan(v)]
+        if records is not None and log_as:
+            records = grpo_agent.with_rewards(records, summed)
+    if records is not None and log_as:
+        logs = gather_object([records]) if acc.num_processes > 1 else [records]
+        s.agent.logs[log_as] = [r for part in logs for r in part]
     every = gather_object([values]) if acc.num_processes > 1 else [values]
     flat = [v for part in every for v in part]
     return sum(flat) / len(flat) if flat else math.nan
@@ -201,8 +236,12 @@ def rollout(s: RLSession, step: int) -> tuple[grpo.Rollouts, slice, torch.Tensor
     mine = grpo.local_slice(len(every), acc.process_index, acc.num_processes)
     s.policy.eval()  # no dropout while sampling; the engine runs under no_grad
     with runtime_for(plan.strategy).whole_weights(acc, s.model), sampling_weights(s):  # gathered: ZeRO-3, FSDP2
-        seeds = grpo.seeds_for(cfg.training.seed, step, range(mine.start, mine.stop))
-        ro = grpo.sample(s.engine, every[mine], rl, seeds)
+        if s.agent is not None:  # each turn's seed from (run seed, step, completion, turn)
+            seed = partial(episode_seed, cfg.training.seed, step, mine.start)
+            ro = grpo_agent.sample(s.agent, s.engine, s.tokenizer, every[mine], rl, seed, mine.start)
+        else:
+            seeds = grpo.seeds_for(cfg.training.seed, step, range(mine.start, mine.stop))
+            ro = grpo.sample(s.engine, every[mine], rl, seeds)
     s.policy.train()
     table = grpo.score(s.rewards, s.tokenizer, ro, reward_fns.trainer_state(step, s.steps))
     gathered = acc.gather(table.to(acc.device)).cpu() if acc.num_processes > 1 else table
@@ -210,7 +249,14 @@ def rollout(s: RLSession, step: int) -> tuple[grpo.Rollouts, slice, torch.Tensor
     adv, summed = grpo.advantages(gathered, weights, rl.num_generations, rl.scale_rewards)
     ro.rewards, ro.advantages = table, adv[mine]
     ro.stats = reward_stats(s, gathered, summed, rl.num_generations)
+    if ro.episodes is not None:  # this rank's episodes: their figures, and the log of the latest step's
+        ro.stats.update(grpo_agent.stats(ro.episodes))
+        s.agent.logs["last-step.jsonl"] = grpo_agent.with_rewards(ro.episodes, summed[mine])
     return ro, mine, gathered
+
+
+def episode_seed(seed: int, step: int, first: int, k: int, turn: int) -> int:
+    return grpo.seed_of(seed, step, first + k, turn)
 
 
 @contextmanager
@@ -312,6 +358,7 @@ def update(s: RLSession, ro: grpo.Rollouts, iteration: int, check: bool) -> dict
                 share,
                 s.packed,
             )
+            cmask = ro.loss_mask(rows, cmask)  # an episode's tool blocks are context, not the model's
             width = logps.shape[1]
             old = ro.old_logps[rows, :width].to(acc.device) if ro.old_logps is not None else logps.detach()
             ref = ro.ref_logps[rows, :width].to(acc.device) if ro.ref_logps is not None else None
@@ -451,8 +498,12 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
     last = s.probe is not None and s.ended_early is None and s.steps > s.start  # the last check: the guard's too
     if last and grpo_probe.check(s, s.probe, s.steps, lambda: rollout_weights(s)):
         common.emit(acc, "probe_guard", step=s.steps, why=s.probe.breach)
-    after = held_out_reward(s)
+    after = held_out_reward(s, "heldout-after.jsonl")
     s.log({"eval_reward": after}, s.steps)
+    if s.agent is not None and acc.is_main_process:
+        s.kernels["episode_logs"] = ", ".join(
+            grpo_agent.write_logs(s.agent, s.spec.run_url, s.spec.tracking_uri, s.spec.mlflow_run_id)
+        )
     parity_logps, parity_dtype = common.training_parity(  # the served model is checked against these
         acc, s.model, s.spec
     )
@@ -499,5 +550,9 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
 def run(spec: TrainSpec) -> TrainResult:
     session = setup(spec)
     common.KEPT.append(session)
-    tokens, seconds = train_loop(session)
-    return finish(session, tokens, seconds)
+    try:
+        tokens, seconds = train_loop(session)
+        return finish(session, tokens, seconds)
+    finally:
+        if session.agent is not None:
+            session.agent.close()

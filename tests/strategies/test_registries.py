@@ -348,6 +348,7 @@ FLOORS = [  # top to bottom: docs/layout.md draws the same picture (flows/, task
     ["compute"],
     ["lifecycle"],
     ["train"],
+    ["agents"],
     ["rewards"],
     ["serve"],
     ["kubernetes", "data"],

@@ -29,6 +29,8 @@ from tests.train.test_preference import tiny_lora_model, word_tokenizer
 PROMPTS = [[1, 5, 6, 7], [1, 11, 12]]  # two prompts, two completions each (EOS = 2 ends a completion)
 COMPLETIONS = [[8, 9, 2], [10, 2], [13, 14, 15, 16], [17, 2]]
 MAX_COMPLETION = 4
+# An agent's episodes (training.rl.environment): 0 on tokens the tools' blocks put there, which the loss skips.
+TOOL_MASKS = [[1, 0, 1], [1, 1], [1, 0, 0, 1], [0, 1]]
 TEMPERATURE = 0.7
 
 
@@ -75,7 +77,11 @@ def fixed_batch():
     return rows, ids, mask, cmask, width, adv, shift
 
 
-def trl_loss_and_grads(trainer, rl: RLConfig, old: torch.Tensor | None, ref: torch.Tensor | None):
+def tool_mask(cmask: torch.Tensor) -> torch.Tensor:
+    return grpo.Rollouts([], COMPLETIONS, [], [], masks=TOOL_MASKS).loss_mask(list(range(len(COMPLETIONS))), cmask)
+
+
+def trl_loss_and_grads(trainer, rl: RLConfig, old: torch.Tensor | None, ref: torch.Tensor | None, tools: bool = False):
     trainer.loss_type, trainer.importance_sampling_level, trainer.beta = rl.loss, rl.importance_sampling, rl.beta
     trainer.epsilon_low, trainer.epsilon_high = rl.epsilon, rl.clip_high
     trainer.args.sapo_temperature_pos, trainer.args.sapo_temperature_neg = (
@@ -91,6 +97,12 @@ def trl_loss_and_grads(trainer, rl: RLConfig, old: torch.Tensor | None, ref: tor
         "advantages": adv,
         "num_items_in_batch": cmask.sum(),
     }
+    if tools:  # TRL's multi-turn layout: tool_mask beside completion_mask, the loss on their product
+        padded = torch.ones_like(cmask, dtype=torch.long)
+        for i, m in enumerate(TOOL_MASKS):
+            padded[i, : len(m)] = torch.tensor(m)
+        inputs["tool_mask"] = padded
+        inputs["num_items_in_batch"] = (cmask * padded).sum()
     if old is not None:
         inputs["old_per_token_logps"] = old
     if ref is not None:
@@ -103,7 +115,13 @@ def trl_loss_and_grads(trainer, rl: RLConfig, old: torch.Tensor | None, ref: tor
 
 
 def ladle_loss_and_grads(
-    model, rl: RLConfig, old: torch.Tensor | None, ref: torch.Tensor | None, share: bool, packed: bool = False
+    model,
+    rl: RLConfig,
+    old: torch.Tensor | None,
+    ref: torch.Tensor | None,
+    share: bool,
+    packed: bool = False,
+    tools: bool = False,
 ):
     """ladle's loss and gradients on the fixed batch; ``share``: each group's prompt run once (the update's path),
     else every completion with its own copy of the prompt (TRL's); ``packed``: the shared prompts' completions
@@ -112,6 +130,8 @@ def ladle_loss_and_grads(
     model.zero_grad(set_to_none=True)
     logps, scored = grpo.completion_logps(model, rows, COMPLETIONS, 0, "cpu", rl.temperature, share, packed)
     assert torch.equal(scored, cmask)
+    if tools:  # as the update masks an agent's episodes (Rollouts.loss_mask)
+        cmask = tool_mask(cmask)
     per_token, stats = grpo.per_token_loss(logps, logps.detach() if old is None else old, adv, cmask, rl, ref)
     value = grpo.reduce(per_token, cmask, rl, len(COMPLETIONS), int(cmask.sum()))
     value.backward()
@@ -142,31 +162,37 @@ CASES = {
     "cispo": {"loss": "cispo", "epsilon_high": 1.1},
     "sapo": {"loss": "sapo"},
     "dapo+kl+clip_higher": {"beta": 0.04, "epsilon_high": 0.28},
+    "dapo+tools": {},
+    "grpo+tools": {"loss": "grpo"},
+    "dr_grpo+tools": {"loss": "dr_grpo"},
+    "gspo+kl+tools": {"loss": "grpo", "importance_sampling": "sequence", "beta": 0.04},
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_and_lora_gradients_equal_trl_grpo_trainer(trl_trainer, case):
     rl = RLConfig(temperature=TEMPERATURE, max_completion_tokens=MAX_COMPLETION, **CASES[case])
+    tools = case.endswith("+tools")
     model = trl_trainer.model
     _, ids, mask, cmask, width, _, shift = fixed_batch()
     with torch.no_grad():
         current = grpo.token_logps(model, ids, mask, width, TEMPERATURE)
     old = (current - shift) * cmask  # ratios away from 1: some clip
     ref = (current + shift.flip(0)) * cmask if rl.beta else None
-    expected, expected_grads = trl_loss_and_grads(trl_trainer, rl, old, ref)
+    expected, expected_grads = trl_loss_and_grads(trl_trainer, rl, old, ref, tools)
     expected_clip = trl_clip_ratio(trl_trainer, rl)
     # The batch clips some tokens, not all (a sequence's mean ratio stays within gspo's bounds here).
-    assert expected_clip is None or 0 < expected_clip < 1 or (expected_clip == 0 and case == "gspo")
+    assert expected_clip is None or 0 < expected_clip < 1 or (expected_clip == 0 and case.startswith("gspo"))
     for share, packed in ((True, True), (True, False), (False, False)):
-        value, got, magnitude, clip_ratio = ladle_loss_and_grads(model, rl, old, ref, share, packed)
+        value, got, magnitude, clip_ratio = ladle_loss_and_grads(model, rl, old, ref, share, packed, tools)
         assert value == pytest.approx(expected, abs=FLOAT32_SUMS * magnitude), (share, packed)
         assert clip_ratio == (None if expected_clip is None else pytest.approx(expected_clip, abs=1e-6))
         assert expected_grads.keys() == got.keys() and got
         for name, grad in expected_grads.items():
-            # Shared prompts reach the completions through the cache, so float32 sums run in another order: each
-            # gradient within 1e-5 of its tensor's scale there (measured ~1e-6), elementwise without sharing.
-            atol = 1e-5 * float(grad.abs().max()) if share else 1e-7
+            # float32 sums in another order (shared prompts reach the completions through the cache; the masks and
+            # the sequence-level ratio sum other terms): each gradient within 1e-5 of its tensor's scale (measured
+            # up to ~1e-6 shared, ~4e-7 unshared; docs/guide/testing.md).
+            atol = FLOAT32_SUMS * float(grad.abs().max())
             torch.testing.assert_close(
                 got[name], grad, rtol=1e-5, atol=atol, msg=f"{name} (shared prompts: {share}, packed: {packed})"
             )

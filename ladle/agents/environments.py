@@ -1,0 +1,157 @@
+"""An agent's environment (``training.rl.environment``), named and checked before any weight loads.
+
+The field's conventions, as TRL's ``environment_factory`` defines them: a class whose public methods are the tools
+(each one's typed signature and docstring become its JSON schema, as ``transformers.utils.get_json_schema`` makes
+it for ``apply_chat_template(tools=...)``), and an optional ``reset(**columns)`` called at each episode's start
+with the prompt row's columns, whose text (if any) is added to the prompt's last user turn. ``calculator`` names
+the built-in one (``ladle.agents.builtin``).
+
+The class is imported here only to read its tools; its code runs in the tool host (``ladle.agents.host``), one
+subprocess per training rank, never in the training process. A class named by file (``envs/shop.py:Shop``)
+travels with the run like a reward's file: its text is read once (``bundle``), is part of the run's fingerprint,
+and the host executes that copy on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+from ladle.agents.builtin import ENVIRONMENTS
+from ladle.errors import LadleError
+
+FIELD = "training.rl.environment"
+NOT_TOOLS = frozenset({"reset"})
+
+
+class EnvironmentError_(LadleError):  # noqa: N801 - the builtin EnvironmentError is OSError's alias
+    """An environment that cannot be used: naming the field, the value and the fix."""
+
+
+@dataclass(frozen=True)
+class Environment:
+    """A checked environment: where its class is, its file's text (where it travels with the run), and its
+    tools as the chat template takes them."""
+
+    entry: str  # as configured
+    target: str  # "package.module:Class" or "path/file.py:Class"
+    source: str | None  # the file's text for a class named by file
+    tools: tuple[dict, ...]
+    resets: bool  # it has reset(**columns)
+
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+
+def target_of(entry: str) -> str:
+    return ENVIRONMENTS.get(entry, entry)
+
+
+def file_of(target: str) -> str | None:
+    path = target.rsplit(":", 1)[0]
+    return path if path.endswith(".py") else None
+
+
+def bundle(entry: str | None, root: Path | None = None) -> dict[str, str]:
+    """``{path: text}`` of the environment's file (empty for a module or a built-in)."""
+    if not entry:
+        return {}
+    path = file_of(target_of(entry))
+    if path is None:
+        return {}
+    file = Path(path) if root is None or Path(path).is_absolute() else root / path
+    if not file.is_file():
+        raise EnvironmentError_(
+            f"{FIELD} = {entry!r}: no such file {str(file)!r}. Give `path/to/file.py:Class` (relative to where "
+            "ladle runs), `package.module:Class`, or `calculator`."
+        )
+    return {path: file.read_text()}
+
+
+def digest(entry: str | None, files: dict[str, str]) -> str:
+    """What identifies the environment in the run's fingerprint: its name and its file's text."""
+    text = files.get(file_of(target_of(entry)) or "", "") if entry else ""
+    return hashlib.sha256(f"{entry}\0{text}".encode()).hexdigest()[:16]
+
+
+def load_class(target: str, source: str | None, entry: str):
+    """The class ``target`` names (from ``source`` where it is a file's).
+
+    Raises:
+        EnvironmentError_: it cannot be imported, or is not a class.
+    """
+    if ":" not in target:
+        known = ", ".join(ENVIRONMENTS)
+        raise EnvironmentError_(
+            f"{FIELD} = {entry!r}: not a built-in ({known}) and not `path/to/file.py:Class` or `package.module:Class`."
+        )
+    where, name = target.rsplit(":", 1)
+    try:
+        if source is not None:
+            module = types.ModuleType(f"ladle_environment_{Path(where).stem}")
+            module.__file__ = where
+            exec(compile(source, where, "exec"), module.__dict__)  # the run's own copy of the user's file
+        else:
+            module = importlib.import_module(where)
+    except Exception as exc:
+        raise EnvironmentError_(
+            f"{FIELD} = {entry!r}: cannot import it ({type(exc).__name__}: {exc}). Make {where} importable "
+            "(installed, or a file path ending in .py), then run again."
+        ) from exc
+    cls = getattr(module, name, None)
+    if not inspect.isclass(cls):
+        raise EnvironmentError_(f"{FIELD} = {entry!r}: {where} has no class {name!r}. Check the name.")
+    return cls
+
+
+def tool_methods(cls) -> list[tuple[str, object]]:
+    """The class's tools: its public methods other than ``reset``, in the order they are defined."""
+    found = []
+    for name, member in cls.__dict__.items():
+        if name.startswith("_") or name in NOT_TOOLS or not callable(member):
+            continue
+        found.append((name, getattr(cls, name)))
+    return found
+
+
+def load(entry: str, files: dict[str, str]) -> Environment:
+    """The environment ``entry`` names, its tools' schemas made and checked.
+
+    Raises:
+        EnvironmentError_: it cannot be imported, has no tools, or a tool's signature or docstring cannot make a
+            schema (naming the tool and the fix).
+    """
+    from transformers.utils import get_json_schema
+
+    target = target_of(entry)
+    path = file_of(target)
+    source = None
+    if path is not None:
+        if path not in files:
+            raise EnvironmentError_(f"{FIELD} = {entry!r}: the file did not travel with the run")
+        source = files[path]
+    cls = load_class(target, source, entry)
+    methods = tool_methods(cls)
+    if not methods:
+        raise EnvironmentError_(
+            f"{FIELD} = {entry!r}: {cls.__name__} has no public method to offer as a tool. Give it methods with "
+            "typed arguments and a docstring (an Args section), as TRL's environment_factory expects."
+        )
+    tools = []
+    for name, method in methods:
+        try:
+            schema = get_json_schema(method)
+        except Exception as exc:  # noqa: BLE001 - transformers' parsing errors carry the reason
+            raise EnvironmentError_(
+                f"{FIELD} = {entry!r}: tool {cls.__name__}.{name} cannot be described to the model ({exc}). Give "
+                "every argument a type hint and the method a docstring with an Args section describing each one."
+            ) from None
+        schema["function"]["parameters"].get("properties", {}).pop("self", None)
+        tools.append(schema)
+    resets = callable(getattr(cls, "reset", None))
+    return Environment(entry, target, source, tuple(tools), resets)

@@ -1,0 +1,111 @@
+"""GRPO for an agent (``training.rl.environment``): each completion is a multi-turn episode rolled out by
+``ladle.agents.episodes`` through the served template and tool parser, its tool blocks masked out of the loss
+(``grpo.Rollouts.loss_mask``). The environment is checked and its tool host started before any weight loads;
+the host is closed with the run, on every path out.
+
+What a person reads afterwards: each rank's episodes of the last step and the held-out episodes before and after
+training (turns, calls, results, how each ended, its rewards), written under the run's ``episodes/`` and logged to
+MLflow as artifacts of the same names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ladle.agents import environments, episodes
+from ladle.agents.tool_host import ToolHost
+from ladle.platform import storage
+from ladle.serve.tools import ToolError
+from ladle.train import grpo
+
+
+@dataclass
+class Agent:
+    env: environments.Environment
+    host: ToolHost
+    logs: dict[str, list[dict]] = field(default_factory=dict)  # episode logs by artifact name
+
+    def close(self) -> None:
+        self.host.close()
+
+
+def start(rl, files: dict[str, str], tokenizer) -> Agent | None:
+    """The environment loaded, the template's tool format checked and the host started; None without one.
+
+    Raises:
+        RuntimeError: the environment, the template or the host cannot serve episodes (the reason and the fix).
+    """
+    if not rl.environment:
+        return None
+    try:
+        env = environments.load(rl.environment, files)
+        episodes.tool_format(tokenizer)
+    except ToolError as exc:
+        raise RuntimeError(
+            f"training.rl.environment = {rl.environment!r}: {exc}. Set chat_template (e.g. "
+            "ladle://templates/chatml-tools for ChatML models)."
+        ) from None
+    except environments.EnvironmentError_ as exc:
+        raise RuntimeError(str(exc)) from None
+    ep = rl.episode
+    return Agent(env, ToolHost(env, ep.tool_timeout_s, ep.max_tool_result_tokens))
+
+
+def sample(agent: Agent, engine, tokenizer, rows: list[dict], rl, seed, first: int) -> grpo.Rollouts:
+    """This rank's episodes for ``rows`` as rollouts: the prompt ids with the tools, every token after them,
+    and the mask of the model's tokens."""
+    eps, seconds = episodes.run(engine, tokenizer, agent.host, agent.env, rows, episodes.Settings.of(rl), seed, first)
+    ro = grpo.Rollouts(
+        rows=[{**row, "ids": e.prompt_ids} for row, e in zip(rows, eps, strict=True)],
+        completion_ids=[e.ids for e in eps],
+        sampler_logps=[e.logps for e in eps],
+        truncated=[e.ended == "length" for e in eps],
+        seconds=seconds,
+        masks=[e.mask for e in eps],
+        episodes=[e.record() for e in eps],
+    )
+    return ro
+
+
+def greedy(agent: Agent, engine, tokenizer, rows: list[dict], rl) -> tuple[list[dict], list[list[int]], list[dict]]:
+    """Held-out episodes, greedy: their rows (prompt ids with the tools), completions and records."""
+    eps, _ = episodes.run(engine, tokenizer, agent.host, agent.env, rows, episodes.Settings.of(rl, True), None)
+    return (
+        [{**r, "ids": e.prompt_ids} for r, e in zip(rows, eps, strict=True)],
+        [e.ids for e in eps],
+        [e.record() for e in eps],
+    )
+
+
+def stats(records: list[dict]) -> dict[str, float]:
+    """The step's episodes in figures: turns and calls per episode, and the share that ended each way."""
+    n = max(len(records), 1)
+    ended = Counter(r["ended"] for r in records)
+    out = {
+        "episode/turns": sum(r["turns"] for r in records) / n,
+        "episode/calls": sum(r["calls"] for r in records) / n,
+        "episode/tool_tokens": sum(r["tool_tokens"] for r in records) / n,
+    }
+    for why in ("answer", "length", "max_turns", *episodes.FAILURES, "tool_result_too_long"):
+        out[f"episode/ended_{why}"] = ended.get(why, 0) / n
+    return out
+
+
+def with_rewards(records: list[dict], summed) -> list[dict]:
+    return [{**r, "reward": None if v != v else float(v)} for r, v in zip(records, summed.tolist(), strict=True)]
+
+
+def write_logs(agent: Agent, run_url: str, tracking_uri: str | None, run_id: str | None) -> list[str]:
+    """The episode logs as JSON lines under the run's ``episodes/`` and as MLflow artifacts; their names."""
+    names = []
+    for name, records in agent.logs.items():
+        text = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
+        storage.write_bytes(storage.join(run_url, "episodes", name), text.encode())
+        if tracking_uri and run_id:
+            from mlflow.tracking import MlflowClient
+
+            MlflowClient(tracking_uri).log_text(run_id, text, f"episodes/{name}")
+        names.append(name)
+    return names

@@ -1,0 +1,119 @@
+"""GRPO for an agent (``training.rl.environment``) in a real 2-process run: episodes of the taught tiny model
+(``tests/agents/tool_caller.py``) rolled out by each rank's engine on the live LoRA weights, the calculator run in
+each rank's tool host, the loss on the model's tokens only, the rewards given the whole episode, and the episodes
+logged for a person to read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ladle import rewards as reward_fns
+from ladle.config import build_config
+from ladle.errors import ConfigError
+from ladle.platform import storage
+
+SCORE = (
+    "def score(completions, episodes, answer, **kwargs):\n"
+    "    out = []\n"
+    "    for messages, episode, expected in zip(completions, episodes, answer):\n"
+    "        said = messages[-1]['content'].strip() if messages[-1]['role'] == 'assistant' else ''\n"
+    "        out.append(0.5 * (episode['calls'] > 0) + (said == expected))\n"
+    "    return out\n"
+)
+
+
+def prompts(path, questions):
+    rows = [{"prompt": [{"role": "user", "content": q}], "answer": "5"} for q in questions]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def agent_config(root, base, *overrides):
+    (root / "score.py").write_text(SCORE)
+    questions = ["What is 2 + 3?", "Add 2 and 3.", "2 plus 3?", "Sum 2 and 3."]
+    return build_config(
+        {
+            "base": str(base),
+            "data": {
+                "path": prompts(root / "train.jsonl", questions * 4),
+                "eval_path": prompts(root / "eval.jsonl", questions[:2]),
+                "seq_len": 64,
+            },
+            "parallelism": {"strategy": "ddp", "cpu_processes": 2},
+            "training": {
+                "objective": "grpo",
+                "max_steps": 2,
+                "lr": 1e-3,
+                "scheduler": "constant",
+                "micro_batch_size": 4,
+                "global_batch_size": 8,
+                "lora": {"target_modules": "all-linear"},
+                "rl": {
+                    "num_generations": 4,
+                    "max_completion_tokens": 80,
+                    "environment": "calculator",
+                    "episode": {"max_turns": 3},
+                    "rewards": [str(root / "score.py") + ":score"],
+                },
+            },
+        },
+        list(overrides),
+    )
+
+
+def test_an_agent_learns_from_whole_episodes_on_two_processes(tool_caller, tmp_path):
+    from ladle.train.run import launch
+    from tests.helpers import train_spec
+
+    cfg = agent_config(tmp_path, tool_caller)
+    spec = train_spec(cfg, tmp_path, "agent")
+    spec = spec.model_copy(update={"reward_files": reward_fns.bundle(cfg.training.rl.rewards)})
+    result = launch(spec)
+    assert result.world_size == 2 and result.steps == 2
+    # The trainer's forward over whole episodes (tool blocks included as context) scored the model's tokens as the
+    # engine sampled them: the sampled ids are the trained ids.
+    assert result.rl["rollout_logprob_gap_max"] < 1e-4
+    assert result.kernels["episode_logs"] == "heldout-before.jsonl, last-step.jsonl, heldout-after.jsonl"
+    step = [
+        json.loads(line)
+        for line in storage.read_bytes(storage.join(spec.run_url, "episodes", "last-step.jsonl")).decode().splitlines()
+    ]
+    assert len(step) == 4  # rank 0's share of the step's 8 episodes
+    called = [r for r in step if r["calls"]]
+    assert called, step
+    for record in called:
+        call = record["messages"][0]["tool_calls"][0]["function"]
+        assert call["name"] == "calculate"
+        assert record["messages"][1]["role"] == "tool"
+        assert record["reward"] is not None and record["model_tokens"] > 0 and record["tool_tokens"] > 0
+    held = [
+        json.loads(line)
+        for line in storage.read_bytes(storage.join(spec.run_url, "episodes", "heldout-after.jsonl"))
+        .decode()
+        .splitlines()
+    ]
+    assert len(held) == 2  # both ranks' held-out episodes, gathered
+    assert all(r["ended"] == "answer" and r["calls"] == 1 and r["reward"] == 1.5 for r in held), held
+    assert result.rl["eval_reward_after"] == pytest.approx(1.5)
+
+
+def test_an_agent_is_refused_before_training_where_it_cannot_run(tmp_path, tiny_model):
+    from ladle.plan.inputs import check_environment
+
+    with pytest.raises(ConfigError, match="training.rl.environment = 'calculator' with training.objective = sft"):
+        build_config(
+            {
+                "base": "ladle://tiny-llama",
+                "data": {"path": "x.jsonl"},
+                "training": {"rl": {"environment": "calculator"}},
+            },
+            [],
+        )
+    from ladle.errors import LadleError
+
+    with pytest.raises(LadleError, match="does not render tools.*Set chat_template to one that does"):
+        check_environment("calculator", tiny_model)  # the tiny model's own template renders no tools
+    with pytest.raises(LadleError, match="training.rl.environment = 'nope.py:E': no such file"):
+        check_environment("nope.py:E", tiny_model)
