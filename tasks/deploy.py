@@ -19,12 +19,38 @@ from ladle.tasks.policy import retry_unless_user_error
 from ladle.train.spec import TrainResult
 
 
-def parity_check(merged: MergedModel, result: TrainResult, promote: PromoteConfig, base_dir: str, unmerged: bool):
+def parity_check(
+    merged: MergedModel,
+    result: TrainResult,
+    promote: PromoteConfig,
+    base_dir: str,
+    unmerged: bool,
+):
     """``(url, model, headers) -> Parity`` against the training process's log-probabilities of the probe, or the
-    saved weights' when the strategy split its forward (see ``ladle.lifecycle.parity``); None without probe rows."""
+    saved weights' when the strategy split its forward (see ``ladle.lifecycle.parity``); and for an agent, the
+    served tool calls of its held-out first turns against the rollouts'. None without probe rows."""
     rows = [parity.ProbeRow.model_validate(row) for row in result.parity_probe]
     if not rows:
         return None
+    by_logps = logps_check(merged, result, promote, base_dir, unmerged, rows)
+    cases = [parity.ToolCase.model_validate(case) for case in result.tool_parity]
+    if not cases:
+        return by_logps
+
+    def measure(url: str, model: str, headers: dict) -> parity.Parity:
+        found = by_logps(url, model, headers)
+        differs = parity.check_tool_calls(url, model, cases, headers)
+        if differs is None:
+            where = found.where if found.ok is not True else None
+            extra = f"; tool calls: {len(cases)} held-out first turns called the same"
+            return found.model_copy(update={"reference": found.reference + extra, "where": where})
+        return found.model_copy(update={"ok": False, "where": differs})
+
+    return measure
+
+
+def logps_check(merged, result, promote, base_dir: str, unmerged: bool, rows):
+    """The log-probability half of ``parity_check``."""
     # The coarser of the served weights' dtype and the dtype the training forward computed in.
     compared = result.weights_dtype if result.weights_dtype != "float32" else (result.parity_dtype or "float32")
     tolerance = promote.parity_tolerance or parity.TOLERANCE[compared]

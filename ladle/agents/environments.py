@@ -152,6 +152,9 @@ def load(entry: str, files: dict[str, str]) -> Environment:
                 "every argument a type hint and the method a docstring with an Args section describing each one."
             ) from None
         schema["function"]["parameters"].get("properties", {}).pop("self", None)
+        # OpenAI's shape, what a client sends the server: its return type is not a field there, so the prompt the
+        # rollouts render is the prompt the server renders for the same tools.
+        schema["function"].pop("return", None)
         tools.append(schema)
     resets = callable(getattr(cls, "reset", None))
     return Environment(entry, target, source, tuple(tools), resets)

@@ -47,6 +47,7 @@ class Episode:
 
     row: dict  # the prompt row (its prompt and columns)
     prompt_ids: list[int]
+    prompt: list[dict] = field(default_factory=list)  # the prompt's messages as rendered (a reset's text added)
     ids: list[int] = field(default_factory=list)  # every token after the prompt: the model's and the tools'
     mask: list[int] = field(default_factory=list)  # 1: the model's token (trained); 0: a tool block's
     logps: list[float] = field(default_factory=list)  # the sampler's log-probability of each model token, else 0
@@ -64,7 +65,7 @@ class Episode:
     def record(self) -> dict:
         """What the episode log shows and the rewards receive (``episodes``)."""
         return {
-            "prompt": self.row.get("prompt"),
+            "prompt": self.prompt,
             "messages": self.messages,
             "turns": self.turns,
             "calls": self.calls,
@@ -151,7 +152,7 @@ def start(host: ToolHost, env: Environment, tokenizer, rows: list[dict], first: 
         else:
             out = host.reset(first + k, {})
         messages = prompt_messages(row["prompt"], observation)
-        episode = Episode(row, render_ids(tokenizer, messages, list(env.tools), prompt=True))
+        episode = Episode(row, render_ids(tokenizer, messages, list(env.tools), prompt=True), messages)
         if not out.ok:
             episode.ended, episode.error = out.kind, f"reset: {out.error}"
         episodes.append(episode)

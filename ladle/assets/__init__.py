@@ -147,6 +147,23 @@ def demo_prompts_heldout_file() -> Path:
     return path
 
 
+def calculator_file(kind: str):
+    """``ladle://calculator-sft``, ``ladle://calculator-prompts``, ``ladle://calculator-prompts-heldout``: the
+    calculator agent's data (``ladle.assets.calculator``), written on first use."""
+
+    def make() -> Path:
+        path = ladle_home() / "assets" / f"calculator-{kind}-{ASSET_VERSION}.jsonl"
+        if not path.exists():
+            from ladle.assets import calculator
+            from ladle.assets.demo import write_jsonl
+
+            rows = calculator.sft_rows() if kind == "sft" else calculator.prompt_rows(kind == "prompts-heldout")
+            write_jsonl(path, rows)
+        return path
+
+    return make
+
+
 def smollm2_file() -> str:
     from ladle.assets.gguf import shipped_smollm2
 
@@ -163,6 +180,9 @@ BUILTINS = {
     "demo-prompts": demo_prompts_file,
     "demo-prompts-heldout": demo_prompts_heldout_file,
     "smollm2-135m-instruct": smollm2_file,
+    "calculator-sft": calculator_file("sft"),
+    "calculator-prompts": calculator_file("prompts"),
+    "calculator-prompts-heldout": calculator_file("prompts-heldout"),
 }
 
 

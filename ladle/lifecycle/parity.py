@@ -23,6 +23,8 @@ token whose log-probability differs most.
 
 from __future__ import annotations
 
+import json
+
 from pydantic import BaseModel, Field
 
 PROBE_ROWS = 2
@@ -130,6 +132,48 @@ def saved_logps(model_dir, rows: list[ProbeRow], adapter_dir=None) -> list[list[
             logps = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(row.ids[1:])[:, None])[:, 0]
             found.append([0.0, *logps.tolist()])
     return found
+
+
+class ToolCase(BaseModel):
+    """An agent's held-out first turn as training rolled it out, greedy: the prompt, the tools, the parsed calls."""
+
+    messages: list[dict]
+    tools: list[dict]
+    calls: list[dict]  # {"name", "arguments" (an object)}
+    max_tokens: int  # a turn's (training.rl.max_completion_tokens)
+
+
+def check_tool_calls(
+    url: str, model: str, cases: list[ToolCase], headers: dict | None = None, timeout_s: float = 120.0
+) -> str | None:
+    """None when the server's greedy answer to each case parses (by its own tool parser) to the calls training's
+    rollout parsed; else where the first one differs. The server sees the same messages and tools, so a template or
+    parser that differs from training's shows here."""
+    import httpx
+
+    with httpx.Client(timeout=timeout_s, headers=headers or {}) as http:
+        for n, case in enumerate(cases):
+            body = {
+                "model": model,
+                "messages": case.messages,
+                "tools": case.tools,
+                "temperature": 0,
+                "max_tokens": case.max_tokens,
+            }
+            answer = http.post(f"{url}/v1/chat/completions", json=body)
+            answer.raise_for_status()
+            message = answer.json()["choices"][0]["message"]
+            served = [
+                {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+                for c in message.get("tool_calls") or []
+            ]
+            if served != case.calls:
+                shown = served or f"no call, it answered {str(message.get('content'))[:120]!r}"
+                return (
+                    f"tool calls: held-out episode {n}: training's rollout called {case.calls}, the server {shown}; "
+                    "check the chat template and the tool-call format"
+                )
+    return None
 
 
 def check(

@@ -268,6 +268,8 @@ def template_messages(messages: list) -> list[dict]:
             ]
         if m.tool_call_id:
             item["tool_call_id"] = m.tool_call_id
+        if m.name and m.role == "tool":  # the function a result is of: templates that head results with it read it
+            item["name"] = m.name
         out.append(item)
     return out
 

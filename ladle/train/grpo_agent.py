@@ -97,6 +97,27 @@ def with_rewards(records: list[dict], summed) -> list[dict]:
     return [{**r, "reward": None if v != v else float(v)} for r, v in zip(records, summed.tolist(), strict=True)]
 
 
+PARITY_CASES = 8
+
+
+def parity_cases(records: list[dict], tools: tuple[dict, ...], max_tokens: int) -> list[dict]:
+    """The first turns of up to ``PARITY_CASES`` held-out episodes, greedy on the trained weights: their prompt,
+    the tools, and the calls the rollout parsed (``ladle.lifecycle.parity.ToolCase``), episodes that called first."""
+    cases = []
+    for record in records:
+        first = record["messages"][0] if record["messages"] else None
+        if not first or not first.get("tool_calls"):
+            continue
+        calls = [
+            {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+            for c in first["tool_calls"]
+        ]
+        cases.append({"messages": record["prompt"], "tools": list(tools), "calls": calls, "max_tokens": max_tokens})
+        if len(cases) == PARITY_CASES:
+            break
+    return cases
+
+
 def write_logs(agent: Agent, run_url: str, tracking_uri: str | None, run_id: str | None) -> list[str]:
     """The episode logs as JSON lines under the run's ``episodes/`` and as MLflow artifacts; their names."""
     names = []

@@ -541,6 +541,15 @@ def finish(s: RLSession, tokens: int, seconds: float) -> TrainResult:
             **(s.probe.summary() if s.probe is not None else {}),
         },
         kernels=s.kernels,
+        tool_parity=(
+            grpo_agent.parity_cases(
+                s.agent.logs.get("heldout-after.jsonl", []),
+                s.agent.env.tools,
+                s.spec.config.training.rl.max_completion_tokens,
+            )
+            if s.agent is not None
+            else []
+        ),
         parity_logps=parity_logps,
         parity_dtype=parity_dtype,
     )

@@ -82,6 +82,11 @@ class TrainResult(BaseModel):
     parity_probe: list[dict] = Field(
         default_factory=list, description="The probe rows those are of (the spec's, set by the launching task)."
     )
+    tool_parity: list[dict] = Field(
+        default_factory=list,
+        description="An agent's held-out episodes' first turns as the training process rolled them out, greedy "
+        "(``ladle.lifecycle.parity.ToolCase``): the served model's answer to each must parse to the same tool calls.",
+    )
     parity_logps: list[list[float]] | None = Field(
         None,
         description="Each parity probe row's per-token log-probabilities by the trained model, in the training "
