@@ -1,10 +1,16 @@
 """An agent's environment (``training.rl.environment``), named and checked before any weight loads.
 
-The field's conventions, as TRL's ``environment_factory`` defines them: a class whose public methods are the tools
-(each one's typed signature and docstring become its JSON schema, as ``transformers.utils.get_json_schema`` makes
-it for ``apply_chat_template(tools=...)``), and an optional ``reset(**columns)`` called at each episode's start
-with the prompt row's columns, whose text (if any) is added to the prompt's last user turn. ``calculator`` names
-the built-in one (``ladle.agents.builtin``).
+Two of the field's conventions:
+
+- **Tools** (TRL's ``environment_factory``): a class whose public methods are the tools, each one's typed
+  signature and docstring its JSON schema (as ``transformers.utils.get_json_schema`` makes it for
+  ``apply_chat_template(tools=...)``, in OpenAI's shape).
+- **Steps** (gym-style, as OpenEnv and SkyRL's text environments): a class with ``step(action)``, which receives
+  each model turn's text and returns the next observation (sent back as a user turn), or ``(observation, reward,
+  done)``, or a dict of those; the episode ends when ``done`` is true, and its rewards add up (``env_reward``).
+
+Either may have ``reset(**columns)``, called at each episode's start with the prompt row's columns, whose text (if
+any) is added to the prompt's last user turn. ``calculator`` names the built-in one (``ladle.agents.builtin``).
 
 The class is imported here only to read its tools; its code runs in the tool host (``ladle.agents.host``), one
 subprocess per training rank, never in the training process. A class named by file (``envs/shop.py:Shop``)
@@ -25,7 +31,7 @@ from ladle.agents.builtin import ENVIRONMENTS
 from ladle.errors import LadleError
 
 FIELD = "training.rl.environment"
-NOT_TOOLS = frozenset({"reset"})
+NOT_TOOLS = frozenset({"reset", "step"})
 
 
 class EnvironmentError_(LadleError):  # noqa: N801 - the builtin EnvironmentError is OSError's alias
@@ -42,6 +48,7 @@ class Environment:
     source: str | None  # the file's text for a class named by file
     tools: tuple[dict, ...]
     resets: bool  # it has reset(**columns)
+    steps: bool = False  # gym-style: step(action) takes each turn's text (no tools)
 
     @property
     def names(self) -> list[str]:
@@ -136,11 +143,15 @@ def load(entry: str, files: dict[str, str]) -> Environment:
             raise EnvironmentError_(f"{FIELD} = {entry!r}: the file did not travel with the run")
         source = files[path]
     cls = load_class(target, source, entry)
+    resets = callable(getattr(cls, "reset", None))
+    if callable(getattr(cls, "step", None)):
+        return Environment(entry, target, source, (), resets, steps=True)
     methods = tool_methods(cls)
     if not methods:
         raise EnvironmentError_(
-            f"{FIELD} = {entry!r}: {cls.__name__} has no public method to offer as a tool. Give it methods with "
-            "typed arguments and a docstring (an Args section), as TRL's environment_factory expects."
+            f"{FIELD} = {entry!r}: {cls.__name__} has no public method to offer as a tool and no step(action). Give "
+            "it methods with typed arguments and a docstring (an Args section), as TRL's environment_factory "
+            "expects, or a gym-style step(action)."
         )
     tools = []
     for name, method in methods:
@@ -156,5 +167,4 @@ def load(entry: str, files: dict[str, str]) -> Environment:
         # rollouts render is the prompt the server renders for the same tools.
         schema["function"].pop("return", None)
         tools.append(schema)
-    resets = callable(getattr(cls, "reset", None))
     return Environment(entry, target, source, tuple(tools), resets)

@@ -13,8 +13,12 @@ The tool-result block is TRL's: the template's rendering of a short conversation
 with the calls, trimmed after its last EOS, against the same conversation with the results and the next
 assistant opening (``suffix_ids``); a template for which that is not a prefix is refused.
 
-**How an episode ends** (``ended`` in its record): ``answer`` (a turn without a tool call), ``length`` (a turn
-cut at ``training.rl.max_completion_tokens``), ``max_turns`` (still calling after the last turn), or a tool's
+A gym-style environment (``step(action)``) gets each turn's text instead, and its observation goes back as a user
+turn the same way (masked out of the loss); its rewards add up in the record's ``env_reward``.
+
+**How an episode ends** (``ended`` in its record): ``answer`` (a turn without a tool call), ``done`` (a gym-style
+environment said so), ``length`` (a turn cut at ``training.rl.max_completion_tokens``), ``max_turns`` (still
+calling, or not done, after the last turn), or a tool's
 failure: ``raised``, ``unknown_tool``, ``bad_arguments``, ``result_too_long`` (the host's refusal),
 ``tool_result_too_long`` (the block over ``max_tool_result_tokens``), ``tool_timeout``, ``host_failed``. A failed
 call ends its episode and never the run; the rewards still score the episode as it stands, and receive its
@@ -57,6 +61,7 @@ class Episode:
     error: str = ""
     turns: int = 0
     tool_seconds: float = 0.0
+    env_reward: float | None = None  # a gym-style environment's rewards, summed
 
     @property
     def model_tokens(self) -> int:
@@ -68,6 +73,7 @@ class Episode:
             "prompt": self.prompt,
             "messages": self.messages,
             "turns": self.turns,
+            **({"env_reward": self.env_reward} if self.env_reward is not None else {}),
             "calls": self.calls,
             "ended": self.ended,
             **({"error": self.error} if self.error else {}),
@@ -90,19 +96,24 @@ def prompt_messages(prompt, observation: str | None) -> list[dict]:
 
 
 def render_ids(tokenizer, messages: list[dict], tools: list[dict], prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=prompt)
+    # No tools is None, never []: some templates write their tool preamble for an empty list.
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=prompt)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def suffix_ids(tokenizer, tools: list[dict], results: list[dict]) -> list[int]:
-    """The template's tokens after the model's EOS that carry ``results`` back and open the next assistant turn
-    (TRL's ``_get_tool_suffix_ids``).
+    """The template's tokens after the model's EOS that carry ``results`` (tool results, or a gym-style
+    environment's observation as a user turn) back and open the next assistant turn (TRL's
+    ``_get_tool_suffix_ids``).
 
     Raises:
         TemplateError: the trimmed conversation is not a prefix of the one with the results.
     """
-    calls = [{"type": "function", "function": {"name": results[0]["name"], "arguments": {}}}]
-    head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    if results[0]["role"] == "tool":
+        calls = [{"type": "function", "function": {"name": results[0]["name"], "arguments": {}}}]
+        head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    else:
+        head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
     before = render_ids(tokenizer, head, tools, prompt=False)
     after = render_ids(tokenizer, head + results, tools, prompt=True)
     eos = [i for i, token in enumerate(before) if token == tokenizer.eos_token_id]
@@ -178,7 +189,7 @@ def run(
         RuntimeError: the engine failed a turn (its message).
         TemplateError: the template cannot carry tool results after the model's tokens.
     """
-    fmt = tool_format(tokenizer)
+    fmt = None if env.steps else tool_format(tokenizer)
     episodes = start(host, env, tokenizer, rows, first)
     tools = list(env.tools)
     generating = 0.0
@@ -221,8 +232,9 @@ def note_error(failures: list[str], kind: str, data: dict) -> None:
         failures.append(str(data.get("message")))
 
 
-def take_turn(e: Episode, job: Job, key: int, turn: int, fmt: Format, host, tokenizer, tools, settings) -> None:
-    """Add the turn ``job`` generated to ``e``, run its calls and add their results (or end the episode)."""
+def take_turn(e: Episode, job: Job, key: int, turn: int, fmt: Format | None, host, tokenizer, tools, settings) -> None:
+    """Add the turn ``job`` generated to ``e``, run its calls and add their results, or a gym-style environment's
+    observation (``fmt`` None), or end the episode."""
     chosen = (
         list(job.chosen)
         if job.sampled is not None
@@ -236,6 +248,9 @@ def take_turn(e: Episode, job: Job, key: int, turn: int, fmt: Format, host, toke
     if job.finish == "length":
         e.messages.append({"role": "assistant", "content": text})
         e.ended = "length"
+        return
+    if fmt is None:
+        take_step(e, job, key, turn, host, tokenizer, settings)
         return
     content, calls = fmt.parse(text)
     if not calls:
@@ -261,6 +276,31 @@ def take_turn(e: Episode, job: Job, key: int, turn: int, fmt: Format, host, toke
         e.error = f"the results took {len(block)} tokens; training.rl.episode.max_tool_result_tokens is {settings.max_tool_result_tokens}"
         return
     e.messages += results
+    e.ids += block
+    e.mask += [0] * len(block)
+    e.logps += [0.0] * len(block)
+
+
+def take_step(e: Episode, job: Job, key: int, turn: int, host, tokenizer, settings) -> None:
+    """A gym-style environment's step on the turn's text; its observation appended as a user turn's tokens."""
+    action = tokenizer.decode(job.tokens, skip_special_tokens=True)
+    e.messages.append({"role": "assistant", "content": action})
+    out = host.step(key, action)
+    if not out.ok:
+        e.ended, e.error = out.kind, f"step: {out.error}"
+        return
+    reward, done, observation = out.value["reward"], out.value["done"], out.value["observation"]
+    if reward is not None:
+        e.env_reward = (e.env_reward or 0.0) + reward
+    e.messages.append({"role": "user", "content": observation})
+    if done or turn == settings.max_turns - 1:
+        e.ended = "done" if done else "max_turns"
+        return
+    block = suffix_ids(tokenizer, [], [{"role": "user", "content": observation}])
+    if len(block) > settings.max_tool_result_tokens:
+        e.ended = "tool_result_too_long"
+        e.error = f"the observation took {len(block)} tokens; training.rl.episode.max_tool_result_tokens is {settings.max_tool_result_tokens}"
+        return
     e.ids += block
     e.mask += [0] * len(block)
     e.logps += [0.0] * len(block)

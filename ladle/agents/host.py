@@ -10,6 +10,8 @@ the answers):
   called where it has one; answers the text it returned (or null).
 - ``{"op": "call", "episode": K, "name": ..., "arguments": {...}}``: the tool's result as text (``str()`` of what
   it returned); a result over ``max_chars`` characters is refused, never cut.
+- ``{"op": "step", "episode": K, "action": TEXT}``: a gym-style environment's ``step``; answers
+  ``{"observation", "reward", "done"}`` from what it returned (an observation alone; a tuple; a dict).
 - ``{"op": "drop", "episode": K}``: the episode is over.
 
 An answer is ``{"ok": true, "value": ...}`` or ``{"ok": false, "kind": ..., "error": ...}`` with kind one of
@@ -70,6 +72,8 @@ class Host:
             if not callable(reset):
                 return {"ok": True, "value": None}
             return self.text_of(reset(**self.accepted(reset, request.get("columns") or {})), "reset")
+        if op == "step":
+            return self.step(self.episodes[request["episode"]], str(request.get("action", "")))
         if op == "call":
             return self.call(self.episodes[request["episode"]], request["name"], request.get("arguments"))
         return {"ok": False, "kind": "raised", "error": f"unknown op {op!r}"}
@@ -93,6 +97,21 @@ class Host:
         except TypeError as exc:
             return {"ok": False, "kind": "bad_arguments", "error": f"{name}: {exc}"}
         return self.text_of(method(**arguments), name)
+
+    def step(self, env, action: str) -> dict:
+        value = env.step(action)
+        reward, done = None, False
+        if isinstance(value, dict):
+            value, reward, done = value.get("observation"), value.get("reward"), bool(value.get("done"))
+        elif isinstance(value, tuple):
+            value, reward, done = (*value, None, False)[:3]
+            done = bool(done)
+        if reward is not None:
+            reward = float(reward)
+        out = self.text_of("" if value is None else value, "step")
+        if out["ok"]:
+            out["value"] = {"observation": out["value"], "reward": reward, "done": done}
+        return out
 
     def text_of(self, value, what: str) -> dict:
         if value is None and what == "reset":

@@ -159,6 +159,17 @@ class ToolHost:
             self.history[episode] = [*kept, request]
         return out
 
+    def step(self, episode: int, action: str) -> Outcome:
+        """A gym-style environment's step on a turn's text: ``value`` is ``{"observation", "reward", "done"}``."""
+        if episode not in self.history:
+            return Outcome(False, kind="host_failed", error="its environment was lost with a killed tool host")
+        request = {"op": "step", "episode": episode, "action": action}
+        kept = self.history.pop(episode)
+        out = self.ask(request, self.timeout_s)
+        if out.kind not in ("tool_timeout", "host_failed"):
+            self.history[episode] = [*kept, request]
+        return out
+
     def drop(self, episode: int) -> None:
         if self.history.pop(episode, None) is not None:
             self.ask({"op": "drop", "episode": episode}, self.timeout_s)

@@ -180,6 +180,7 @@ BUILTINS = {
     "demo-prompts": demo_prompts_file,
     "demo-prompts-heldout": demo_prompts_heldout_file,
     "smollm2-135m-instruct": smollm2_file,
+    "smollm2-replay": lambda: recipes_dir() / "data" / "smollm2-replay.jsonl",
     "calculator-sft": calculator_file("sft"),
     "calculator-prompts": calculator_file("prompts"),
     "calculator-prompts-heldout": calculator_file("prompts-heldout"),

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 
 from ladle.section import Section
 
-BUILTIN_REWARDS = ("exact_match", "json_schema", "regex", "length")
+BUILTIN_REWARDS = ("exact_match", "json_schema", "regex", "length", "env_reward")
 """Rewards ladle ships (``ladle.rewards``), named in ``training.rl.rewards`` by these names."""
 
 
@@ -21,7 +21,8 @@ class RewardConfig(Section):
         "built-in: `exact_match` (the completion, stripped, equals a column; `column`), `json_schema` (the "
         "completion parses as JSON and validates against `schema`, or the JSON schema in a column), `regex` (the "
         "completion matches `pattern` from its start), `length` (-(tokens beyond `max_tokens`) / max_tokens, 0 "
-        "within it). A function is called as TRL calls it: `fn(prompts=..., completions=..., "
+        "within it), `env_reward` (a gym-style training.rl.environment's own rewards of the episode, summed). A "
+        "function is called as TRL calls it: `fn(prompts=..., completions=..., "
         "completion_ids=..., **columns)`, returning one float (or None: not applicable) per completion."
     )
     weight: float = Field(1.0, description="Weight of this reward in the sum each completion is scored by.")
@@ -143,8 +144,10 @@ class RLConfig(Section):
         "with, the loss on the model's own tokens only. `calculator` (built-in: arithmetic), "
         "`package.module:Class` or `path/to/file.py:Class` (the file travels with the run): TRL's "
         "environment_factory convention, a class whose public methods are the tools (typed arguments and a "
-        "docstring with an Args section) and an optional reset(**columns) whose text, if any, is added to the "
-        "prompt's last user turn. Tools run in a subprocess. null: one completion per prompt.",
+        "docstring with an Args section), or gym-style, a class with step(action) that takes each turn's text and "
+        "returns the observation (or observation, reward, done); either with an optional reset(**columns) whose "
+        "text, if any, is added to the prompt's last user turn. Tools and steps run in a subprocess. null: one "
+        "completion per prompt.",
     )
     episode: EpisodeConfig = Field(
         default_factory=EpisodeConfig, description="Episodes of training.rl.environment: turns and tool limits."

@@ -117,7 +117,8 @@ def check_environment(entry: str, base: Path) -> dict[str, str]:
     from ladle.serve.tools import ToolError, format_of
 
     files = environments.bundle(entry)
-    environments.load(entry, files)
+    if environments.load(entry, files).steps:  # gym-style: the turns are text, the template needs no tools
+        return files
     template = AutoTokenizer.from_pretrained(base).chat_template
     try:
         format_of(template)

@@ -382,16 +382,27 @@ def builtin(reward: RewardConfig) -> Callable:
         RewardError: a missing or malformed arg, naming it and the fix.
     """
     args, name = reward.args, reward.fn
-    expected = {"exact_match": {"column"}, "regex": {"pattern"}, "length": {"max_tokens"}, "json_schema": set()}
+    expected = {
+        "exact_match": {"column"},
+        "regex": {"pattern"},
+        "length": {"max_tokens"},
+        "json_schema": set(),
+        "env_reward": set(),
+    }
     unknown = set(args) - expected[name] - ({"schema", "column"} if name == "json_schema" else set())
     missing = expected[name] - set(args)
     if unknown or missing or (name == "json_schema" and ("schema" in args) == ("column" in args)):
-        want = {"exact_match": "{column: NAME}", "regex": "{pattern: REGEX}", "length": "{max_tokens: N}"}.get(
-            name, "{schema: {...}} or {column: NAME}"
-        )
+        want = {
+            "exact_match": "{column: NAME}",
+            "regex": "{pattern: REGEX}",
+            "length": "{max_tokens: N}",
+            "env_reward": "none",
+        }.get(name, "{schema: {...}} or {column: NAME}")
         raise RewardError(f"training.rl.rewards: {name} has args {dict(args)}; it takes args: {want}.")
     if name == "exact_match":
         return exact_match(str(args["column"]))
+    if name == "env_reward":
+        return env_reward
     if name == "regex":
         try:
             return regex(re.compile(str(args["pattern"])))
@@ -402,6 +413,13 @@ def builtin(reward: RewardConfig) -> Callable:
             raise RewardError(f"training.rl.rewards: length max_tokens = {args['max_tokens']!r}: a positive integer")
         return length(int(args["max_tokens"]))
     return json_schema(args.get("schema"), args.get("column"))
+
+
+def env_reward(completions, episodes=None, **kwargs):
+    """A gym-style environment's own rewards of each episode, summed (None where it gave none)."""
+    if episodes is None:
+        raise KeyError("env_reward scores an agent's episodes: set training.rl.environment")
+    return [e.get("env_reward") for e in episodes]
 
 
 def exact_match(column: str) -> Callable:

@@ -41,7 +41,8 @@ def start(rl, files: dict[str, str], tokenizer) -> Agent | None:
         return None
     try:
         env = environments.load(rl.environment, files)
-        episodes.tool_format(tokenizer)
+        if not env.steps:  # a gym-style environment's turns are text: no tool calls to parse
+            episodes.tool_format(tokenizer)
     except ToolError as exc:
         raise RuntimeError(
             f"training.rl.environment = {rl.environment!r}: {exc}. Set chat_template (e.g. "

@@ -214,3 +214,58 @@ def test_a_taught_model_calls_the_tool_reads_its_result_and_answers_through_the_
         assert (e.ended, e.turns, e.calls) == ("answer", 2, 1)
         assert e.messages[1] == {"role": "tool", "name": "calculate", "content": "5"}
         assert e.messages[2] == {"role": "assistant", "content": "5"}
+
+
+GUESS = '''
+class Guess:
+    """A gym-style game: guess the number; each answer is told higher or lower, the right one ends it."""
+
+    def reset(self, target: int):
+        self.target, self.tries = int(target), 0
+        return "Guess my number, 1 to 10."
+
+    def step(self, action: str):
+        self.tries += 1
+        guess = int(action.strip()) if action.strip().isdigit() else None
+        if guess == self.target:
+            return {"observation": "right", "reward": 1.0 / self.tries, "done": True}
+        if guess is None:
+            raise ValueError(f"not a number: {action!r}")
+        return ("higher" if guess < self.target else "lower"), 0.0, False
+'''
+
+
+def test_a_gym_style_environment_gets_each_turns_text_and_answers_as_a_user_turn(hermes_tiny, tmp_path):
+    from ladle import rewards as reward_fns
+    from ladle.config.training import RewardConfig
+
+    tokenizer, _ = hermes_tiny
+    path = tmp_path / "guess.py"
+    path.write_text(GUESS)
+    entry = f"{path}:Guess"
+    env = environments.load(entry, environments.bundle(entry))
+    assert env.steps and env.tools == ()
+    scripts = [["5", "8", "7"], ["3", "2", "1"], ["hm"], ["9"]]
+    rows = [{"prompt": "play", "columns": {"target": t}} for t in (7, 9, 1, 9)]
+    with ToolHost(env, 5.0, 64) as host:
+        done, _ = episodes.run(Scripted(tokenizer, scripts), tokenizer, host, env, rows, settings(), seed)
+    assert [(e.ended, e.turns, e.env_reward) for e in done] == [
+        ("done", 3, pytest.approx(1 / 3)),
+        ("max_turns", 3, 0.0),
+        ("raised", 1, None),
+        ("done", 1, 1.0),
+    ]
+    e = done[0]
+    assert e.prompt[-1]["content"] == "play\n\nGuess my number, 1 to 10."  # reset's text joins the last user turn
+    assert [m["content"] for m in e.messages] == ["5", "higher", "8", "lower", "7", "right"]
+    first = tokenizer("5", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    block = episodes.suffix_ids(tokenizer, [], [{"role": "user", "content": "higher"}])
+    assert e.ids[: len(first) + len(block)] == first + block and tokenizer.decode(block).startswith(
+        "\n<|user|>\nhigher"
+    )
+    assert e.mask[: len(first) + len(block)] == [1] * len(first) + [0] * len(block)
+    assert "not a number: 'hm'" in done[2].error
+    loaded = reward_fns.load_all([RewardConfig(fn="env_reward")], {})
+    records = [x.record() for x in done]
+    table = reward_fns.table(loaded, tokenizer, rows, [x.ids for x in done], episodes=records)
+    assert table[:, 0].tolist()[:2] == [pytest.approx(1 / 3), 0.0] and torch.isnan(table[2, 0])

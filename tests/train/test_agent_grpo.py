@@ -117,3 +117,7 @@ def test_an_agent_is_refused_before_training_where_it_cannot_run(tmp_path, tiny_
         check_environment("calculator", tiny_model)  # the tiny model's own template renders no tools
     with pytest.raises(LadleError, match="training.rl.environment = 'nope.py:E': no such file"):
         check_environment("nope.py:E", tiny_model)
+    # A gym-style environment's turns are text: any chat template will do.
+    game = tmp_path / "game.py"
+    game.write_text("class Game:\n    def step(self, action):\n        return 'ok'\n")
+    assert check_environment(f"{game}:Game", tiny_model) == {str(game): game.read_text()}
