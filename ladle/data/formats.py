@@ -6,6 +6,7 @@ text (tokenized as is, closed with EOS), or pre-tokenized ids.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -219,3 +220,23 @@ def detect_format(row: object) -> str | None:
     if not isinstance(row, dict):
         return None
     return next((name for name, test in DETECTORS if test(row)), None)
+
+
+def openai_messages(messages: list[dict]) -> list[dict]:
+    """A data row's conversation as the OpenAI API takes it: each tool call with an id and its arguments as a JSON
+    string, each tool result with the id of the call it answers (data rows may leave both out)."""
+    out, pending = [], []
+    for message in messages:
+        message = dict(message)
+        if message.get("tool_calls"):
+            calls = []
+            for n, call in enumerate(message["tool_calls"]):
+                fn = dict(call.get("function", call))
+                if not isinstance(fn.get("arguments"), str):
+                    fn["arguments"] = json.dumps(fn.get("arguments") or {})
+                calls.append({"id": call.get("id") or f"call_{len(out)}_{n}", "type": "function", "function": fn})
+            message["tool_calls"], pending = calls, [c["id"] for c in calls]
+        elif message.get("role") == "tool" and not message.get("tool_call_id") and pending:
+            message["tool_call_id"] = pending.pop(0)
+        out.append(message)
+    return out

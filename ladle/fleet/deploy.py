@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from ladle.assets import ladle_home
 from ladle.config import ServeConfig
+from ladle.data import formats
 from ladle.data.capture_files import INTERNAL_HEADER
 from ladle.errors import LadleError
 from ladle.lifecycle.merge import MergedModel
@@ -129,27 +129,7 @@ def smoke_conversation(cfg: ServeConfig, held_out: list[list[dict]]) -> tuple[li
     """
     if cfg.smoke_prompt is not None or not held_out:
         return [{"role": "user", "content": cfg.smoke_prompt or DEFAULT_SMOKE}], None
-    return openai_messages(held_out[0][:-1]), held_out[0][-1]["content"]
-
-
-def openai_messages(messages: list[dict]) -> list[dict]:
-    """A data row's conversation as the OpenAI API takes it: each tool call with an id and its arguments as a JSON
-    string, each tool result with the id of the call it answers (data rows may leave both out)."""
-    out, pending = [], []
-    for message in messages:
-        message = dict(message)
-        if message.get("tool_calls"):
-            calls = []
-            for n, call in enumerate(message["tool_calls"]):
-                fn = dict(call.get("function", call))
-                if not isinstance(fn.get("arguments"), str):
-                    fn["arguments"] = json.dumps(fn.get("arguments") or {})
-                calls.append({"id": call.get("id") or f"call_{len(out)}_{n}", "type": "function", "function": fn})
-            message["tool_calls"], pending = calls, [c["id"] for c in calls]
-        elif message.get("role") == "tool" and not message.get("tool_call_id") and pending:
-            message["tool_call_id"] = pending.pop(0)
-        out.append(message)
-    return out
+    return formats.openai_messages(held_out[0][:-1]), held_out[0][-1]["content"]
 
 
 def start_server(

@@ -27,6 +27,8 @@ import json
 
 from pydantic import BaseModel, Field
 
+from ladle.data import formats
+
 PROBE_ROWS = 2
 """Held-out conversations compared: enough to see a template or weights mismatch (each has tens of answer tokens),
 few enough to cost a second."""
@@ -197,7 +199,8 @@ def check(
     worst = (0.0, "")
     with httpx.Client(timeout=timeout_s, headers=headers or {}) as http:
         for n, (row, ref) in enumerate(zip(rows, reference, strict=True)):
-            served = http.post(f"{url}/tokenize", json={"model": model, "messages": row.messages})
+            messages = formats.openai_messages(row.messages)  # data rows may leave tool calls' ids out
+            served = http.post(f"{url}/tokenize", json={"model": model, "messages": messages})
             served.raise_for_status()
             prompt = served.json()["tokens"]
             trained = row.ids[: row.prompt_tokens]

@@ -59,3 +59,32 @@ def test_an_openai_client_runs_the_trained_episode_against_the_server(served):
     messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": result}]
     second = client.chat.completions.create(model="agent", messages=messages, tools=tools, temperature=0)
     assert second.choices[0].message.content == "5" and not second.choices[0].message.tool_calls
+
+
+def test_a_data_rows_tool_conversation_is_sent_to_the_server_in_openais_shape(served):
+    """Data rows may leave tool calls' ids out and give arguments as objects; ladle's own requests (the smoke
+    request, the parity probe) send them as the OpenAI API takes them."""
+    import httpx
+
+    from ladle.data.formats import openai_messages
+
+    row = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "calculate", "arguments": {"expression": "2 + 3"}}}],
+        },
+        {"role": "tool", "content": "5"},
+    ]
+    sent = openai_messages(row)
+    (call,) = sent[1]["tool_calls"]
+    assert call["function"]["arguments"] == '{"expression": "2 + 3"}' and sent[2]["tool_call_id"] == call["id"]
+    assert row[1]["tool_calls"][0]["function"]["arguments"] == {"expression": "2 + 3"}  # the row itself unchanged
+    answer = httpx.post(
+        f"{served.url}/v1/chat/completions", json={"model": "agent", "messages": sent, "temperature": 0}, timeout=60
+    )
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "5"
+    assert (
+        httpx.post(f"{served.url}/tokenize", json={"model": "agent", "messages": sent}, timeout=60).status_code == 200
+    )
