@@ -4,7 +4,8 @@ turn in one batch of the engine) against the same 8 one at a time, on the calcul
     .venv/bin/python bench/agent_episodes.py [--base models:/smollm2-135m-calculator@champion]
         [--output ./runs/smollm2-135m-calculator] [--group 8] [--reps 3]
 
-Both sides run the same episodes: the same held-out questions (ladle://calculator-prompts-heldout), temperature 1,
+Both sides run the same episodes: a GRPO group (one held-out question of ladle://calculator-prompts-heldout, eight
+episodes; ``--distinct``: eight different questions), temperature 1,
 each turn's seed fixed by (episode, turn), so the engine draws the same tokens either way (checked). One thread
 (torch's default here), float32, the model's tool calls run by the built-in calculator in one tool host. Throughput
 is the model's tokens over the engine's seconds (the tool host's are reported beside).
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--output", default="./runs/smollm2-135m-calculator")
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--distinct", action="store_true", help="eight different questions, not one question's group")
     args = parser.parse_args()
     folder = base_folder(args.base, args.output)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -56,7 +58,10 @@ def main() -> None:
     engine = Engine(model, tokenizer, "cpu", args.group, thread=False)
     env = environments.load("calculator", {})
     lines = Path(resolve_builtin("ladle://calculator-prompts-heldout", "data.path")).read_text().splitlines()
-    rows = [{"prompt": json.loads(line)["prompt"], "columns": {}} for line in lines[: args.group]]
+    if args.distinct:  # eight different questions
+        rows = [{"prompt": json.loads(line)["prompt"], "columns": {}} for line in lines[: args.group]]
+    else:  # a GRPO group: one question, eight episodes
+        rows = [{"prompt": json.loads(lines[0])["prompt"], "columns": {}}] * args.group
     settings = episodes.Settings(max_turns=3, max_completion_tokens=40, max_tool_result_tokens=64)
     runs: dict[str, list[dict]] = {"together": [], "one_at_a_time": []}
     with ToolHost(env, 10.0, 64) as host:
@@ -86,12 +91,13 @@ def main() -> None:
     summary = {
         "base": args.base,
         "group": args.group,
+        "episodes": "distinct questions" if args.distinct else "one question's group",
         "median_model_tokens_per_s": med,
         "ratio": med["together"] / med["one_at_a_time"],
         "threads": torch.get_num_threads(),
     }
     print(json.dumps(summary, indent=2))
-    save("agent_episodes", {"summary": summary, "runs": runs})
+    save("agent_episodes" + ("_distinct" if args.distinct else ""), {"summary": summary, "runs": runs})
 
 
 def seed_of(rep: int, k: int, turn: int) -> int:

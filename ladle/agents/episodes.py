@@ -5,7 +5,8 @@ put back through the same chat template.
 
 **Token in, token out.** An episode's ids are the prompt's (rendered with the tools), then, turn by turn, the
 very ids the engine sampled (its EOS included) and the tokens of the template's tool-result block: the model's
-text is never decoded and encoded again. The mask is 1 on the model's tokens and 0 on the tool blocks, and the
+text is never decoded and encoded again. A turn resumes from the keys and values the engine kept of the turn before
+(``Job.resume``): only the last sampled token and the tool block are prefilled, not the whole conversation again. The mask is 1 on the model's tokens and 0 on the tool blocks, and the
 sampler's log-probabilities sit on the model's tokens (0 elsewhere), as TRL's ``tool_mask`` and ``logprobs``
 are laid out, so the loss (``ladle.train.grpo``) trains only what the model wrote.
 
@@ -62,6 +63,7 @@ class Episode:
     turns: int = 0
     tool_seconds: float = 0.0
     env_reward: float | None = None  # a gym-style environment's rewards, summed
+    kv: tuple | None = None  # the engine's keys and values of its tokens so far, for the next turn (``Job.resume``)
 
     @property
     def model_tokens(self) -> int:
@@ -211,6 +213,8 @@ def run(
                     sampled=[] if seed is not None else None,
                     writes_text=False,
                     emit=on_event,
+                    keep_kv=turn < settings.max_turns - 1,  # a next turn resumes from them
+                    resume=e.kv,
                 )
                 for k, e in live
             ]
@@ -221,6 +225,8 @@ def run(
                 raise RuntimeError(f"episode rollout failed: {failures[0]}")
             for (k, e), job in zip(live, jobs, strict=True):
                 take_turn(e, job, k + first, turn, fmt, host, tokenizer, tools, settings)
+                e.kv = job.kv_out if e.ended is None else None
+                job.kv_out = None
     finally:
         for k in range(len(episodes)):
             host.drop(first + k)

@@ -317,14 +317,71 @@ class Batch:
         self.last = torch.zeros((0, 1), dtype=torch.long)  # each row's newest token, the next step's input
 
     def admit(self, jobs: list[Job]) -> None:
-        """Prefill the arrivals together (left-padded), take each one's first token, and add to the batch
-        those that have not already ended."""
-        from transformers import DynamicCache
-
-        device = self.engine.device
+        """Prefill the arrivals together (left-padded; those resuming an earlier turn's keys and values, only
+        what follows them), take each one's first token, and add to the batch those that have not already ended."""
         for job in jobs:
             if job.echo and job.logprobs is not None and job.prompt_logprobs is None:
                 job.prompt_logprobs = self.prompt_logprobs(job)
+        fresh = [job for job in jobs if job.resume is None]
+        resumed = [job for job in jobs if job.resume is not None]
+        if fresh:
+            self.take(fresh, *self.prefill(fresh))
+        if resumed:
+            self.take(resumed, *self.prefill_resumed(resumed))
+
+    def take(self, jobs: list[Job], logits: torch.Tensor, cache, mask: torch.Tensor) -> None:
+        """Choose each prefilled row's first token and join the batch with those that go on."""
+        self.choose(jobs, logits)
+        going = [row for row, job in enumerate(jobs) if job.finish is None]
+        keep_kv(jobs, cache, mask)
+        if not going:
+            return
+        if len(going) < len(jobs):
+            cache.batch_select_indices(torch.tensor(going, device=self.engine.device))
+        self.join([jobs[row] for row in going], cache, mask[going])
+
+    def prefill_resumed(self, jobs: list[Job]) -> tuple[torch.Tensor, object, torch.Tensor]:
+        """Prefill rows that resume an earlier turn: each one's kept keys and values left-padded to one width, then
+        the tokens after them left-padded to one width (the padding between is masked, the positions counted from
+        the real tokens), so each row's next-token logits are those of one prefill of its whole ids."""
+        device = self.engine.device
+        past = max(job.resume[1] for job in jobs)
+        rest = [job.ids[job.resume[1] :] for job in jobs]
+        width = max(len(r) for r in rest)
+        layers = len(jobs[0].resume[0])
+        kv = [
+            (
+                torch.cat([pad_left(job.resume[0][n][0], past) for job in jobs]),
+                torch.cat([pad_left(job.resume[0][n][1], past) for job in jobs]),
+            )
+            for n in range(layers)
+        ]
+        ids = torch.full((len(jobs), width), self.engine.pad, dtype=torch.long)
+        mask = torch.zeros((len(jobs), past + width), dtype=torch.long)
+        for row, (job, tokens) in enumerate(zip(jobs, rest, strict=True)):
+            ids[row, width - len(tokens) :] = torch.tensor(tokens)
+            mask[row, past - job.resume[1] : past] = 1
+            mask[row, past + width - len(tokens) :] = 1
+            job.resume = None  # handed over: the batch's cache holds it now
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, past:]
+        cache = cache_of(kv)
+        with torch.no_grad():
+            logits = self.engine.forward(
+                jobs,
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=positions.to(device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1, :]
+        return logits, cache, mask
+
+    def prefill(self, jobs: list[Job]) -> tuple[torch.Tensor, object, torch.Tensor]:
+        """Prefill fresh rows: their prompts left-padded to one width; the logits, cache and mask of every row."""
+        from transformers import DynamicCache
+
+        device = self.engine.device
         # Arrivals with the same prompt on the same adapter (a GRPO group, a request's n choices) are prefilled once:
         # each gets a copy of that row's cache and logits, so the group's prefill costs one prompt, not n.
         first: dict[tuple, int] = {}
@@ -354,13 +411,7 @@ class Batch:
             logits, mask = logits[index.to(logits.device)], mask[index]
             on = index.to(device)
             cache = cache_of([(k.index_select(0, on), v.index_select(0, on)) for k, v in kv_of(cache)])
-        self.choose(jobs, logits)
-        going = [row for row, job in enumerate(jobs) if job.finish is None]
-        if not going:
-            return
-        if len(going) < len(jobs):
-            cache.batch_select_indices(torch.tensor(going, device=device))
-        self.join([jobs[row] for row in going], cache, mask[going])
+        return logits, cache, mask
 
     def prompt_logprobs(self, job: Job) -> list[dict]:
         """Each prompt token's log-probability given the tokens before it (the first has none) and its
@@ -409,6 +460,7 @@ class Batch:
             ).logits[:, -1, :]
         self.choose(self.jobs, logits)
         self.last = torch.tensor([[job.tokens[-1] if job.tokens else self.engine.pad] for job in self.jobs])
+        keep_kv(self.jobs, self.cache, self.mask)
         keep = [row for row, job in enumerate(self.jobs) if job.finish is None]
         if len(keep) < len(self.jobs):
             self.select(keep)
@@ -473,6 +525,19 @@ class Batch:
         if unused and 4 * unused >= self.mask.shape[1]:
             self.mask = self.mask[:, unused:]
             self.cache = cache_of([(k[:, :, unused:], v[:, :, unused:]) for k, v in kv_of(self.cache)])
+
+
+def keep_kv(jobs: list[Job], cache, mask: torch.Tensor) -> None:
+    """For each ended row that asked (``keep_kv``), its keys and values of its real tokens, copied out of the
+    batch's cache before the row leaves it (``Job.kv_out``)."""
+    for row, job in enumerate(jobs):
+        if job.keep_kv and job.finish is not None and job.kv_out is None:
+            cols = mask[row].nonzero().squeeze(1).to(cache.layers[0].keys.device)
+            kv = [
+                (k[row : row + 1].index_select(2, cols), v[row : row + 1].index_select(2, cols))
+                for k, v in kv_of(cache)
+            ]
+            job.kv_out = (kv, len(cols))
 
 
 def pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:

@@ -59,6 +59,12 @@ class Job:
     writes_text: bool = True  # False: no text is made as tokens come (a rollout returns token ids; no stop strings)
     adapter: str | None = None  # the engine's key of the LoRA adapter it runs on (``ladle.serve.adapters``); None: base
     captured: bool = True  # kept by serve.capture; False for ladle's own requests (``capture.INTERNAL_HEADER``)
+    # An agent's turns (``ladle.agents.episodes``): ``keep_kv`` asks for the row's keys and values when it ends
+    # (``kv_out``: each layer's ``[1, heads, n, dim]`` and n, the leading tokens of ids + chosen they hold), and
+    # ``resume`` hands them to the next turn, whose ids begin with those n tokens: only the rest is prefilled.
+    keep_kv: bool = False
+    kv_out: tuple | None = None
+    resume: tuple | None = None
     key: int | None = None  # its name between a server's API and engine processes (``ladle.serve.wire``)
     ids_sent: int = 0  # tokens the engine process has told the API process of ...
     prompt_sent: bool = False  # ... and whether it sent ``prompt_logprobs``

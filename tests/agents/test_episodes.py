@@ -269,3 +269,36 @@ def test_a_gym_style_environment_gets_each_turns_text_and_answers_as_a_user_turn
     records = [x.record() for x in done]
     table = reward_fns.table(loaded, tokenizer, rows, [x.ids for x in done], episodes=records)
     assert table[:, 0].tolist()[:2] == [pytest.approx(1 / 3), 0.0] and torch.isnan(table[2, 0])
+
+
+def test_a_turn_resumed_from_the_kept_cache_draws_what_a_whole_prefill_draws(tool_caller):
+    """The second turn starts from the engine's keys and values of the first (only the last token and the tool
+    block prefilled); the same draw from a fresh prefill of the whole conversation gives the same tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ladle.serve.engine import Engine
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_caller)
+    model = AutoModelForCausalLM.from_pretrained(tool_caller, dtype=torch.float32).eval()
+    engine = Engine(model, tokenizer, "cpu", 8, thread=False)
+    env = environments.load("calculator", {})
+    rows = [{"prompt": [{"role": "user", "content": q}], "columns": {}} for q in ("What is 2 + 3?", "2 plus 3?")] * 2
+    with ToolHost(env, 5.0, 64) as host:
+        done, _ = episodes.run(engine, tokenizer, host, env, rows, settings(max_completion_tokens=80), seed)
+    second = [e for e in done if e.turns == 2]
+    assert second, [e.ended for e in done]
+    for k, e in enumerate(done):
+        if e.turns < 2:
+            continue
+        start = e.mask.index(0) + e.mask[e.mask.index(0) :].index(1)  # the second turn's first token
+        job = Job(
+            ids=e.prompt_ids + e.ids[:start],
+            max_new_tokens=80,
+            temperature=1.0,
+            seed=seed(k, 1),
+            sampled=[],
+            writes_text=False,
+        )
+        engine.run([job])
+        assert e.ids[start:] == job.chosen
+        assert e.logps[start:] == pytest.approx(job.sampled, abs=1e-4)

@@ -121,3 +121,24 @@ def test_an_agent_is_refused_before_training_where_it_cannot_run(tmp_path, tiny_
     game = tmp_path / "game.py"
     game.write_text("class Game:\n    def step(self, action):\n        return 'ok'\n")
     assert check_environment(f"{game}:Game", tiny_model) == {str(game): game.read_text()}
+
+
+def test_the_planner_sizes_an_agents_whole_episodes(tmp_path, tool_caller):
+    """An episode is max_turns turns and the tool blocks between them: the rollouts' KV cache and the update's rows
+    are sized at that length, not one turn's."""
+    from ladle.machine.topology import probe
+    from ladle.plan.memory import rollout_parts
+    from ladle.plan.planner import make_plan
+
+    cfg = agent_config(tmp_path, tool_caller)
+    rl = cfg.training.rl
+    assert rl.completion_budget == 3 * 80 + 2 * 256  # max_turns x max_completion_tokens + the blocks between
+    single = build_config(cfg.model_dump(mode="json"), ["training.rl.environment=null"])
+    assert single.training.rl.completion_budget == 80
+    model = json.loads((tool_caller / "config.json").read_text())
+    topo = probe(env={}, query_output="")
+    plan = make_plan(cfg, topo, model=model)
+    said = next(r for r in plan.reasons if r.startswith("rollout memory per rank"))
+    assert f"{cfg.data.seq_len + rl.completion_budget} tokens x 2 layers" in said, said
+    kv = {c.training.rl.completion_budget: rollout_parts(c, model, plan, 4)["kv"] for c in (cfg, single)}
+    assert kv[rl.completion_budget] / kv[80] == pytest.approx((64 + 752) / (64 + 80))
