@@ -4,7 +4,7 @@
         [--output ./runs/smollm2-135m-calculator] [--steps 4] [--reps 2]
 
 Both sides: the calculator warm-up's champion (SmolLM2-135M-Instruct taught the Hermes call format with ladle's
-ChatML tools template), the calculator questions in every phrasing (ladle://calculator-prompts), 4 questions x 8
+ChatML tools template), the calculator questions in every phrasing (ladle://calculator-prompts), 2 questions x 8
 episodes per step over 2 processes, up to 3 model turns (TRL: 2 tool-calling iterations) of at most 40 tokens, the
 built-in calculator as the one tool (TRL: as its ``environment_factory``), the ``right_answer`` reward, TRL's
 default loss (dapo, beta 0), LoRA r=16 on all linear layers, float32, the same ``accelerate launch``.
@@ -36,7 +36,7 @@ from ladle.machine.topology import probe  # noqa: E402
 from ladle.train.run import launch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-GROUP, PER_STEP, TURN, TURNS, RESULT, LR = 8, 32, 40, 3, 64, 1e-3
+GROUP, PER_STEP, TURN, TURNS, RESULT, LR = 8, 16, 40, 3, 64, 1e-3
 BUDGET = TURNS * TURN + (TURNS - 1) * RESULT  # ladle's completion_budget: TRL's max_completion_length
 
 
@@ -118,8 +118,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", default="models:/smollm2-135m-calculator@champion")
     parser.add_argument("--output", default="./runs/smollm2-135m-calculator", help="where the registry of --base is")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=1)
     args = parser.parse_args()
     base = base_folder(args.base, args.output)
     results: dict[str, list] = {"ladle": [], "trl": []}

@@ -268,8 +268,21 @@ def s3_server():
 
 
 @pytest.fixture(scope="session")
-def tool_caller(tmp_path_factory) -> Path:
-    """A tiny model taught to call the calculator, with a Hermes template (``tests/agents/tool_caller.py``)."""
-    from tests.agents.tool_caller import teach
+def tool_caller() -> Path:
+    """A tiny model taught to call the calculator, with a Hermes template (``tests/agents/tool_caller.py``): made
+    once per test run in the workers' shared assets (named by the teaching code's digest), by one worker while
+    another waits for it."""
+    import hashlib
+    import inspect
 
-    return teach(tmp_path_factory.mktemp("tool-caller") / "model")
+    from ladle.platform.files import one_builder
+    from ladle.platform.home import ladle_home
+    from tests.agents import tool_caller as made
+
+    digest = hashlib.sha256(inspect.getsource(made).encode()).hexdigest()[:12]
+    folder = ladle_home() / "assets" / f"tool-caller-{digest}"
+    with one_builder(folder, deadline_s=300):
+        if not (folder / "config.json").is_file():
+            made.teach(folder.with_name(folder.name + ".tmp"))
+            folder.with_name(folder.name + ".tmp").rename(folder)
+    return folder
