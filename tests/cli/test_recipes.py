@@ -19,6 +19,8 @@ SHIPPED = [
     "llama3.2-1b-lora",
     "llama3.2-1b-qlora",
     "qwen3-32b-zeropp",
+    "smollm2-135m-calculator-grpo-cpu",
+    "smollm2-135m-calculator-sft-cpu",
     "smollm2-135m-cpu",
     "smollm2-135m-dpo-cpu",
     "smollm2-135m-flywheel-cpu",
