@@ -22,18 +22,14 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_episodes import base_folder  # noqa: E402
-from common import launch_trl, save, train_spec  # noqa: E402
+from common import launch_grpo, launch_trl, save  # noqa: E402
 
-from ladle import rewards  # noqa: E402
 from ladle.assets import resolve_builtin  # noqa: E402
 from ladle.config import build_config  # noqa: E402
-from ladle.machine.topology import probe  # noqa: E402
-from ladle.train.run import launch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 GROUP, PER_STEP, TURN, TURNS, RESULT, LR = 8, 16, 40, 3, 64, 1e-3
@@ -75,22 +71,7 @@ def ladle_config(base: str, tmp: Path, steps: int, seed: int):
 
 
 def run_ladle(base: str, tmp: Path, steps: int, rep: int) -> dict:
-    cfg = ladle_config(base, tmp, steps, rep)
-    spec = train_spec(cfg, tmp, f"ladle-{rep}", topo=probe())
-    spec = spec.model_copy(update={"reward_files": rewards.bundle(cfg.training.rl.rewards)})
-    events: list[dict] = []
-    began = time.perf_counter()
-    result = launch(spec, on_progress=lambda e: events.append(e) if e["event"] == "step" else None)
-    wall = time.perf_counter() - began
-    return {
-        "tokens": result.real_tokens,
-        "seconds": result.train_seconds,
-        "tokens_per_s": result.tokens_per_s,
-        "generation_s": sum(e["generation_s"] for e in events),
-        "rewards": [e["reward"] for e in events],
-        "peak_mib": result.peak_memory_mib,
-        "wall_s": wall,
-    }
+    return launch_grpo(ladle_config(base, tmp, steps, rep), tmp, f"ladle-{rep}")
 
 
 def run_trl(base: str, tmp: Path, steps: int, rep: int) -> dict:

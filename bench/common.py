@@ -187,3 +187,28 @@ def launch_trl(script: Path, args: list[str]) -> tuple[list[dict], float]:
     if done.returncode != 0 or len(ranks) != 2:
         raise SystemExit(f"TRL run failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
     return ranks, wall
+
+
+def launch_grpo(cfg, tmp: Path, name: str) -> dict:
+    """One GRPO run of ``cfg`` on this machine (its rewards' files read as a run reads them): its completion
+    tokens, the seconds inside steps and their rate, the engine's seconds, each step's reward, its peak and wall."""
+    import time
+
+    from ladle import rewards
+    from ladle.machine.topology import probe
+    from ladle.train.run import launch
+
+    spec = train_spec(cfg, tmp, name, topo=probe())
+    spec = spec.model_copy(update={"reward_files": rewards.bundle(cfg.training.rl.rewards)})
+    events: list[dict] = []
+    began = time.perf_counter()
+    result = launch(spec, on_progress=lambda e: events.append(e) if e["event"] == "step" else None)
+    return {
+        "tokens": result.real_tokens,
+        "seconds": result.train_seconds,
+        "tokens_per_s": result.tokens_per_s,
+        "generation_s": sum(e["generation_s"] for e in events),
+        "rewards": [e["reward"] for e in events],
+        "peak_mib": result.peak_memory_mib,
+        "wall_s": time.perf_counter() - began,
+    }

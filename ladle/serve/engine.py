@@ -344,7 +344,6 @@ class Batch:
         """Prefill rows that resume an earlier turn: each one's kept keys and values left-padded to one width, then
         the tokens after them left-padded to one width (the padding between is masked, the positions counted from
         the real tokens), so each row's next-token logits are those of one prefill of its whole ids."""
-        device = self.engine.device
         past = max(job.resume[1] for job in jobs)
         rest = [job.ids[job.resume[1] :] for job in jobs]
         width = max(len(r) for r in rest)
@@ -365,8 +364,14 @@ class Batch:
             job.resume = None  # handed over: the batch's cache holds it now
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, past:]
         cache = cache_of(kv)
+        return self.next_logits(jobs, ids, mask, positions, cache), cache, mask
+
+    def next_logits(self, jobs: list[Job], ids, mask, positions, cache) -> torch.Tensor:
+        """One prefill forward of ``ids`` into ``cache``: each row's next-token logits only (``[rows, vocab]``, not
+        one per prompt position)."""
+        device = self.engine.device
         with torch.no_grad():
-            logits = self.engine.forward(
+            return self.engine.forward(
                 jobs,
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
@@ -375,7 +380,6 @@ class Batch:
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1, :]
-        return logits, cache, mask
 
     def prefill(self, jobs: list[Job]) -> tuple[torch.Tensor, object, torch.Tensor]:
         """Prefill fresh rows: their prompts left-padded to one width; the logits, cache and mask of every row."""
@@ -395,16 +399,7 @@ class Batch:
             mask[row, width - len(job.ids) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache()  # no config: every layer full width (see the module's docstring)
-        with torch.no_grad():
-            logits = self.engine.forward(
-                distinct,
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                position_ids=positions.to(device),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,  # the next token's logits only: [rows, 1, vocab], not one per prompt position
-            ).logits[:, -1, :]
+        logits = self.next_logits(distinct, ids, mask, positions, cache)
         if len(distinct) < len(jobs):
             order = {row: i for i, row in enumerate(first.values())}
             index = torch.tensor([order[row] for row in which], dtype=torch.long)

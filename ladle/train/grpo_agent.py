@@ -58,7 +58,7 @@ def sample(agent: Agent, engine, tokenizer, rows: list[dict], rl, seed, first: i
     """This rank's episodes for ``rows`` as rollouts: the prompt ids with the tools, every token after them,
     and the mask of the model's tokens."""
     eps, seconds = episodes.run(engine, tokenizer, agent.host, agent.env, rows, episodes.Settings.of(rl), seed, first)
-    ro = grpo.Rollouts(
+    return grpo.Rollouts(
         rows=[{**row, "ids": e.prompt_ids} for row, e in zip(rows, eps, strict=True)],
         completion_ids=[e.ids for e in eps],
         sampler_logps=[e.logps for e in eps],
@@ -67,7 +67,6 @@ def sample(agent: Agent, engine, tokenizer, rows: list[dict], rl, seed, first: i
         masks=[e.mask for e in eps],
         episodes=[e.record() for e in eps],
     )
-    return ro
 
 
 def greedy(agent: Agent, engine, tokenizer, rows: list[dict], rl) -> tuple[list[dict], list[list[int]], list[dict]]:

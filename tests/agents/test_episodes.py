@@ -13,17 +13,21 @@ from ladle.agents import environments, episodes
 from ladle.agents.tool_host import ToolHost
 from ladle.serve.rows import Job
 from tests.agents.test_tool_host import FAULTY
-from tests.templates import HERMES_TEMPLATE, with_template
+from tests.templates import HERMES_TEMPLATE
 
 
 @pytest.fixture(scope="module")
 def hermes_tiny(tiny_model, tmp_path_factory):
-    """The tiny model with a template that teaches Hermes tool calls, its tokenizer and an engine over it."""
+    """The tiny model with a template that teaches Hermes tool calls (laid over it as a recipe's chat_template
+    is), its tokenizer and an engine over it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ladle.assets.templates import with_template
     from ladle.serve.engine import Engine
 
-    folder = with_template(tiny_model, tmp_path_factory.mktemp("hermes") / "model", HERMES_TEMPLATE)
+    template = tmp_path_factory.mktemp("hermes") / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
+    folder = with_template(tiny_model, str(template))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return tokenizer, Engine(model, tokenizer, "cpu", 8, thread=False)
