@@ -183,19 +183,19 @@ def run(
     first: int = 0,
 ) -> tuple[list[Episode], float]:
     """Roll out one episode per row (``seed(k, turn)``: the seed of episode k's turn, the same on any attempt;
-    None: greedy, as held-out episodes run),
-    every turn of every live episode in one batch of ``engine`` on the calling thread. Returns the episodes and
-    the seconds spent generating.
+    None: greedy, as held-out episodes run), every turn of every live episode in one batch of ``engine`` on the
+    calling thread. Returns the episodes and the seconds spent generating; every episode's environment is dropped
+    from the host on the way out, whatever happened.
 
     Raises:
         RuntimeError: the engine failed a turn (its message).
         TemplateError: the template cannot carry tool results after the model's tokens.
     """
     fmt = None if env.steps else tool_format(tokenizer)
-    episodes = start(host, env, tokenizer, rows, first)
     tools = list(env.tools)
     generating = 0.0
     try:
+        episodes = start(host, env, tokenizer, rows, first)
         for turn in range(settings.max_turns):
             live = [(k, e) for k, e in enumerate(episodes) if e.ended is None]
             if not live:
@@ -228,7 +228,7 @@ def run(
                 e.kv = job.kv_out if e.ended is None else None
                 job.kv_out = None
     finally:
-        for k in range(len(episodes)):
+        for k in range(len(rows)):
             host.drop(first + k)
     return episodes, generating
 
