@@ -12,6 +12,12 @@ Two of the field's conventions:
 Either may have ``reset(**columns)``, called at each episode's start with the prompt row's columns, whose text (if
 any) is added to the prompt's last user turn. ``calculator`` names the built-in one (``ladle.agents.builtin``).
 
+A third shape, the one verifiers, NeMo Gym and ART use, is an **agent program**: a function (plain or ``async``)
+``program(client, model, messages, **columns)`` that plays one episode by talking to an OpenAI-compatible endpoint
+(``client``: an ``openai.OpenAI``, or ``openai.AsyncOpenAI`` for an ``async`` one) and may return its own reward.
+ladle serves the live policy at that endpoint during training and records every call's token ids
+(``ladle.agents.programs``); the program's own tools run in its own process (``ladle.agents.program_host``).
+
 The class is imported here only to read its tools; its code runs in the tool host (``ladle.agents.host``), one
 subprocess per training rank, never in the training process. A class named by file (``envs/shop.py:Shop``)
 travels with the run like a reward's file: its text is read once (``bundle``), is part of the run's fingerprint,
@@ -49,6 +55,7 @@ class Environment:
     tools: tuple[dict, ...]
     resets: bool  # it has reset(**columns)
     steps: bool = False  # gym-style: step(action) takes each turn's text (no tools)
+    program: bool = False  # an agent program: a function that talks to an OpenAI endpoint (its tools its own)
 
     @property
     def names(self) -> list[str]:
@@ -92,6 +99,18 @@ def load_class(target: str, source: str | None, entry: str):
     Raises:
         EnvironmentError_: it cannot be imported, or is not a class.
     """
+    found = load_object(target, source, entry)
+    if not inspect.isclass(found):
+        raise EnvironmentError_(f"{FIELD} = {entry!r}: {target} is not a class.")
+    return found
+
+
+def load_object(target: str, source: str | None, entry: str):
+    """The class or function ``target`` names (from ``source`` where it is a file's).
+
+    Raises:
+        EnvironmentError_: it cannot be imported, or is neither a class nor a function.
+    """
     if ":" not in target:
         known = ", ".join(ENVIRONMENTS)
         raise EnvironmentError_(
@@ -110,10 +129,29 @@ def load_class(target: str, source: str | None, entry: str):
             f"{FIELD} = {entry!r}: cannot import it ({type(exc).__name__}: {exc}). Make {where} importable "
             "(installed, or a file path ending in .py), then run again."
         ) from exc
-    cls = getattr(module, name, None)
-    if not inspect.isclass(cls):
-        raise EnvironmentError_(f"{FIELD} = {entry!r}: {where} has no class {name!r}. Check the name.")
-    return cls
+    found = getattr(module, name, None)
+    if not (inspect.isclass(found) or inspect.isfunction(found)):
+        raise EnvironmentError_(
+            f"{FIELD} = {entry!r}: {where} has no class or function {name!r}. Check the name: an environment is a "
+            "class, an agent program a function."
+        )
+    return found
+
+
+def check_program(fn, entry: str) -> None:
+    """An agent program must take ``(client, model, messages, **columns)``.
+
+    Raises:
+        EnvironmentError_: its signature cannot take them.
+    """
+    try:
+        inspect.signature(fn).bind(object(), "model", [])
+    except TypeError as exc:
+        raise EnvironmentError_(
+            f"{FIELD} = {entry!r}: the agent program {fn.__name__}{inspect.signature(fn)} cannot be called as "
+            f"program(client, model, messages, **columns) ({exc}). Give it those three leading parameters; the "
+            "prompt row's columns come as keyword arguments it names (or **columns)."
+        ) from None
 
 
 def tool_methods(cls) -> list[tuple[str, object]]:
@@ -142,7 +180,10 @@ def load(entry: str, files: dict[str, str]) -> Environment:
         if path not in files:
             raise EnvironmentError_(f"{FIELD} = {entry!r}: the file did not travel with the run")
         source = files[path]
-    cls = load_class(target, source, entry)
+    cls = load_object(target, source, entry)
+    if inspect.isfunction(cls):
+        check_program(cls, entry)
+        return Environment(entry, target, source, (), False, program=True)
     resets = callable(getattr(cls, "reset", None))
     if callable(getattr(cls, "step", None)):
         return Environment(entry, target, source, (), resets, steps=True)

@@ -64,6 +64,8 @@ class Episode:
     tool_seconds: float = 0.0
     env_reward: float | None = None  # a gym-style environment's rewards, summed
     kv: tuple | None = None  # the engine's keys and values of its tokens so far, for the next turn (``Job.resume``)
+    tools: list[dict] | None = None  # an agent program's: the tools its first request sent (else the environment's)
+    requests: list[dict] = field(default_factory=list)  # an agent program's calls: where each turn's tokens begin
 
     @property
     def model_tokens(self) -> int:
@@ -81,6 +83,8 @@ class Episode:
             **({"error": self.error} if self.error else {}),
             "model_tokens": self.model_tokens,
             "tool_tokens": len(self.ids) - self.model_tokens,
+            **({"tools": self.tools} if self.tools else {}),
+            **({"requests": self.requests} if self.requests else {}),
         }
 
 

@@ -102,7 +102,7 @@ PARITY_CASES = 8
 
 def parity_cases(records: list[dict], tools: tuple[dict, ...], max_tokens: int) -> list[dict]:
     """The first turns of up to ``PARITY_CASES`` held-out episodes, greedy on the trained weights: their prompt,
-    the tools, and the calls the rollout parsed (``ladle.lifecycle.parity.ToolCase``), episodes that called first."""
+    the tools (an environment's, or those an agent program sent), and the calls the rollout parsed (``ladle.lifecycle.parity.ToolCase``), episodes that called first."""
     cases = []
     for record in records:
         first = record["messages"][0] if record["messages"] else None
@@ -112,7 +112,8 @@ def parity_cases(records: list[dict], tools: tuple[dict, ...], max_tokens: int) 
             {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
             for c in first["tool_calls"]
         ]
-        cases.append({"messages": record["prompt"], "tools": list(tools), "calls": calls, "max_tokens": max_tokens})
+        sent = record.get("tools", list(tools))  # an agent program's: the tools its first request sent
+        cases.append({"messages": record["prompt"], "tools": sent, "calls": calls, "max_tokens": max_tokens})
         if len(cases) == PARITY_CASES:
             break
     return cases
