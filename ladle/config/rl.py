@@ -21,8 +21,8 @@ class RewardConfig(Section):
         "built-in: `exact_match` (the completion, stripped, equals a column; `column`), `json_schema` (the "
         "completion parses as JSON and validates against `schema`, or the JSON schema in a column), `regex` (the "
         "completion matches `pattern` from its start), `length` (-(tokens beyond `max_tokens`) / max_tokens, 0 "
-        "within it), `env_reward` (a gym-style training.rl.environment's own rewards of the episode, summed). A "
-        "function is called as TRL calls it: `fn(prompts=..., completions=..., "
+        "within it), `env_reward` (a gym-style training.rl.environment's own rewards of the episode, summed, or "
+        "what an agent program returned). A function is called as TRL calls it: `fn(prompts=..., completions=..., "
         "completion_ids=..., **columns)`, returning one float (or None: not applicable) per completion."
     )
     weight: float = Field(1.0, description="Weight of this reward in the sum each completion is scored by.")
@@ -57,6 +57,14 @@ class EpisodeConfig(Section):
         le=32768,
         description="Tokens one turn of tool results may take, chat template included; a bigger result ends its "
         "episode, marked tool_result_too_long (never cut silently).",
+    )
+    program_timeout_s: float = Field(
+        300.0,
+        gt=0.0,
+        le=3600.0,
+        description="Seconds an agent program (an environment that is a function) may take for one batch of "
+        "episodes, its own tools and the policy's turns included; a program still running is killed with its "
+        "process and its episode ends, marked program_timeout.",
     )
 
 
@@ -146,11 +154,15 @@ class RLConfig(Section):
         "environment_factory convention, a class whose public methods are the tools (typed arguments and a "
         "docstring with an Args section), or gym-style, a class with step(action) that takes each turn's text and "
         "returns the observation (or observation, reward, done); either with an optional reset(**columns) whose "
-        "text, if any, is added to the prompt's last user turn. Tools and steps run in a subprocess. null: one "
-        "completion per prompt.",
+        "text, if any, is added to the prompt's last user turn. Tools and steps run in a subprocess. Or an agent "
+        "program (verifiers', NeMo Gym's, ART's shape): a function program(client, model, messages, **columns), "
+        "plain or async, that plays one episode with the OpenAI SDK's client against ladle's endpoint of the live "
+        "policy and may return its reward (env_reward); it runs in a subprocess, every call's tokens recorded. "
+        "null: one completion per prompt.",
     )
     episode: EpisodeConfig = Field(
-        default_factory=EpisodeConfig, description="Episodes of training.rl.environment: turns and tool limits."
+        default_factory=EpisodeConfig,
+        description="Episodes of training.rl.environment: turns, tool limits and an agent program's deadline.",
     )
 
     @field_validator("rewards", mode="before")

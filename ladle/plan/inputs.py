@@ -117,7 +117,8 @@ def check_environment(entry: str, base: Path) -> dict[str, str]:
     from ladle.serve.tools import ToolError, format_of
 
     files = environments.bundle(entry)
-    if environments.load(entry, files).steps:  # gym-style: the turns are text, the template needs no tools
+    env = environments.load(entry, files)
+    if env.steps or env.program:  # gym-style: text turns; a program's tools are checked when it sends them
         return files
     template = AutoTokenizer.from_pretrained(base).chat_template
     try:

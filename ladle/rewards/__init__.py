@@ -416,7 +416,8 @@ def builtin(reward: RewardConfig) -> Callable:
 
 
 def env_reward(completions, episodes=None, **kwargs):
-    """A gym-style environment's own rewards of each episode, summed (None where it gave none)."""
+    """A gym-style environment's own rewards of each episode, summed, or what an agent program returned (None
+    where it gave none)."""
     if episodes is None:
         raise KeyError("env_reward scores an agent's episodes: set training.rl.environment")
     return [e.get("env_reward") for e in episodes]

@@ -14,7 +14,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ladle.agents import environments, episodes
+from ladle.agents import environments, episodes, programs
 from ladle.agents.tool_host import ToolHost
 from ladle.platform import storage
 from ladle.serve.tools import ToolError
@@ -24,15 +24,27 @@ from ladle.train import grpo
 @dataclass
 class Agent:
     env: environments.Environment
-    host: ToolHost
+    host: ToolHost | None  # an environment's tool host; None for an agent program ...
+    endpoint: programs.Endpoint | None = None  # ... which talks to the live policy's endpoint instead
     logs: dict[str, list[dict]] = field(default_factory=dict)  # episode logs by artifact name
 
     def close(self) -> None:
-        self.host.close()
+        if self.host is not None:
+            self.host.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
+
+    def run(self, engine, tokenizer, rows: list[dict], rl, settings: episodes.Settings, seed, first: int = 0):
+        """Each row's episode and the seconds spent generating: the environment's, or the agent program's."""
+        if self.endpoint is not None:
+            timeout = rl.episode.program_timeout_s
+            return programs.run(engine, tokenizer, self.endpoint, self.env, rows, settings, seed, first, timeout)
+        return episodes.run(engine, tokenizer, self.host, self.env, rows, settings, seed, first)
 
 
 def start(rl, files: dict[str, str], tokenizer) -> Agent | None:
-    """The environment loaded, the template's tool format checked and the host started; None without one.
+    """The environment loaded, the template's tool format checked and the host started (an agent program's
+    endpoint instead, its tool format checked at the first request that sends tools); None without one.
 
     Raises:
         RuntimeError: the environment, the template or the host cannot serve episodes (the reason and the fix).
@@ -41,6 +53,8 @@ def start(rl, files: dict[str, str], tokenizer) -> Agent | None:
         return None
     try:
         env = environments.load(rl.environment, files)
+        if env.program:
+            return Agent(env, None, programs.Endpoint(wait_s=rl.episode.program_timeout_s))
         if not env.steps:  # a gym-style environment's turns are text: no tool calls to parse
             episodes.tool_format(tokenizer)
     except ToolError as exc:
@@ -57,7 +71,7 @@ def start(rl, files: dict[str, str], tokenizer) -> Agent | None:
 def sample(agent: Agent, engine, tokenizer, rows: list[dict], rl, seed, first: int) -> grpo.Rollouts:
     """This rank's episodes for ``rows`` as rollouts: the prompt ids with the tools, every token after them,
     and the mask of the model's tokens."""
-    eps, seconds = episodes.run(engine, tokenizer, agent.host, agent.env, rows, episodes.Settings.of(rl), seed, first)
+    eps, seconds = agent.run(engine, tokenizer, rows, rl, episodes.Settings.of(rl), seed, first)
     return grpo.Rollouts(
         rows=[{**row, "ids": e.prompt_ids} for row, e in zip(rows, eps, strict=True)],
         completion_ids=[e.ids for e in eps],
@@ -71,7 +85,7 @@ def sample(agent: Agent, engine, tokenizer, rows: list[dict], rl, seed, first: i
 
 def greedy(agent: Agent, engine, tokenizer, rows: list[dict], rl) -> tuple[list[dict], list[list[int]], list[dict]]:
     """Held-out episodes, greedy: their rows (prompt ids with the tools), completions and records."""
-    eps, _ = episodes.run(engine, tokenizer, agent.host, agent.env, rows, episodes.Settings.of(rl, True), None)
+    eps, _ = agent.run(engine, tokenizer, rows, rl, episodes.Settings.of(rl, True), None)
     return (
         [{**r, "ids": e.prompt_ids} for r, e in zip(rows, eps, strict=True)],
         [e.ids for e in eps],
@@ -88,7 +102,7 @@ def stats(records: list[dict]) -> dict[str, float]:
         "episode/calls": sum(r["calls"] for r in records) / n,
         "episode/tool_tokens": sum(r["tool_tokens"] for r in records) / n,
     }
-    for why in ("answer", "length", "max_turns", *episodes.FAILURES, "tool_result_too_long"):
+    for why in ("answer", "length", "max_turns", *episodes.FAILURES, "tool_result_too_long", *programs.PROGRAM_ENDS):
         out[f"episode/ended_{why}"] = ended.get(why, 0) / n
     return out
 

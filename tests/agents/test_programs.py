@@ -77,7 +77,7 @@ def caller(tool_caller):
     tokenizer = AutoTokenizer.from_pretrained(tool_caller)
     model = AutoModelForCausalLM.from_pretrained(tool_caller, dtype=torch.float32).eval()
     with programs.Endpoint(wait_s=60) as endpoint:
-        yield tokenizer, Engine(model, tokenizer, "cpu", 8, thread=False), endpoint
+        yield tokenizer, Engine(model, tokenizer, "cpu", 8, thread=False), endpoint, model
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_an_openai_sdk_program_trains_exactly_the_tokens_an_in_process_environme
     prompt ids, the same sampled ids, the same masks, the same log-probabilities; every call batched."""
     from ladle.agents.tool_host import ToolHost
 
-    tokenizer, engine, endpoint = caller
+    tokenizer, engine, endpoint, _ = caller
     env = program(program_file, "play")
     assert env.program and env.tools == ()
     batch = rows(4)
@@ -141,7 +141,7 @@ def test_an_openai_sdk_program_trains_exactly_the_tokens_an_in_process_environme
 
 
 def test_an_async_program_and_every_way_a_program_fails_end_only_their_own_episodes(caller, program_file):
-    tokenizer, engine, endpoint = caller
+    tokenizer, engine, endpoint, _ = caller
     out = {}
     for name in ("play_async", "rewrites", "raises", "never_calls", "penalised"):
         done, _ = programs.run(
@@ -164,7 +164,7 @@ def test_an_async_program_and_every_way_a_program_fails_end_only_their_own_episo
 
 
 def test_a_program_past_its_deadline_is_killed_with_everything_it_started(caller, program_file, tmp_path, monkeypatch):
-    tokenizer, engine, endpoint = caller
+    tokenizer, engine, endpoint, _ = caller
     pid_file = tmp_path / "pid"
     monkeypatch.setenv("LADLE_TEST_PID_FILE", str(pid_file))
     began = time.monotonic()
@@ -180,6 +180,19 @@ def test_a_program_past_its_deadline_is_killed_with_everything_it_started(caller
     while time.monotonic() < deadline and alive(pid):
         time.sleep(0.05)
     assert not alive(pid)
+
+
+def test_the_evaluation_plays_a_programs_held_out_episodes_greedy_as_the_environments(caller, program_file):
+    """The evaluate stage's episodes (``held_out``: its own engine and endpoint, greedy) of the program are the
+    calculator environment's."""
+    from ladle.config.rl import EpisodeConfig
+
+    tokenizer, _, _, model = caller
+    ep = EpisodeConfig(max_turns=3, max_tool_result_tokens=64, program_timeout_s=60)
+    played = episodes.held_out(model, tokenizer, "cpu", rows(2), program(program_file, "play"), settings(), ep, 8)
+    hosted = episodes.held_out(model, tokenizer, "cpu", rows(2), environments.load("calculator", {}), settings(), ep, 8)
+    assert [(e.ended, e.calls, e.env_reward) for e in played] == [("answer", 1, 1.0)] * 2
+    assert [e.prompt_ids + e.ids for e in played] == [e.prompt_ids + e.ids for e in hosted]
 
 
 def alive(pid: int) -> bool:

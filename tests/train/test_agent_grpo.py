@@ -63,13 +63,44 @@ def agent_config(root, base, *overrides):
     )
 
 
-def test_an_agent_learns_from_whole_episodes_on_two_processes(tool_caller, tmp_path):
+PROGRAM = """
+import json
+
+from ladle.agents.builtin import Calculator
+
+
+def play(client, model, messages, **columns):
+    tools = [json.loads(t) for t in {tools!r}]
+    messages, calc = list(messages), Calculator()
+    while True:
+        reply = client.chat.completions.create(model=model, messages=messages, tools=tools)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls or reply.choices[0].finish_reason == "length":
+            return
+        for call in message.tool_calls:
+            result = calc.calculate(**json.loads(call.function.arguments))
+            messages.append({{"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result}})
+"""
+
+
+@pytest.mark.parametrize("kind", ["environment", "program"])
+def test_an_agent_learns_from_whole_episodes_on_two_processes(tool_caller, tmp_path, kind):
+    """The calculator as ladle's environment in each rank's tool host, and as an OpenAI SDK agent program
+    playing against each rank's endpoint of the live policy: the same training either way."""
+    from ladle.agents import environments
     from ladle.train.run import launch
     from tests.helpers import train_spec
 
-    cfg = agent_config(tmp_path, tool_caller)
+    overrides = []
+    if kind == "program":
+        tools = [json.dumps(t) for t in environments.load("calculator", {}).tools]
+        (tmp_path / "agent.py").write_text(PROGRAM.format(tools=tools))
+        overrides = [f"training.rl.environment={tmp_path / 'agent.py'}:play"]
+    cfg = agent_config(tmp_path, tool_caller, *overrides)
     spec = train_spec(cfg, tmp_path, "agent")
-    spec = spec.model_copy(update={"reward_files": reward_fns.bundle(cfg.training.rl.rewards)})
+    files = {**reward_fns.bundle(cfg.training.rl.rewards), **environments.bundle(cfg.training.rl.environment)}
+    spec = spec.model_copy(update={"reward_files": files})
     result = launch(spec)
     assert result.world_size == 2 and result.steps == 2
     # The trainer's forward over whole episodes (tool blocks included as context) scored the model's tokens as the
@@ -121,6 +152,12 @@ def test_an_agent_is_refused_before_training_where_it_cannot_run(tmp_path, tiny_
     game = tmp_path / "game.py"
     game.write_text("class Game:\n    def step(self, action):\n        return 'ok'\n")
     assert check_environment(f"{game}:Game", tiny_model) == {str(game): game.read_text()}
+    # An agent program's: its signature, before anything trains (its tools are checked when it sends them).
+    agent = tmp_path / "agent.py"
+    agent.write_text("def play(client, model, messages, **columns):\n    return 1\n\ndef bad(client):\n    pass\n")
+    assert check_environment(f"{agent}:play", tiny_model) == {str(agent): agent.read_text()}
+    with pytest.raises(LadleError, match=r"bad\(client\) cannot be called as program\(client, model, messages"):
+        check_environment(f"{agent}:bad", tiny_model)
 
 
 def test_the_planner_sizes_an_agents_whole_episodes(tmp_path, tool_caller):
