@@ -243,12 +243,12 @@ def episode_score(model, tokenizer, device, rows: list[dict], rewards, batch_siz
     import torch
 
     from ladle import rewards as reward_fns
-    from ladle.agents import environments, episodes
+    from ladle.agents import environments, episodes, held_out
 
     env = environments.load(rewards.environment, rewards.files)
     ep = rewards.episode
     settings = episodes.Settings(ep.max_turns, rewards.max_completion_tokens, ep.max_tool_result_tokens)
-    done = episodes.held_out(model, tokenizer, device, rows, env, settings, ep, batch_size)
+    done = held_out.play(model, tokenizer, device, rows, env, settings, ep, batch_size)
     scored = [{**r, "ids": e.prompt_ids} for r, e in zip(rows, done, strict=True)]
     records = [e.record() for e in done]
     loaded = rewards.loaded()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ladle.agents import environments, episodes, programs
+from ladle.agents import environments, episodes, held_out, programs
 
 PROGRAM = '''
 import json
@@ -189,8 +189,8 @@ def test_the_evaluation_plays_a_programs_held_out_episodes_greedy_as_the_environ
 
     tokenizer, _, _, model = caller
     ep = EpisodeConfig(max_turns=3, max_tool_result_tokens=64, program_timeout_s=60)
-    played = episodes.held_out(model, tokenizer, "cpu", rows(2), program(program_file, "play"), settings(), ep, 8)
-    hosted = episodes.held_out(model, tokenizer, "cpu", rows(2), environments.load("calculator", {}), settings(), ep, 8)
+    played = held_out.play(model, tokenizer, "cpu", rows(2), program(program_file, "play"), settings(), ep, 8)
+    hosted = held_out.play(model, tokenizer, "cpu", rows(2), environments.load("calculator", {}), settings(), ep, 8)
     assert [(e.ended, e.calls, e.env_reward) for e in played] == [("answer", 1, 1.0)] * 2
     assert [e.prompt_ids + e.ids for e in played] == [e.prompt_ids + e.ids for e in hosted]
 

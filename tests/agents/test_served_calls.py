@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from ladle.agents import environments, episodes
+from ladle.agents import environments, episodes, held_out
 from ladle.agents.builtin import Calculator
 from ladle.config.rl import EpisodeConfig
 from ladle.lifecycle.parity import ToolCase, check_tool_calls
@@ -37,7 +37,7 @@ def test_the_served_model_calls_what_the_rollout_called_and_a_different_call_fai
     env = environments.load("calculator", {})
     rows = [{"prompt": [{"role": "user", "content": q}], "columns": {}} for q in ("What is 2 + 3?", "Add 2 and 3.")]
     settings = episodes.Settings(max_turns=3, max_completion_tokens=80, max_tool_result_tokens=64)
-    done = episodes.held_out(model, tokenizer, "cpu", rows, env, settings, EpisodeConfig(), 4)
+    done = held_out.play(model, tokenizer, "cpu", rows, env, settings, EpisodeConfig(), 4)
     cases = [ToolCase.model_validate(c) for c in grpo_agent.parity_cases([e.record() for e in done], env.tools, 80)]
     assert len(cases) == 2 and cases[0].calls == [{"name": "calculate", "arguments": {"expression": "2 + 3"}}]
     assert check_tool_calls(served.url, "agent", cases) is None

@@ -161,7 +161,7 @@ def test_a_host_dies_with_its_training_process_even_inside_a_hung_tool(faulty, t
         ("class E:\n    pass\n", "E has no public method to offer as a tool"),
         ("class E:\n    def look(self, x):\n        return x\n", "tool E.look cannot be described to the model"),
         ("import nothing_here\n", "cannot import it (ModuleNotFoundError"),
-        ("class F:\n    pass\n", "has no class 'E'"),
+        ("class F:\n    pass\n", "has no class or function 'E'"),
     ],
 )
 def test_an_environment_that_cannot_be_used_is_one_error_naming_it(tmp_path, source, message):
