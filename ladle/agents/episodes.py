@@ -107,16 +107,18 @@ def render_ids(tokenizer, messages: list[dict], tools: list[dict], prompt: bool)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def suffix_ids(tokenizer, tools: list[dict], results: list[dict]) -> list[int]:
+def suffix_ids(tokenizer, tools: list[dict], results: list[dict], called: list[str] | None = None) -> list[int]:
     """The template's tokens after the model's EOS that carry ``results`` (tool results, or a gym-style
     environment's observation as a user turn) back and open the next assistant turn (TRL's
-    ``_get_tool_suffix_ids``).
+    ``_get_tool_suffix_ids``). ``called``: the names of the calls the results answer (default: the first result's
+    ``name``; a client may send results without one).
 
     Raises:
         TemplateError: the trimmed conversation is not a prefix of the one with the results.
     """
     if results[0]["role"] == "tool":
-        calls = [{"type": "function", "function": {"name": results[0]["name"], "arguments": {}}}]
+        names = called or [results[0].get("name", "")]
+        calls = [{"type": "function", "function": {"name": name, "arguments": {}}} for name in names]
         head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
     else:
         head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]

@@ -402,7 +402,8 @@ class Serving:
             e.prompt_ids = render_ids(self.tokenizer, messages, tools, prompt=True)
             return list(e.prompt_ids)
         new = self.new_messages(e, messages, tools)
-        block = suffix_ids(self.tokenizer, tools, new)
+        called = [c["function"]["name"] for c in e.messages[-1].get("tool_calls") or ()]
+        block = suffix_ids(self.tokenizer, tools, new, called or None)
         if len(block) > self.settings.max_tool_result_tokens:
             raise self.refuse(
                 e,

@@ -35,6 +35,23 @@ def play(client, model, messages, answer=None):
             messages.append({{"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result}})
 
 
+def chain(client, model, messages, answer=None):
+    """The same episode as a LangChain agent writes it: ChatOpenAI with the tools bound, its own messages."""
+    from langchain_core.messages import ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=model, base_url=str(client.base_url), api_key="none", max_retries=0, max_tokens=80)
+    llm, history, calc = llm.bind_tools(TOOLS), list(messages), Calculator()
+    while True:
+        reply = llm.invoke(history)
+        history.append(reply)
+        if not reply.tool_calls:
+            return float(reply.content.strip() == answer)
+        for call in reply.tool_calls:
+            result = calc.calculate(**call["args"])
+            history.append(ToolMessage(content=result, tool_call_id=call["id"], name=call["name"]))
+
+
 async def play_async(client, model, messages, **columns):
     reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=80)
     return 0.25 if reply.choices[0].finish_reason in ("stop", "tool_calls", "length") else 0.0
@@ -180,6 +197,17 @@ def test_a_program_past_its_deadline_is_killed_with_everything_it_started(caller
     while time.monotonic() < deadline and alive(pid):
         time.sleep(0.05)
     assert not alive(pid)
+
+
+def test_a_langchain_agent_trains_unchanged(caller, program_file):
+    """LangChain's ChatOpenAI, a client ladle did not write, sends the conversation back in its own serialisation:
+    the episode still grows by appending, and trains as one sequence."""
+    tokenizer, engine, endpoint, _ = caller
+    done, _ = programs.run(engine, tokenizer, endpoint, program(program_file, "chain"), rows(2), settings(), None)
+    assert [(e.ended, e.turns, e.calls, e.env_reward) for e in done] == [("answer", 2, 1, 1.0)] * 2, [
+        (e.ended, e.error) for e in done
+    ]
+    assert all(e.mask.count(0) > 0 and e.mask[-1] == 1 for e in done)  # the result's block between the two turns
 
 
 def test_the_evaluation_plays_a_programs_held_out_episodes_greedy_as_the_environments(caller, program_file):
