@@ -22,7 +22,8 @@ environment said so), ``length`` (a turn cut at ``training.rl.max_completion_tok
 calling, or not done, after the last turn), or a tool's
 failure: ``raised``, ``unknown_tool``, ``bad_arguments``, ``result_too_long`` (the host's refusal),
 ``tool_result_too_long`` (the block over ``max_tool_result_tokens``), ``tool_timeout``, ``host_failed``. A failed
-call ends its episode and never the run; the rewards still score the episode as it stands, and receive its
+call ends its episode and never the run; a prompt that took more than ``data.seq_len`` tokens with its tools
+(``prompt_too_long``) never starts; the rewards still score the episode as it stands, and receive its
 record (``episodes``) to judge the failure as they choose.
 """
 
@@ -40,6 +41,7 @@ from ladle.serve.rows import Job
 from ladle.serve.tools import Format, format_of, openai_calls
 
 FAILURES = ("raised", "unknown_tool", "bad_arguments", "result_too_long", "tool_timeout", "host_failed")
+REFUSALS = ("tool_result_too_long", "prompt_too_long")  # what ladle's own limits end
 
 
 class TemplateError(ValueError):
@@ -147,12 +149,30 @@ class Settings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # The rendered prompt's tokens at most, its tools and a reset's text included (``data.seq_len``: what the plan
+    # sized the rollouts and the update for); 0: no limit (the evaluation's, outside training).
+    max_prompt_tokens: int = 0
 
     @classmethod
-    def of(cls, rl, greedy: bool = False) -> Settings:
+    def of(cls, rl, greedy: bool = False, max_prompt_tokens: int = 0) -> Settings:
         ep = rl.episode
         sampling = {} if greedy else {"temperature": rl.temperature, "top_p": rl.top_p, "top_k": rl.top_k}
-        return cls(ep.max_turns, rl.max_completion_tokens, ep.max_tool_result_tokens, **sampling)
+        return cls(
+            ep.max_turns,
+            rl.max_completion_tokens,
+            ep.max_tool_result_tokens,
+            **sampling,
+            max_prompt_tokens=max_prompt_tokens,
+        )
+
+    def prompt_error(self, ids: list[int]) -> str:
+        """Why a rendered prompt is too long for the plan, or ''."""
+        if not self.max_prompt_tokens or len(ids) <= self.max_prompt_tokens:
+            return ""
+        return (
+            f"the prompt took {len(ids)} tokens with its tools; data.seq_len is {self.max_prompt_tokens} (the "
+            "rollouts and the update are sized for it): raise data.seq_len"
+        )
 
 
 def tool_format(tokenizer) -> Format:
@@ -160,8 +180,11 @@ def tool_format(tokenizer) -> Format:
     return format_of(getattr(tokenizer, "chat_template", None))
 
 
-def start(host: ToolHost, env: Environment, tokenizer, rows: list[dict], first: int) -> list[Episode]:
-    """Each row's episode, its environment reset in the host (episode keys ``first``, ``first + 1``, ...)."""
+def start(
+    host: ToolHost, env: Environment, tokenizer, rows: list[dict], first: int, settings: Settings | None = None
+) -> list[Episode]:
+    """Each row's episode, its environment reset in the host (episode keys ``first``, ``first + 1``, ...); one
+    whose prompt is over ``settings.max_prompt_tokens`` ends before its first turn, marked ``prompt_too_long``."""
     episodes = []
     for k, row in enumerate(rows):
         observation = None
@@ -174,6 +197,8 @@ def start(host: ToolHost, env: Environment, tokenizer, rows: list[dict], first: 
         episode = Episode(row, render_ids(tokenizer, messages, list(env.tools), prompt=True), messages)
         if not out.ok:
             episode.ended, episode.error = out.kind, f"reset: {out.error}"
+        elif settings is not None and settings.prompt_error(episode.prompt_ids):
+            episode.ended, episode.error = "prompt_too_long", settings.prompt_error(episode.prompt_ids)
         episodes.append(episode)
     return episodes
 
@@ -201,7 +226,7 @@ def run(
     tools = list(env.tools)
     generating = 0.0
     try:
-        episodes = start(host, env, tokenizer, rows, first)
+        episodes = start(host, env, tokenizer, rows, first, settings)
         for turn in range(settings.max_turns):
             live = [(k, e) for k, e in enumerate(episodes) if e.ended is None]
             if not live:

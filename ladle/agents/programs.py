@@ -20,7 +20,8 @@ episode's mark (``ended``), and ends the episode's training tokens where they we
 - rewrite the conversation (``history_rewritten``: a changed earlier message or tools, an assistant message the
   model did not write): the trained tokens must be the ones the model saw;
 - go past ``training.rl.episode.max_turns`` (``max_turns``) or continue after a turn cut at the token budget
-  (``length``), or send results over ``max_tool_result_tokens`` (``tool_result_too_long``);
+  (``length``), or send results over ``max_tool_result_tokens`` (``tool_result_too_long``), or a first request
+  over ``data.seq_len`` tokens as rendered (``prompt_too_long``);
 - change how tokens are drawn (``unsupported_parameter``: ``n`` > 1, ``stream``, ``logprobs``, ``stop``, penalties,
   ``logit_bias``, ``response_format``, a forced ``tool_choice``): the policy is sampled as ``training.rl`` says,
   so the log-probabilities trained are the sampler's. ``temperature``, ``top_p`` and ``seed`` are taken and set by
@@ -398,8 +399,10 @@ class Serving:
                     e, "raised", f"{exc}. Set chat_template to one that renders tools.", "tools"
                 ) from None
         if e.turns == 0:
-            e.prompt, e.tools = messages, tools
-            e.prompt_ids = render_ids(self.tokenizer, messages, tools, prompt=True)
+            ids = render_ids(self.tokenizer, messages, tools, prompt=True)
+            if self.settings.prompt_error(ids):
+                raise self.refuse(e, "prompt_too_long", self.settings.prompt_error(ids), "messages")
+            e.prompt, e.tools, e.prompt_ids = messages, tools, ids
             return list(e.prompt_ids)
         new = self.new_messages(e, messages, tools)
         called = [c["function"]["name"] for c in e.messages[-1].get("tool_calls") or ()]

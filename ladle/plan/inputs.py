@@ -85,7 +85,7 @@ def resolve_inputs(cfg: LadleConfig) -> RunInputs:
         reward_files = rewards.bundle(cfg.training.rl.rewards)
         columns = rewards.columns_needed(cfg.training.rl.rewards, reward_files)
         if cfg.training.rl.environment:
-            reward_files.update(check_environment(cfg.training.rl.environment, base))
+            reward_files.update(check_environment(cfg.training.rl.environment, base, cfg.data.seq_len))
     uri, artifacts = tracking.tracking_uri(cfg)
     return RunInputs(
         base_dir=str(base),
@@ -104,30 +104,43 @@ def resolve_inputs(cfg: LadleConfig) -> RunInputs:
     )
 
 
-def check_environment(entry: str, base: Path) -> dict[str, str]:
+def check_environment(entry: str, base: Path, seq_len: int = 0) -> dict[str, str]:
     """The agent's environment loaded and its tools described, and the chat template able to carry tool calls,
-    before anything trains; its file's text (to travel with the run's rewards).
+    before anything trains; its file's text (to travel with the run's rewards). ``data.seq_len`` bounds a prompt
+    as an episode renders it, its tools' descriptions included (the plan sizes the rollouts for it): a ``seq_len``
+    that cannot hold even a one-word prompt with them is refused here.
 
     Raises:
-        LadleError: the environment or the template cannot serve episodes (naming the field and the fix).
+        LadleError: the environment or the template cannot serve episodes, or the tools leave no room in
+            ``data.seq_len`` (naming the field and the fix).
     """
     from transformers import AutoTokenizer
 
     from ladle.agents import environments
+    from ladle.agents.episodes import render_ids
     from ladle.serve.tools import ToolError, format_of
 
     files = environments.bundle(entry)
     env = environments.load(entry, files)
     if env.steps or env.program:  # gym-style: text turns; a program's tools are checked when it sends them
         return files
-    template = AutoTokenizer.from_pretrained(base).chat_template
+    tokenizer = AutoTokenizer.from_pretrained(base)
     try:
-        format_of(template)
+        format_of(tokenizer.chat_template)
     except ToolError as exc:
         raise LadleError(
             f"training.rl.environment = {entry!r} with base's chat template: {exc}. Set chat_template to one "
             "that does (ladle://templates/chatml-tools for ChatML models such as SmolLM2)."
         ) from None
+    word = [{"role": "user", "content": "Hi"}]
+    least = len(render_ids(tokenizer, word, list(env.tools), prompt=True))
+    if seq_len and least >= seq_len:
+        tools = least - len(render_ids(tokenizer, word, [], prompt=True))
+        raise LadleError(
+            f"data.seq_len = {seq_len} cannot hold a prompt of training.rl.environment = {entry!r}: its tools' "
+            f"descriptions take {tools} tokens of every prompt, and a one-word prompt with them {least}. "
+            f"data.seq_len bounds a prompt with its tools: raise it to {least} plus your prompts' length."
+        )
     return files
 
 

@@ -27,6 +27,7 @@ class Agent:
     host: ToolHost | None  # an environment's tool host; None for an agent program ...
     endpoint: programs.Endpoint | None = None  # ... which talks to the live policy's endpoint instead
     logs: dict[str, list[dict]] = field(default_factory=dict)  # episode logs by artifact name
+    max_prompt_tokens: int = 0  # data.seq_len: a training episode's rendered prompt at most
 
     def close(self) -> None:
         if self.host is not None:
@@ -42,7 +43,7 @@ class Agent:
         return episodes.run(engine, tokenizer, self.host, self.env, rows, settings, seed, first)
 
 
-def start(rl, files: dict[str, str], tokenizer) -> Agent | None:
+def start(rl, files: dict[str, str], tokenizer, seq_len: int = 0) -> Agent | None:
     """The environment loaded, the template's tool format checked and the host started (an agent program's
     endpoint instead, its tool format checked at the first request that sends tools); None without one.
 
@@ -54,7 +55,7 @@ def start(rl, files: dict[str, str], tokenizer) -> Agent | None:
     try:
         env = environments.load(rl.environment, files)
         if env.program:
-            return Agent(env, None, programs.Endpoint(wait_s=rl.episode.program_timeout_s))
+            return Agent(env, None, programs.Endpoint(wait_s=rl.episode.program_timeout_s), max_prompt_tokens=seq_len)
         if not env.steps:  # a gym-style environment's turns are text: no tool calls to parse
             episodes.tool_format(tokenizer)
     except ToolError as exc:
@@ -65,13 +66,15 @@ def start(rl, files: dict[str, str], tokenizer) -> Agent | None:
     except environments.EnvironmentError_ as exc:
         raise RuntimeError(str(exc)) from None
     ep = rl.episode
-    return Agent(env, ToolHost(env, ep.tool_timeout_s, ep.max_tool_result_tokens))
+    return Agent(env, ToolHost(env, ep.tool_timeout_s, ep.max_tool_result_tokens), max_prompt_tokens=seq_len)
 
 
 def sample(agent: Agent, engine, tokenizer, rows: list[dict], rl, seed, first: int) -> grpo.Rollouts:
     """This rank's episodes for ``rows`` as rollouts: the prompt ids with the tools, every token after them,
     and the mask of the model's tokens."""
-    eps, seconds = agent.run(engine, tokenizer, rows, rl, episodes.Settings.of(rl), seed, first)
+    eps, seconds = agent.run(
+        engine, tokenizer, rows, rl, episodes.Settings.of(rl, False, agent.max_prompt_tokens), seed, first
+    )
     return grpo.Rollouts(
         rows=[{**row, "ids": e.prompt_ids} for row, e in zip(rows, eps, strict=True)],
         completion_ids=[e.ids for e in eps],
@@ -85,7 +88,7 @@ def sample(agent: Agent, engine, tokenizer, rows: list[dict], rl, seed, first: i
 
 def greedy(agent: Agent, engine, tokenizer, rows: list[dict], rl) -> tuple[list[dict], list[list[int]], list[dict]]:
     """Held-out episodes, greedy: their rows (prompt ids with the tools), completions and records."""
-    eps, _ = agent.run(engine, tokenizer, rows, rl, episodes.Settings.of(rl, True), None)
+    eps, _ = agent.run(engine, tokenizer, rows, rl, episodes.Settings.of(rl, True, agent.max_prompt_tokens), None)
     return (
         [{**r, "ids": e.prompt_ids} for r, e in zip(rows, eps, strict=True)],
         [e.ids for e in eps],
@@ -102,7 +105,7 @@ def stats(records: list[dict]) -> dict[str, float]:
         "episode/calls": sum(r["calls"] for r in records) / n,
         "episode/tool_tokens": sum(r["tool_tokens"] for r in records) / n,
     }
-    for why in ("answer", "length", "max_turns", *episodes.FAILURES, "tool_result_too_long", *programs.PROGRAM_ENDS):
+    for why in ("answer", "length", "max_turns", *episodes.FAILURES, *episodes.REFUSALS, *programs.PROGRAM_ENDS):
         out[f"episode/ended_{why}"] = ended.get(why, 0) / n
     return out
 

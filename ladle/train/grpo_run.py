@@ -97,7 +97,9 @@ def setup(spec: TrainSpec) -> RLSession:
     torch.manual_seed(cfg.training.seed)
     loaded_rewards = reward_fns.load_all(rl.rewards, spec.reward_files)
     tokenizer = AutoTokenizer.from_pretrained(spec.base_dir)
-    agent = grpo_agent.start(rl, spec.reward_files, tokenizer)  # checked, its host started, before any weight loads
+    agent = grpo_agent.start(
+        rl, spec.reward_files, tokenizer, spec.config.data.seq_len
+    )  # checked, its host started, before any weight loads
     try:
         return setup_with(spec, accelerator, runtime, loaded_rewards, tokenizer, agent)
     except BaseException:

@@ -155,6 +155,19 @@ def test_every_way_an_episode_ends_is_marked_and_ends_only_that_episode(hermes_t
         assert e.model_tokens == sum(e.mask) and sum(e.logps) == pytest.approx(-0.25 * e.model_tokens)
 
 
+def test_a_prompt_over_the_planned_length_with_its_tools_never_starts(hermes_tiny):
+    tokenizer, _ = hermes_tiny
+    env = environments.load("calculator", {})
+    rows = [{"prompt": "2 + 3?", "columns": {}}, {"prompt": "What is two plus three? " * 40, "columns": {}}]
+    engine = Scripted(tokenizer, [["5"], ["5"]])
+    short = len(episodes.render_ids(tokenizer, [{"role": "user", "content": "2 + 3?"}], list(env.tools), True))
+    with ToolHost(env, 5.0, 64) as host:
+        done, _ = episodes.run(engine, tokenizer, host, env, rows, settings(max_prompt_tokens=short + 8), seed)
+    assert [(e.ended, e.turns) for e in done] == [("answer", 1), ("prompt_too_long", 0)]
+    assert f"data.seq_len is {short + 8}" in done[1].error and done[1].ids == []
+    assert len(engine.asked) == 1  # the long one was never generated
+
+
 def test_the_engines_sampled_ids_are_the_trained_ones(hermes_tiny):
     """On the real engine and model: an episode's tokens and log-probabilities are exactly what the engine drew
     for the same prompt and seed, with nothing decoded and encoded again in between."""

@@ -165,6 +165,11 @@ def test_an_async_program_and_every_way_a_program_fails_end_only_their_own_episo
             engine, tokenizer, endpoint, program(program_file, name), rows(2), settings(), seed, timeout_s=60
         )
         out[name] = done
+    long, _ = programs.run(
+        engine, tokenizer, endpoint, program(program_file, "play"), rows(1), settings(max_prompt_tokens=8), seed
+    )
+    assert [(e.ended, e.turns, e.ids) for e in long] == [("prompt_too_long", 0, [])]
+    assert "data.seq_len is 8" in long[0].error
     assert [e.env_reward for e in out["play_async"]] == [0.25, 0.25]
     assert all(e.turns == 1 and e.ended in ("returned", "answer") for e in out["play_async"])
     rewritten = out["rewrites"][0]

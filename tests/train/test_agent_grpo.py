@@ -130,7 +130,7 @@ def test_an_agent_learns_from_whole_episodes_on_two_processes(tool_caller, tmp_p
     assert result.rl["eval_reward_after"] == pytest.approx(1.5)
 
 
-def test_an_agent_is_refused_before_training_where_it_cannot_run(tmp_path, tiny_model):
+def test_an_agent_is_refused_before_training_where_it_cannot_run(tmp_path, tiny_model, tool_caller):
     from ladle.plan.inputs import check_environment
 
     with pytest.raises(ConfigError, match="training.rl.environment = 'calculator' with training.objective = sft"):
@@ -152,6 +152,10 @@ def test_an_agent_is_refused_before_training_where_it_cannot_run(tmp_path, tiny_
     game = tmp_path / "game.py"
     game.write_text("class Game:\n    def step(self, action):\n        return 'ok'\n")
     assert check_environment(f"{game}:Game", tiny_model) == {str(game): game.read_text()}
+    # A seq_len that cannot hold the tools' descriptions: every episode's prompt would be over it.
+    with pytest.raises(LadleError, match=r"data.seq_len = 16 cannot hold a prompt of .*its tools' descriptions take"):
+        check_environment("calculator", tool_caller, seq_len=16)
+    assert check_environment("calculator", tool_caller, seq_len=512) == {}  # a built-in: no file travels
     # An agent program's: its signature, before anything trains (its tools are checked when it sends them).
     agent = tmp_path / "agent.py"
     agent.write_text("def play(client, model, messages, **columns):\n    return 1\n\ndef bad(client):\n    pass\n")
