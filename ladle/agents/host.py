@@ -17,7 +17,8 @@ the answers):
 An answer is ``{"ok": true, "value": ...}`` or ``{"ok": false, "kind": ..., "error": ...}`` with kind one of
 ``raised``, ``unknown_tool``, ``bad_arguments``, ``result_too_long``. Deadlines are the parent's
 (``ladle.agents.tool_host``): a call past its deadline is answered by killing this process. The host ends when
-its parent does (stdin closes; on Linux also the parent-death signal, for a tool that never returns).
+its parent does, with whatever its tools started (on Linux the parent-death signal, also inside a tool that never
+returns).
 """
 
 from __future__ import annotations
@@ -37,15 +38,26 @@ from ladle.agents.environments import NOT_TOOLS, load_class
 
 
 def die_with_parent() -> None:
-    """SIGKILL when the parent dies (Linux), and a watcher for where that is not available."""
+    """When the parent dies, kill this process's whole group: this host and whatever its code started (the host
+    leads a session of its own). The parent-death signal (Linux) runs that at once, also inside a hung tool, and a
+    watcher thread does it where the signal is not available."""
     parent = os.getppid()
+
+    def end(*_) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, end)
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the signal was asked for
+        end()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
-        os._exit(1)
+        end()
 
     threading.Thread(target=watch, daemon=True).start()
 

@@ -194,10 +194,10 @@ class Programs:
         inbox.put(("exited", -1, None, None))
 
     def close(self) -> None:
-        """Kill the host's whole session and wait for it and its reader."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, 9)
+        """Kill the host's whole session (what the program started too, even after the host has exited) and wait
+        for it and its reader."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, 9)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
         self.reader.join(timeout=10)

@@ -80,8 +80,8 @@ class ToolHost:
     def close(self) -> None:
         """Kill the host (its whole session) and wait for it."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
+        if proc is not None:  # its session, even where the host has exited: what its tools started goes too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, 9)
         if proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -236,6 +236,48 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+KILLED_PARENT = """
+import sys, time
+from ladle.agents import environments, programs
+from ladle.agents.episodes import Episode
+
+entry = sys.argv[1]
+env = environments.load(entry, environments.bundle(entry))
+with programs.Endpoint(wait_s=600) as endpoint:
+    eps = {0: Episode({"prompt": "hi", "columns": {}}, [], [{"role": "user", "content": "hi"}])}
+    host = programs.Programs(env, endpoint, eps, 600)
+    print(host.proc.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_program_and_what_it_started_die_with_a_killed_training_process(program_file, tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "pid"
+    monkeypatch.setenv("LADLE_TEST_PID_FILE", str(pid_file))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", KILLED_PARENT, f"{program_file}:forever"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        host = int(parent.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not pid_file.is_file() and time.monotonic() < deadline:  # the program's child is running
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (alive(host) or alive(child)):
+            time.sleep(0.05)
+        assert not alive(host) and not alive(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
 def test_a_function_that_cannot_be_a_program_is_one_error_naming_it(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text("def agent(client):\n    return 1\n")
