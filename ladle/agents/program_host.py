@@ -2,7 +2,8 @@
 each episode of a batch, all at once, each with an OpenAI client pointed at its episode's endpoint
 (``ladle.agents.programs``). The program's own code and tools run here, never in the training process.
 
-``python -m ladle.agents.program_host --reply-fd N`` reads one JSON request on stdin::
+``python -m ladle.agents.program_host --reply-fd N`` starts ahead of its batch (the OpenAI client imported) and
+reads one JSON request on stdin::
 
     {"target": ..., "source": ..., "base_url": "http://127.0.0.1:PORT", "model": ..., "timeout_s": S,
      "episodes": [{"key": K, "messages": [...], "columns": {...}}, ...]}
@@ -99,7 +100,12 @@ def main() -> None:
     die_with_parent()
     reply = os.fdopen(args.reply_fd, "w", buffering=1)
     sys.stdout = sys.stderr  # a program's print() must never land among the answers
-    request = json.loads(sys.stdin.readline())
+    import openai  # noqa: F401 - started ahead of its batch: the client's imports done while training steps
+
+    line = sys.stdin.readline()
+    if not line:  # never given a batch (training ended)
+        return
+    request = json.loads(line)
     try:
         run(request, reply)
     except Exception as exc:  # noqa: BLE001 - the program could not even load: every episode says why

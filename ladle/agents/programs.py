@@ -85,6 +85,7 @@ class Endpoint:
         from ladle.serve.schema import validation_error
 
         self.inbox: queue.Queue = queue.Queue()
+        self.spare: Programs | None = None  # the next batch's program host, started ahead
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
         @app.exception_handler(ApiError)
@@ -136,7 +137,19 @@ class Endpoint:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def take_spare(self) -> Programs:
+        """A program host for the next batch: the one started ahead, or a new one."""
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.proc.poll() is None:
+            return spare
+        if spare is not None:
+            spare.close()
+        return Programs()
+
     def close(self) -> None:
+        if self.spare is not None:
+            self.spare.close()
+            self.spare = None
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.sock.close()
@@ -154,11 +167,12 @@ class Endpoint:
 
 
 class Programs:
-    """One batch's program host: ``python -m ladle.agents.program_host``, its answers put in the endpoint's inbox
-    as ``("ended", key, answer)`` by a reader thread."""
+    """One batch's program host: ``python -m ladle.agents.program_host``, started ahead of its batch (its imports
+    done while the training step runs: ``Endpoint.spare``) and told the batch by ``begin``; its answers put in the
+    endpoint's inbox as ``("ended", key, answer)`` by a reader thread."""
 
-    def __init__(self, env: Environment, endpoint: Endpoint, episodes: dict[int, Episode], timeout_s: float) -> None:
-        read_fd, write_fd = os.pipe()
+    def __init__(self) -> None:
+        self.read_fd, write_fd = os.pipe()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ladle.agents.program_host", "--reply-fd", str(write_fd)],
             stdin=subprocess.PIPE,
@@ -167,6 +181,9 @@ class Programs:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         os.close(write_fd)
+        self.reader: threading.Thread | None = None
+
+    def begin(self, env: Environment, endpoint: Endpoint, episodes: dict[int, Episode], timeout_s: float) -> None:
         request = {
             "target": env.target,
             "source": env.source,
@@ -178,10 +195,14 @@ class Programs:
                 for key, e in episodes.items()
             ],
         }
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        self.proc.stdin.close()
-        self.reader = threading.Thread(target=self.read, args=(os.fdopen(read_fd, "rb"), endpoint.inbox), daemon=True)
+        replies = os.fdopen(self.read_fd, "rb")
+        self.reader = threading.Thread(target=self.read, args=(replies, endpoint.inbox), daemon=True)
         self.reader.start()
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.close()
+        except OSError:  # it died before its batch: the reader reports it exited
+            pass
 
     def read(self, replies, inbox: queue.Queue) -> None:
         with replies:
@@ -200,7 +221,13 @@ class Programs:
             os.killpg(self.proc.pid, 9)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        self.reader.join(timeout=10)
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        if self.reader is not None:
+            self.reader.join(timeout=10)
+        else:
+            with contextlib.suppress(OSError):
+                os.close(self.read_fd)
 
 
 def run(
@@ -225,7 +252,8 @@ def run(
     episodes = {first + k: Episode(row, [], prompt_messages(row["prompt"], None)) for k, row in enumerate(rows)}
     endpoint.answer_all(ApiError(503, "training is not serving this episode", code="episode_over"))
     serving = Serving(engine, tokenizer, episodes, settings, seed, first)
-    programs = Programs(env, endpoint, episodes, timeout_s)
+    programs = endpoint.take_spare()
+    programs.begin(env, endpoint, episodes, timeout_s)
     running, waiting = set(episodes), {}
     deadline, gathered_at = time.monotonic() + timeout_s, None
     exited = False
@@ -266,6 +294,7 @@ def run(
                 serving.end(key, {"ok": False, "kind": cause, "error": why})
     finally:
         programs.close()
+        endpoint.spare = Programs()  # the next batch's, its imports done while this step trains
         for _payload, answer in waiting.values():
             answer.set_result(ApiError(503, "training is not serving this episode", code="episode_over"))
         endpoint.answer_all(ApiError(503, "training is not serving this episode", code="episode_over"))

@@ -245,7 +245,8 @@ entry = sys.argv[1]
 env = environments.load(entry, environments.bundle(entry))
 with programs.Endpoint(wait_s=600) as endpoint:
     eps = {0: Episode({"prompt": "hi", "columns": {}}, [], [{"role": "user", "content": "hi"}])}
-    host = programs.Programs(env, endpoint, eps, 600)
+    host = programs.Programs()
+    host.begin(env, endpoint, eps, 600)
     print(host.proc.pid, flush=True)
     time.sleep(600)
 """
