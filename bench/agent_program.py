@@ -96,9 +96,7 @@ def main() -> None:
                 )
             print(f"rep {rep} same tokens and masks in {sum(same)}/{len(same)} episodes", flush=True)
     med = {side: statistics.median(r["tokens"] / r["wall_s"] for r in runs[side]) for side in runs}
-    overhead = {
-        side: statistics.median(r["wall_s"] - r["generation_s"] for r in runs[side]) for side in runs
-    }
+    overhead = {side: statistics.median(r["wall_s"] - r["generation_s"] for r in runs[side]) for side in runs}
     summary = {
         "base": args.base,
         "group": args.group,
