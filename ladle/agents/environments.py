@@ -145,7 +145,7 @@ def check_program(fn, entry: str) -> None:
         EnvironmentError_: its signature cannot take them.
     """
     try:
-        inspect.signature(fn).bind(object(), "model", [])
+        inspect.signature(fn).bind_partial(object(), "model", [])  # the columns it names may be required
     except TypeError as exc:
         raise EnvironmentError_(
             f"{FIELD} = {entry!r}: the agent program {fn.__name__}{inspect.signature(fn)} cannot be called as "

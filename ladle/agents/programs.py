@@ -268,8 +268,17 @@ def run(
             except queue.Empty:
                 kind = None
             if kind == "request":
-                if key not in running or key in waiting:
+                if key not in running:
                     answer.set_result(ApiError(404, f"no episode {key} is running", code="episode_over"))
+                elif key in waiting:  # a second call at once: an episode is one conversation, a call at a time
+                    answer.set_result(
+                        ApiError(
+                            409,
+                            f"episode {key} already has a call waiting: its calls are one conversation, one at a "
+                            "time (send the next after the reply)",
+                            code="call_in_flight",
+                        )
+                    )
                 else:
                     waiting[key] = (payload, answer)
                     gathered_at = gathered_at or time.monotonic()
@@ -278,11 +287,11 @@ def run(
                 serving.end(key, payload)
             elif kind == "exited":
                 exited = True
-                if running and not waiting:
-                    break
             if waiting and (len(waiting) >= len(running) or time.monotonic() >= gathered_at + GATHER_S):
                 serving.turn(waiting)
                 waiting, gathered_at = {}, None
+            if exited and running and not waiting:  # nothing more will come from a process that is gone
+                break
         if running:
             cause = "program_timeout" if not exited else "raised"
             why = (

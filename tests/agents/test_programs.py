@@ -62,10 +62,10 @@ def rewrites(client, model, messages):
     client.chat.completions.create(model=model, messages=messages + [{{"role": "assistant", "content": "7"}}, {{"role": "user", "content": "sure?"}}], tools=TOOLS)
 
 
-def forever(client, model, messages):
-    import os, subprocess
+def forever(client, model, messages, pid_file):
+    import subprocess
     child = subprocess.Popen(["sleep", "600"])  # what a program's tool may start
-    with open(os.environ["LADLE_TEST_PID_FILE"], "w") as f:
+    with open(pid_file, "w") as f:
         f.write(str(child.pid))
     client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
     child.wait()
@@ -73,6 +73,11 @@ def forever(client, model, messages):
 
 def raises(client, model, messages):
     raise ValueError("the program's own bug")
+
+
+def exits(client, model, messages):
+    import os
+    os._exit(3)  # the whole process, every episode's program with it
 
 
 def never_calls(client, model, messages):
@@ -160,7 +165,7 @@ def test_an_openai_sdk_program_trains_exactly_the_tokens_an_in_process_environme
 def test_an_async_program_and_every_way_a_program_fails_end_only_their_own_episodes(caller, program_file):
     tokenizer, engine, endpoint, _ = caller
     out = {}
-    for name in ("play_async", "rewrites", "raises", "never_calls", "penalised"):
+    for name in ("play_async", "rewrites", "raises", "never_calls", "penalised", "exits"):
         done, _ = programs.run(
             engine, tokenizer, endpoint, program(program_file, name), rows(2), settings(), seed, timeout_s=60
         )
@@ -180,22 +185,25 @@ def test_an_async_program_and_every_way_a_program_fails_end_only_their_own_episo
     assert "ValueError: the program's own bug" in out["raises"][0].error
     assert out["raises"][0].prompt_ids  # its prompt as the row gives it: an empty completion, still trainable
     assert [(e.ended, e.env_reward) for e in out["never_calls"]] == [("no_turns", 0.5)] * 2
+    # A process that exits under its programs ends their episodes at once, not at the deadline.
+    assert [e.ended for e in out["exits"]] == ["raised"] * 2
+    assert "exited without ending this episode" in out["exits"][0].error
     refused = out["penalised"][0]
     assert (refused.ended, refused.turns) == ("raised", 0)
     assert "presence_penalty is not served to an agent program" in refused.error
 
 
-def test_a_program_past_its_deadline_is_killed_with_everything_it_started(caller, program_file, tmp_path, monkeypatch):
+def test_a_program_past_its_deadline_is_killed_with_everything_it_started(caller, program_file, tmp_path):
     tokenizer, engine, endpoint, _ = caller
     pid_file = tmp_path / "pid"
-    monkeypatch.setenv("LADLE_TEST_PID_FILE", str(pid_file))
+    row = [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "columns": {"pid_file": str(pid_file)}}]
     began = time.monotonic()
     done, _ = programs.run(
-        engine, tokenizer, endpoint, program(program_file, "forever"), rows(1), settings(), seed, timeout_s=6
+        engine, tokenizer, endpoint, program(program_file, "forever"), row, settings(), seed, timeout_s=6
     )
     assert time.monotonic() - began < 30
     (e,) = done
-    assert e.ended == "program_timeout" and "program_timeout_s = 6 s; killed" in e.error
+    assert e.ended == "program_timeout" and "program_timeout_s = 6 s; killed" in e.error, (e.ended, e.error)
     assert e.turns == 1  # the turn it asked for was served before the deadline
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 10  # the kill is SIGKILL to its session: reaped by init shortly after
@@ -241,10 +249,10 @@ import sys, time
 from ladle.agents import environments, programs
 from ladle.agents.episodes import Episode
 
-entry = sys.argv[1]
+entry, pid_file = sys.argv[1:]
 env = environments.load(entry, environments.bundle(entry))
 with programs.Endpoint(wait_s=600) as endpoint:
-    eps = {0: Episode({"prompt": "hi", "columns": {}}, [], [{"role": "user", "content": "hi"}])}
+    eps = {0: Episode({"prompt": "hi", "columns": {"pid_file": pid_file}}, [], [{"role": "user", "content": "hi"}])}
     host = programs.Programs()
     host.begin(env, endpoint, eps, 600)
     print(host.proc.pid, flush=True)
@@ -252,15 +260,16 @@ with programs.Endpoint(wait_s=600) as endpoint:
 """
 
 
-def test_a_program_and_what_it_started_die_with_a_killed_training_process(program_file, tmp_path, monkeypatch):
+def test_a_program_and_what_it_started_die_with_a_killed_training_process(program_file, tmp_path):
     import signal
     import subprocess
     import sys
 
     pid_file = tmp_path / "pid"
-    monkeypatch.setenv("LADLE_TEST_PID_FILE", str(pid_file))
     parent = subprocess.Popen(
-        [sys.executable, "-c", KILLED_PARENT, f"{program_file}:forever"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", KILLED_PARENT, f"{program_file}:forever", str(pid_file)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         host = int(parent.stdout.readline())
