@@ -41,9 +41,6 @@ def base_folder(base: str, output: str) -> str:
 
 def main() -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ladle.serve.engine import Engine
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", default="models:/smollm2-135m-calculator@champion")
@@ -52,17 +49,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--distinct", action="store_true", help="eight different questions, not one question's group")
     args = parser.parse_args()
-    folder = base_folder(args.base, args.output)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = Engine(model, tokenizer, "cpu", args.group, thread=False)
+    tokenizer, engine, rows, settings = setup(args.base, args.output, args.group, args.distinct)
     env = environments.load("calculator", {})
-    lines = Path(resolve_builtin("ladle://calculator-prompts-heldout", "data.path")).read_text().splitlines()
-    if args.distinct:  # eight different questions
-        rows = [{"prompt": json.loads(line)["prompt"], "columns": {}} for line in lines[: args.group]]
-    else:  # a GRPO group: one question, eight episodes
-        rows = [{"prompt": json.loads(lines[0])["prompt"], "columns": {}}] * args.group
-    settings = episodes.Settings(max_turns=3, max_completion_tokens=40, max_tool_result_tokens=64)
     runs: dict[str, list[dict]] = {"together": [], "one_at_a_time": []}
     with ToolHost(env, 10.0, 64) as host:
         for rep in range(args.reps):
@@ -98,6 +86,27 @@ def main() -> None:
     }
     print(json.dumps(summary, indent=2))
     save("agent_episodes" + ("_distinct" if args.distinct else ""), {"summary": summary, "runs": runs})
+
+
+def setup(base: str, output: str, group: int, distinct: bool = False):
+    """The model's tokenizer, an engine over it (float32, rows up to ``group``), the episodes' rows (a GRPO group:
+    one held-out question ``group`` times; ``distinct``: that many different questions) and their settings."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ladle.serve.engine import Engine
+
+    folder = base_folder(base, output)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = Engine(model, tokenizer, "cpu", group, thread=False)
+    lines = Path(resolve_builtin("ladle://calculator-prompts-heldout", "data.path")).read_text().splitlines()
+    if distinct:
+        rows = [{"prompt": json.loads(line)["prompt"], "columns": {}} for line in lines[:group]]
+    else:
+        rows = [{"prompt": json.loads(lines[0])["prompt"], "columns": {}}] * group
+    settings = episodes.Settings(max_turns=3, max_completion_tokens=40, max_tool_result_tokens=64)
+    return tokenizer, engine, rows, settings
 
 
 def seed_of(rep: int, k: int, turn: int) -> int:

@@ -1,6 +1,6 @@
 """What an agent program costs against ladle's in-process environment: the same calculator episodes, played by
 ladle's environment in its tool host and by an OpenAI SDK program over HTTP against the endpoint of the policy
-(``ladle.agents.programs``), on the calculator warm-up's champion.
+(``ladle.agents.builtin.calculator_agent`` through ``ladle.agents.programs``), on the calculator warm-up's champion.
 
     .venv/bin/python bench/agent_program.py [--base models:/smollm2-135m-calculator@champion]
         [--output ./runs/smollm2-135m-calculator] [--group 8] [--reps 3]
@@ -18,46 +18,20 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_episodes import base_folder, measure, seed_of  # noqa: E402
+from agent_episodes import measure, seed_of, setup  # noqa: E402
 from common import save  # noqa: E402
 
 from ladle.agents import environments, episodes, programs  # noqa: E402
 from ladle.agents.tool_host import ToolHost  # noqa: E402
-from ladle.assets import resolve_builtin  # noqa: E402
-
-PROGRAM = """
-import json
-
-from ladle.agents.builtin import Calculator
-
-TOOLS = {tools}
-
-
-def play(client, model, messages, **columns):
-    messages, calc = list(messages), Calculator()
-    while True:
-        reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls or reply.choices[0].finish_reason == "length":
-            return
-        for call in message.tool_calls:
-            result = calc.calculate(**json.loads(call.function.arguments))
-            messages.append({{"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result}})
-"""
 
 
 def main() -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ladle.serve.engine import Engine
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", default="models:/smollm2-135m-calculator@champion")
@@ -65,19 +39,11 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    folder = base_folder(args.base, args.output)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = Engine(model, tokenizer, "cpu", args.group, thread=False)
+    tokenizer, engine, rows, settings = setup(args.base, args.output, args.group)
     env = environments.load("calculator", {})
-    line = Path(resolve_builtin("ladle://calculator-prompts-heldout", "data.path")).read_text().splitlines()[0]
-    rows = [{"prompt": json.loads(line)["prompt"], "columns": {}}] * args.group
-    settings = episodes.Settings(max_turns=3, max_completion_tokens=40, max_tool_result_tokens=64)
+    program = environments.load("calculator-agent", {})  # ladle.agents.builtin.calculator_agent
     runs: dict[str, list[dict]] = {"environment": [], "program": []}
-    with tempfile.TemporaryDirectory() as tmp, ToolHost(env, 10.0, 64) as host, programs.Endpoint(60) as endpoint:
-        path = Path(tmp) / "agent.py"
-        path.write_text(PROGRAM.format(tools=json.dumps(list(env.tools))))
-        program = environments.load(f"{path}:play", environments.bundle(f"{path}:play"))
+    with ToolHost(env, 10.0, 64) as host, programs.Endpoint(60) as endpoint:
         for rep in range(args.reps):
             seed = partial(seed_of, rep)
             began = time.perf_counter()

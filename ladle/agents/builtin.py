@@ -1,8 +1,10 @@
-"""The environments ladle ships (``training.rl.environment: NAME``)."""
+"""The environments ladle ships (``training.rl.environment: NAME``): the calculator, as an environment and as an
+agent program."""
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
 
 OPERATORS = {
@@ -62,4 +64,49 @@ def number_text(value: float) -> str:
     return f"{value:.6f}".rstrip("0").rstrip(".")
 
 
-ENVIRONMENTS = {"calculator": "ladle.agents.builtin:Calculator"}
+CALCULATOR_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculate",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "expression": {
+                        "type": "string",
+                        "description": 'Numbers with + - * / and brackets, e.g. "12 * (3 + 4)".',
+                    }
+                },
+                "required": ["expression"],
+            },
+        },
+    }
+]
+"""``Calculator``'s tool in OpenAI's shape, as ``ladle.agents.environments`` describes it (a test keeps them equal)."""
+
+
+def calculator_agent(client, model: str, messages: list[dict], **columns) -> None:
+    """The calculator's episode as an agent program writes it with the OpenAI SDK
+    (``training.rl.environment: calculator-agent``): the tool offered, each call run here and its result sent back,
+    until the model answers without a call. Its episodes are the ``calculator`` environment's, token for token;
+    it returns no reward of its own (the run's rewards judge the episode). A reference for your own program."""
+    messages, calc = list(messages), Calculator()
+    while True:
+        reply = client.chat.completions.create(model=model, messages=messages, tools=CALCULATOR_TOOLS)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))  # the reply sent back as it came
+        if not message.tool_calls or reply.choices[0].finish_reason == "length":
+            return
+        for call in message.tool_calls:
+            try:
+                result = calc.calculate(**json.loads(call.function.arguments))
+            except (TypeError, ValueError) as exc:  # arguments that are not the tool's: the model reads why
+                result = f"error: {exc}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result})
+
+
+ENVIRONMENTS = {
+    "calculator": "ladle.agents.builtin:Calculator",
+    "calculator-agent": "ladle.agents.builtin:calculator_agent",
+}

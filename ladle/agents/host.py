@@ -138,13 +138,20 @@ class Host:
         return {"ok": True, "value": text}
 
 
-def main() -> None:
+def start_process():
+    """A host process's start: it dies with its parent, answers on the pipe it was given (``--reply-fd``, line
+    buffered), and whatever its user code prints goes to stderr, never among the answers."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--reply-fd", type=int, required=True)
     args = parser.parse_args()
     die_with_parent()
     replies = os.fdopen(args.reply_fd, "w", buffering=1)
-    sys.stdout = sys.stderr  # a tool's print() must never land among the answers
+    sys.stdout = sys.stderr
+    return replies
+
+
+def main() -> None:
+    replies = start_process()
     host = Host()
     for line in sys.stdin:
         try:

@@ -18,17 +18,15 @@ parent (``host.die_with_parent``); the parent's deadline kills it otherwise.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import inspect
 import json
-import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from ladle.agents.environments import load_object
-from ladle.agents.host import Host, die_with_parent
+from ladle.agents.host import Host, start_process
 
 API_KEY = "ladle-training"  # the endpoint checks none; the SDK wants one
 
@@ -94,12 +92,7 @@ def run(request: dict, reply) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reply-fd", type=int, required=True)
-    args = parser.parse_args()
-    die_with_parent()
-    reply = os.fdopen(args.reply_fd, "w", buffering=1)
-    sys.stdout = sys.stderr  # a program's print() must never land among the answers
+    reply = start_process()
     import openai  # noqa: F401 - started ahead of its batch: the client's imports done while training steps
 
     line = sys.stdin.readline()

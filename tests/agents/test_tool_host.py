@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ladle.agents import environments
-from ladle.agents.builtin import Calculator
+from ladle.agents.builtin import CALCULATOR_TOOLS, Calculator
 from ladle.agents.tool_host import ToolHost
 
 FAULTY = textwrap.dedent(
@@ -79,6 +79,7 @@ def test_the_calculator_does_arithmetic_and_never_runs_what_it_is_given_as_code(
     assert not marker.exists()
     env = environments.load("calculator", {})
     (tool,) = env.tools
+    assert [tool] == CALCULATOR_TOOLS  # what the built-in agent program offers
     assert tool["function"]["name"] == "calculate"
     assert tool["function"]["parameters"]["required"] == ["expression"]
 

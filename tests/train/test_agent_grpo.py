@@ -63,41 +63,16 @@ def agent_config(root, base, *overrides):
     )
 
 
-PROGRAM = """
-import json
-
-from ladle.agents.builtin import Calculator
-
-
-def play(client, model, messages, **columns):
-    tools = [json.loads(t) for t in {tools!r}]
-    messages, calc = list(messages), Calculator()
-    while True:
-        reply = client.chat.completions.create(model=model, messages=messages, tools=tools)
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls or reply.choices[0].finish_reason == "length":
-            return
-        for call in message.tool_calls:
-            result = calc.calculate(**json.loads(call.function.arguments))
-            messages.append({{"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result}})
-"""
-
-
-@pytest.mark.parametrize("kind", ["environment", "program"])
-def test_an_agent_learns_from_whole_episodes_on_two_processes(tool_caller, tmp_path, kind):
+@pytest.mark.parametrize("environment", ["calculator", "calculator-agent"])
+def test_an_agent_learns_from_whole_episodes_on_two_processes(tool_caller, tmp_path, environment):
     """The calculator as ladle's environment in each rank's tool host, and as an OpenAI SDK agent program
-    playing against each rank's endpoint of the live policy: the same training either way."""
+    (``ladle.agents.builtin.calculator_agent``) playing against each rank's endpoint of the live policy: the same
+    training either way."""
     from ladle.agents import environments
     from ladle.train.run import launch
     from tests.helpers import train_spec
 
-    overrides = []
-    if kind == "program":
-        tools = [json.dumps(t) for t in environments.load("calculator", {}).tools]
-        (tmp_path / "agent.py").write_text(PROGRAM.format(tools=tools))
-        overrides = [f"training.rl.environment={tmp_path / 'agent.py'}:play"]
-    cfg = agent_config(tmp_path, tool_caller, *overrides)
+    cfg = agent_config(tmp_path, tool_caller, f"training.rl.environment={environment}")
     spec = train_spec(cfg, tmp_path, "agent")
     files = {**reward_fns.bundle(cfg.training.rl.rewards), **environments.bundle(cfg.training.rl.environment)}
     spec = spec.model_copy(update={"reward_files": files})
