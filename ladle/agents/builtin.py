@@ -7,6 +7,8 @@ import ast
 import json
 import operator
 
+from ladle.assets.calculator import CALCULATE
+
 OPERATORS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -64,25 +66,7 @@ def number_text(value: float) -> str:
     return f"{value:.6f}".rstrip("0").rstrip(".")
 
 
-CALCULATOR_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculate",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "expression": {
-                        "type": "string",
-                        "description": 'Numbers with + - * / and brackets, e.g. "12 * (3 + 4)".',
-                    }
-                },
-                "required": ["expression"],
-            },
-        },
-    }
-]
+CALCULATOR_TOOLS = [CALCULATE]
 """``Calculator``'s tool in OpenAI's shape, as ``ladle.agents.environments`` describes it (a test keeps them equal)."""
 
 
