@@ -42,11 +42,7 @@ def base_folder(base: str, output: str) -> str:
 def main() -> None:
     import torch
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--base", default="models:/smollm2-135m-calculator@champion")
-    parser.add_argument("--output", default="./runs/smollm2-135m-calculator")
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=3)
+    parser = arguments()
     parser.add_argument("--distinct", action="store_true", help="eight different questions, not one question's group")
     args = parser.parse_args()
     tokenizer, engine, rows, settings = setup(args.base, args.output, args.group, args.distinct)
@@ -86,6 +82,16 @@ def main() -> None:
     }
     print(json.dumps(summary, indent=2))
     save("agent_episodes" + ("_distinct" if args.distinct else ""), {"summary": summary, "runs": runs})
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The options both agent benches take: the model, where its registry is, the group and the reps."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", default="models:/smollm2-135m-calculator@champion")
+    parser.add_argument("--output", default="./runs/smollm2-135m-calculator")
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=3)
+    return parser
 
 
 def setup(base: str, output: str, group: int, distinct: bool = False):

@@ -14,7 +14,6 @@ episodes (for the program: its process's start, the HTTP calls and the batching 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,7 +22,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_episodes import measure, seed_of, setup  # noqa: E402
+from agent_episodes import arguments, measure, seed_of, setup  # noqa: E402
 from common import save  # noqa: E402
 
 from ladle.agents import environments, episodes, programs  # noqa: E402
@@ -33,12 +32,7 @@ from ladle.agents.tool_host import ToolHost  # noqa: E402
 def main() -> None:
     import torch
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--base", default="models:/smollm2-135m-calculator@champion")
-    parser.add_argument("--output", default="./runs/smollm2-135m-calculator")
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
+    args = arguments().parse_args()
     tokenizer, engine, rows, settings = setup(args.base, args.output, args.group)
     env = environments.load("calculator", {})
     program = environments.load("calculator-agent", {})  # ladle.agents.builtin.calculator_agent

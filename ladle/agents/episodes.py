@@ -234,19 +234,7 @@ def run(
             failures: list[str] = []
             on_event = partial(note_error, failures)
             jobs = [
-                Job(
-                    ids=e.prompt_ids + e.ids,
-                    max_new_tokens=settings.max_completion_tokens,
-                    temperature=settings.temperature if seed is not None else 0.0,
-                    top_p=settings.top_p,
-                    top_k=settings.top_k,
-                    seed=seed(k, turn) if seed is not None else None,
-                    sampled=[] if seed is not None else None,
-                    writes_text=False,
-                    emit=on_event,
-                    keep_kv=turn < settings.max_turns - 1,  # a next turn resumes from them
-                    resume=e.kv,
-                )
+                turn_job(e.prompt_ids + e.ids, settings, seed(k, turn) if seed else None, turn, e.kv, on_event)
                 for k, e in live
             ]
             began = time.perf_counter()
@@ -262,6 +250,25 @@ def run(
         for k in range(len(rows)):
             host.drop(first + k)
     return episodes, generating
+
+
+def turn_job(ids: list[int], settings: Settings, seed: int | None, turn: int, resume, emit, max_new_tokens=None) -> Job:
+    """The engine's job for an episode's turn: sampled at ``settings`` with ``seed`` (None: greedy), token ids and
+    their log-probabilities back and no text, its keys and values kept for a next turn and resumed from the last
+    (``resume``), ``emit`` told of errors; at most ``max_new_tokens`` (default the settings' budget)."""
+    return Job(
+        ids=ids,
+        max_new_tokens=max_new_tokens or settings.max_completion_tokens,
+        temperature=settings.temperature if seed is not None else 0.0,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        seed=seed,
+        sampled=[] if seed is not None else None,
+        writes_text=False,
+        emit=emit,
+        keep_kv=turn < settings.max_turns - 1,  # a next turn resumes from them
+        resume=resume,
+    )
 
 
 def note_error(failures: list[str], kind: str, data: dict) -> None:

@@ -48,9 +48,19 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 
 from ladle.agents.environments import Environment
-from ladle.agents.episodes import Episode, Settings, prompt_messages, render_ids, suffix_ids, tool_format
+from ladle.agents.episodes import (
+    Episode,
+    Settings,
+    note_error,
+    prompt_messages,
+    render_ids,
+    suffix_ids,
+    tool_format,
+    turn_job,
+)
 from ladle.serve.rows import Job
 from ladle.serve.schema import ApiError, ChatRequest
 from ladle.serve.tools import ToolError, openai_calls, template_messages
@@ -246,7 +256,7 @@ def run(
     the program's process is killed on the way out, whatever happened.
 
     Raises:
-        RuntimeError: the engine failed a turn, or the program's process exited without answering for every episode.
+        RuntimeError: the engine failed a turn (the calls waiting on it are answered 503 first).
         TemplateError: the template cannot carry the new messages after the model's tokens.
     """
     episodes = {first + k: Episode(row, [], prompt_messages(row["prompt"], None)) for k, row in enumerate(rows)}
@@ -304,8 +314,9 @@ def run(
     finally:
         programs.close()
         endpoint.spare = Programs()  # the next batch's, its imports done while this step trains
-        for _payload, answer in waiting.values():
-            answer.set_result(ApiError(503, "training is not serving this episode", code="episode_over"))
+        for _payload, answer in waiting.values():  # calls a failed turn or the deadline left unanswered
+            if not answer.done():
+                answer.set_result(ApiError(503, "training is not serving this episode", code="episode_over"))
         endpoint.answer_all(ApiError(503, "training is not serving this episode", code="episode_over"))
     for e in episodes.values():
         e.kv = None
@@ -339,8 +350,10 @@ class Serving:
             e.ended, e.error = str(answer.get("kind", "raised")), str(answer.get("error", ""))
 
     def turn(self, waiting: dict[int, tuple[ChatRequest, Future]]) -> None:
-        """One engine batch for every waiting request; each answered with its reply or its refusal."""
-        jobs = []
+        """One engine batch for every waiting request; each answered with its reply or its refusal. A failed
+        engine raises; ``run`` answers the calls left on its way out."""
+        jobs, failures = [], []
+        on_event = partial(note_error, failures)
         for key, (req, answer) in waiting.items():
             e = self.episodes[key]
             try:
@@ -348,48 +361,18 @@ class Serving:
             except ApiError as refusal:
                 answer.set_result(refusal)
                 continue
-            settings, k = self.settings, key - self.first
-            limit = min(
-                req.max_completion_tokens or req.max_tokens or settings.max_completion_tokens,
-                settings.max_completion_tokens,
-            )
-            job = Job(
-                ids=ids,
-                max_new_tokens=limit,
-                temperature=settings.temperature if self.seed is not None else 0.0,
-                top_p=settings.top_p,
-                top_k=settings.top_k,
-                seed=self.seed(k, e.turns) if self.seed is not None else None,
-                sampled=[] if self.seed is not None else None,
-                writes_text=False,
-                keep_kv=e.turns < settings.max_turns - 1,
-                resume=e.kv,
-            )
-            failures: list[str] = []
-            job.emit = lambda kind, data, failures=failures: (
-                failures.append(str(data.get("message"))) if kind == "error" else None
-            )
-            jobs.append((key, job, answer, failures))
+            budget = self.settings.max_completion_tokens
+            asked = min(req.max_completion_tokens or req.max_tokens or budget, budget)
+            seed = self.seed(key - self.first, e.turns) if self.seed is not None else None
+            jobs.append((key, turn_job(ids, self.settings, seed, e.turns, e.kv, on_event, asked), answer))
         if not jobs:
             return
         began = time.perf_counter()
-        try:
-            self.engine.run([job for _, job, _, _ in jobs])
-        except Exception:
-            for _, _, answer, _ in jobs:
-                answer.set_result(
-                    ApiError(500, "the policy failed this turn", code="engine_error", kind="server_error")
-                )
-            raise
+        self.engine.run([job for _, job, _ in jobs])
         self.generating += time.perf_counter() - began
-        failed = [f[0] for _, _, _, f in jobs if f]
-        if failed:
-            for _, _, answer, _ in jobs:
-                answer.set_result(
-                    ApiError(500, "the policy failed this turn", code="engine_error", kind="server_error")
-                )
-            raise RuntimeError(f"episode rollout failed: {failed[0]}")
-        for key, job, answer, _ in jobs:
+        if failures:
+            raise RuntimeError(f"episode rollout failed: {failures[0]}")
+        for key, job, answer in jobs:
             answer.set_result(self.reply(self.episodes[key], job))
 
     def refuse(self, e: Episode, code: str, message: str, param: str | None = None) -> ApiError:

@@ -193,6 +193,22 @@ def test_an_async_program_and_every_way_a_program_fails_end_only_their_own_episo
     assert "presence_penalty is not served to an agent program" in refused.error
 
 
+def test_a_failed_engine_stops_the_run_and_answers_the_calls_waiting_on_it(caller, program_file):
+    """The policy failing a turn is the run's failure (as in-process episodes raise), never a hang: every waiting
+    call is answered and the program's process is killed."""
+
+    class Broken:
+        def run(self, jobs):
+            raise RuntimeError("the engine broke")
+
+    tokenizer, _, endpoint, _ = caller
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="the engine broke"):
+        programs.run(Broken(), tokenizer, endpoint, program(program_file, "play"), rows(2), settings(), seed)
+    assert time.monotonic() - began < 30
+    assert endpoint.inbox.empty()
+
+
 def test_a_program_past_its_deadline_is_killed_with_everything_it_started(caller, program_file, tmp_path):
     tokenizer, engine, endpoint, _ = caller
     pid_file = tmp_path / "pid"
