@@ -268,6 +268,7 @@ def emit_start(session) -> None:
         strategy=session.spec.plan.strategy,
         backend=str(acc.state.distributed_type),
         kernels=session.kernels,
+        threads=torch.get_num_threads(),  # each rank's intra-op threads (OMP_NUM_THREADS on CPU)
         eval_loss=session.eval_before,
     )
 

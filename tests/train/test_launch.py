@@ -143,6 +143,23 @@ def test_each_rank_gets_accelerates_environment_and_torchruns_variables():
         launcher.rank_layout([*across, "--main_process_port", port, *worker])
 
 
+def test_a_rank_of_several_threads_is_forked_and_trains_on_them(tmp_path, tiny_model, monkeypatch):
+    """OpenMP (torch's) and OpenBLAS (numpy's) start their worker threads as they load when told to use more than
+    one, and a fork copies none of them: the launcher loads them on one thread, so that a one-process CPU run with
+    2 threads forks its rank (it used to find 2 threads running and start a new interpreter, 6 s more), and the
+    rank sets its count back and trains on 2."""
+    from ladle.train.run import launch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a user's value (each xdist worker sets its share, 1 here)
+    spec = strategy_spec("ddp", tmp_path, "parallelism.cpu_processes=1", "training.checkpoint_every=0", steps=2)
+    events, lines = [], []
+    result = launch(spec, on_progress=events.append, on_line=lines.append)
+    (start,) = [e for e in events if e.get("event") == "start"]
+    assert (start["world_size"], start["threads"]) == (1, 2)
+    assert not [line for line in lines if "ladle launch:" in line], lines
+    assert len(result.train_losses) == 2
+
+
 def test_another_program_is_refused_by_name():
     done = subprocess.run(
         [*launcher_python(), "--multi_gpu", "--num_processes", "2", "-m", "my.trainer", "x.json"],
