@@ -331,8 +331,11 @@ def meta_lora_count(config: dict, r: int, target_modules: list[str] | str, modul
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    lora = LoraConfig(r=r, target_modules=target_modules, modules_to_save=list(modules_to_save) or None)
+    # The adapters on the meta device too: outside it peft makes and initialises each one in host memory before
+    # moving it to its base layer's device (2 s of random init for DeepSeek-V3's 1,525 adapted layers, and their
+    # memory, to count them).
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-    lora = LoraConfig(r=r, target_modules=target_modules, modules_to_save=list(modules_to_save) or None)
-    peft_model = get_peft_model(model, lora)
+        peft_model = get_peft_model(model, lora)
     return sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
