@@ -56,21 +56,9 @@ def test_json_mode_reports_failure_as_last_line():
     assert last["status"] == "failed" and "training.nope" in last["error"]
 
 
-def test_error_inside_the_flow_is_one_line(tmp_path):
-    """Found by the prepare stage, inside Prefect: still one line, no traceback; --json carries every bad row."""
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("".join(f"{{broken {i}\n" for i in range(5)))
-    done = run_cli(
-        "run", RECIPE, "--json", "--set", f"data.path={bad}", "--set", f"output={tmp_path / 'out'}", timeout=300
-    )
-    line = assert_clean_error(
-        done, "no usable training rows (read 5, dropped 5; line 1: malformed JSON", "rejects.jsonl"
-    )
-    assert line.startswith(f"error: data.path = '{bad}'")
-    failed = json.loads(done.stdout.strip().splitlines()[-1])
-    assert failed["status"] == "failed" and [row["line"] for row in failed["dropped"]] == [1, 2, 3, 4, 5]
-    rejects = [json.loads(x) for x in Path(failed["rejects"]).read_text().splitlines()]
-    assert [(r["line"], r["raw"]) for r in rejects] == [(i + 1, f"{{broken {i}") for i in range(5)]
+# An error found inside the flow (the prepare task) is one line too, --json carrying every bad row:
+# tests/pipeline/test_deployment.py::test_ladle_run_uses_the_configured_server_and_starts_none (the same run there,
+# against a server already running).
 
 
 def test_unreachable_prefect_api_is_one_line():

@@ -374,13 +374,15 @@ def assert_no_secret(env: dict, tracking_url: str, folder: Path) -> None:
 def test_ladle_run_uses_the_configured_server_and_starts_none(prefect_server, tmp_path, tiny_model):
     """PREFECT_API_URL set: the flow run is recorded on that server and ladle starts no temporary one.
 
-    The run fails inside the flow (a data error found by the prepare task), which proves the same
-    routing as a full run at a fraction of its time; full runs through that server are the test above.
+    The run fails inside the flow (a data error found by the prepare task), which proves the same routing as a
+    full run at a fraction of its time (full runs through that server are the tests above), and that an error
+    found inside Prefect is still one line, with no traceback, and that --json carries every bad row and the
+    file of rejects.
     """
-    from tests.helpers import run_cli
+    from tests.helpers import assert_clean_error, run_cli
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text("{broken\n")
+    bad.write_text("".join(f"{{broken {i}\n" for i in range(5)))
     before = {
         r["id"] for r in httpx.post(f"{prefect_server['PREFECT_API_URL']}/flow_runs/filter", json={}, timeout=10).json()
     }
@@ -393,9 +395,16 @@ def test_ladle_run_uses_the_configured_server_and_starts_none(prefect_server, tm
         "--set",
         f"output={tmp_path / 'out'}",
         env=prefect_server,
+        timeout=300,
     )
+    line = assert_clean_error(
+        done, "no usable training rows (read 5, dropped 5; line 1: malformed JSON", "rejects.jsonl"
+    )
+    assert line.startswith(f"error: data.path = '{bad}'")
     failed = json.loads(done.stdout.strip().splitlines()[-1])
-    assert failed["status"] == "failed" and "no usable training rows" in failed["error"], done.stderr[-3000:]
+    assert failed["status"] == "failed" and [row["line"] for row in failed["dropped"]] == [1, 2, 3, 4, 5]
+    rejects = [json.loads(x) for x in Path(failed["rejects"]).read_text().splitlines()]
+    assert [(r["line"], r["raw"]) for r in rejects] == [(i + 1, f"{{broken {i}") for i in range(5)]
     assert failed["prefect_api_startup_s"] is None and failed["prefect_api_waited_s"] is None
     runs = httpx.post(f"{prefect_server['PREFECT_API_URL']}/flow_runs/filter", json={}, timeout=10).json()
     new = [r for r in runs if r["id"] not in before and r["name"] and r["flow_id"]]
