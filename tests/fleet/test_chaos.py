@@ -14,6 +14,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 
 from ladle.config import CanaryConfig, ServeConfig
 from ladle.fleet import champion
@@ -82,6 +83,11 @@ def front_upstream() -> dict:
     return champion.current_upstream(front)
 
 
+# slow: each fault and race is proven alone in make test: a swap during the restart backoff, a canary's verdict
+# against a rollback, racing promotions, a new front adopting a dead one's server (tests/fleet/test_control.py), a
+# killed server restarted (tests/fleet/test_front_supervision.py), a killed challenger rolled back under traffic
+# (tests/fleet/test_canary.py); this adds them all at once, under traffic.
+@pytest.mark.slow
 def test_rollbacks_promotions_and_kills_at_once_leave_the_champion_serving(tmp_path, tiny_model):
     uri = fresh_registry(tmp_path)
     source = str(tiny_model)

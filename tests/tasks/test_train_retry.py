@@ -68,8 +68,8 @@ class Interrupt(BaseException):
     """What Prefect raises in a flow-run process it cancels (a BaseException, like its TerminationSignal)."""
 
 
-def test_killed_rank_retries_then_a_second_flow_run_resumes_exactly(prefect_harness, tmp_path, tiny_model):
-    cfg = build_config(
+def retry_config(tmp_path):
+    return build_config(
         {
             "base": "ladle://tiny-llama",
             "data": {"path": "ladle://demo-alpaca", "seq_len": 128},
@@ -84,6 +84,32 @@ def test_killed_rank_retries_then_a_second_flow_run_resumes_exactly(prefect_harn
         },
         [],
     )
+
+
+def test_a_killed_rank_is_retried_by_the_train_task_from_its_last_checkpoint(prefect_harness, tmp_path, tiny_model):
+    """One rank killed after the step-4 checkpoint: the Prefect train task retries, the retry resumes from that
+    checkpoint and the run completes (that a resumed run ends exactly where an uninterrupted one does is
+    tests/train/test_resume.py's, on S3; the whole scenario, retries spent and a second flow run, is the test below)."""
+    cfg = retry_config(tmp_path)
+    spec = train_spec(cfg, tmp_path, "runs/clean")
+    run_url = str(tmp_path / "runs" / "killed")
+    killed: list = []
+    killer = threading.Thread(target=kill_a_rank_after_checkpoints, args=(run_url, [4], killed), daemon=True)
+    killer.start()
+    track = start_run(cfg, None, "retry-once-test")
+    result = train_only(cfg, spec.plan, spec.dataset, spec.base_dir, run_url, track)
+    killer.join(timeout=5)
+    assert len(killed) == 1, f"killed {killed}"
+    assert 4 <= result.resumed_from_step < 20 and result.steps == 20
+    assert workers_alive() == []
+
+
+# slow: a killed rank's retry is proven in make test by the test above, and a resumed run ending exactly where an
+# uninterrupted one does by tests/train/test_resume.py; this adds the retries spent, a second flow run on the same
+# run folder, and an interrupted launch leaving no rank behind (tests/cli/test_run_stopped.py stops a whole run).
+@pytest.mark.slow
+def test_killed_rank_retries_then_a_second_flow_run_resumes_exactly(prefect_harness, tmp_path, tiny_model):
+    cfg = retry_config(tmp_path)
     spec = train_spec(cfg, tmp_path, "runs/clean")
     plan, dataset = spec.plan, spec.dataset
     track = start_run(cfg, None, "retry-test")
