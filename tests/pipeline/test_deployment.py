@@ -38,7 +38,16 @@ from ladle.platform import storage
 from ladle.platform.processes import stop_process
 from ladle.serve import records
 from ladle.train.run import free_port
-from tests.helpers import ROOT, Traffic, deployments_file, fresh_registry, run_cli, start_service, wait_for_requests
+from tests.helpers import (
+    ROOT,
+    Traffic,
+    assert_clean_error,
+    deployments_file,
+    fresh_registry,
+    run_cli,
+    start_service,
+    wait_for_requests,
+)
 from tests.pipeline import checks
 
 pytestmark = pytest.mark.pipeline
@@ -379,8 +388,6 @@ def test_ladle_run_uses_the_configured_server_and_starts_none(prefect_server, tm
     found inside Prefect is still one line, with no traceback, and that --json carries every bad row and the
     file of rejects.
     """
-    from tests.helpers import assert_clean_error, run_cli
-
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(f"{{broken {i}\n" for i in range(5)))
     before = {

@@ -20,24 +20,25 @@ SHORT = 24  # the same command for fewer steps: every stage, artifact and record
 RECIPE = str(ROOT / "recipes" / "tiny-cpu.yaml")
 
 
-@pytest.fixture(scope="module")
-def local_run(tmp_path_factory, tiny_model):
-    """`make demo`'s run (the recipe as shipped), through the CLI; read by the slow tests below."""
-    out = tmp_path_factory.mktemp("e2e-local")
-    done = run_cli("run", RECIPE, "--json", "--set", f"output={out}")
+def demo_command(out, *sets: str):
+    """`make demo`'s command through the CLI, its output in ``out`` (``done.output``), with ``--set`` ``sets``."""
+    done = run_cli("run", RECIPE, "--json", "--set", f"output={out}", *(arg for s in sets for arg in ("--set", s)))
     done.output = out
     return done
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, tiny_model):
+    """`make demo`'s run (the recipe as shipped); read by the slow tests below."""
+    return demo_command(tmp_path_factory.mktemp("e2e-local"))
 
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory, tiny_model):
-    """`make demo`'s command for SHORT steps (a checkpoint every SHORT / 2), through the CLI; read by every test
-    of the pipeline's stages below."""
-    out = tmp_path_factory.mktemp("e2e-short")
-    steps = ["--set", f"training.max_steps={SHORT}", "--set", f"training.checkpoint_every={SHORT // 2}"]
-    done = run_cli("run", RECIPE, "--json", "--set", f"output={out}", *steps)
-    done.output = out
-    return done
+    """`make demo`'s command for SHORT steps (a checkpoint every SHORT / 2); read by every test of the pipeline's
+    stages below."""
+    steps = (f"training.max_steps={SHORT}", f"training.checkpoint_every={SHORT // 2}")
+    return demo_command(tmp_path_factory.mktemp("e2e-short"), *steps)
 
 
 # slow: the whole pipeline through the CLI is proven in make test by the short run's tests below (every stage,

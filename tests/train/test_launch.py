@@ -19,7 +19,7 @@ import pytest
 
 from ladle.platform.processes import free_port, stop_process
 from ladle.train import launch as launcher
-from ladle.train.run import progress_events, start_launcher, worker_env, write_spec
+from ladle.train.run import launch, progress_events, start_launcher, worker_env, write_spec
 from tests.helpers import strategy_spec
 
 pytestmark = pytest.mark.pipeline
@@ -148,8 +148,6 @@ def test_a_rank_of_several_threads_is_forked_and_trains_on_them(tmp_path, tiny_m
     one, and a fork copies none of them: the launcher loads them on one thread, so that a one-process CPU run with
     2 threads forks its rank (it used to find 2 threads running and start a new interpreter, 6 s more), and the
     rank sets its count back and trains on 2."""
-    from ladle.train.run import launch
-
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a user's value (each xdist worker sets its share, 1 here)
     spec = strategy_spec("ddp", tmp_path, "parallelism.cpu_processes=1", "training.checkpoint_every=0", steps=2)
     events, lines = [], []
